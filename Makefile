@@ -1,0 +1,45 @@
+# tunix-tasks: every target sets up the virtual environment it needs first.
+#   make demo    set up, then run the default local training run (file:// store, CPU)
+#   make test    set up, then lint and run the whole test suite (what CI runs)
+#   make test-fast  the same without the slow end-to-end tests
+#   make bench   run the benchmarks (prints ratios against in-run baselines)
+#   make airflow start Airflow locally with the tunix DAGs
+
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv test test-fast lint format demo bench airflow clean
+
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.lock
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra --durations=15
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "not slow"
+
+demo: $(STAMP)
+	$(BIN)/tunix-tasks train --config configs/demo.yaml
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

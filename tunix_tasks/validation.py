@@ -1,0 +1,132 @@
+"""Shard validation: every reason a shard may not be trained on, as one typed error.
+
+The learner quarantines a shard that raises `ShardValidationError`; the error names the
+shard and the reason. Checks are vectorised over Arrow buffers, so validating costs a
+small fraction of decoding.
+
+    table = read_shard(store, "shards/actor-0/....parquet", vocab_size=103)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from tunix_tasks.shards import SCHEMA_VERSION, SHARD_SCHEMA, STATUSES
+from tunix_tasks.store import NotFound, ObjectStore, join_uri
+
+
+class ShardValidationError(ValueError):
+    """A shard is unreadable or breaks the v1 contract. `reason` is a short code."""
+
+    def __init__(self, where: str, reason: str, detail: str) -> None:
+        super().__init__(f"{where}: {reason}: {detail}")
+        self.where = where
+        self.reason = reason
+        self.detail = detail
+
+
+def read_shard(store: ObjectStore, key: str, *, vocab_size: int) -> pa.Table:
+    """Read and validate one shard; raises ShardValidationError (or NotFound)."""
+    where = join_uri(store.uri, key)
+    try:
+        source = store.open_input(key)
+        table = pq.read_table(source)
+    except NotFound:
+        raise
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise ShardValidationError(
+            where, "corrupt", f"not a readable Parquet file ({err})"
+        ) from None
+    validate_table(table, where=where, vocab_size=vocab_size)
+    return table
+
+
+def validate_table(table: pa.Table, *, where: str, vocab_size: int) -> None:
+    """Raise ShardValidationError if `table` breaks the shard v1 contract."""
+    meta = table.schema.metadata or {}
+    version = meta.get(b"tunix.schema_version")
+    if version is not None and version != str(SCHEMA_VERSION).encode():
+        raise ShardValidationError(
+            where,
+            "schema_version",
+            f"file has schema version {version.decode()!r}, reader supports {SCHEMA_VERSION}",
+        )
+    _check_schema(table, where)
+    if table.num_rows == 0:
+        raise ShardValidationError(where, "empty", "shard has no rows")
+    for name in SHARD_SCHEMA.names:
+        if table.column(name).null_count:
+            raise ShardValidationError(where, "null", f"column {name!r} has null values")
+    _check_lists(table, where, vocab_size)
+    _check_scalars(table, where)
+
+
+def _check_schema(table: pa.Table, where: str) -> None:
+    names = set(table.column_names)
+    missing = [f.name for f in SHARD_SCHEMA if f.name not in names]
+    if missing:
+        raise ShardValidationError(where, "missing_columns", f"missing columns {missing}")
+    for f in SHARD_SCHEMA:
+        actual = table.schema.field(f.name).type
+        if not actual.equals(f.type) and not (
+            # dictionary-encoded strings read back as strings; accept large_list too
+            pa.types.is_large_list(actual) and actual.value_type.equals(f.type.value_type)
+        ):
+            raise ShardValidationError(
+                where, "wrong_type", f"column {f.name!r} has type {actual}, expected {f.type}"
+            )
+
+
+def _check_lists(table: pa.Table, where: str, vocab_size: int) -> None:
+    lengths = table.column("length").to_numpy()
+    for name in ("tokens", "loss_mask", "behavior_logprobs"):
+        n = pc.list_value_length(table.column(name)).to_numpy(zero_copy_only=False)
+        bad = np.nonzero(n != lengths)[0]
+        if bad.size:
+            row = int(bad[0])
+            raise ShardValidationError(
+                where,
+                "length_mismatch",
+                f"row {row}: len({name})={int(n[row])} but length={int(lengths[row])}",
+            )
+    if (lengths <= 0).any():
+        raise ShardValidationError(where, "empty_episode", "an episode has length 0")
+    tokens = pc.list_flatten(table.column("tokens"))
+    lo, hi = pc.min_max(tokens).values()
+    if lo.as_py() < 0 or hi.as_py() >= vocab_size:
+        raise ShardValidationError(
+            where,
+            "token_out_of_range",
+            f"token ids span [{lo.as_py()}, {hi.as_py()}], vocabulary is [0, {vocab_size})",
+        )
+    mask = pc.list_flatten(table.column("loss_mask"))
+    if not pc.all(pc.is_in(mask, value_set=pa.array([0, 1], pa.int8()))).as_py():
+        raise ShardValidationError(where, "bad_loss_mask", "loss_mask values must be 0 or 1")
+    logprobs = pc.list_flatten(table.column("behavior_logprobs")).to_numpy(zero_copy_only=False)
+    if not np.isfinite(logprobs).all():
+        raise ShardValidationError(where, "non_finite", "behavior_logprobs has NaN or inf")
+    if (logprobs > 1e-4).any():
+        raise ShardValidationError(where, "bad_logprob", "behavior_logprobs must be <= 0")
+
+
+def _check_scalars(table: pa.Table, where: str) -> None:
+    reward = table.column("reward").to_numpy()
+    if not np.isfinite(reward).all():
+        raise ShardValidationError(where, "non_finite", "reward has NaN or inf")
+    if (table.column("policy_version").to_numpy() < 0).any():
+        raise ShardValidationError(where, "bad_version", "policy_version must be >= 0")
+    statuses = set(pc.unique(table.column("status")).to_pylist())
+    if not statuses <= set(STATUSES):
+        raise ShardValidationError(
+            where,
+            "bad_status",
+            f"status values {sorted(statuses - set(STATUSES))}; valid: {list(STATUSES)}",
+        )
+    ids = table.column("episode_id")
+    if pc.count_distinct(ids).as_py() != table.num_rows:
+        raise ShardValidationError(
+            where, "duplicate_episode_id", "episode_id values are not unique"
+        )
