@@ -62,7 +62,7 @@ SHARD_SCHEMA = pa.schema(
 )
 
 
-@dataclass
+@dataclass(slots=True)
 class Episode:
     """One finished episode as the actor records it (one shard row)."""
 
@@ -193,6 +193,17 @@ class ShardWriter:
             return self.flush()
         return None
 
+    def add_group(self, episodes: Sequence[Episode]) -> str | None:
+        """Add episodes that must land in the same shard (one advantage group)."""
+        if not episodes:
+            return None
+        if not self._buffer:
+            self._opened_at = time.monotonic()
+        self._buffer.extend(episodes)
+        if len(self._buffer) >= self.max_episodes:
+            return self.flush()
+        return None
+
     def maybe_flush(self) -> str | None:
         if self._buffer and time.monotonic() - self._opened_at >= self.max_interval_s:
             return self.flush()
@@ -239,25 +250,28 @@ def table_episodes(table: pa.Table) -> Iterator[Episode]:
     nums = {
         name: cols[name].to_numpy() for name in ("seed", "policy_version", "reward", "num_turns")
     }
-    created = cols["created_at"].cast(pa.int64()).to_numpy()
+    nums = {name: values.tolist() for name, values in nums.items()}
+    created = (cols["created_at"].cast(pa.int64()).to_numpy() / 1000.0).tolist()
+    (tok_off, tok), (mask_off, mask), (lp_off, lp) = (
+        lists["tokens"],
+        lists["loss_mask"],
+        lists["behavior_logprobs"],
+    )
     for i in range(table.num_rows):
-        seq = {}
-        for name, (offsets, values) in lists.items():
-            seq[name] = values[offsets[i] : offsets[i + 1]]
         yield Episode(
             episode_id=scalars["episode_id"][i],
             actor_id=scalars["actor_id"][i],
             env=scalars["env"][i],
             group_id=scalars["group_id"][i],
-            seed=int(nums["seed"][i]),
-            policy_version=int(nums["policy_version"][i]),
-            tokens=seq["tokens"],
-            loss_mask=seq["loss_mask"],
-            behavior_logprobs=seq["behavior_logprobs"],
-            reward=float(nums["reward"][i]),
-            num_turns=int(nums["num_turns"][i]),
+            seed=nums["seed"][i],
+            policy_version=nums["policy_version"][i],
+            tokens=tok[tok_off[i] : tok_off[i + 1]],
+            loss_mask=mask[mask_off[i] : mask_off[i + 1]],
+            behavior_logprobs=lp[lp_off[i] : lp_off[i + 1]],
+            reward=nums["reward"][i],
+            num_turns=nums["num_turns"][i],
             status=scalars["status"][i],
-            created_at=float(created[i]) / 1000.0,
+            created_at=created[i],
         )
 
 

@@ -33,7 +33,8 @@ def read_shard(store: ObjectStore, key: str, *, vocab_size: int) -> pa.Table:
     where = join_uri(store.uri, key)
     try:
         source = store.open_input(key)
-        table = pq.read_table(source)
+        # ParquetFile.read skips the dataset layer of read_table: same result, less overhead.
+        table = pq.ParquetFile(source).read()
     except NotFound:
         raise
     except (pa.ArrowException, OSError, ValueError) as err:

@@ -1,0 +1,72 @@
+import asyncio
+
+from tests.envs.conftest import random_baseline
+from tunix_tasks.envs import PythonExecEnv, demo_policy, make_env, rollout
+from tunix_tasks.envs.python_exec import prepare_source
+
+
+async def _play(env, seed, actions):
+    first = await env.reset(seed)
+    return first, [await env.step(a) for a in actions]
+
+
+def _seed_with(template_word: str) -> tuple[int, str]:
+    env = PythonExecEnv()
+    for seed in range(100):
+        task, target, _ = env._task_for(seed)
+        if template_word in task:
+            return seed, target
+    raise AssertionError(template_word)
+
+
+def test_prepare_source_repl_semantics():
+    assert "print(print(1))" not in prepare_source("print(1)")
+    assert "_r = (3 + 4)" in prepare_source("3+4")
+    assert prepare_source("x=1\nprint(x)") == "x=1\nprint(x)"
+
+
+def test_hand_checked_episode():
+    env = PythonExecEnv(max_turns=3)
+    seed, target = _seed_with("sum of")
+    task = asyncio.run(env.reset(seed))
+    a, b = (int(w) for w in task.split() if w.isdigit())
+    assert target == str(a + b)
+    _, res = asyncio.run(_play(env, seed, ["print(", f"print({a}-{b}-1)", f"{a}+{b}"]))
+    assert res[0].observation.startswith("SyntaxError") and res[0].info["ran"] is False
+    assert res[1].reward == 0.0 and res[1].observation == str(a - b - 1) and not res[1].done
+    assert res[2].reward == 1.0 and res[2].done  # a bare expression prints its value
+
+
+def test_errors_and_max_turns():
+    env = PythonExecEnv(max_turns=2)
+    seed, _ = _seed_with("*")
+    _, res = asyncio.run(_play(env, seed, ["1//0", "import socket; socket.socket()"]))
+    assert res[0].observation == "ZeroDivisionError: integer division or modulo by zero"
+    assert res[0].info["status"] == "error" and not res[0].done
+    assert "PermissionError" in res[1].observation or "not allowed" in res[1].observation
+    assert res[1].done and res[1].reward == 0.0
+
+
+def test_determinism_and_demonstration():
+    env = PythonExecEnv()
+    assert [env._task_for(s) for s in range(50)] == [
+        PythonExecEnv()._task_for(s) for s in range(50)
+    ]
+
+    async def all_demos() -> list[float]:
+        envs = [PythonExecEnv() for _ in range(8)]
+        return [
+            r[0]
+            for r in await asyncio.gather(
+                *(rollout(e, demo_policy(e, s), s, 2) for s, e in enumerate(envs))
+            )
+        ]
+
+    assert all(len(env.demonstration(s)[0]) <= 16 for s in range(200))
+    assert asyncio.run(all_demos()) == [1.0] * 8
+
+
+def test_random_baseline_is_low():
+    mean = random_baseline(lambda: make_env("python_exec"), range(200), max_turns=2)
+    print(f"python_exec random-policy mean reward over 200 seeds: {mean:.3f}")
+    assert mean < 0.05

@@ -1,0 +1,141 @@
+"""Tests for tunix_tasks.sampling: logprob agreement, greedy == no-cache, stops, compiles."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tunix_tasks.config import ModelConfig
+from tunix_tasks.model import Transformer, flat_params, token_logprobs
+from tunix_tasks.sampling import Sampler
+from tunix_tasks.tokenizer import Tokenizer
+
+TOK = Tokenizer()
+CFG = ModelConfig(preset="custom", d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=48)
+LOGPROB_ATOL = 1e-4  # float32: sampler's logprobs vs token_logprobs of a full forward
+
+
+def _peaky(flat: dict[str, np.ndarray], scale: float) -> dict[str, np.ndarray]:
+    """Scale the output projection so logits are far from ties (greedy is well defined)."""
+    return {k: v * scale if k == "unembed" else v for k, v in flat.items()}
+
+
+@pytest.fixture(scope="module")
+def sampler() -> Sampler:
+    model = Transformer(CFG, TOK.vocab_size, rngs=nnx.Rngs(0))
+    s = Sampler(model, TOK, batch_buckets=(1, 2, 4), prompt_buckets=(16, 32))
+    s.update_params(_peaky(flat_params(model), 300.0))
+    return s
+
+
+@nnx.jit
+def _forward(model: Transformer, tokens: jax.Array) -> jax.Array:
+    t = tokens.shape[1]
+    return model(tokens, jnp.broadcast_to(jnp.arange(t), tokens.shape), jnp.ones_like(tokens))
+
+
+def _contexts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[TOK.bos_id, *rng.integers(8, TOK.vocab_size, size=n - 1).tolist()] for n in lengths]
+
+
+def _full_logprobs(model, ctx, gen, temperature, top_k) -> np.ndarray:
+    seq = np.zeros((1, CFG.max_seq_len), np.int32)  # fixed width: one compile
+    seq[0, : len(ctx) + len(gen)] = ctx + gen
+    lp = token_logprobs(_forward(model, jnp.asarray(seq)), jnp.asarray(seq), temperature, top_k)
+    return np.asarray(lp[0, len(ctx) - 1 : len(ctx) - 1 + len(gen)])
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
+def test_logprobs_match_full_forward(sampler, temperature, top_k):
+    contexts = _contexts(0, [3, 11, 7])
+    out = sampler.sample(
+        contexts, max_new_tokens=12, temperature=temperature, top_k=top_k, rng=jax.random.key(1)
+    )
+    assert [len(s.tokens) for s in out] == [len(s.logprobs) for s in out]
+    for ctx, s in zip(contexts, out, strict=True):
+        assert s.tokens
+        ref = _full_logprobs(sampler.model, ctx, s.tokens, temperature, top_k)
+        np.testing.assert_allclose(s.logprobs, ref, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_greedy_equals_no_cache_decoding(sampler):
+    contexts = _contexts(1, [4, 9])
+    out = sampler.sample(contexts, max_new_tokens=8, top_k=1, stop_ids=(), rng=jax.random.key(0))
+    for ctx, s in zip(contexts, out, strict=True):
+        seq = list(ctx)
+        for _ in range(8):  # no cache: full forward over the whole sequence every step
+            padded = np.zeros((1, CFG.max_seq_len), np.int32)
+            padded[0, : len(seq)] = seq
+            seq.append(
+                int(jnp.argmax(_forward(sampler.model, jnp.asarray(padded))[0, len(seq) - 1]))
+            )
+        assert s.tokens == seq[len(ctx) :]
+        assert s.finish_reason == "length"
+        np.testing.assert_allclose(s.logprobs, 0.0)  # top_k=1 is a point mass
+    # A longer generation runs with a longer KV cache bucket: same greedy prefix.
+    longer = sampler.sample(
+        contexts, max_new_tokens=30, top_k=1, stop_ids=(), rng=jax.random.key(0)
+    )
+    for s, s_long in zip(out, longer, strict=True):
+        assert s_long.tokens[:8] == s.tokens
+
+
+def test_batching_is_invisible_to_each_row(sampler):
+    contexts = _contexts(2, [5, 2, 14, 8, 3, 6])  # 6 rows > largest batch bucket (4)
+    together = sampler.sample(contexts, max_new_tokens=6, top_k=1, rng=jax.random.key(0))
+    for ctx, s in zip(contexts, together, strict=True):
+        alone = sampler.sample([ctx], max_new_tokens=6, top_k=1, rng=jax.random.key(0))[0]
+        assert alone.tokens == s.tokens
+
+
+def test_stop_conditions(sampler):
+    ctx = _contexts(3, [5])[0]
+    out = sampler.sample([ctx], max_new_tokens=30, top_k=1, stop_ids=(), rng=jax.random.key(0))[0]
+    first = out.tokens[0]
+    stopped = sampler.sample(
+        [ctx], max_new_tokens=30, top_k=1, stop_ids=(first, TOK.eos_id), rng=jax.random.key(0)
+    )[0]
+    assert stopped.tokens == [first] and stopped.finish_reason == "stop"
+
+    assert len(out.tokens) == 30 and out.finish_reason == "length"
+    near_full = _contexts(4, [CFG.max_seq_len - 3])[0]
+    s = sampler.sample([near_full], max_new_tokens=10, stop_ids=(), rng=jax.random.key(0))[0]
+    assert len(s.tokens) == 3 and s.finish_reason == "max_seq_len"
+    full = _contexts(4, [CFG.max_seq_len])[0]
+    s = sampler.sample([full], max_new_tokens=10, rng=jax.random.key(0))[0]
+    assert s.tokens == [] and s.finish_reason == "max_seq_len"
+    with pytest.raises(ValueError, match="max_seq_len"):
+        sampler.sample([[*full, 1]], max_new_tokens=1, rng=jax.random.key(0))
+    with pytest.raises(ValueError, match="temperature"):
+        sampler.sample([ctx], max_new_tokens=1, temperature=0.0, rng=jax.random.key(0))
+
+
+def test_compile_count_bounded_and_reload_does_not_recompile():
+    model = Transformer(CFG, TOK.vocab_size, rngs=nnx.Rngs(5))
+    # Length buckets (16, 48): (prompt, cache) in {(16,16), (16,48), (48,48)}; x 2 batch buckets.
+    s = Sampler(model, TOK, batch_buckets=(2, 4), prompt_buckets=(16,))
+    rng = np.random.default_rng(0)
+    for i in range(16):
+        n = int(rng.integers(1, 5))
+        lengths = rng.integers(1, CFG.max_seq_len - 2, size=n).tolist()
+        s.sample(
+            _contexts(i, lengths),
+            max_new_tokens=int(rng.integers(1, 40)),
+            temperature=float(rng.uniform(0.5, 1.5)),
+            top_k=int(rng.integers(0, 4)),
+            rng=jax.random.key(i),
+        )
+    assert 1 <= s.compile_count <= 6
+    assert s._generate._cache_size() == s.compile_count  # traces == XLA executables
+    before = s.compile_count
+    ctx = _contexts(99, [6])
+    old = s.sample(ctx, max_new_tokens=5, top_k=1, stop_ids=(), rng=jax.random.key(0))[0]
+    for scale in (200.0, -200.0):
+        s.update_params(_peaky(flat_params(model), scale))
+        new = s.sample(ctx, max_new_tokens=5, top_k=1, stop_ids=(), rng=jax.random.key(0))[0]
+    assert new.tokens != old.tokens  # the new weights are in use...
+    assert s.compile_count == before  # ...without a recompilation

@@ -1,0 +1,348 @@
+"""The actor: steps many environments at once and streams their episodes into shards.
+
+One actor process runs `envs_per_actor` episode loops on one asyncio event loop. Env steps
+overlap (a slow remote env never blocks the others); policy calls from all loops are
+gathered into one batched `Sampler.sample` that runs in a worker thread, so envs keep
+stepping while the model computes. Episodes of one group (same env seed) are committed to
+the same shard, which is what group-normalised advantages need.
+
+    actor = Actor(cfg, store, actor_id="actor-0")
+    summary = actor.run()          # until DONE marker, deadline, SIGTERM/SIGINT
+
+Weights: before each policy batch the actor polls `weights/LATEST` (at most every
+`weight_poll_s`) and swaps in a new, checksum-verified snapshot. An episode's
+`policy_version` is the OLDEST version that produced any of its tokens, so staleness is
+never underestimated; per-token behaviour log-probs are exact either way.
+
+Synchronous mode (`mode=sync`): the actor generates one batch of episodes per weights
+version, commits it, and waits for the learner to publish the next version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from tunix_tasks.config import RunConfig
+from tunix_tasks.envs import make_env
+from tunix_tasks.metrics import MetricsWriter
+from tunix_tasks.policy import build_policy
+from tunix_tasks.rollout import EpisodeLimits, EpisodeRecord, play_episode
+from tunix_tasks.runs import is_done
+from tunix_tasks.sampling import Sampler
+from tunix_tasks.shards import Episode, ShardWriter
+from tunix_tasks.store import ObjectStore
+from tunix_tasks.weights import WeightsClient
+
+log = logging.getLogger(__name__)
+
+
+def episode_seed(run_seed: int, actor_id: str, group: int) -> int:
+    """Deterministic, distinct env seeds per (run, actor, group); < 2**31."""
+    h = hashlib.blake2b(f"{run_seed}/{actor_id}/{group}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+@dataclass
+class _Request:
+    context: list[int]
+    future: asyncio.Future
+
+
+@dataclass
+class ActorStats:
+    episodes: int = 0
+    tokens: int = 0
+    policy_tokens: int = 0
+    reward_sum: float = 0.0
+    status: dict[str, int] = field(default_factory=dict)
+    env_step_s: list[float] = field(default_factory=list)
+    policy_s: list[float] = field(default_factory=list)
+    policy_batch: list[int] = field(default_factory=list)
+    reloads: int = 0
+
+
+class Actor:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        store: ObjectStore,
+        *,
+        actor_id: str,
+        deadline_s: float | None = None,
+        weights_timeout_s: float = 900.0,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.actor_id = actor_id
+        self._deadline = time.monotonic() + deadline_s if deadline_s else None
+        self._weights_timeout_s = weights_timeout_s
+        self._stop = threading.Event()
+        self._stop_reason = ""
+        self.tok, model = build_policy(cfg.model, seed=cfg.seed)
+        self.sampler = Sampler(model, self.tok, max_seq_len=cfg.model.max_seq_len)
+        self.weights = WeightsClient(store)
+        self.version = -1
+        self._last_poll = 0.0
+        self.writer = ShardWriter(
+            store,
+            actor_id=actor_id,
+            max_episodes=cfg.actor.episodes_per_shard,
+            max_interval_s=cfg.actor.shard_interval_s,
+        )
+        self.metrics = MetricsWriter(store, f"actor/{actor_id}")
+        self.stats = ActorStats()
+        self._queue: asyncio.Queue[_Request] | None = None
+        self._rng = jax.random.PRNGKey(episode_seed(cfg.seed, actor_id, -1))
+        self._calls = 0
+        self._group_counter = 0
+        self.limits = EpisodeLimits(
+            max_turns=cfg.env.max_turns,
+            max_episode_tokens=cfg.actor.max_episode_tokens,
+            max_new_tokens=cfg.actor.max_new_tokens,
+            step_timeout_s=cfg.env.step_timeout_s,
+        )
+
+    # -- lifecycle -----------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self._stop_reason = reason
+            log.info("actor %s stopping: %s", self.actor_id, reason)
+            self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda s, _f: self.request_stop(signal.Signals(s).name))
+
+    def _should_stop(self) -> bool:
+        if self._stop.is_set():
+            return True
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            self.request_stop("deadline")
+            return True
+        return False
+
+    def run(self) -> dict[str, Any]:
+        """Run until stopped; flushes the last shard and metrics. Returns a summary."""
+        t0 = time.monotonic()
+        flat, manifest = self.weights.wait(self._weights_timeout_s)
+        self._load(flat, manifest.version)
+        try:
+            asyncio.run(self._main())
+        finally:
+            self.writer.close()
+            self._log_metrics(time.monotonic() - t0)
+            self.metrics.close()
+        return {
+            "actor_id": self.actor_id,
+            "episodes": self.stats.episodes,
+            "shards": len(self.writer.shards_written),
+            "reward_mean": self.stats.reward_sum / max(1, self.stats.episodes),
+            "last_version": self.version,
+            "stop_reason": self._stop_reason,
+            "compile_count": self.sampler.compile_count,
+            "wall_s": time.monotonic() - t0,
+        }
+
+    # -- weights -------------------------------------------------------------------
+    def _load(self, flat: dict[str, np.ndarray], version: int) -> None:
+        self.sampler.update_params(flat)
+        self.version = version
+        self.stats.reloads += 1
+        log.info("actor %s loaded weights v%d", self.actor_id, version)
+
+    def _maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now - self._last_poll < self.cfg.actor.weight_poll_s:
+            return
+        self._last_poll = now
+        got = self.weights.poll()
+        if got is not None:
+            self._load(got[0], got[1].version)
+
+    # -- the event loop ----------------------------------------------------------------
+    async def _main(self) -> None:
+        self._queue = asyncio.Queue()
+        batcher = asyncio.create_task(self._batcher())
+        watcher = asyncio.create_task(self._watch())
+        try:
+            if self.cfg.mode == "sync":
+                await self._run_sync()
+            else:
+                slots = max(1, self.cfg.actor.envs_per_actor // self.cfg.actor.group_size)
+                await asyncio.gather(*(self._group_loop(i) for i in range(slots)))
+        finally:
+            batcher.cancel()
+            watcher.cancel()
+
+    async def _watch(self) -> None:
+        """Stop on the run's DONE marker; commit partial shards on time."""
+        while not self._should_stop():
+            done = await asyncio.to_thread(is_done, self.store)
+            if done:
+                self.request_stop(f"run done: {done.get('reason', '')}")
+                break
+            await asyncio.to_thread(self.writer.maybe_flush)
+            self._log_metrics_periodic()
+            await asyncio.sleep(1.0)
+
+    async def _policy(self, context: Sequence[int]) -> tuple[list[int], list[float], int]:
+        assert self._queue is not None
+        fut = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Request(list(context), fut))
+        return await fut
+
+    async def _batcher(self) -> None:
+        """Collect pending policy requests and sample them in one batch, off the loop."""
+        assert self._queue is not None
+        while True:
+            first = await self._queue.get()
+            await asyncio.sleep(0.002)  # let loops that are about to ask join this batch
+            batch = [first]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            try:
+                await asyncio.to_thread(self._maybe_reload)
+                t0 = time.perf_counter()
+                self._calls += 1
+                samples = await asyncio.to_thread(
+                    self.sampler.sample,
+                    [r.context for r in batch],
+                    max_new_tokens=self.cfg.actor.max_new_tokens,
+                    temperature=self.cfg.actor.temperature,
+                    top_k=self.cfg.actor.top_k,
+                    rng=jax.random.fold_in(self._rng, self._calls),
+                )
+                self.stats.policy_s.append(time.perf_counter() - t0)
+                self.stats.policy_batch.append(len(batch))
+                for req, s in zip(batch, samples, strict=True):
+                    if not req.future.done():
+                        req.future.set_result((s.tokens, s.logprobs, self.version))
+            except Exception as err:  # surface to the episode loops, never hang them
+                for req in batch:
+                    if not req.future.done():
+                        req.future.set_exception(err)
+
+    async def _play_group(self) -> list[Episode]:
+        group = self._group_counter
+        self._group_counter += 1
+        seed = episode_seed(self.cfg.seed, self.actor_id, group)
+        group_id = f"{self.actor_id}/{group}"
+        envs = [self._make_env(seed, k) for k in range(self.cfg.actor.group_size)]
+        records = await asyncio.gather(
+            *(
+                play_episode(env, self._policy, seed=seed, limits=self.limits, tok=self.tok)
+                for env in envs
+            )
+        )
+        for rec in records:
+            self.stats.env_step_s.extend(rec.env_step_s)
+        del self.stats.env_step_s[:-4000]
+        return [self._episode(rec, seed, group_id) for rec in records]
+
+    def _make_env(self, seed: int, k: int):
+        e = self.cfg.env
+        return make_env(
+            e.name,
+            latency_s=e.latency_s,
+            latency_jitter=e.latency_jitter,
+            latency_seed=seed * 131 + k,
+            **e.kwargs,
+        )
+
+    async def _group_loop(self, slot: int) -> None:
+        while not self._should_stop():
+            episodes = await self._play_group()
+            await asyncio.to_thread(self._commit, episodes)
+
+    async def _run_sync(self) -> None:
+        """Classic synchronous loop: one batch per weights version, then wait."""
+        per_version = max(
+            1, -(-self.cfg.learner.min_episodes_per_step // self.cfg.actor.num_actors)
+        )
+        groups = max(1, -(-per_version // self.cfg.actor.group_size))
+        while not self._should_stop():
+            version = self.version
+            results = await asyncio.gather(*(self._play_group() for _ in range(groups)))
+            for episodes in results:
+                await asyncio.to_thread(self._commit, episodes)
+            await asyncio.to_thread(self.writer.flush)
+            while self.version == version and not self._should_stop():
+                self._last_poll = 0.0
+                await asyncio.to_thread(self._maybe_reload)
+                await asyncio.sleep(0.05)
+
+    # -- records -------------------------------------------------------------------
+    def _episode(self, rec: EpisodeRecord, seed: int, group_id: str) -> Episode:
+        tokens, mask, logprobs = rec.arrays()
+        return Episode(
+            episode_id=uuid.uuid4().hex,
+            actor_id=self.actor_id,
+            env=self.cfg.env.name,
+            group_id=group_id,
+            seed=seed,
+            policy_version=min(rec.versions) if rec.versions else max(self.version, 0),
+            tokens=tokens,
+            loss_mask=mask,
+            behavior_logprobs=logprobs,
+            reward=rec.reward,
+            num_turns=rec.turns,
+            status=rec.status,
+        )
+
+    def _commit(self, episodes: list[Episode]) -> None:
+        for ep in episodes:
+            s = self.stats
+            s.episodes += 1
+            s.tokens += ep.length
+            s.policy_tokens += int(ep.loss_mask.sum())
+            s.reward_sum += ep.reward
+            s.status[ep.status] = s.status.get(ep.status, 0) + 1
+        self.writer.add_group(episodes)
+
+    _last_metrics = 0.0
+    _last_counts = (0, 0, 0.0)
+
+    def _log_metrics_periodic(self) -> None:
+        if time.monotonic() - self._last_metrics >= 5.0:
+            self._log_metrics(None)
+
+    def _log_metrics(self, wall: float | None) -> None:
+        now = time.monotonic()
+        eps0, tok0, t0 = self._last_counts
+        dt = max(1e-6, now - t0) if t0 else None
+        s = self.stats
+        env = np.asarray(s.env_step_s[-2000:] or [0.0])
+        pol = np.asarray(s.policy_s[-500:] or [0.0])
+        self.metrics.log(
+            actor_id=self.actor_id,
+            episodes=s.episodes,
+            episodes_per_s=(s.episodes - eps0) / dt if dt else None,
+            tokens_per_s=(s.tokens - tok0) / dt if dt else None,
+            policy_tokens=s.policy_tokens,
+            reward_mean=s.reward_sum / max(1, s.episodes),
+            status=dict(s.status),
+            env_step_p50_s=float(np.percentile(env, 50)),
+            env_step_p99_s=float(np.percentile(env, 99)),
+            policy_latency_p50_s=float(np.percentile(pol, 50)),
+            policy_batch_mean=float(np.mean(s.policy_batch[-500:] or [0])),
+            weights_version=self.version,
+            reload_s=self.weights.last_reload_s,
+            reloads=s.reloads,
+            compile_count=self.sampler.compile_count,
+            shards=len(self.writer.shards_written),
+            final=wall is not None,
+        )
+        self._last_metrics = now
+        self._last_counts = (s.episodes, s.tokens, now)

@@ -1,0 +1,115 @@
+"""Learner checkpoints (orbax-checkpoint) and the exactly-once ledger beside them.
+
+A checkpoint at step S holds the params + optimizer state (a pytree, restored with its
+sharding) and a JSON `meta` item: step, weights version, the shard stream's position, the
+learner's counters. Orbax commits a step atomically (temp dir + rename on disk, a commit
+marker on GCS), so a crash mid-save leaves the previous checkpoint as the latest.
+
+The ledger records which episodes were trained or dropped: `learner/ledger/<S>.json`
+lists those accounted for in steps (previous checkpoint, S]. It is written just before
+the checkpoint S; on restart from checkpoint R, ledger files after R describe work that
+is about to be redone and are deleted. The union of the remaining files is therefore the
+exact, duplicate-free account of every episode, across any number of crashes.
+
+    ckpt = Checkpointer(store)
+    restored = ckpt.restore(abstract_state)     # None on a fresh run
+    ckpt.save(step, state, meta, ledger_entry)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+from urllib.parse import urlparse
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from tunix_tasks.store import ObjectStore, join_uri
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "learner/checkpoints"
+LEDGER_PREFIX = "learner/ledger/"
+
+
+def _directory(store: ObjectStore) -> Any:
+    uri = join_uri(store.uri, CHECKPOINT_PREFIX)
+    return urlparse(uri).path if uri.startswith("file://") else uri
+
+
+def ledger_key(step: int) -> str:
+    return f"{LEDGER_PREFIX}{step:010d}.json"
+
+
+class Checkpointer:
+    def __init__(self, store: ObjectStore, *, max_to_keep: int = 3) -> None:
+        self._store = store
+        self._manager = ocp.CheckpointManager(
+            _directory(store),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+            ),
+            item_names=("state", "meta"),
+        )
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(
+        self, step: int, state: nnx.State | dict, meta: dict[str, Any], ledger: dict[str, Any]
+    ) -> None:
+        self._store.write_bytes(ledger_key(step), json.dumps(ledger).encode())
+        pure = nnx.to_pure_dict(state) if isinstance(state, nnx.State) else _pure(state)
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(pure), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,
+        )
+        self._manager.wait_until_finished()
+
+    def restore(self, template: dict) -> tuple[dict, dict[str, Any]] | None:
+        """(state pytree shaped and sharded like `template`, meta) of the latest step."""
+        step = self._manager.latest_step()
+        if step is None:
+            return None
+        pure = _pure(template)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, pure)
+        got = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
+        )
+        return got["state"], dict(got["meta"])
+
+    def prune_ledger_after(self, step: int) -> int:
+        """Delete ledger files of steps > `step` (work lost with the crash)."""
+        removed = 0
+        for info in self._store.list(LEDGER_PREFIX):
+            name = info.key.rsplit("/", 1)[-1].removesuffix(".json")
+            if name.isdigit() and int(name) > step:
+                self._store.delete(info.key)
+                removed += 1
+        return removed
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def _pure(tree: Any) -> Any:
+    """nnx.State leaves -> plain dicts of arrays (what orbax serialises)."""
+    if isinstance(tree, nnx.State):
+        return nnx.to_pure_dict(tree)
+    if isinstance(tree, dict):
+        return {k: _pure(v) for k, v in tree.items()}
+    return tree
+
+
+def read_ledger(store: ObjectStore) -> list[dict[str, Any]]:
+    """All ledger entries, in step order."""
+    return [json.loads(store.read_bytes(i.key)) for i in store.list(LEDGER_PREFIX)]

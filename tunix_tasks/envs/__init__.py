@@ -1,0 +1,115 @@
+"""Environment registry: owns name -> factory lookup for built-in and plug-in environments.
+
+    env = make_env("guess_number", max_n=32)                  # kwargs go to the factory
+    env = make_env("calculator", latency_s=0.5, latency_jitter=0.2, latency_seed=0)
+    available_envs()  # ['calculator', 'guess_number', 'python_exec', ...plug-ins]
+
+Register in code with ``@register_env("my_env")`` on a class or factory function, or
+from another package with an entry point in the ``tunix_tasks.envs`` group, e.g. in its
+pyproject.toml:
+
+    [project.entry-points."tunix_tasks.envs"]
+    my_env = "my_pkg.envs:MyEnv"
+
+Entry points are discovered on demand (by ``make_env`` on an unknown name and by
+``available_envs``), so the actor can run any installed environment by name.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import random
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tunix_tasks.envs.base import Environment, StepResult, demo_policy, rollout
+from tunix_tasks.envs.calculator import CalculatorEnv
+from tunix_tasks.envs.guess_number import GuessNumberEnv
+from tunix_tasks.envs.latency import LatencyWrapper
+from tunix_tasks.envs.python_exec import PythonExecEnv
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "CalculatorEnv",
+    "Environment",
+    "GuessNumberEnv",
+    "LatencyWrapper",
+    "PythonExecEnv",
+    "StepResult",
+    "available_envs",
+    "demo_policy",
+    "make_env",
+    "register_env",
+    "rollout",
+]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "tunix_tasks.envs"
+EnvFactory = Callable[..., Environment]
+F = TypeVar("F", bound=Callable[..., Any])
+
+_REGISTRY: dict[str, EnvFactory] = {}
+
+
+def register_env(name: str) -> Callable[[F], F]:
+    """Decorator: register a class or factory under ``name`` (re-registering the same
+    object is a no-op; a different object under a taken name is an error)."""
+
+    def deco(factory: F) -> F:
+        existing = _REGISTRY.get(name)
+        if existing is not None and existing is not factory:
+            raise ValueError(f"environment {name!r} is already registered to {existing!r}")
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    try:
+        eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    except Exception:  # a broken installed distribution must not break the registry
+        logger.exception("cannot list entry points of group %s", ENTRY_POINT_GROUP)
+        return {}
+    return {ep.name: ep for ep in eps}
+
+
+def available_envs() -> list[str]:
+    """Names of registered and entry-point environments, sorted."""
+    return sorted(set(_REGISTRY) | set(_entry_points()))
+
+
+def _factory(name: str) -> EnvFactory:
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    ep = _entry_points().get(name)
+    if ep is None:
+        raise KeyError(f"unknown environment {name!r}; available: {', '.join(available_envs())}")
+    factory = ep.load()
+    if not callable(factory):
+        raise TypeError(f"entry point {ep.value!r} for {name!r} is not callable")
+    return register_env(name)(factory)
+
+
+def make_env(
+    name: str,
+    *,
+    latency_s: float = 0.0,
+    latency_jitter: float = 0.0,
+    latency_seed: int | None = None,
+    **kwargs: Any,
+) -> Environment:
+    """Build environment ``name`` with ``kwargs``; with ``latency_s > 0`` wrap it in a
+    ``LatencyWrapper`` (jitter fraction ``latency_jitter``, RNG seeded by ``latency_seed``).
+    Raises ``KeyError`` listing the valid names when ``name`` is unknown."""
+    env = _factory(name)(**kwargs)
+    if latency_s > 0:
+        env = LatencyWrapper(env, latency_s, latency_jitter, random.Random(latency_seed))
+    return env
+
+
+register_env("guess_number")(GuessNumberEnv)
+register_env("calculator")(CalculatorEnv)
+register_env("python_exec")(PythonExecEnv)

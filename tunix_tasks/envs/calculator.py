@@ -1,0 +1,125 @@
+"""``calculator``: answer an arithmetic question, optionally after calling a calculator tool.
+
+Task: ``23+45=?`` (operands with ``difficulty`` digits, operators from ``ops``).
+Actions:
+
+* ``<|tool|>23+45`` -> observation is the result (``68``) or ``error: ...``; the episode
+  continues. Tool expressions are parsed with ``ast`` and only integer literals, unary
+  +/-, and binary ``+ - * //`` are evaluated (never ``eval``).
+* ``<|answer|>68`` -> reward 1.0 if it equals the true result, else 0; done.
+* anything else (or an answer that is not an integer) -> ``invalid: ...``; continues.
+
+Done after an answer or ``max_turns`` (default 3). Demonstration: tool call, then answer.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import random
+from collections.abc import Callable
+
+from tunix_tasks.envs.base import StepResult
+from tunix_tasks.envs.guess_number import parse_int
+from tunix_tasks.tokenizer import ANSWER, TOOL
+
+_BINOPS: dict[type[ast.operator], Callable[[int, int], int]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+}
+_MAX_EXPR_CHARS = 64
+_MAX_ABS = 10**18  # keeps repeated multiplication from building huge integers
+
+
+class ToolError(ValueError):
+    pass
+
+
+def safe_eval(expr: str) -> int:
+    """Evaluate an integer arithmetic expression; raises ToolError on anything else."""
+    expr = expr.strip().removesuffix("=?").removesuffix("=").strip()
+    if not expr or len(expr) > _MAX_EXPR_CHARS:
+        raise ToolError("empty or too long expression")
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise ToolError("cannot parse expression") from e
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            value = node.value
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+            value = -ev(node.operand) if isinstance(node.op, ast.USub) else ev(node.operand)
+        elif isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.FloorDiv) and right == 0:
+                raise ToolError("division by zero")
+            value = _BINOPS[type(node.op)](left, right)
+        else:
+            raise ToolError(f"unsupported syntax: {type(node).__name__}")
+        if abs(value) > _MAX_ABS:
+            raise ToolError("number too large")
+        return value
+
+    try:
+        return ev(tree)
+    except RecursionError as e:
+        raise ToolError("expression too deep") from e
+
+
+class CalculatorEnv:
+    name = "calculator"
+
+    def __init__(self, difficulty: int = 2, ops: str = "+-*", max_turns: int = 3) -> None:
+        if difficulty < 1 or not ops or set(ops) - set("+-*") or max_turns < 1:
+            raise ValueError(
+                "need difficulty >= 1, ops a non-empty subset of '+-*', max_turns >= 1"
+            )
+        self.difficulty, self.ops, self.max_turns = difficulty, ops, max_turns
+        self._question: str | None = None
+        self._answer = 0
+        self._turns = 0
+        self._done = True
+
+    def _question_for(self, seed: int) -> tuple[str, int]:
+        rng = random.Random(seed)
+        hi = 10**self.difficulty - 1
+        a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice(self.ops)
+        expr = f"{a}{op}{b}"
+        return expr, safe_eval(expr)
+
+    async def reset(self, seed: int) -> str:
+        self._question, self._answer = self._question_for(seed)
+        self._turns, self._done = 0, False
+        return f"{self._question}=?"
+
+    async def step(self, action: str) -> StepResult:
+        if self._done:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        self._turns += 1
+        text = action.strip()
+        reward, answered, info = 0.0, False, {"turns": self._turns}
+        if text.startswith(TOOL):
+            info["kind"] = "tool"
+            try:
+                obs = str(safe_eval(text[len(TOOL) :]))
+            except ToolError as e:
+                obs = f"error: {e}"
+        elif text.startswith(ANSWER) and (value := parse_int(text)) is not None:
+            info["kind"] = "answer"
+            answered = True
+            reward = 1.0 if value == self._answer else 0.0
+            obs = "correct" if reward else "wrong"
+        else:
+            info["kind"] = "invalid"
+            obs = f"invalid: use {TOOL}expression or {ANSWER}number"
+        self._done = answered or self._turns >= self.max_turns
+        return StepResult(obs, reward, self._done, info)
+
+    def demonstration(self, seed: int) -> list[str]:
+        question, answer = self._question_for(seed)
+        return [f"{TOOL}{question}", f"{ANSWER}{answer}"]

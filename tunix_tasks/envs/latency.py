@@ -1,0 +1,57 @@
+"""``LatencyWrapper``: adds simulated remote-API latency to any environment.
+
+Each ``reset`` and ``step`` first awaits ``asyncio.sleep(d)`` with ``d = latency_s`` or,
+with ``jitter = j > 0``, ``d ~ Uniform[latency_s * (1 - j), latency_s * (1 + j)]``.
+Sleeping (not blocking) is the point: many wrapped environments overlap their waits
+under ``asyncio.gather``, like real tool calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+from tunix_tasks.envs.base import Environment, StepResult
+
+
+class LatencyWrapper:
+    def __init__(
+        self,
+        env: Environment,
+        latency_s: float,
+        jitter: float = 0.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        if latency_s < 0 or not 0.0 <= jitter <= 1.0:
+            raise ValueError("need latency_s >= 0 and 0 <= jitter <= 1")
+        self.env, self.latency_s, self.jitter = env, latency_s, jitter
+        self.rng = rng or random.Random()
+        self.name = env.name
+
+    def sample_delay(self) -> float:
+        if self.jitter == 0.0:
+            return self.latency_s
+        lo, hi = self.latency_s * (1 - self.jitter), self.latency_s * (1 + self.jitter)
+        return self.rng.uniform(lo, hi)
+
+    async def _delay(self) -> None:
+        if (d := self.sample_delay()) > 0:
+            await asyncio.sleep(d)
+
+    async def reset(self, seed: int) -> str:
+        await self._delay()
+        return await self.env.reset(seed)
+
+    async def step(self, action: str) -> StepResult:
+        await self._delay()
+        return await self.env.step(action)
+
+    def demonstration(self, seed: int) -> list[str]:
+        return self.env.demonstration(seed)
+
+    def __getattr__(self, attr: str) -> Any:
+        # Expose the wrapped env's extras (max_turns, ...) transparently.
+        if attr == "env":
+            raise AttributeError(attr)
+        return getattr(self.env, attr)

@@ -1,0 +1,305 @@
+"""The learner process: buffer -> staleness filter -> packing -> train -> publish/checkpoint.
+
+One long-lived process per run. It never waits on a particular actor: it trains on
+whatever complete shards the store holds, one packed batch (one bucket shape) per step.
+
+    learner = Learner(cfg, store)
+    summary = learner.run()      # until max_steps / deadline; then marks the run DONE
+
+Per step:
+  1. take new episodes from `LearnerInput` (read + validated in a background thread);
+  2. drop what is too stale (`staleness > max_staleness`) or broke (`env_error`), and
+     account for it; 3. pack the rest first-fit into the bucket shapes; 4. train on the
+  densest full batch; account for its episodes; 5. every `publish_every` steps publish
+  weights v+1; every `checkpoint_every` steps write ledger + checkpoint.
+Leftover episodes wait in the buffer for the next step (they are not acknowledged, so a
+crash re-reads them from their shards).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from tunix_tasks.checkpoint import Checkpointer
+from tunix_tasks.config import RunConfig
+from tunix_tasks.learner_input import BufferedEpisode, LearnerInput
+from tunix_tasks.lease import Lease, LeaseLost
+from tunix_tasks.metrics import MetricsWriter
+from tunix_tasks.packing import PackedBatch, pack
+from tunix_tasks.policy import build_policy, model_meta
+from tunix_tasks.runs import mark_done
+from tunix_tasks.store import ObjectStore
+from tunix_tasks.train_step import Trainer
+from tunix_tasks.warm_start import warm_start
+from tunix_tasks.weights import WeightsPublisher, read_latest
+
+log = logging.getLogger(__name__)
+
+
+class DataTimeout(TimeoutError):
+    """No usable data arrived for `learner.data_timeout_s` seconds."""
+
+
+class Learner:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        store: ObjectStore,
+        *,
+        max_steps: int | None = None,
+        deadline_s: float | None = None,
+        on_publish: Callable[[int, str], None] | None = None,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.max_steps = max_steps or cfg.learner.max_steps
+        self._deadline = time.monotonic() + deadline_s if deadline_s else None
+        self._on_publish = on_publish
+        self._progress = progress
+        self._stop_reason = ""
+        self.step = 0
+        self.version = 0
+        self.counters: dict[str, Any] = {
+            "trained_episodes": 0,
+            "trained_tokens": 0,
+            "dropped": {},
+            "truncated_sequences": 0,
+        }
+        self._ledger: dict[str, Any] = {"trained": [], "dropped": {}}
+        self._buffer: list[BufferedEpisode] = []
+        self._stop_requested = False
+        self._last_checkpoint = -1
+
+    def request_stop(self, reason: str) -> None:
+        self._stop_reason = self._stop_reason or reason
+        self._stop_requested = True
+
+    # -- setup -----------------------------------------------------------------------
+    def _setup(self) -> None:
+        cfg = self.cfg
+        self.lease = Lease(self.store, ttl_s=cfg.learner.lease_ttl_s)
+        self.lease.acquire()  # LeaseHeldError if another learner runs on this run
+        self.lease.start_renewing()
+        self.tok, model = build_policy(
+            cfg.model, seed=cfg.seed, compute_dtype=cfg.learner.compute_dtype
+        )
+        self.trainer = Trainer(cfg, model)
+        self.ckpt = Checkpointer(self.store)
+        self.input = LearnerInput(self.store, cfg, vocab_size=self.tok.vocab_size)
+        self.metrics = MetricsWriter(self.store, "learner")
+        restored = self.ckpt.restore(self.trainer.state())
+        latest = read_latest(self.store)
+        if restored is not None:
+            state, meta = restored
+            nnx.replace_by_pure_dict(ckpt_target := self.trainer.state(), state)
+            self.trainer.restore_state(ckpt_target)
+            self.step, self.version = int(meta["step"]), int(meta["version"])
+            self.counters = meta["counters"]
+            self.input.set_state(meta["stream"])
+            self._last_checkpoint = self.step
+            pruned = self.ckpt.prune_ledger_after(self.step)
+            log.info(
+                "resumed from checkpoint at step %d (v%d); %d ledger files redone",
+                self.step,
+                self.version,
+                pruned,
+            )
+        elif cfg.warm_start_steps and latest is None:
+            warm_start(self.trainer, cfg, self.tok, metrics=self.metrics)
+        self.publisher = WeightsPublisher(self.store)
+        # Always publish the weights we resume from, newer than anything out there, so
+        # actors drop weights from updates lost in a crash.
+        self.version = max(self.version, latest[0] + 1 if latest else 0)
+        self._publish()
+        self.input.start()
+
+    # -- main loop ---------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        t_start = time.monotonic()
+        self._setup()
+        self._t0 = time.monotonic()
+        self._train_s = 0.0
+        self._wait_s = 0.0
+        self._last_data = time.monotonic()
+        try:
+            while self.step < self.max_steps and not self._should_stop():
+                batch, episodes = self._next_batch()
+                if batch is None:
+                    continue
+                self._train(batch, episodes)
+            reached = self.step >= self.max_steps
+            if reached:
+                self._stop_reason = self._stop_reason or "max_steps"
+            self._checkpoint()
+            if self.step % self.cfg.learner.publish_every:
+                self.version += 1
+                self._publish()
+            if reached or self._stop_reason == "deadline":
+                mark_done(self.store, f"learner {self._stop_reason} at step {self.step}")
+        finally:
+            self._teardown()
+        return {
+            "steps": self.step,
+            "version": self.version,
+            "stop_reason": self._stop_reason,
+            "trained_episodes": self.counters["trained_episodes"],
+            "dropped": self.counters["dropped"],
+            "compile_count": self.trainer.compile_count,
+            "duty_cycle": self._train_s / max(1e-9, time.monotonic() - self._t0),
+            "wall_s": time.monotonic() - t_start,
+        }
+
+    def _should_stop(self) -> bool:
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            self.request_stop("deadline")
+        if self.lease.lost:
+            self.request_stop("lease lost")
+        return self._stop_requested
+
+    def _teardown(self) -> None:
+        self.input.stop()
+        self.metrics.close()
+        self.ckpt.close()
+        self.lease.release()
+
+    # -- data --------------------------------------------------------------------------
+    def _next_batch(self) -> tuple[PackedBatch | None, list[BufferedEpisode]]:
+        t0 = time.monotonic()
+        self._buffer.extend(self.input.drain())
+        self._drop_unusable()
+        lc = self.cfg.learner
+        result = None
+        if len(self._buffer) >= lc.min_episodes_per_step:
+            by_id = {b.episode_id: b for b in self._buffer}
+            result = pack(
+                [b.example for b in self._buffer],
+                buckets=lc.buckets,
+                batch_rows=lc.batch_rows,
+                flush=self.cfg.mode == "sync",
+            )
+        if result is None or not result.batches:
+            self._buffer.extend(self.input.drain(timeout_s=0.05))
+            waited = time.monotonic() - t0
+            self._wait_s += waited
+            if time.monotonic() - self._last_data > lc.data_timeout_s:
+                raise DataTimeout(
+                    f"no trainable data for {lc.data_timeout_s:.0f}s at step {self.step} "
+                    f"(buffer {len(self._buffer)} episodes); are the actors running?"
+                )
+            return None, []
+        self._last_data = time.monotonic()
+        # Densest batch first; ties: the one holding the oldest data.
+        batch = max(result.batches, key=lambda b: b.density)
+        chosen = set(batch.episode_ids)
+        episodes = [by_id[i] for i in batch.episode_ids]
+        self._buffer = [b for b in self._buffer if b.episode_id not in chosen]
+        self.counters["truncated_sequences"] += result.stats.truncated
+        self._wait_s += time.monotonic() - t0
+        return batch, episodes
+
+    def _drop(self, ep: BufferedEpisode, reason: str) -> None:
+        self.input.ack(ep)
+        self._ledger["dropped"].setdefault(reason, []).append(ep.episode_id)
+        d = self.counters["dropped"]
+        d[reason] = d.get(reason, 0) + 1
+
+    def _drop_unusable(self) -> None:
+        keep = []
+        for ep in self._buffer:
+            if self.version - ep.policy_version > self.cfg.learner.max_staleness:
+                self._drop(ep, "stale")
+            elif ep.status == "env_error":
+                self._drop(ep, "env_error")
+            else:
+                keep.append(ep)
+        self._buffer = keep
+
+    # -- training ----------------------------------------------------------------------
+    def _train(self, batch: PackedBatch, episodes: list[BufferedEpisode]) -> None:
+        t0 = time.monotonic()
+        m = self.trainer.step(batch)
+        dt = time.monotonic() - t0
+        self._train_s += dt
+        self.step += 1
+        for ep in episodes:
+            self.input.ack(ep)
+        self._ledger["trained"].extend(ep.episode_id for ep in episodes)
+        self.counters["trained_episodes"] += len(episodes)
+        self.counters["trained_tokens"] += int(batch.real_tokens)
+        staleness = collections.Counter(self.version - ep.policy_version for ep in episodes)
+        wall = time.monotonic() - self._t0
+        record = {
+            "step": self.step,
+            "version": self.version,
+            "loss": m["loss"],
+            "nll": m["nll"],
+            "grad_norm": m["grad_norm"],
+            "reward_mean": float(np.mean([ep.reward for ep in episodes])),
+            "episodes": len(episodes),
+            "real_tokens": int(batch.real_tokens),
+            "tokens_per_s": batch.real_tokens / max(dt, 1e-9),
+            "bucket": batch.bucket_len,
+            "density": float(batch.density),
+            "step_s": dt,
+            "duty_cycle": self._train_s / max(wall, 1e-9),
+            "wait_s_total": self._wait_s,
+            "compile_count": self.trainer.compile_count,
+            "staleness": {str(k): v for k, v in sorted(staleness.items())},
+            "dropped": dict(self.counters["dropped"]),
+            "is_weight_mean": m["is_weight_mean"],
+            "is_weight_max": m["is_weight_max"],
+            "is_clipped_frac": m["is_clipped_frac"],
+            "buffer": len(self._buffer),
+            "backlog_shards": self.input.backlog_shards,
+            "quarantined": len(self.input.quarantined),
+        }
+        self.metrics.log(**record)
+        if self._progress is not None:
+            self._progress(record)
+        if self.step % self.cfg.learner.publish_every == 0:
+            self.version += 1
+            self._publish()
+        if self.step % self.cfg.learner.checkpoint_every == 0:
+            self._checkpoint()
+
+    def _publish(self) -> None:
+        self.lease.ensure()  # LeaseLost: a learner without the lease never publishes
+        manifest = self.publisher.publish(
+            self.trainer.flat_params(),
+            version=self.version,
+            step=self.step,
+            model=model_meta(self.cfg.model),
+        )
+        log.info("published weights v%d at step %d", manifest.version, self.step)
+        if self._on_publish is not None:
+            try:
+                self._on_publish(self.version, f"{self.store.uri}/weights/v{self.version:08d}")
+            except Exception as err:  # a notification must never kill training
+                log.warning("on_publish callback failed: %r", err)
+
+    def _checkpoint(self) -> None:
+        if self.step == self._last_checkpoint:
+            return
+        try:
+            self.lease.ensure()
+        except LeaseLost:
+            log.error("lease lost: not checkpointing step %d", self.step)
+            raise
+        meta = {
+            "step": self.step,
+            "version": self.version,
+            "counters": self.counters,
+            "stream": self.input.get_state(),
+            "time": time.time(),
+        }
+        self.ckpt.save(self.step, self.trainer.state(), meta, self._ledger)
+        self._ledger = {"trained": [], "dropped": {}}
+        self._last_checkpoint = self.step

@@ -1,0 +1,344 @@
+"""The policy network: a decoder-only transformer in Flax NNX, and the maths shared with it.
+
+This module owns:
+
+- `Transformer`: token embedding, pre-norm blocks (RMSNorm, causal multi-head attention
+  with RoPE, SwiGLU MLP), final norm, untied output projection. Params are float32;
+  `compute_dtype` (float32 / bfloat16) is what matmuls run in; logits are float32.
+- Packed training forward: `model(tokens, positions, segment_ids)`. Attention is causal and
+  never crosses a segment; segment 0 is padding. Positions restart at 0 per segment.
+- KV-cache decoding for the sampler: `init_cache` + `forward_with_cache` with static shapes.
+- Sharding annotations: every param carries a PartitionSpec over the mesh axis `"fsdp"` on
+  its d_model dimension (None elsewhere), read with `nnx.get_partition_spec(nnx.state(m))`.
+- Weight I/O helpers for safetensors snapshots (`flat_params` / `load_flat_params`),
+  `param_count`, and the sampling distribution (`sampling_log_probs`, `token_logprobs`)
+  that the sampler and the learner must both use so behaviour logprobs match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tunix_tasks.config import ModelConfig
+
+__all__ = [
+    "FSDP",
+    "KVCache",
+    "Transformer",
+    "flat_params",
+    "load_flat_params",
+    "param_count",
+    "sampling_log_probs",
+    "token_logprobs",
+]
+
+FSDP = "fsdp"  # mesh axis that shards the d_model dimension of every weight
+_ROPE_THETA = 10_000.0
+# Finite (not -inf) so that a fully-masked attention row gives a uniform softmax, not NaN.
+_MASK_VALUE = -1e30
+
+
+class KVCache(NamedTuple):
+    """Per-layer keys/values, each [batch, n_heads, max_len, head_dim]; slot index == position.
+
+    Heads before slots: the attention matmuls read the cache in place (no per-step transpose).
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
+def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], spec: tuple[str | None, ...]):
+    # Shard at creation only under `jax.set_mesh(...)`; without a mesh (actors, tests) the
+    # spec is kept as metadata for `nnx.get_partition_spec` and params stay unsharded.
+    eager = not jax.sharding.get_abstract_mesh().empty
+    value = nnx.with_partitioning(init, spec)(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, eager_sharding=eager)
+
+
+def _rope(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotary embedding (rotate-half form) of x [B,H,T,hd] at integer positions [B,T]."""
+    half = x.shape[-1] // 2
+    freq = 1.0 / (_ROPE_THETA ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angle = positions.astype(jnp.float32)[..., None] * freq  # [B,T,half]
+    sin, cos = jnp.sin(angle)[:, None], jnp.cos(angle)[:, None]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """q [B,H,T,hd], k/v [B,H,S,hd], mask [B,T,S] bool -> [B,H,T,hd]. Softmax in float32."""
+    scale = q.shape[-1] ** -0.5
+    scores = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhts,bhsd->bhtd", probs, v)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float = 1e-6):
+        self.scale = _param(rngs, nnx.initializers.ones, (dim,), (None,))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)  # statistics in float32 even under bfloat16 compute
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, d_model: int, n_heads: int, *, rngs: nnx.Rngs, dtype: jnp.dtype):
+        hd = d_model // n_heads
+        if hd % 2:
+            raise ValueError(f"head_dim={hd} must be even for RoPE")
+        init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=0)
+        out_init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=(0, 1))
+        self.wq = _param(rngs, init, (d_model, n_heads, hd), (FSDP, None, None))
+        self.wk = _param(rngs, init, (d_model, n_heads, hd), (FSDP, None, None))
+        self.wv = _param(rngs, init, (d_model, n_heads, hd), (FSDP, None, None))
+        self.wo = _param(rngs, out_init, (n_heads, hd, d_model), (None, None, FSDP))
+        self.dtype = dtype
+
+    def _qkv(self, x: jax.Array, positions: jax.Array):
+        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        q = _rope(jnp.einsum("btd,dhk->bhtk", x, w(self.wq)), positions)
+        k = _rope(jnp.einsum("btd,dhk->bhtk", x, w(self.wk)), positions)
+        v = jnp.einsum("btd,dhk->bhtk", x, w(self.wv))
+        return q, k, v
+
+    def _out(self, o: jax.Array) -> jax.Array:
+        return jnp.einsum("bhtk,hkd->btd", o, self.wo[...].astype(self.dtype))
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        q, k, v = self._qkv(x, positions)
+        return self._out(_attend(q, k, v, mask))
+
+    def cached(
+        self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Write this chunk's k/v at slots positions[:, 0].. and attend over slots <= position."""
+        q, k, v = self._qkv(x, positions)
+        write = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (0, s, 0)))
+        k_cache = write(k_cache, k.astype(k_cache.dtype), positions[:, 0])
+        v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])
+        slots = jnp.arange(k_cache.shape[2], dtype=positions.dtype)
+        mask = slots[None, None, :] <= positions[:, :, None]
+        return self._out(_attend(q, k_cache, v_cache, mask)), k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs, dtype: jnp.dtype):
+        init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal")
+        self.gate = _param(rngs, init, (d_model, d_ff), (FSDP, None))
+        self.up = _param(rngs, init, (d_model, d_ff), (FSDP, None))
+        self.down = _param(rngs, init, (d_ff, d_model), (None, FSDP))
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        h = jax.nn.silu(x @ w(self.gate)) * (x @ w(self.up))
+        return h @ w(self.down)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype):
+        self.attn_norm = RMSNorm(cfg.d_model, rngs=rngs)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, rngs=rngs, dtype=dtype)
+        self.mlp_norm = RMSNorm(cfg.d_model, rngs=rngs)
+        self.mlp = MLP(cfg.d_model, cfg.d_ff, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def cached(self, x, positions, k_cache, v_cache):
+        a, k_cache, v_cache = self.attn.cached(self.attn_norm(x), positions, k_cache, v_cache)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), k_cache, v_cache
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM. Params float32 (sharding-annotated); logits float32."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        vocab_size: int,
+        *,
+        rngs: nnx.Rngs,
+        compute_dtype: jnp.dtype = jnp.float32,
+    ):
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        self.embed = _param(
+            rngs, nnx.initializers.normal(1.0), (vocab_size, cfg.d_model), (None, FSDP)
+        )
+        self.blocks = nnx.List(
+            [Block(cfg, rngs=rngs, dtype=self.compute_dtype) for _ in range(cfg.n_layers)]
+        )
+        self.final_norm = RMSNorm(cfg.d_model, rngs=rngs)
+        # Small init keeps the initial policy close to uniform (sane early RL exploration).
+        self.unembed = _param(
+            rngs,
+            nnx.initializers.normal(0.02 / cfg.d_model**0.5),
+            (cfg.d_model, vocab_size),
+            (FSDP, None),
+        )
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embed[...], tokens, axis=0).astype(self.compute_dtype)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        x = self.final_norm(x)
+        w = self.unembed[...].astype(self.compute_dtype)
+        return jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32).astype(
+            jnp.float32
+        )
+
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
+    ) -> jax.Array:
+        """tokens/positions/segment_ids [B,T] int32 -> logits [B,T,V] float32.
+
+        A query attends to earlier-or-same indices of the same non-zero segment; padding
+        (segment 0) attends nothing (finite, meaningless output).
+        """
+        t = tokens.shape[1]
+        idx = jnp.arange(t)
+        causal = idx[None, :] <= idx[:, None]  # [T(query), T(key)]
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        mask = causal[None] & same & (segment_ids != 0)[:, :, None]
+        x = self._embed(tokens)
+        for block in self.blocks:
+            x = block(x, positions, mask)
+        return self._logits(x)
+
+    def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> KVCache:
+        """An empty cache of static shape; `max_len` bounds the positions that can be written."""
+        hd = self.cfg.d_model // self.cfg.n_heads
+        shape = (batch, self.cfg.n_heads, max_len, hd)
+        dt = dtype or self.compute_dtype
+        zeros = tuple(jnp.zeros(shape, dt) for _ in self.blocks)
+        return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dt) for _ in self.blocks))
+
+    def forward_with_cache(
+        self, tokens: jax.Array, positions: jax.Array, cache: KVCache
+    ) -> tuple[jax.Array, KVCache]:
+        """Process a chunk tokens [B,C] at positions [B,C]; return (logits [B,C,V], cache).
+
+        Each row's positions must be contiguous (`positions[b] = start_b + arange(C)`), and
+        slots < start_b must already hold that row's earlier tokens. Prefill = a chunk of the
+        prompt at start 0; decode = C=1 at each row's own length. With right padding, the
+        pad tokens' k/v land in slots beyond the row's length, which causality hides until
+        a real token overwrites them. Positions must stay < max_len.
+        """
+        x = self._embed(tokens)
+        ks, vs = [], []
+        for block, kc, vc in zip(self.blocks, cache.k, cache.v, strict=True):
+            x, kc, vc = block.cached(x, positions, kc, vc)
+            ks.append(kc)
+            vs.append(vc)
+        return self._logits(x), KVCache(k=tuple(ks), v=tuple(vs))
+
+
+# ---------------------------------------------------------------- the sampling distribution
+
+
+def sampling_log_probs(
+    logits: jax.Array, temperature: float | jax.Array = 1.0, top_k: int | jax.Array = 0
+) -> jax.Array:
+    """Log-probs [..., V] of the distribution tokens are sampled from.
+
+    log_softmax(logits / temperature) restricted to the top_k largest logits when top_k > 0
+    (ties at the k-th value are all kept). `top_k` may be a traced scalar. float32.
+    """
+    x = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    top_k = jnp.asarray(top_k, jnp.int32)
+    vocab = x.shape[-1]
+    descending = -jnp.sort(-x, axis=-1)
+    kth = jnp.take(descending, jnp.clip(top_k, 1, vocab) - 1, axis=-1)[..., None]
+    keep = (top_k <= 0) | (x >= kth)
+    return jax.nn.log_softmax(jnp.where(keep, x, -jnp.inf), axis=-1)
+
+
+def token_logprobs(
+    logits: jax.Array,
+    tokens: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    top_k: int | jax.Array = 0,
+) -> jax.Array:
+    """Log-prob of each next token: out[:, t] = log p(tokens[:, t+1] | logits[:, t]).
+
+    logits [B,T,V], tokens [B,T] -> [B,T-1] float32, under `sampling_log_probs`, i.e. the
+    exact distribution the sampler draws from (same temperature / top_k).
+    """
+    logp = sampling_log_probs(logits[:, :-1], temperature, top_k)
+    return jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+# ---------------------------------------------------------------- weight I/O helpers
+
+
+def _flat_vars(model: nnx.Module) -> dict[str, nnx.Variable]:
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {"/".join(str(p) for p in path): var for path, var in flat}
+
+
+def param_count(model: nnx.Module) -> int:
+    """Number of scalar parameters."""
+    return sum(int(np.prod(v.shape)) for v in _flat_vars(model).values())
+
+
+def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
+    """{'blocks/0/attn/wq': float32 ndarray, ...}: stable names, ready for safetensors."""
+    return {
+        name: np.asarray(jax.device_get(var[...]), dtype=np.float32)
+        for name, var in sorted(_flat_vars(model).items())
+    }
+
+
+def load_flat_params(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
+    """Load `flat_params`-style arrays into `model` in place (keeps each param's sharding).
+
+    Raises ValueError naming every missing / unexpected key and shape mismatch; nothing is
+    modified when it raises.
+    """
+    current = _flat_vars(model)
+    missing = sorted(set(current) - set(flat))
+    unexpected = sorted(set(flat) - set(current))
+    bad_shape = [
+        f"{n}: expected {tuple(current[n].shape)}, got {tuple(np.shape(flat[n]))}"
+        for n in sorted(set(current) & set(flat))
+        if tuple(np.shape(flat[n])) != tuple(current[n].shape)
+    ]
+    if missing or unexpected or bad_shape:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing}")
+        if unexpected:
+            parts.append(f"unexpected keys {unexpected}")
+        if bad_shape:
+            parts.append(f"shape mismatches [{'; '.join(bad_shape)}]")
+        raise ValueError("load_flat_params: " + ", ".join(parts))
+    state = nnx.state(model, nnx.Param)
+    new_values = {}
+    for name, var in current.items():
+        old = var[...]
+        value = jnp.asarray(np.asarray(flat[name], dtype=np.float32))
+        if isinstance(getattr(old, "sharding", None), jax.sharding.NamedSharding):
+            value = jax.device_put(value, old.sharding)
+        new_values[name] = value
+    for path, var in nnx.to_flat_state(state):
+        var.set_value(new_values["/".join(str(p) for p in path)])
+    nnx.update(model, state)

@@ -1,0 +1,195 @@
+"""The learner's compute: device mesh, sharded policy + optimizer, one jitted update.
+
+`Trainer` owns the model and the Optax optimizer, laid out over a ("data", "fsdp") mesh:
+parameters are sharded along "fsdp" (their annotations in model.py), batches along both
+axes. `step(batch)` runs one update on a `PackedBatch`; the jitted function is traced once
+per bucket shape (and per loss kind), and `compile_count` says how often that happened.
+
+    trainer = Trainer(cfg, model)
+    metrics = trainer.step(packed_batch, supervised=False)
+    flat = trainer.flat_params()          # for a weight snapshot
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tunix_tasks.config import LearnerConfig, MeshConfig, RunConfig
+from tunix_tasks.model import Transformer, flat_params, load_flat_params, sampling_log_probs
+from tunix_tasks.packing import PackedBatch
+from tunix_tasks.rl_math import policy_loss, truncated_importance_weights
+
+log = logging.getLogger(__name__)
+
+BATCH_FIELDS = (
+    "tokens",
+    "positions",
+    "segment_ids",
+    "targets",
+    "loss_mask",
+    "behavior_logprobs",
+    "advantages",
+)
+
+
+def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
+    """A ("data", "fsdp") mesh; -1 on one axis takes the remaining devices."""
+    devices = devices if devices is not None else jax.devices()
+    n = len(devices)
+    data, fsdp = cfg.data, cfg.fsdp
+    if data == -1:
+        data = n // fsdp if fsdp > 0 and n % fsdp == 0 else 0
+    if fsdp == -1:
+        fsdp = n // data if data > 0 and n % data == 0 else 0
+    if data <= 0 or fsdp <= 0 or data * fsdp != n:
+        raise ValueError(
+            f"mesh data={cfg.data} x fsdp={cfg.fsdp} does not fit {n} devices; "
+            "use -1 on one axis or sizes whose product is the device count"
+        )
+    return Mesh(np.asarray(devices).reshape(data, fsdp), ("data", "fsdp"))
+
+
+def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
+    lr: Any = cfg.learning_rate
+    if cfg.warmup_steps:
+        lr = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(lr, b1=0.9, b2=0.98, weight_decay=cfg.weight_decay),
+    )
+
+
+def _loss(model: Transformer, batch: dict[str, jax.Array], hp: dict[str, Any], supervised: bool):
+    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+    logp_all = sampling_log_probs(logits, hp["temperature"])
+    logp = jnp.take_along_axis(logp_all, batch["targets"][..., None], axis=-1)[..., 0]
+    mask = batch["loss_mask"]
+    if supervised:
+        # Demonstrations: maximum likelihood on the policy tokens (REINFORCE with A=1, w=1).
+        w = mask
+        adv = mask
+        stats = {"is_weight_mean": 1.0, "is_weight_max": 1.0, "is_clipped_frac": 0.0}
+        loss, m = policy_loss(logp, logp, adv, mask, w, ppo_clip=0.0)
+    else:
+        w, stats = truncated_importance_weights(
+            logp,
+            batch["behavior_logprobs"],
+            mask,
+            rho_max=hp["rho_max"],
+            level=hp["is_level"],
+            segment_ids=batch["segment_ids"] if hp["is_level"] == "sequence" else None,
+        )
+        loss, m = policy_loss(
+            logp, batch["behavior_logprobs"], batch["advantages"], mask, w, ppo_clip=hp["ppo_clip"]
+        )
+    nll = -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    return loss, {**m, **stats, "nll": nll}
+
+
+class Trainer:
+    """Sharded model + optimizer + the jitted update step (one compile per bucket)."""
+
+    def __init__(self, cfg: RunConfig, model: Transformer, *, mesh: Mesh | None = None) -> None:
+        self.cfg = cfg
+        self.mesh = mesh or make_mesh(cfg.learner.mesh)
+        n_batch_shards = self.mesh.size
+        if cfg.learner.batch_rows % n_batch_shards:
+            raise ValueError(
+                f"learner.batch_rows={cfg.learner.batch_rows} must be divisible by the "
+                f"{n_batch_shards} devices of the mesh"
+            )
+        self._hp = {
+            "temperature": float(cfg.actor.temperature),
+            "rho_max": float(cfg.learner.rho_max),
+            "is_level": cfg.learner.is_level,
+            "ppo_clip": float(cfg.learner.ppo_clip),
+        }
+        self.model = model
+        self.optimizer = nnx.Optimizer(self.model, make_optimizer(cfg.learner), wrt=nnx.Param)
+        # Lay out params and optimizer state once, as the jitted step returns them: inputs
+        # whose sharding differs from the outputs would force a second compilation.
+        self._shard(self.model)
+        self._shard(self.optimizer)
+        self._batch_sharding = NamedSharding(self.mesh, P(("data", "fsdp"), None))
+        self.traces: dict[str, int] = {}
+        self._step_fns = {
+            kind: nnx.jit(self._make_step(kind == "supervised", kind), donate_argnums=(0, 1))
+            for kind in ("rl", "supervised")
+        }
+        self.steps = 0
+
+    def _shard(self, node: nnx.Module | nnx.Optimizer) -> None:
+        state = nnx.state(node)
+        specs = nnx.get_partition_spec(state)
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+        nnx.update(node, jax.device_put(state, shardings))
+
+    def _make_step(self, supervised: bool, kind: str):
+        hp = self._hp
+
+        def step(model: Transformer, optimizer: nnx.Optimizer, batch: dict[str, jax.Array]):
+            self.traces[kind] = self.traces.get(kind, 0) + 1  # runs only while tracing
+            grad_fn = nnx.value_and_grad(lambda m: _loss(m, batch, hp, supervised), has_aux=True)
+            (loss, metrics), grads = grad_fn(model)
+            optimizer.update(model, grads)
+            metrics["grad_norm"] = optax.global_norm(grads)
+            metrics["loss"] = loss
+            return metrics
+
+        return step
+
+    @property
+    def compile_count(self) -> int:
+        """XLA compilations of the RL update (bounded by the number of buckets)."""
+        return self.traces.get("rl", 0)
+
+    @property
+    def total_compiles(self) -> int:
+        return sum(self.traces.values())
+
+    def device_batch(self, batch: PackedBatch) -> dict[str, jax.Array]:
+        return {
+            name: jax.device_put(np.asarray(getattr(batch, name)), self._batch_sharding)
+            for name in BATCH_FIELDS
+        }
+
+    def step(self, batch: PackedBatch, *, supervised: bool = False) -> dict[str, float]:
+        """One optimizer update; blocks until done; returns float metrics."""
+        t0 = time.perf_counter()
+        arrays = self.device_batch(batch)
+        with jax.set_mesh(self.mesh):
+            metrics = self._step_fns["supervised" if supervised else "rl"](
+                self.model, self.optimizer, arrays
+            )
+        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        self.steps += 1
+        out["step_s"] = time.perf_counter() - t0
+        if not math.isfinite(out["loss"]):
+            raise FloatingPointError(f"non-finite loss {out['loss']} at trainer step {self.steps}")
+        return out
+
+    def flat_params(self) -> dict[str, np.ndarray]:
+        return flat_params(self.model)
+
+    def load_flat_params(self, flat: dict[str, np.ndarray]) -> None:
+        load_flat_params(self.model, flat)
+
+    # -- checkpoint state ---------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Pytree of everything the optimizer needs to resume (params + opt state)."""
+        return {"model": nnx.state(self.model, nnx.Param), "opt": nnx.state(self.optimizer)}
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        nnx.update(self.model, state["model"])
+        nnx.update(self.optimizer, state["opt"])
