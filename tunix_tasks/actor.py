@@ -101,6 +101,9 @@ class Actor:
             max_episodes=cfg.actor.episodes_per_shard,
             max_interval_s=cfg.actor.shard_interval_s,
         )
+        # Commits (worker threads) and the watcher's time-based flush (another worker thread)
+        # both touch the writer's buffer: serialise them so no episode is lost or duplicated.
+        self._writer_lock = threading.Lock()
         self.metrics = MetricsWriter(store, f"actor/{actor_id}")
         self.stats = ActorStats()
         self._queue: asyncio.Queue[_Request] | None = None
@@ -136,12 +139,14 @@ class Actor:
     def run(self) -> dict[str, Any]:
         """Run until stopped; flushes the last shard and metrics. Returns a summary."""
         t0 = time.monotonic()
-        flat, manifest = self.weights.wait(self._weights_timeout_s)
-        self._load(flat, manifest.version)
+        got = self._wait_for_weights()
         try:
-            asyncio.run(self._main())
+            if got is not None:
+                self._load(got[0], got[1].version)
+                asyncio.run(self._main())
         finally:
-            self.writer.close()
+            with self._writer_lock:
+                self.writer.close()
             self._log_metrics(time.monotonic() - t0)
             self.metrics.close()
         return {
@@ -156,6 +161,24 @@ class Actor:
         }
 
     # -- weights -------------------------------------------------------------------
+    def _wait_for_weights(self):
+        """First snapshot, or None when stopped (SIGTERM, DONE, deadline) before it came."""
+        deadline = time.monotonic() + self._weights_timeout_s
+        while not self._should_stop():
+            got = self.weights.poll()
+            if got is not None:
+                return got
+            if is_done(self.store):
+                self.request_stop("run done before weights were published")
+                return None
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no weights published under {self.store.uri}/weights/LATEST within "
+                    f"{self._weights_timeout_s:.0f}s; is the learner running?"
+                )
+            time.sleep(0.25)
+        return None
+
     def _load(self, flat: dict[str, np.ndarray], version: int) -> None:
         self.sampler.update_params(flat)
         self.version = version
@@ -193,8 +216,8 @@ class Actor:
             if done:
                 self.request_stop(f"run done: {done.get('reason', '')}")
                 break
-            await asyncio.to_thread(self.writer.maybe_flush)
-            self._log_metrics_periodic()
+            await asyncio.to_thread(self._locked, self.writer.maybe_flush)
+            await asyncio.to_thread(self._log_metrics_periodic)  # may write: off the loop
             await asyncio.sleep(1.0)
 
     async def _policy(self, context: Sequence[int]) -> tuple[list[int], list[float], int]:
@@ -277,7 +300,7 @@ class Actor:
             results = await asyncio.gather(*(self._play_group() for _ in range(groups)))
             for episodes in results:
                 await asyncio.to_thread(self._commit, episodes)
-            await asyncio.to_thread(self.writer.flush)
+            await asyncio.to_thread(self._locked, self.writer.flush)
             while self.version == version and not self._should_stop():
                 self._last_poll = 0.0
                 await asyncio.to_thread(self._maybe_reload)
@@ -309,7 +332,11 @@ class Actor:
             s.policy_tokens += int(ep.loss_mask.sum())
             s.reward_sum += ep.reward
             s.status[ep.status] = s.status.get(ep.status, 0) + 1
-        self.writer.add_group(episodes)
+        self._locked(self.writer.add_group, episodes)
+
+    def _locked(self, fn, *args):
+        with self._writer_lock:
+            return fn(*args)
 
     _last_metrics = 0.0
     _last_counts = (0, 0, 0.0)

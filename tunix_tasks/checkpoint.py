@@ -19,6 +19,7 @@ exact, duplicate-free account of every episode, across any number of crashes.
 from __future__ import annotations
 
 import json
+import os
 import logging
 from typing import Any
 from urllib.parse import urlparse
@@ -37,7 +38,16 @@ LEDGER_PREFIX = "learner/ledger/"
 
 def _directory(store: ObjectStore) -> Any:
     uri = join_uri(store.uri, CHECKPOINT_PREFIX)
-    return urlparse(uri).path if uri.startswith("file://") else uri
+    if uri.startswith("file://"):
+        return urlparse(uri).path
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if emulator:
+        # Orbax writes gs:// through tensorstore and gcsfs, which ignore
+        # STORAGE_EMULATOR_HOST; point them at the same emulator (and skip gcsfs's
+        # hierarchical-namespace probe, ~60 s of gRPC retries per bucket).
+        os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", emulator if "://" in emulator else f"http://{emulator}")
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    return uri
 
 
 def ledger_key(step: int) -> str:

@@ -86,7 +86,7 @@ def _extend_parser(sub: argparse._SubParsersAction) -> None:
     """Commands of the actor/learner/run halves register here (see commands below)."""
     from tunix_tasks import cli_run
 
-    cli_run.add_commands(sub, _add_config_args, _COMMANDS)
+    cli_run.add_commands(sub, _add_config_args, _COMMANDS, _config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -122,11 +122,6 @@ class ActorConfig(_Frozen):
     max_new_tokens: int = Field(16, ge=1, description="tokens the policy may generate per turn")
     max_episode_tokens: int = Field(192, ge=8)
     weight_poll_s: float = Field(1.0, gt=0.0)
-    max_backlog: int = Field(
-        0,
-        ge=0,
-        description="pause when this many unconsumed trajectories wait in the store (0: never)",
-    )
 
 
 class MeshConfig(_Frozen):
@@ -232,8 +227,13 @@ class RunConfig(_Frozen):
                 f"actor.max_episode_tokens={self.actor.max_episode_tokens} exceeds "
                 f"model.max_seq_len={self.model.max_seq_len}"
             )
-        if self.mode == "sync" and self.learner.max_staleness != 0:
-            raise ValueError("mode=sync requires learner.max_staleness=0")
+        if self.mode == "sync" and (
+            self.learner.max_staleness != 0 or self.learner.publish_every != 1
+        ):
+            raise ValueError(
+                "mode=sync requires learner.max_staleness=0 and learner.publish_every=1 "
+                "(`tunix-tasks train --mode sync` sets both)"
+            )
         return self
 
     @property

@@ -99,8 +99,11 @@ class Learner:
         latest = read_latest(self.store)
         if restored is not None:
             state, meta = restored
-            nnx.replace_by_pure_dict(ckpt_target := self.trainer.state(), state)
-            self.trainer.restore_state(ckpt_target)
+            # trainer.state() is {"model": State, "opt": State}: fill each State in turn.
+            target = self.trainer.state()
+            for name, part in target.items():
+                nnx.replace_by_pure_dict(part, state[name])
+            self.trainer.restore_state(target)
             self.step, self.version = int(meta["step"]), int(meta["version"])
             self.counters = meta["counters"]
             self.input.set_state(meta["stream"])
@@ -112,8 +115,13 @@ class Learner:
                 self.version,
                 pruned,
             )
-        elif cfg.warm_start_steps and latest is None:
-            warm_start(self.trainer, cfg, self.tok, metrics=self.metrics)
+        else:
+            # No checkpoint committed: ledger files of an earlier attempt that crashed
+            # before its first checkpoint describe work that is about to be redone.
+            if pruned := self.ckpt.prune_ledger_after(-1):
+                log.info("fresh start: removed %d ledger files of a crashed attempt", pruned)
+            if cfg.warm_start_steps and latest is None:
+                warm_start(self.trainer, cfg, self.tok, metrics=self.metrics)
         self.publisher = WeightsPublisher(self.store)
         # Always publish the weights we resume from, newer than anything out there, so
         # actors drop weights from updates lost in a crash.
@@ -153,6 +161,8 @@ class Learner:
             "trained_episodes": self.counters["trained_episodes"],
             "dropped": self.counters["dropped"],
             "compile_count": self.trainer.compile_count,
+            "truncated_sequences": self.counters["truncated_sequences"],
+            "quarantined": list(self.input.quarantined),
             "duty_cycle": self._train_s / max(1e-9, time.monotonic() - self._t0),
             "wall_s": time.monotonic() - t_start,
         }
@@ -201,7 +211,10 @@ class Learner:
         chosen = set(batch.episode_ids)
         episodes = [by_id[i] for i in batch.episode_ids]
         self._buffer = [b for b in self._buffer if b.episode_id not in chosen]
-        self.counters["truncated_sequences"] += result.stats.truncated
+        # Count only the trained episodes: `pack` sees the whole buffer every step, so its
+        # `stats.truncated` would count a long episode again each step it stays buffered.
+        longest = max(lc.buckets)
+        self.counters["truncated_sequences"] += sum(ep.example.length > longest for ep in episodes)
         self._wait_s += time.monotonic() - t0
         return batch, episodes
 

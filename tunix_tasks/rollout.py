@@ -85,10 +85,12 @@ async def play_episode(
         obs = await asyncio.wait_for(env.reset(seed), limits.step_timeout_s)
     except TimeoutError:
         rec.status = "truncated"
+        rec.extend([tok.eos_id], policy=False)  # every episode ends with EOS
         return rec
     except Exception as err:
         log.warning("env %s reset(seed=%d) failed: %r", getattr(env, "name", "?"), seed, err)
         rec.status = "env_error"
+        rec.extend([tok.eos_id], policy=False)
         return rec
     for _ in range(limits.max_turns):
         prompt = [tok.user_id, *tok.encode(obs), tok.assistant_id]

@@ -1,0 +1,156 @@
+"""End-to-end: `tunix-tasks train` with a learner and actor processes (marked slow).
+
+Each test runs the real command in a subprocess, as a user would, on the tiny preset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tunix_tasks.checkpoint import read_ledger
+from tunix_tasks.metrics import read_metrics
+from tunix_tasks.runs import is_done
+from tunix_tasks.store import open_store
+from tunix_tasks.weights import read_latest
+
+pytestmark = pytest.mark.slow
+
+SHORT = [
+    "model.preset=tiny",
+    "env.name=calculator",
+    "env.kwargs.difficulty=1",
+    "env.max_turns=3",
+    "actor.num_actors=2",
+    "actor.envs_per_actor=8",
+    "actor.episodes_per_shard=8",
+    "actor.shard_interval_s=2",
+    "actor.max_new_tokens=8",
+    "actor.max_episode_tokens=96",
+    "learner.buckets=[64,128]",
+    "learner.batch_rows=8",
+    "learner.min_episodes_per_step=8",
+    "learner.publish_every=1",
+    "learner.checkpoint_every=4",
+]
+
+
+def _cmd(store: str, run_name: str, *extra: str, mode: str | None = None) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "tunix_tasks.cli",
+        "train",
+        "--quiet",
+        "--store",
+        store,
+        "--run-name",
+        run_name,
+    ]
+    if mode:
+        cmd += ["--mode", mode]
+    for item in (*SHORT, *extra):
+        cmd += ["--set", item]
+    return cmd
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> dict:
+    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(out.stdout[out.stdout.index("\n{") + 1 :])
+
+
+def test_async_train_end_to_end(tmp_path):
+    summary = _run(_cmd(str(tmp_path / "runs"), "e2e", "learner.max_steps=12"), tmp_path)
+    store = open_store(summary["run_uri"])
+    assert summary["learner_exit_code"] == 0 and summary["actor_exit_codes"] == [0, 0]
+    assert is_done(store)["reason"].startswith("learner max_steps")
+    shards = [i.key for i in store.list("shards/")]
+    assert {k.split("/")[1] for k in shards} == {"actor-0000", "actor-0001"}
+    assert read_latest(store)[0] >= 12  # v0 + one per step (+ final)
+    actor_versions = [r["weights_version"] for r in read_metrics(store, "actor/")]
+    assert max(actor_versions) >= 2, "actors should have reloaded published weights"
+    # The ledger accounts each trained/dropped episode once.
+    ledger = read_ledger(store)
+    ids = [i for e in ledger for i in e["trained"]] + [
+        i for e in ledger for ids in e["dropped"].values() for i in ids
+    ]
+    assert len(ids) == len(set(ids)) > 0
+    report = json.loads(store.read_bytes("report/summary.json"))
+    assert report["steps"] == 12
+    assert report["reward_first"] is not None and report["reward_last"] is not None
+    assert report["compile_count"] <= 2
+    html = store.read_bytes("report/index.html").decode()
+    assert html.count("data:image/png;base64,") >= 5
+
+
+def test_sync_mode_runs_lockstep(tmp_path):
+    summary = _run(
+        _cmd(str(tmp_path / "runs"), "sync", "learner.max_steps=4", mode="sync"), tmp_path
+    )
+    store = open_store(summary["run_uri"])
+    steps = [r for r in read_metrics(store, "learner") if "loss" in r]
+    assert len(steps) == 4
+    # Synchronous: every trained episode came from the newest weights.
+    assert all(set(r["staleness"]) == {"0"} for r in steps)
+    assert all(r["is_weight_mean"] == pytest.approx(1.0, abs=1e-6) for r in steps)
+
+
+def test_sigint_leaves_a_resumable_run(tmp_path):
+    cmd = _cmd(
+        str(tmp_path / "runs"), "resume", "learner.max_steps=40", "learner.checkpoint_every=3"
+    )
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    run_uri = f"file://{tmp_path}/runs/resume"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        steps = (
+            [r for r in read_metrics(open_store(run_uri), "learner") if "loss" in r]
+            if os.path.exists(tmp_path / "runs/resume/metrics")
+            else []
+        )
+        if any(r["step"] >= 6 for r in steps):
+            break
+        time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail("the run never reached step 6")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    store = open_store(run_uri)
+    assert is_done(store) is None, "an interrupted run must not be marked done"
+    first = json.loads(out[out.index("\n{") + 1 :])
+    stopped_at = first["last_step"]["step"]
+    assert stopped_at < 40
+    # Same command again: continues from the checkpoint and finishes.
+    summary = _run(cmd, tmp_path)
+    log = (Path(summary["logs"]) / "learner.log").read_text()
+    assert "resumed from checkpoint at step" in log
+    steps = [r["step"] for r in read_metrics(store, "learner") if "loss" in r]
+    assert max(steps) == 40
+    ledger = read_ledger(store)
+    trained = [i for e in ledger for i in e["trained"]]
+    assert len(trained) == len(set(trained))
+
+
+@pytest.mark.gcs
+def test_train_on_gcs(tmp_path, gcs_server):
+    bucket_uri = gcs_server.new_bucket_uri("runs")
+    summary = _run(_cmd(bucket_uri, "g1", "learner.max_steps=6"), tmp_path)
+    assert summary["run_uri"] == f"{bucket_uri}/g1"
+    store = open_store(summary["run_uri"])
+    keys = [i.key for i in store.list()]
+    assert any(k.startswith("shards/") for k in keys)
+    assert any(k.startswith("learner/checkpoints/") for k in keys)
+    assert read_latest(store)[0] >= 6
+    assert json.loads(store.read_bytes("report/summary.json"))["steps"] == 6

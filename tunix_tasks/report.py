@@ -1,0 +1,260 @@
+"""The run report: summary numbers (JSON) and plots (one self-contained HTML page).
+
+Built only from what the run left in its store (metrics chunks, ledger, quarantine,
+evaluations, config), so it works for a finished, a running or a crashed run:
+
+    uri = write_report("file:///tmp/runs/demo")   # -> .../report/index.html
+    summary = summarize(store)                     # the numbers alone
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import html
+import io
+import json
+from typing import Any
+
+import numpy as np
+
+from tunix_tasks.checkpoint import read_ledger
+from tunix_tasks.metrics import read_metrics
+from tunix_tasks.runs import QUARANTINE_PREFIX, is_done, read_config
+from tunix_tasks.store import ObjectStore, join_uri
+
+REPORT_KEY = "report/index.html"
+SUMMARY_KEY = "report/summary.json"
+
+
+def _learner_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("process") == "learner" and "step" in r and "loss" in r]
+
+
+def steady_duty_cycle(steps: list[dict[str, Any]]) -> float | None:
+    """Time in train steps over wall time, from the end of the first step (compilation
+    and start-up excluded) to the last step."""
+    if len(steps) < 3:
+        return None
+    span = steps[-1]["time"] - steps[0]["time"]
+    busy = sum(r["step_s"] for r in steps[1:])
+    return busy / span if span > 0 else None
+
+
+def summarize(store: ObjectStore) -> dict[str, Any]:
+    cfg, _ = read_config(store.uri)
+    records = read_metrics(store)
+    steps = _learner_steps(records)
+    actors = [r for r in records if str(r.get("process", "")).startswith("actor/")]
+    final_actor: dict[str, dict[str, Any]] = {}
+    for r in actors:
+        final_actor[r["process"]] = r
+    ledger = read_ledger(store)
+    trained = sum(len(e.get("trained", [])) for e in ledger)
+    dropped: collections.Counter[str] = collections.Counter()
+    for e in ledger:
+        for reason, ids in e.get("dropped", {}).items():
+            dropped[reason] += len(ids)
+    staleness: collections.Counter[int] = collections.Counter()
+    for r in steps:
+        for k, v in (r.get("staleness") or {}).items():
+            staleness[int(k)] += v
+    quarantined = [i.key for i in store.list(QUARANTINE_PREFIX) if i.key.endswith(".reason.json")]
+    evals = [
+        json.loads(store.read_bytes(i.key)) for i in store.list("eval/") if i.key.endswith(".json")
+    ]
+    rewards = [r["reward_mean"] for r in steps]
+    k = max(1, len(rewards) // 10)
+    wall = steps[-1]["time"] - steps[0]["time"] + steps[0]["step_s"] if steps else 0.0
+    trained_tokens = sum(r["real_tokens"] for r in steps)
+    actor_eps = sum(int(r.get("episodes", 0)) for r in final_actor.values())
+    return {
+        "run_uri": store.uri,
+        "mode": cfg.mode,
+        "env": cfg.env.name,
+        "env_latency_s": cfg.env.latency_s,
+        "done": is_done(store),
+        "steps": steps[-1]["step"] if steps else 0,
+        "version": steps[-1]["version"] if steps else None,
+        "trained_episodes_ledger": trained,
+        "dropped_ledger": dict(dropped),
+        "dropped_last_step": steps[-1]["dropped"] if steps else {},
+        "episodes_generated": actor_eps,
+        "quarantined_shards": len(quarantined),
+        "reward_first": float(np.mean(rewards[:k])) if rewards else None,
+        "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
+        "duty_cycle": steps[-1]["duty_cycle"] if steps else None,
+        "duty_cycle_steady": steady_duty_cycle(steps),
+        "learner_wall_s": wall,
+        "trained_tokens": trained_tokens,
+        "trained_tokens_per_s": trained_tokens / wall if wall else None,
+        "compile_count": steps[-1]["compile_count"] if steps else 0,
+        "staleness_histogram": {str(s): n for s, n in sorted(staleness.items())},
+        "evaluations": sorted(
+            (
+                {
+                    "version": e["version"],
+                    "reward_mean": e["reward_mean"],
+                    "success_rate": e.get("success_rate"),
+                }
+                for e in evals
+            ),
+            key=lambda e: e["version"],
+        ),
+        "actors": {
+            name: {
+                "episodes": r.get("episodes"),
+                "env_step_p50_s": r.get("env_step_p50_s"),
+                "env_step_p99_s": r.get("env_step_p99_s"),
+                "weights_version": r.get("weights_version"),
+            }
+            for name, r in sorted(final_actor.items())
+        },
+    }
+
+
+def _figure_png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _plots(records: list[dict[str, Any]], summary: dict[str, Any]) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = _learner_steps(records)
+    actors = [r for r in records if str(r.get("process", "")).startswith("actor/")]
+    t0 = min((r["time"] for r in records), default=0.0)
+    out: list[tuple[str, str]] = []
+
+    def panel(title: str, draw: Any) -> None:
+        fig, ax = plt.subplots(figsize=(6.4, 3.2))
+        draw(ax)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        out.append((title, _figure_png(fig)))
+        plt.close(fig)
+
+    if steps:
+        x_step = [r["step"] for r in steps]
+        x_time = [r["time"] - t0 for r in steps]
+        reward = np.asarray([r["reward_mean"] for r in steps])
+        win = max(1, len(reward) // 20)
+        smooth = np.convolve(reward, np.ones(win) / win, mode="valid")
+
+        def reward_panel(ax: Any) -> None:
+            ax.plot(x_step, reward, alpha=0.3, label="trained batch")
+            ax.plot(x_step[win - 1 :], smooth, label=f"moving mean ({win})")
+            evals = summary.get("evaluations") or []
+            if evals:
+                by_version = {r["version"]: r["step"] for r in steps}
+                pts = [(by_version.get(e["version"]), e["reward_mean"]) for e in evals]
+                pts = [(s, r) for s, r in pts if s is not None]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), "o", label="held-out eval")
+            ax.set_xlabel("learner step")
+            ax.set_ylabel("reward")
+            ax.legend(fontsize=8)
+
+        panel("Reward over learner steps", reward_panel)
+        panel(
+            "Reward over time",
+            lambda ax: (ax.plot(x_time, reward, alpha=0.5), ax.set_xlabel("seconds")),
+        )
+
+        def duty_panel(ax: Any) -> None:
+            t = np.asarray(x_time)
+            busy = np.asarray([r["step_s"] for r in steps])
+            if len(t) > 1:
+                dt = np.diff(t)
+                ax.plot(
+                    t[1:],
+                    np.clip(busy[1:] / np.maximum(dt, 1e-9), 0, 1),
+                    alpha=0.4,
+                    label="per step",
+                )
+            ax.plot(t, [r["duty_cycle"] for r in steps], label="cumulative")
+            ax.set_ylim(0, 1.05)
+            ax.set_xlabel("seconds")
+            ax.set_ylabel("duty cycle")
+            ax.legend(fontsize=8)
+
+        panel("Learner duty cycle (time in train step / wall time)", duty_panel)
+        panel(
+            "Buffer backlog",
+            lambda ax: (
+                ax.plot(x_time, [r["buffer"] for r in steps], label="buffered episodes"),
+                ax.plot(x_time, [r["backlog_shards"] for r in steps], label="unread shards"),
+                ax.set_xlabel("seconds"),
+                ax.legend(fontsize=8),
+            ),
+        )
+    hist = summary.get("staleness_histogram") or {}
+    if hist:
+        panel(
+            "Staleness of trained episodes (versions)",
+            lambda ax: (
+                ax.bar([int(k) for k in hist], list(hist.values())),
+                ax.set_xlabel("learner version - policy version"),
+            ),
+        )
+    dropped = dict(summary.get("dropped_ledger") or summary.get("dropped_last_step") or {})
+    dropped["quarantined shards"] = summary.get("quarantined_shards", 0)
+    panel("Dropped", lambda ax: ax.bar(list(dropped), list(dropped.values())))
+    if actors:
+
+        def latency_panel(ax: Any) -> None:
+            for name in sorted({r["process"] for r in actors})[:8]:
+                rs = [
+                    r
+                    for r in actors
+                    if r["process"] == name and r.get("env_step_p50_s") is not None
+                ]
+                ax.plot(
+                    [r["time"] - t0 for r in rs],
+                    [r["env_step_p50_s"] for r in rs],
+                    label=f"{name} p50",
+                )
+                ax.plot(
+                    [r["time"] - t0 for r in rs],
+                    [r["env_step_p99_s"] for r in rs],
+                    "--",
+                    label=f"{name} p99",
+                )
+            ax.set_xlabel("seconds")
+            ax.set_ylabel("env step latency (s)")
+            ax.legend(fontsize=6)
+
+        panel("Environment step latency", latency_panel)
+    return out
+
+
+def render_html(summary: dict[str, Any], plots: list[tuple[str, str]]) -> str:
+    rows = "".join(
+        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(json.dumps(v, default=str))}</td></tr>"
+        for k, v in summary.items()
+        if k not in ("actors",)
+    )
+    imgs = "".join(
+        f'<figure><img alt="{html.escape(t)}" src="data:image/png;base64,{b}"><figcaption>{html.escape(t)}</figcaption></figure>'
+        for t, b in plots
+    )
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>tunix-tasks report</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1400px}} table{{border-collapse:collapse}}
+th,td{{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}} figure{{display:inline-block;margin:8px}}</style>
+</head><body><h1>tunix-tasks run report</h1><p>{html.escape(summary["run_uri"])}</p>
+<h2>Summary</h2><table>{rows}</table><h2>Plots</h2>{imgs}
+<h2>Actors</h2><pre>{html.escape(json.dumps(summary.get("actors", {}), indent=2))}</pre></body></html>"""
+
+
+def write_report(run_uri: str) -> str:
+    """Write report/index.html and report/summary.json under the run; returns the HTML URI."""
+    _, store = read_config(run_uri)
+    summary = summarize(store)
+    plots = _plots(read_metrics(store), summary)
+    store.write_bytes(SUMMARY_KEY, json.dumps(summary, indent=2, default=str).encode())
+    store.write_bytes(REPORT_KEY, render_html(summary, plots).encode())
+    return join_uri(store.uri, REPORT_KEY)
