@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from tunix_tasks.shards import length_histogram
-from tunix_tasks.store import normalize_uri, open_store
+from tunix_tasks.store import join_uri, normalize_uri, open_store
 from tunix_tasks.validation import ShardValidationError, read_shard
 
 
@@ -41,7 +41,9 @@ def inspect_uri(uri: str, *, vocab_size: int = 1 << 31) -> dict[str, Any]:
         try:
             table = read_shard(store, key, vocab_size=vocab_size)
         except ShardValidationError as err:
-            invalid.append({"shard": key, "reason": err.reason, "detail": err.detail})
+            invalid.append(
+                {"shard": join_uri(root, key), "reason": err.reason, "detail": err.detail}
+            )
             continue
         schema = schema or table.schema
         tables.append(
