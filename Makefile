@@ -41,5 +41,25 @@ demo: $(STAMP)
 bench: $(STAMP)
 	for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
+# --- Airflow (scripts in infra/airflow/) ---------------------------------------------
+AIRFLOW_PORT ?= 8080
+
+.PHONY: airflow-init airflow-clean test-airflow test-airflow-e2e
+
+airflow: $(STAMP) ## Local Airflow on dags/ (UI + REST at http://127.0.0.1:$(AIRFLOW_PORT), no login); Ctrl-C stops it
+	.venv/bin/python infra/airflow/local_airflow.py start --port $(AIRFLOW_PORT)
+
+airflow-init: $(STAMP) ## airflow db migrate + pools cpu/tpu in airflow_home/ (start does this too)
+	.venv/bin/python infra/airflow/local_airflow.py init --port $(AIRFLOW_PORT)
+
+airflow-clean: ## Delete airflow_home/ (metadata DB, logs)
+	.venv/bin/python infra/airflow/local_airflow.py clean
+
+test-airflow: $(STAMP) ## DAG import/structure/params/parse-time tests (seconds)
+	.venv/bin/python -m pytest tests/airflow -m "not slow" -q
+
+test-airflow-e2e: $(STAMP) ## dag.test() of each DAG + a real scheduler run (~5 min)
+	.venv/bin/python -m pytest tests/airflow -m slow -q
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
