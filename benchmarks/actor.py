@@ -1,0 +1,187 @@
+"""Actor throughput: episodes/s against the number of concurrent environments, and the
+batched sampler's policy tokens/s per core.
+
+Part 1: one `Actor` per E in (1, 4, 16, 64) on a file:// run, calculator env with a fixed
+0.5 s simulated latency on every reset and step, "tiny" policy, group_size=1 (so E
+independent episode loops). Before `run()` every (batch bucket, prompt bucket) shape the
+actor can meet is compiled (a persistent XLA cache shares the work between the E values),
+so no compilation lands in the measurement; then the actor warms up for `--warmup` s and
+episodes/s is the least-squares slope of the episode count over the next `--window` s.
+The ideal is linear: E / (episode time with one env).
+
+Part 2: `Sampler.sample` on batches of 16/32/64 contexts with the "small" preset, a fixed
+number of generated tokens per row (no stop ids), after a warm-up call: tokens/s and
+tokens/s per core.
+
+    python benchmarks/actor.py [--envs 1 4 16 64] [--warmup 5] [--window 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
+
+from tunix_tasks.actor import Actor
+from tunix_tasks.config import ModelConfig, config_from_dict
+from tunix_tasks.model import flat_params
+from tunix_tasks.policy import build_policy, model_meta
+from tunix_tasks.runs import mark_done, write_config
+from tunix_tasks.sampling import Sampler
+from tunix_tasks.weights import WeightsPublisher
+
+LATENCY_S = 0.5
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _warm(sampler: Sampler, envs: int, max_tokens: int, max_new: int) -> None:
+    """Compile every (batch bucket <= envs, prompt bucket) shape the actor can use."""
+    batches = [b for b in sampler.batch_buckets if b < envs]
+    batches.append(next(b for b in sampler.batch_buckets if b >= envs))
+    widths = [p for p in sampler.prompt_buckets if p < max_tokens]
+    widths.append(next(p for p in sampler.prompt_buckets if p >= max_tokens))
+    for b in batches:
+        for w in widths:
+            ctx = [[sampler.tokenizer.bos_id] * min(w, max_tokens - 1)] * b
+            # a raw uint32 key like the actor's (a typed key would be another program)
+            sampler.sample(ctx, max_new_tokens=max_new, rng=jax.random.PRNGKey(0))
+
+
+def measure_actor(root: str, envs: int, warmup_s: float, window_s: float) -> dict[str, float]:
+    cfg = config_from_dict(
+        {
+            "store": root,
+            "run_name": f"e{envs}",
+            "model": {"preset": "tiny"},
+            "env": {"name": "calculator", "latency_s": LATENCY_S},
+            "actor": {"envs_per_actor": envs, "group_size": 1, "episodes_per_shard": 64},
+        }
+    )
+    store = write_config(cfg)
+    _, model = build_policy(cfg.model, seed=1)
+    WeightsPublisher(store).publish(
+        flat_params(model), version=0, step=0, model=model_meta(cfg.model)
+    )
+    actor = Actor(cfg, store, actor_id=f"bench-{envs}")
+    _warm(actor.sampler, envs, cfg.actor.max_episode_tokens, cfg.actor.max_new_tokens)
+    compiles = actor.sampler.compile_count
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(actor.run()))
+    thread.start()
+    time.sleep(warmup_s)
+    n0, p0, s0 = actor.stats.episodes, len(actor.stats.policy_s), _cpu_s()
+    times, counts = [], []
+    t0 = time.monotonic()
+    while (now := time.monotonic()) - t0 < window_s:
+        times.append(now - t0)
+        counts.append(actor.stats.episodes)
+        time.sleep(0.05)
+    cpu = (_cpu_s() - s0) / (time.monotonic() - t0)
+    slope = float(np.polyfit(times, counts, 1)[0])
+    batches = actor.stats.policy_batch[p0:]
+    latency = actor.stats.policy_s[p0:]
+    mark_done(store, "benchmark")
+    thread.join()
+    return {
+        "episodes/s": slope,
+        "episodes": actor.stats.episodes - n0,
+        "policy batch": float(np.mean(batches)) if batches else 0.0,
+        "policy p50 ms": 1000 * float(np.median(latency)) if latency else 0.0,
+        "cpu cores busy": cpu,
+        "new compiles": result["compile_count"] - compiles,
+    }
+
+
+def measure_sampler(batches: list[int], prompt: int, new_tokens: int, repeats: int) -> list:
+    tok, model = build_policy(ModelConfig(preset="small"), seed=0)
+    sampler = Sampler(model, tok)
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in batches:
+        ctx = [
+            [tok.bos_id, *rng.integers(8, tok.vocab_size, size=prompt - 1).tolist()]
+            for _ in range(b)
+        ]
+
+        def call(i: int, ctx=ctx) -> int:
+            out = sampler.sample(ctx, max_new_tokens=new_tokens, stop_ids=(), rng=jax.random.key(i))
+            return sum(len(s.tokens) for s in out)
+
+        call(0)  # compile
+        t0 = time.perf_counter()
+        tokens = sum(call(i + 1) for i in range(repeats))
+        dt = time.perf_counter() - t0
+        rows.append((b, tokens / dt, tokens / dt / _cores(), 1000 * dt / repeats))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--envs", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--warmup", type=float, default=5.0)
+    parser.add_argument("--window", type=float, default=15.0)
+    parser.add_argument("--skip-sampler", action="store_true")
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = {
+            "jax_compilation_cache_dir": f"{tmp}/xla_cache",
+            "jax_persistent_cache_min_compile_time_secs": 0.0,
+            "jax_persistent_cache_min_entry_size_bytes": 0,
+        }
+        old = {k: getattr(jax.config, k) for k in cache}
+        for k, v in cache.items():
+            jax.config.update(k, v)
+        try:
+            for e in args.envs:
+                results[e] = measure_actor(f"file://{tmp}/runs", e, args.warmup, args.window)
+                print(f"E={e}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[e].items()))
+        finally:
+            for k, v in old.items():
+                jax.config.update(k, v)
+            compilation_cache.reset_cache()
+    base = results[args.envs[0]]["episodes/s"] / args.envs[0]
+    cols = list(next(iter(results.values())))
+    print(
+        f"\nActor, calculator env, {LATENCY_S}s latency per reset/step, tiny policy, group_size=1"
+    )
+    print(f"{'E':>4}" + "".join(f"{c:>16}" for c in cols) + f"{'speed-up':>10}{'ideal':>8}")
+    for e, r in results.items():
+        speedup = r["episodes/s"] / results[args.envs[0]]["episodes/s"]
+        print(
+            f"{e:>4}"
+            + "".join(f"{r[c]:>16.2f}" for c in cols)
+            + f"{speedup:>9.1f}x{e / args.envs[0]:>7.0f}x"
+        )
+    print(f"(one env: {1 / base:.2f} s per episode; {_cores()} cores)")
+    if not args.skip_sampler:
+        print('\nSampler.sample, "small" preset, 64-token prompts, 32 new tokens per row')
+        print(f"{'batch':>6}{'tokens/s':>12}{'tokens/s/core':>15}{'ms/call':>10}")
+        for b, tps, per_core, ms in measure_sampler([16, 32, 64], 64, 32, repeats=3):
+            print(f"{b:>6}{tps:>12.0f}{per_core:>15.0f}{ms:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()

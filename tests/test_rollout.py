@@ -1,0 +1,233 @@
+"""Tests for tunix_tasks.rollout: the episode token layout and how episodes end.
+
+Real environments registered through `tunix_tasks.envs.register_env` (unique names) are
+built with `make_env` and driven by a scripted policy that returns fixed actions with
+known, negative log-probs, so the layout, loss mask and log-probs can be checked exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+
+from tunix_tasks.envs import StepResult, make_env, register_env
+from tunix_tasks.rollout import EpisodeLimits, ScriptedPolicy, play_episode
+from tunix_tasks.tokenizer import Tokenizer
+
+TOK = Tokenizer()
+
+
+def _unique(prefix: str) -> str:
+    return f"test_rollout_{prefix}_{uuid.uuid4().hex[:6]}"
+
+
+class _CountdownEnv:
+    """Observation 'n=<k>'; done (reward 1) after `turns` steps; optional slow/raising steps."""
+
+    name = "countdown"
+
+    def __init__(
+        self,
+        turns: int = 2,
+        step_sleep_s: float = 0.0,
+        reset_sleep_s: float = 0.0,
+        raise_on_step: int | None = None,
+        raise_on_reset: bool = False,
+        obs_chars: int = 3,
+    ) -> None:
+        self.turns, self.step_sleep_s, self.reset_sleep_s = turns, step_sleep_s, reset_sleep_s
+        self.raise_on_step, self.raise_on_reset, self.obs_chars = (
+            raise_on_step,
+            raise_on_reset,
+            obs_chars,
+        )
+        self.actions: list[str] = []
+
+    def _obs(self) -> str:
+        return (f"n={self.turns - len(self.actions)}" + "x" * self.obs_chars)[: self.obs_chars]
+
+    async def reset(self, seed: int) -> str:
+        if self.reset_sleep_s:
+            await asyncio.sleep(self.reset_sleep_s)
+        if self.raise_on_reset:
+            raise RuntimeError("reset exploded")
+        self.actions = []
+        return self._obs()
+
+    async def step(self, action: str) -> StepResult:
+        if self.step_sleep_s:
+            await asyncio.sleep(self.step_sleep_s)
+        self.actions.append(action)
+        if self.raise_on_step is not None and len(self.actions) == self.raise_on_step:
+            raise ValueError("step exploded")
+        done = len(self.actions) >= self.turns
+        return StepResult(self._obs(), 1.0 if done else 0.0, done)
+
+    def demonstration(self, seed: int) -> list[str]:
+        return ["a"] * self.turns
+
+
+ENV = _unique("countdown")
+register_env(ENV)(_CountdownEnv)
+
+
+class _Scripted:
+    """Policy returning `actions[i]` + END with log-prob -0.25 * (j + 1) per token j;
+    records every context it was called with."""
+
+    def __init__(self, actions: Sequence[str], version: int = 3) -> None:
+        self.actions = list(actions)
+        self.version = version
+        self.contexts: list[list[int]] = []
+
+    async def __call__(self, context: Sequence[int]) -> tuple[list[int], list[float], int]:
+        self.contexts.append(list(context))
+        text = (
+            self.actions[len(self.contexts) - 1] if len(self.contexts) <= len(self.actions) else ""
+        )
+        tokens = [*TOK.encode(text), TOK.end_id]
+        return tokens, [-0.25 * (j + 1) for j in range(len(tokens))], self.version
+
+
+def _limits(**kw) -> EpisodeLimits:
+    base = dict(max_turns=4, max_episode_tokens=128, max_new_tokens=16, step_timeout_s=5.0)
+    return EpisodeLimits(**{**base, **kw})
+
+
+def _play(env, policy, **limits):
+    return asyncio.run(play_episode(env, policy, seed=11, limits=_limits(**limits), tok=TOK))
+
+
+def _check_invariants(rec) -> None:
+    tokens, mask, lp = rec.arrays()
+    assert len(tokens) == len(mask) == len(lp)
+    assert tokens[0] == TOK.bos_id and tokens[-1] == TOK.eos_id
+    assert np.all(lp[mask == 0] == 0.0)
+    assert set(np.unique(mask)) <= {0, 1}
+
+
+def test_layout_mask_and_logprobs_exact():
+    env = make_env(ENV, turns=2)
+    policy = _Scripted(["ab", "c"])
+    rec = _play(env, policy)
+    obs0, obs1 = "n=2", "n=1"
+    u, a, e = TOK.user_id, TOK.assistant_id, TOK.end_id
+    expected = [
+        TOK.bos_id,
+        *[u, *TOK.encode(obs0), a],
+        *[*TOK.encode("ab"), e],
+        *[u, *TOK.encode(obs1), a],
+        *[*TOK.encode("c"), e],
+        TOK.eos_id,
+    ]
+    tokens, mask, lp = rec.arrays()
+    assert tokens.tolist() == expected
+    policy_positions = [i for i, t in enumerate(expected) if i > 0 and expected[i - 1] == a]
+    # mask is 1 exactly on the policy's tokens: the action characters and its END
+    want_mask = np.zeros(len(expected), np.int8)
+    first, second = policy_positions
+    want_mask[first : first + 3] = 1
+    want_mask[second : second + 2] = 1
+    assert mask.tolist() == want_mask.tolist()
+    want_lp = np.zeros(len(expected), np.float32)
+    want_lp[first : first + 3] = [-0.25, -0.5, -0.75]
+    want_lp[second : second + 2] = [-0.25, -0.5]
+    np.testing.assert_array_equal(lp, want_lp)
+    assert rec.status == "ok" and rec.turns == 2 and rec.reward == 1.0
+    assert rec.versions == {3}
+    assert env.actions == ["ab", "c"]  # END is stripped before the env sees the action
+    # the policy sees the whole episode so far, ending with ASSISTANT
+    assert policy.contexts[0] == expected[:first]
+    assert policy.contexts[1] == expected[:second]
+    assert len(rec.env_step_s) == 2
+    _check_invariants(rec)
+
+
+def test_scripted_policy_demonstration():
+    env = make_env(ENV, turns=3)
+    rec = _play(env, ScriptedPolicy(env.demonstration(0), TOK))
+    assert rec.status == "ok" and rec.reward == 1.0 and rec.turns == 3
+    _check_invariants(rec)
+
+
+def test_env_step_raising_is_env_error():
+    env = make_env(ENV, turns=3, raise_on_step=2)
+    rec = _play(env, _Scripted(["a", "b", "c"]))
+    assert rec.status == "env_error"
+    assert rec.turns == 2  # the failing step's action is kept, then EOS
+    _check_invariants(rec)
+
+
+def test_env_reset_raising_is_env_error():
+    rec = _play(make_env(ENV, raise_on_reset=True), _Scripted(["a"]))
+    assert rec.status == "env_error" and rec.turns == 0
+    _check_invariants(rec)
+    assert rec.arrays()[1].sum() == 0
+
+
+def test_slow_step_is_truncated():
+    env = make_env(ENV, turns=3, step_sleep_s=2.0)
+    t0 = asyncio.run(_timed(env, step_timeout_s=0.1))
+    rec, wall = t0
+    assert rec.status == "truncated" and rec.turns == 1
+    assert wall < 1.5  # the slow step was abandoned at the timeout, not awaited
+    assert rec.env_step_s and rec.env_step_s[0] < 1.0
+    _check_invariants(rec)
+
+
+def test_slow_reset_is_truncated():
+    rec, wall = asyncio.run(_timed(make_env(ENV, reset_sleep_s=2.0), step_timeout_s=0.1))
+    assert rec.status == "truncated" and rec.turns == 0 and wall < 1.5
+    _check_invariants(rec)
+
+
+async def _timed(env, **limits):
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    rec = await play_episode(env, _Scripted(["a"] * 8), seed=1, limits=_limits(**limits), tok=TOK)
+    return rec, loop.time() - t0
+
+
+def test_token_budget_is_truncated():
+    # Each turn: prompt 1 + 10 + 1 tokens, action 4 + END; budget 40 fits two turns.
+    env = make_env(ENV, turns=10, obs_chars=10)
+    rec = _play(env, _Scripted(["abcd"] * 10), max_episode_tokens=40, max_turns=10)
+    assert rec.status == "truncated"
+    assert rec.turns == 2
+    assert len(rec.tokens) <= 40
+    _check_invariants(rec)
+
+
+def test_action_cut_to_remaining_budget():
+    # Room for the prompt and 3 action tokens only: the action is cut, log-probs too.
+    env = make_env(ENV, turns=1, obs_chars=3)
+    budget = 1 + 5 + 3 + 1  # BOS + prompt + room for 3 tokens + EOS
+    rec = _play(env, _Scripted(["abcdefgh"]), max_episode_tokens=budget)
+    tokens, mask, lp = rec.arrays()
+    assert len(tokens) == budget
+    assert mask.sum() == 3
+    np.testing.assert_array_equal(lp[mask == 1], [-0.25, -0.5, -0.75])
+    _check_invariants(rec)
+
+
+def test_max_new_tokens_caps_action():
+    env = make_env(ENV, turns=1)
+    rec = _play(env, _Scripted(["abcdefgh"]), max_new_tokens=4)
+    assert rec.arrays()[1].sum() == 4
+    assert env.actions == ["abcd"]
+
+
+def test_max_turns_without_done_is_truncated():
+    env = make_env(ENV, turns=100)
+    rec = _play(env, _Scripted(["a"] * 10), max_turns=3)
+    assert rec.status == "truncated" and rec.turns == 3
+    _check_invariants(rec)
+
+
+def test_done_on_last_allowed_turn_is_ok():
+    env = make_env(ENV, turns=3)
+    rec = _play(env, _Scripted(["a"] * 3), max_turns=3)
+    assert rec.status == "ok" and rec.reward == 1.0
