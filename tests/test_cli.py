@@ -39,7 +39,10 @@ def test_inspect_json_and_text(tmp_path):
     assert text.returncode == 0 and "rows: 10" in text.stdout and "length histogram" in text.stdout
     store.write_bytes("shards/a/broken.parquet", b"nope")
     bad = _cli("inspect", str(tmp_path / "shards"))
-    assert bad.returncode == 1 and f"INVALID file://{tmp_path}/shards/a/broken.parquet: corrupt" in bad.stdout
+    assert (
+        bad.returncode == 1
+        and f"INVALID file://{tmp_path}/shards/a/broken.parquet: corrupt" in bad.stdout
+    )
 
 
 def test_config_errors_exit_2_with_message():

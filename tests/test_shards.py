@@ -132,3 +132,18 @@ def test_invalid_shard_reported_and_skipped(tmp_path):
     assert len(stream.poll()) == 4
     assert seen == [("shards/actor-0/0000000000000-bad.parquet", "corrupt")]
     assert "shards/actor-0/0000000000000-bad.parquet" in stream.get_state()["done"]
+
+
+def test_include_acked_returns_whole_shards_flagged(tmp_path):
+    """After a restart, advantages need whole groups: acked rows come back, flagged."""
+    store = open_store(str(tmp_path))
+    eps, _ = _write(store, 8, per_shard=8)
+    stream = ShardStream(store, vocab_size=103)
+    items = stream.poll()
+    for it in items[:3]:
+        stream.ack(it.shard, [it.row])
+    resumed = ShardStream(store, vocab_size=103)
+    resumed.set_state(stream.get_state())
+    again = resumed.poll(include_acked=True)
+    assert len(again) == 8
+    assert sorted(i.row for i in again if i.acked) == sorted(i.row for i in items[:3])

@@ -19,8 +19,8 @@ exact, duplicate-free account of every episode, across any number of crashes.
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 from typing import Any
 from urllib.parse import urlparse
 
@@ -45,7 +45,9 @@ def _directory(store: ObjectStore) -> Any:
         # Orbax writes gs:// through tensorstore and gcsfs, which ignore
         # STORAGE_EMULATOR_HOST; point them at the same emulator (and skip gcsfs's
         # hierarchical-namespace probe, ~60 s of gRPC retries per bucket).
-        os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", emulator if "://" in emulator else f"http://{emulator}")
+        os.environ.setdefault(
+            "TENSORSTORE_GCS_HTTP_URL", emulator if "://" in emulator else f"http://{emulator}"
+        )
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     return uri
 

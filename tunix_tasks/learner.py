@@ -132,17 +132,22 @@ class Learner:
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         t_start = time.monotonic()
-        self._setup()
         self._t0 = time.monotonic()
         self._train_s = 0.0
         self._wait_s = 0.0
-        self._last_data = time.monotonic()
         try:
-            while self.step < self.max_steps and not self._should_stop():
-                batch, episodes = self._next_batch()
-                if batch is None:
-                    continue
-                self._train(batch, episodes)
+            self._setup()
+            self._t0 = time.monotonic()
+            self._last_data = time.monotonic()
+            try:
+                while self.step < self.max_steps and not self._should_stop():
+                    batch, episodes = self._next_batch()
+                    if batch is None:
+                        continue
+                    self._train(batch, episodes)
+            except DataTimeout:
+                self._checkpoint()  # nothing is wrong with the state: keep the progress
+                raise
             reached = self.step >= self.max_steps
             if reached:
                 self._stop_reason = self._stop_reason or "max_steps"
@@ -175,10 +180,19 @@ class Learner:
         return self._stop_requested
 
     def _teardown(self) -> None:
-        self.input.stop()
-        self.metrics.close()
-        self.ckpt.close()
-        self.lease.release()
+        """Stop threads and release the lease, whatever part of `_setup` succeeded."""
+        for name, close in (
+            ("input", "stop"),
+            ("metrics", "close"),
+            ("ckpt", "close"),
+            ("lease", "release"),
+        ):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                try:
+                    getattr(obj, close)()
+                except Exception as err:  # keep tearing down the rest
+                    log.warning("learner teardown: %s.%s failed: %r", name, close, err)
 
     # -- data --------------------------------------------------------------------------
     def _next_batch(self) -> tuple[PackedBatch | None, list[BufferedEpisode]]:
@@ -188,9 +202,13 @@ class Learner:
         lc = self.cfg.learner
         result = None
         if len(self._buffer) >= lc.min_episodes_per_step:
-            by_id = {b.episode_id: b for b in self._buffer}
+            # Oldest weights first (they are closest to going stale), and a bounded window
+            # so packing stays cheap however large the backlog grows.
+            self._buffer.sort(key=lambda b: b.policy_version)
+            window = self._buffer[: max(4 * lc.min_episodes_per_step, 8 * lc.batch_rows, 256)]
+            by_id = {b.episode_id: b for b in window}
             result = pack(
-                [b.example for b in self._buffer],
+                [b.example for b in window],
                 buckets=lc.buckets,
                 batch_rows=lc.batch_rows,
                 flush=self.cfg.mode == "sync",

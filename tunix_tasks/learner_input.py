@@ -118,15 +118,20 @@ class LearnerInput:
         with self._lock:
             pending = self._stream.pending_shards()
             self.backlog_shards = len(pending)
-            items = self._stream.poll(max_shards=max_shards) if pending else []
+            # Acknowledged rows too: a group's advantages are computed over the whole group,
+            # also when part of it was trained before a restart.
+            items = self._stream.poll(max_shards=max_shards, include_acked=True) if pending else []
         by_shard: dict[str, list[StreamItem]] = {}
         for it in items:
             by_shard.setdefault(it.shard, []).append(it)
         n = 0
         for shard_items in by_shard.values():
-            for ep in with_advantages(shard_items, self._advantage):
-                self._queue.put(ep)
-                n += 1
+            for item, ep in zip(
+                shard_items, with_advantages(shard_items, self._advantage), strict=True
+            ):
+                if not item.acked:
+                    self._queue.put(ep)
+                    n += 1
         return n
 
     def start(self) -> None:

@@ -234,6 +234,7 @@ class StreamItem:
     shard: str
     row: int
     episode: Episode
+    acked: bool = False  # only with poll(include_acked=True)
 
 
 def table_episodes(table: pa.Table) -> Iterator[Episode]:
@@ -338,8 +339,13 @@ class ShardStream:
             if info.key.endswith(".parquet") and info.key not in self._done
         )
 
-    def poll(self, *, max_shards: int | None = None) -> list[StreamItem]:
-        """Episodes from newly complete shards (each shard's rows in length order)."""
+    def poll(
+        self, *, max_shards: int | None = None, include_acked: bool = False
+    ) -> list[StreamItem]:
+        """Episodes from newly complete shards (each shard's rows in length order).
+
+        `include_acked=True` also returns rows acknowledged before a restart (flagged
+        `acked`), for statistics that need whole groups, such as advantages."""
         from tunix_tasks.validation import ShardValidationError, read_shard
 
         items: list[StreamItem] = []
@@ -360,6 +366,8 @@ class ShardStream:
             for row, episode in enumerate(table_episodes(table)):
                 if row not in acked:
                     items.append(StreamItem(key, row, episode))
+                elif include_acked:
+                    items.append(StreamItem(key, row, episode, acked=True))
             self._maybe_done(key)
         return items
 
