@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,6 +293,7 @@ class ShardStream:
         vocab_size: int,
         prefix: str = SHARDS_PREFIX,
         on_invalid: Any = None,
+        read_threads: int = 4,
     ) -> None:
         self._store = store
         self.vocab_size = vocab_size
@@ -301,6 +303,8 @@ class ShardStream:
         self._acked: dict[str, set[int]] = {}  # shard -> acked rows (shard opened, not done)
         self._rows: dict[str, int] = {}  # shard -> row count, for shards in progress
         self._emitted: set[str] = set()  # shards whose rows were handed out this process
+        self.read_threads = read_threads
+        self._pool: ThreadPoolExecutor | None = None
 
     # -- position -----------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:
@@ -348,11 +352,27 @@ class ShardStream:
         `acked`), for statistics that need whole groups, such as advantages."""
         from tunix_tasks.validation import ShardValidationError, read_shard
 
-        items: list[StreamItem] = []
-        for key in self.pending_shards()[: max_shards or None]:
+        def read(key: str) -> pa.Table | ShardValidationError:
             try:
-                table = read_shard(self._store, key, vocab_size=self.vocab_size)
+                return read_shard(self._store, key, vocab_size=self.vocab_size)
             except ShardValidationError as err:
+                return err
+
+        keys = self.pending_shards()[: max_shards or None]
+        # Shards are read concurrently (Parquet decoding and object-store requests release
+        # the GIL), then handed out in order.
+        if len(keys) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self.read_threads, thread_name_prefix="shard-read"
+                )
+            tables = list(self._pool.map(read, keys))
+        else:
+            tables = [read(k) for k in keys]
+        items: list[StreamItem] = []
+        for key, table in zip(keys, tables, strict=True):
+            if isinstance(table, ShardValidationError):
+                err = table
                 log.warning("invalid shard %s: %s", key, err.reason)
                 if self._on_invalid is not None:
                     self._on_invalid(key, err)

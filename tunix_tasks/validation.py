@@ -81,10 +81,19 @@ def _check_schema(table: pa.Table, where: str) -> None:
             )
 
 
+def _list_parts(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(per-row lengths, flat values) of a list column, as numpy views where possible."""
+    arr = table.column(name).combine_chunks()
+    offsets = arr.offsets.to_numpy()
+    return np.diff(offsets), arr.flatten().to_numpy(zero_copy_only=False)
+
+
 def _check_lists(table: pa.Table, where: str, vocab_size: int) -> None:
     lengths = table.column("length").to_numpy()
-    for name in ("tokens", "loss_mask", "behavior_logprobs"):
-        n = pc.list_value_length(table.column(name)).to_numpy(zero_copy_only=False)
+    parts = {
+        name: _list_parts(table, name) for name in ("tokens", "loss_mask", "behavior_logprobs")
+    }
+    for name, (n, _) in parts.items():
         bad = np.nonzero(n != lengths)[0]
         if bad.size:
             row = int(bad[0])
@@ -95,18 +104,17 @@ def _check_lists(table: pa.Table, where: str, vocab_size: int) -> None:
             )
     if (lengths <= 0).any():
         raise ShardValidationError(where, "empty_episode", "an episode has length 0")
-    tokens = pc.list_flatten(table.column("tokens"))
-    lo, hi = pc.min_max(tokens).values()
-    if lo.as_py() < 0 or hi.as_py() >= vocab_size:
+    tokens = parts["tokens"][1]
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
         raise ShardValidationError(
             where,
             "token_out_of_range",
-            f"token ids span [{lo.as_py()}, {hi.as_py()}], vocabulary is [0, {vocab_size})",
+            f"token ids span [{lo}, {hi}], vocabulary is [0, {vocab_size})",
         )
-    mask = pc.list_flatten(table.column("loss_mask"))
-    if not pc.all(pc.is_in(mask, value_set=pa.array([0, 1], pa.int8()))).as_py():
+    if (parts["loss_mask"][1].view(np.uint8) > 1).any():  # -1 becomes 255 as uint8
         raise ShardValidationError(where, "bad_loss_mask", "loss_mask values must be 0 or 1")
-    logprobs = pc.list_flatten(table.column("behavior_logprobs")).to_numpy(zero_copy_only=False)
+    logprobs = parts["behavior_logprobs"][1]
     if not np.isfinite(logprobs).all():
         raise ShardValidationError(where, "non_finite", "behavior_logprobs has NaN or inf")
     if (logprobs > 1e-4).any():
