@@ -91,7 +91,7 @@ def measure_actor(root: str, envs: int, warmup_s: float, window_s: float) -> dic
     thread = threading.Thread(target=lambda: result.update(actor.run()))
     thread.start()
     time.sleep(warmup_s)
-    n0, p0, s0 = actor.stats.episodes, len(actor.stats.policy_s), _cpu_s()
+    n0, c0, s0 = actor.stats.episodes, actor.policy.calls, _cpu_s()
     times, counts = [], []
     t0 = time.monotonic()
     while (now := time.monotonic()) - t0 < window_s:
@@ -100,8 +100,9 @@ def measure_actor(root: str, envs: int, warmup_s: float, window_s: float) -> dic
         time.sleep(0.05)
     cpu = (_cpu_s() - s0) / (time.monotonic() - t0)
     slope = float(np.polyfit(times, counts, 1)[0])
-    batches = actor.stats.policy_batch[p0:]
-    latency = actor.stats.policy_s[p0:]
+    new_calls = actor.policy.calls - c0
+    batches = actor.policy.batch_sizes[-new_calls:] if new_calls else []
+    latency = actor.policy.latency_s[-new_calls:] if new_calls else []
     mark_done(store, "benchmark")
     thread.join()
     return {

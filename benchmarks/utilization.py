@@ -31,7 +31,9 @@ from tunix_tasks.report import summarize
 from tunix_tasks.store import open_store
 
 
-def run(mode: str, root: str, steps: int, latency: float, actors: int, envs: int) -> dict:
+def run(
+    mode: str, root: str, steps: int, latency: float, actors: int, envs: int, max_staleness: int
+) -> dict:
     overrides = [
         f"store={root}",
         f"run_name={mode}",
@@ -53,8 +55,9 @@ def run(mode: str, root: str, steps: int, latency: float, actors: int, envs: int
         "learner.buckets=[128]",
         "learner.min_episodes_per_step=16",
         "learner.learning_rate=1e-3",
+        "actor.batch_wait_s=0.05",
         f"learner.checkpoint_every={steps}",
-        "learner.max_staleness=4",
+        f"learner.max_staleness={max_staleness}",
     ]
     if mode == "sync":
         overrides += list(SYNC_OVERRIDES)
@@ -79,7 +82,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--latency", type=float, default=1.0)
     p.add_argument("--actors", type=int, default=2)
-    p.add_argument("--envs", type=int, default=64)
+    p.add_argument("--envs", type=int, default=128)
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=16,
+        help="async bound; must cover an episode's duration in versions (see docs/architecture.md)",
+    )
+    p.add_argument("--keep", help="keep the runs under this folder instead of a temp dir")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = {

@@ -299,15 +299,15 @@ def test_actor_writes_valid_shards_with_exact_logprobs(store_uri):
 
     # Compilations: bounded by the (batch bucket, prompt bucket) shapes the run can use.
     batch_used = {
-        next(b for b in actor.sampler.batch_buckets if b >= n) for n in actor.stats.policy_batch
+        next(b for b in actor.sampler.batch_buckets if b >= n) for n in actor.policy.batch_sizes
     }
-    assert max(actor.stats.policy_batch) <= cfg.actor.envs_per_actor
+    assert max(actor.policy.batch_sizes) <= cfg.actor.envs_per_actor
     prompt_reachable = [p for p in actor.sampler.prompt_buckets if p < cfg.actor.max_episode_tokens]
     prompt_reachable.append(
         next(p for p in actor.sampler.prompt_buckets if p >= cfg.actor.max_episode_tokens)
     )
     assert 1 <= summary["compile_count"] <= len(batch_used) * len(prompt_reachable)
-    assert len(actor.stats.policy_batch) > 10 * summary["compile_count"]
+    assert len(actor.policy.batch_sizes) > 10 * summary["compile_count"]
 
     # Metrics JSON lines.
     records = read_metrics(store, "actor/actor-e2e")

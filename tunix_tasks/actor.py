@@ -27,13 +27,12 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
 import numpy as np
 
+from tunix_tasks.batching import BatchingPolicy
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.metrics import MetricsWriter
@@ -55,12 +54,6 @@ def episode_seed(run_seed: int, actor_id: str, group: int) -> int:
 
 
 @dataclass
-class _Request:
-    context: list[int]
-    future: asyncio.Future
-
-
-@dataclass
 class ActorStats:
     episodes: int = 0
     tokens: int = 0
@@ -68,8 +61,6 @@ class ActorStats:
     reward_sum: float = 0.0
     status: dict[str, int] = field(default_factory=dict)
     env_step_s: list[float] = field(default_factory=list)
-    policy_s: list[float] = field(default_factory=list)
-    policy_batch: list[int] = field(default_factory=list)
     reloads: int = 0
 
 
@@ -106,9 +97,16 @@ class Actor:
         self._writer_lock = threading.Lock()
         self.metrics = MetricsWriter(store, f"actor/{actor_id}")
         self.stats = ActorStats()
-        self._queue: asyncio.Queue[_Request] | None = None
-        self._rng = jax.random.PRNGKey(episode_seed(cfg.seed, actor_id, -1))
-        self._calls = 0
+        self.policy = BatchingPolicy(
+            self.sampler,
+            max_new_tokens=cfg.actor.max_new_tokens,
+            temperature=cfg.actor.temperature,
+            top_k=cfg.actor.top_k,
+            seed=episode_seed(cfg.seed, actor_id, -1),
+            version=lambda: self.version,
+            before_batch=self._maybe_reload,
+            gather_s=cfg.actor.batch_wait_s,
+        )
         self._group_counter = 0
         self.limits = EpisodeLimits(
             max_turns=cfg.env.max_turns,
@@ -196,17 +194,15 @@ class Actor:
 
     # -- the event loop ----------------------------------------------------------------
     async def _main(self) -> None:
-        self._queue = asyncio.Queue()
-        batcher = asyncio.create_task(self._batcher())
         watcher = asyncio.create_task(self._watch())
         try:
-            if self.cfg.mode == "sync":
-                await self._run_sync()
-            else:
-                slots = max(1, self.cfg.actor.envs_per_actor // self.cfg.actor.group_size)
-                await asyncio.gather(*(self._group_loop(i) for i in range(slots)))
+            async with self.policy:
+                if self.cfg.mode == "sync":
+                    await self._run_sync()
+                else:
+                    slots = max(1, self.cfg.actor.envs_per_actor // self.cfg.actor.group_size)
+                    await asyncio.gather(*(self._group_loop(i) for i in range(slots)))
         finally:
-            batcher.cancel()
             watcher.cancel()
 
     async def _watch(self) -> None:
@@ -220,43 +216,6 @@ class Actor:
             await asyncio.to_thread(self._log_metrics_periodic)  # may write: off the loop
             await asyncio.sleep(1.0)
 
-    async def _policy(self, context: Sequence[int]) -> tuple[list[int], list[float], int]:
-        assert self._queue is not None
-        fut = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Request(list(context), fut))
-        return await fut
-
-    async def _batcher(self) -> None:
-        """Collect pending policy requests and sample them in one batch, off the loop."""
-        assert self._queue is not None
-        while True:
-            first = await self._queue.get()
-            await asyncio.sleep(0.002)  # let loops that are about to ask join this batch
-            batch = [first]
-            while not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            try:
-                await asyncio.to_thread(self._maybe_reload)
-                t0 = time.perf_counter()
-                self._calls += 1
-                samples = await asyncio.to_thread(
-                    self.sampler.sample,
-                    [r.context for r in batch],
-                    max_new_tokens=self.cfg.actor.max_new_tokens,
-                    temperature=self.cfg.actor.temperature,
-                    top_k=self.cfg.actor.top_k,
-                    rng=jax.random.fold_in(self._rng, self._calls),
-                )
-                self.stats.policy_s.append(time.perf_counter() - t0)
-                self.stats.policy_batch.append(len(batch))
-                for req, s in zip(batch, samples, strict=True):
-                    if not req.future.done():
-                        req.future.set_result((s.tokens, s.logprobs, self.version))
-            except Exception as err:  # surface to the episode loops, never hang them
-                for req in batch:
-                    if not req.future.done():
-                        req.future.set_exception(err)
-
     async def _play_group(self) -> list[Episode]:
         group = self._group_counter
         self._group_counter += 1
@@ -265,7 +224,7 @@ class Actor:
         envs = [self._make_env(seed, k) for k in range(self.cfg.actor.group_size)]
         records = await asyncio.gather(
             *(
-                play_episode(env, self._policy, seed=seed, limits=self.limits, tok=self.tok)
+                play_episode(env, self.policy, seed=seed, limits=self.limits, tok=self.tok)
                 for env in envs
             )
         )
@@ -291,10 +250,7 @@ class Actor:
 
     async def _run_sync(self) -> None:
         """Classic synchronous loop: one batch per weights version, then wait."""
-        per_version = max(
-            1, -(-self.cfg.learner.min_episodes_per_step // self.cfg.actor.num_actors)
-        )
-        groups = max(1, -(-per_version // self.cfg.actor.group_size))
+        groups = self.cfg.sync_groups_per_actor
         while not self._should_stop():
             version = self.version
             results = await asyncio.gather(*(self._play_group() for _ in range(groups)))
@@ -351,7 +307,7 @@ class Actor:
         dt = max(1e-6, now - t0) if t0 else None
         s = self.stats
         env = np.asarray(s.env_step_s[-2000:] or [0.0])
-        pol = np.asarray(s.policy_s[-500:] or [0.0])
+        pol = np.asarray(self.policy.latency_s[-500:] or [0.0])
         self.metrics.log(
             actor_id=self.actor_id,
             episodes=s.episodes,
@@ -363,7 +319,7 @@ class Actor:
             env_step_p50_s=float(np.percentile(env, 50)),
             env_step_p99_s=float(np.percentile(env, 99)),
             policy_latency_p50_s=float(np.percentile(pol, 50)),
-            policy_batch_mean=float(np.mean(s.policy_batch[-500:] or [0])),
+            policy_batch_mean=float(np.mean(self.policy.batch_sizes[-500:] or [0])),
             weights_version=self.version,
             reload_s=self.weights.last_reload_s,
             reloads=s.reloads,

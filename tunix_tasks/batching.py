@@ -96,7 +96,7 @@ class BatchingPolicy:
                 )
                 self.latency_s.append(time.perf_counter() - t0)
                 self.batch_sizes.append(len(batch))
-                del self.latency_s[:-1000], self.batch_sizes[:-1000]
+                del self.latency_s[:-10000], self.batch_sizes[:-10000]
                 for req, s in zip(batch, samples, strict=True):
                     if not req.future.done():
                         req.future.set_result((s.tokens, s.logprobs, version))

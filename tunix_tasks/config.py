@@ -122,6 +122,9 @@ class ActorConfig(_Frozen):
     max_new_tokens: int = Field(16, ge=1, description="tokens the policy may generate per turn")
     max_episode_tokens: int = Field(192, ge=8)
     weight_poll_s: float = Field(1.0, gt=0.0)
+    batch_wait_s: float = Field(
+        0.02, ge=0.0, le=1.0, description="gather policy calls this long into one sampler batch"
+    )
 
 
 class MeshConfig(_Frozen):
@@ -235,6 +238,17 @@ class RunConfig(_Frozen):
                 "(`tunix-tasks train --mode sync` sets both)"
             )
         return self
+
+    @property
+    def sync_groups_per_actor(self) -> int:
+        """Synchronous mode: episode groups each actor plays per weights version, so that
+        the fleet produces at least `learner.min_episodes_per_step` episodes."""
+        per_actor = -(-self.learner.min_episodes_per_step // self.actor.num_actors)
+        return max(1, -(-per_actor // self.actor.group_size))
+
+    @property
+    def sync_episodes_per_version(self) -> int:
+        return self.sync_groups_per_actor * self.actor.group_size * self.actor.num_actors
 
     @property
     def run_uri(self) -> str:

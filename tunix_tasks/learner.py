@@ -77,6 +77,8 @@ class Learner:
         self._buffer: list[BufferedEpisode] = []
         self._stop_requested = False
         self._last_checkpoint = -1
+        self._sync = cfg.mode == "sync"
+        self._sync_trained = 0  # sync mode: episodes of the current version trained so far
 
     def request_stop(self, reason: str) -> None:
         self._stop_reason = self._stop_reason or reason
@@ -152,7 +154,7 @@ class Learner:
             if reached:
                 self._stop_reason = self._stop_reason or "max_steps"
             self._checkpoint()
-            if self.step % self.cfg.learner.publish_every:
+            if not self._sync and self.step % self.cfg.learner.publish_every:
                 self.version += 1
                 self._publish()
             if reached or self._stop_reason == "deadline":
@@ -201,7 +203,7 @@ class Learner:
         self._drop_unusable()
         lc = self.cfg.learner
         result = None
-        if len(self._buffer) >= lc.min_episodes_per_step:
+        if self._ready():
             # Oldest weights first (they are closest to going stale), and a bounded window
             # so packing stays cheap however large the backlog grows.
             self._buffer.sort(key=lambda b: b.policy_version)
@@ -235,6 +237,20 @@ class Learner:
         self.counters["truncated_sequences"] += sum(ep.example.length > longest for ep in episodes)
         self._wait_s += time.monotonic() - t0
         return batch, episodes
+
+    def _ready(self) -> bool:
+        """Enough data to pack a batch? Sync mode waits for the whole version's batch."""
+        if not self._sync:
+            return len(self._buffer) >= self.cfg.learner.min_episodes_per_step
+        fresh = sum(ep.policy_version == self.version for ep in self._buffer)
+        return fresh > 0 and fresh + self._sync_trained >= self.cfg.sync_episodes_per_version
+
+    def _publish_due(self) -> bool:
+        """Async: every `publish_every` steps. Sync: once all of this version's episodes
+        are trained (several steps if they fill several batches), so none goes stale."""
+        if not self._sync:
+            return self.step % self.cfg.learner.publish_every == 0
+        return not any(ep.policy_version == self.version for ep in self._buffer)
 
     def _drop(self, ep: BufferedEpisode, reason: str) -> None:
         self.input.ack(ep)
@@ -295,8 +311,11 @@ class Learner:
         self.metrics.log(**record)
         if self._progress is not None:
             self._progress(record)
-        if self.step % self.cfg.learner.publish_every == 0:
+        if self._sync:
+            self._sync_trained += len(episodes)
+        if self._publish_due():
             self.version += 1
+            self._sync_trained = 0
             self._publish()
         if self.step % self.cfg.learner.checkpoint_every == 0:
             self._checkpoint()
