@@ -54,7 +54,8 @@ def run(
         "learner.batch_rows=8",
         "learner.buckets=[128]",
         "learner.min_episodes_per_step=16",
-        "learner.learning_rate=1e-3",
+        "learner.learning_rate=2e-4",
+        "learner.warm_start_learning_rate=1e-3",
         "actor.batch_wait_s=0.05",
         f"learner.checkpoint_every={steps}",
         f"learner.max_staleness={max_staleness}",
@@ -82,7 +83,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--latency", type=float, default=1.0)
     p.add_argument("--actors", type=int, default=2)
-    p.add_argument("--envs", type=int, default=128)
+    p.add_argument("--envs", type=int, default=384)
     p.add_argument(
         "--max-staleness",
         type=int,
@@ -92,8 +93,9 @@ def main() -> None:
     p.add_argument("--keep", help="keep the runs under this folder instead of a temp dir")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep or tmp
         results = {
-            m: run(m, tmp, args.steps, args.latency, args.actors, args.envs)
+            m: run(m, root, args.steps, args.latency, args.actors, args.envs, args.max_staleness)
             for m in ("async", "sync")
         }
     rows = list(results["async"])

@@ -154,6 +154,11 @@ class LearnerConfig(_Frozen):
     )
     min_episodes_per_step: int = Field(8, ge=1)
     learning_rate: float = Field(3e-4, gt=0.0)
+    warm_start_learning_rate: float | None = Field(
+        None,
+        gt=0.0,
+        description="learning rate of the supervised warm start (default: learning_rate)",
+    )
     warmup_steps: int = Field(0, ge=0)
     grad_clip: float = Field(1.0, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)

@@ -60,10 +60,23 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(data, fsdp), ("data", "fsdp"))
 
 
-def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
-    lr: Any = cfg.learning_rate
+def make_optimizer(
+    cfg: LearnerConfig, *, warm_start_steps: int = 0
+) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping. The first `warm_start_steps` (supervised) use
+    `warm_start_learning_rate`; RL then uses `learning_rate` (with optional linear warm-up)."""
+    rl_lr: Any = cfg.learning_rate
     if cfg.warmup_steps:
-        lr = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+        rl_lr = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+    lr: Any = rl_lr
+    if warm_start_steps and cfg.warm_start_learning_rate is not None:
+        lr = optax.join_schedules(
+            [
+                optax.constant_schedule(cfg.warm_start_learning_rate),
+                rl_lr if callable(rl_lr) else optax.constant_schedule(rl_lr),
+            ],
+            boundaries=[warm_start_steps],
+        )
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
         optax.adamw(lr, b1=0.9, b2=0.98, weight_decay=cfg.weight_decay),
@@ -116,7 +129,11 @@ class Trainer:
             "ppo_clip": float(cfg.learner.ppo_clip),
         }
         self.model = model
-        self.optimizer = nnx.Optimizer(self.model, make_optimizer(cfg.learner), wrt=nnx.Param)
+        self.optimizer = nnx.Optimizer(
+            self.model,
+            make_optimizer(cfg.learner, warm_start_steps=cfg.warm_start_steps),
+            wrt=nnx.Param,
+        )
         # Lay out params and optimizer state once, as the jitted step returns them: inputs
         # whose sharding differs from the outputs would force a second compilation.
         self._shard(self.model)
