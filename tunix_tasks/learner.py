@@ -22,6 +22,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -77,6 +78,8 @@ class Learner:
         self._buffer: list[BufferedEpisode] = []
         self._stop_requested = False
         self._last_checkpoint = -1
+        self._published: Future | None = None
+        self._publish_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
         self._sync = cfg.mode == "sync"
         self._sync_trained = 0  # sync mode: episodes of the current version trained so far
 
@@ -129,6 +132,7 @@ class Learner:
         # actors drop weights from updates lost in a crash.
         self.version = max(self.version, latest[0] + 1 if latest else 0)
         self._publish()
+        self._wait_published()  # actors need the first snapshot before anything else
         self.input.start()
 
     # -- main loop ---------------------------------------------------------------------
@@ -142,11 +146,7 @@ class Learner:
             self._t0 = time.monotonic()
             self._last_data = time.monotonic()
             try:
-                while self.step < self.max_steps and not self._should_stop():
-                    batch, episodes = self._next_batch()
-                    if batch is None:
-                        continue
-                    self._train(batch, episodes)
+                self._loop()
             except DataTimeout:
                 self._checkpoint()  # nothing is wrong with the state: keep the progress
                 raise
@@ -157,6 +157,7 @@ class Learner:
             if not self._sync and self.step % self.cfg.learner.publish_every:
                 self.version += 1
                 self._publish()
+            self._wait_published()
             if reached or self._stop_reason == "deadline":
                 mark_done(self.store, f"learner {self._stop_reason} at step {self.step}")
         finally:
@@ -184,6 +185,7 @@ class Learner:
     def _teardown(self) -> None:
         """Stop threads and release the lease, whatever part of `_setup` succeeded."""
         for name, close in (
+            ("_publish_pool", "shutdown"),
             ("input", "stop"),
             ("metrics", "close"),
             ("ckpt", "close"),
@@ -238,6 +240,9 @@ class Learner:
         self._wait_s += time.monotonic() - t0
         return batch, episodes
 
+    def _too_stale(self, ep: BufferedEpisode) -> bool:
+        return self.version - ep.policy_version > self.cfg.learner.max_staleness
+
     def _ready(self) -> bool:
         """Enough data to pack a batch? Sync mode waits for the whole version's batch."""
         if not self._sync:
@@ -261,7 +266,7 @@ class Learner:
     def _drop_unusable(self) -> None:
         keep = []
         for ep in self._buffer:
-            if self.version - ep.policy_version > self.cfg.learner.max_staleness:
+            if self._too_stale(ep):
                 self._drop(ep, "stale")
             elif ep.status == "env_error":
                 self._drop(ep, "env_error")
@@ -270,10 +275,32 @@ class Learner:
         self._buffer = keep
 
     # -- training ----------------------------------------------------------------------
-    def _train(self, batch: PackedBatch, episodes: list[BufferedEpisode]) -> None:
-        t0 = time.monotonic()
-        m = self.trainer.step(batch)
-        dt = time.monotonic() - t0
+    def _loop(self) -> None:
+        """Pipelined: while update N runs on the device, the host drains and packs the
+        batch of update N+1; bookkeeping, publishing and checkpoints follow update N."""
+        inflight: tuple[Any, PackedBatch, list[BufferedEpisode]] | None = None
+        try:
+            while self.step < self.max_steps and not self._should_stop():
+                batch, episodes = self._next_batch()
+                if inflight is not None:
+                    self._complete(*inflight)
+                    inflight = None
+                    if self.step >= self.max_steps or self._should_stop():
+                        self._buffer.extend(episodes)  # packed, never trained: not acked
+                        break
+                if batch is None:
+                    continue
+                if any(self._too_stale(ep) for ep in episodes):  # a publish just moved us
+                    self._buffer.extend(episodes)
+                    continue
+                inflight = (self.trainer.dispatch(batch), batch, episodes)
+        finally:
+            if inflight is not None:
+                self._complete(*inflight)
+
+    def _complete(self, pending: Any, batch: PackedBatch, episodes: list[BufferedEpisode]) -> None:
+        m = self.trainer.collect(pending)
+        dt = m["step_s"]
         self._train_s += dt
         self.step += 1
         for ep in episodes:
@@ -321,21 +348,31 @@ class Learner:
             self._checkpoint()
 
     def _publish(self) -> None:
+        """Snapshot the params now (the next update donates their buffers); serialize,
+        checksum and upload them in the background, in order."""
         self.lease.ensure()  # LeaseLost: a learner without the lease never publishes
-        manifest = self.publisher.publish(
-            self.trainer.flat_params(),
-            version=self.version,
-            step=self.step,
-            model=model_meta(self.cfg.model),
+        self._wait_published()  # keeps versions in order; raises a failed publish here
+        flat = self.trainer.flat_params()
+        self._published = self._publish_pool.submit(
+            self._publish_flat, flat, self.version, self.step
         )
-        log.info("published weights v%d at step %d", manifest.version, self.step)
+
+    def _publish_flat(self, flat: dict[str, Any], version: int, step: int) -> None:
+        self.publisher.publish(flat, version=version, step=step, model=model_meta(self.cfg.model))
+        log.info("published weights v%d at step %d", version, step)
         if self._on_publish is not None:
             try:
-                self._on_publish(self.version, f"{self.store.uri}/weights/v{self.version:08d}")
+                self._on_publish(version, f"{self.store.uri}/weights/v{version:08d}")
             except Exception as err:  # a notification must never kill training
                 log.warning("on_publish callback failed: %r", err)
 
+    def _wait_published(self) -> None:
+        if self._published is not None:
+            done, self._published = self._published, None
+            done.result()
+
     def _checkpoint(self) -> None:
+        self._wait_published()
         if self.step == self._last_checkpoint:
             return
         try:

@@ -181,20 +181,32 @@ class Trainer:
             for name in BATCH_FIELDS
         }
 
-    def step(self, batch: PackedBatch, *, supervised: bool = False) -> dict[str, float]:
-        """One optimizer update; blocks until done; returns float metrics."""
+    def dispatch(
+        self, batch: PackedBatch, *, supervised: bool = False
+    ) -> tuple[dict[str, jax.Array], float]:
+        """Start one optimizer update and return at once (JAX dispatch is asynchronous),
+        so the host can prepare the next batch while the device computes."""
         t0 = time.perf_counter()
         arrays = self.device_batch(batch)
         with jax.set_mesh(self.mesh):
             metrics = self._step_fns["supervised" if supervised else "rl"](
                 self.model, self.optimizer, arrays
             )
+        return metrics, t0
+
+    def collect(self, pending: tuple[dict[str, jax.Array], float]) -> dict[str, float]:
+        """Wait for a dispatched update; returns float metrics, `step_s` from dispatch."""
+        metrics, t0 = pending
         out = {k: float(v) for k, v in jax.device_get(metrics).items()}
         self.steps += 1
         out["step_s"] = time.perf_counter() - t0
         if not math.isfinite(out["loss"]):
             raise FloatingPointError(f"non-finite loss {out['loss']} at trainer step {self.steps}")
         return out
+
+    def step(self, batch: PackedBatch, *, supervised: bool = False) -> dict[str, float]:
+        """One optimizer update; blocks until done; returns float metrics."""
+        return self.collect(self.dispatch(batch, supervised=supervised))
 
     def flat_params(self) -> dict[str, np.ndarray]:
         return flat_params(self.model)
