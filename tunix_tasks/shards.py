@@ -187,12 +187,7 @@ class ShardWriter:
         return len(self._buffer)
 
     def add(self, episode: Episode) -> str | None:
-        if not self._buffer:
-            self._opened_at = time.monotonic()
-        self._buffer.append(episode)
-        if len(self._buffer) >= self.max_episodes:
-            return self.flush()
-        return None
+        return self.add_group([episode])
 
     def add_group(self, episodes: Sequence[Episode]) -> str | None:
         """Add episodes that must land in the same shard (one advantage group)."""
