@@ -137,7 +137,7 @@ def test_invalid_shard_reported_and_skipped(tmp_path):
 def test_include_acked_returns_whole_shards_flagged(tmp_path):
     """After a restart, advantages need whole groups: acked rows come back, flagged."""
     store = open_store(str(tmp_path))
-    eps, _ = _write(store, 8, per_shard=8)
+    _write(store, 8, per_shard=8)
     stream = ShardStream(store, vocab_size=103)
     items = stream.poll()
     for it in items[:3]:
