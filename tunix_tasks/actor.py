@@ -108,12 +108,7 @@ class Actor:
             gather_s=cfg.actor.batch_wait_s,
         )
         self._group_counter = 0
-        self.limits = EpisodeLimits(
-            max_turns=cfg.env.max_turns,
-            max_episode_tokens=cfg.actor.max_episode_tokens,
-            max_new_tokens=cfg.actor.max_new_tokens,
-            step_timeout_s=cfg.env.step_timeout_s,
-        )
+        self.limits = EpisodeLimits.from_config(cfg)
 
     # -- lifecycle -----------------------------------------------------------------
     def request_stop(self, reason: str) -> None:

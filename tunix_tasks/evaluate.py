@@ -37,12 +37,7 @@ def held_out_seeds(n: int = DEFAULT_EPISODES) -> list[int]:
 async def _evaluate(
     cfg: RunConfig, sampler: Sampler, seeds: list[int], *, greedy: bool
 ) -> list[tuple[float, int, str]]:
-    limits = EpisodeLimits(
-        max_turns=cfg.env.max_turns,
-        max_episode_tokens=cfg.actor.max_episode_tokens,
-        max_new_tokens=cfg.actor.max_new_tokens,
-        step_timeout_s=cfg.env.step_timeout_s,
-    )
+    limits = EpisodeLimits.from_config(cfg)
     policy = BatchingPolicy(
         sampler,
         max_new_tokens=cfg.actor.max_new_tokens,

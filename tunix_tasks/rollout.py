@@ -20,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
+from tunix_tasks.config import RunConfig
 from tunix_tasks.envs.base import Environment
 from tunix_tasks.tokenizer import Tokenizer
 
@@ -40,6 +41,15 @@ class EpisodeLimits:
     max_episode_tokens: int
     max_new_tokens: int
     step_timeout_s: float = 30.0
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> EpisodeLimits:
+        return cls(
+            max_turns=cfg.env.max_turns,
+            max_episode_tokens=cfg.actor.max_episode_tokens,
+            max_new_tokens=cfg.actor.max_new_tokens,
+            step_timeout_s=cfg.env.step_timeout_s,
+        )
 
 
 @dataclass

@@ -29,12 +29,7 @@ DEMO_SEED_BASE = 1 << 31
 
 
 async def _demos(cfg: RunConfig, tok: Tokenizer, n: int) -> list[SequenceExample]:
-    limits = EpisodeLimits(
-        max_turns=cfg.env.max_turns,
-        max_episode_tokens=cfg.actor.max_episode_tokens,
-        max_new_tokens=cfg.actor.max_new_tokens,
-        step_timeout_s=cfg.env.step_timeout_s,
-    )
+    limits = EpisodeLimits.from_config(cfg)
     out = []
     for i in range(n):
         seed = DEMO_SEED_BASE + cfg.seed * 100_003 + i
