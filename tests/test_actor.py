@@ -12,7 +12,6 @@ and the model is the "tiny" preset.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -31,7 +30,6 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
-from safetensors.numpy import save as st_save
 
 from tunix_tasks.actor import Actor
 from tunix_tasks.config import RunConfig, config_from_dict
@@ -47,8 +45,8 @@ from tunix_tasks.weights import (
     LATEST_KEY,
     MANIFEST_FILE,
     PARAMS_FILE,
-    Manifest,
     WeightsPublisher,
+    encode_snapshot,
     read_latest,
     snapshot_prefix,
 )
@@ -152,14 +150,8 @@ def _publish(store: ObjectStore, cfg: RunConfig, flat, version: int) -> WeightsP
 def _publish_corrupt(store: ObjectStore, cfg: RunConfig, flat, version: int) -> None:
     """A snapshot whose params were damaged in transit: the manifest's sha256 is of the
     good bytes, one byte of the stored params is flipped; LATEST is moved to it last."""
-    blob = st_save({k: np.ascontiguousarray(v) for k, v in flat.items()})
-    manifest = Manifest(
-        version=version,
-        step=version,
-        sha256=hashlib.sha256(blob).hexdigest(),
-        created_at=time.time(),
-        num_bytes=len(blob),
-        model=model_meta(cfg.model),
+    blob, manifest = encode_snapshot(
+        flat, version=version, step=version, model=model_meta(cfg.model)
     )
     bad = bytearray(blob)
     bad[len(bad) // 2] ^= 0xFF

@@ -68,6 +68,22 @@ class Manifest:
         return cls(**{k: raw[k] for k in cls.__dataclass_fields__})
 
 
+def encode_snapshot(
+    flat: dict[str, np.ndarray], *, version: int, step: int, model: dict[str, Any]
+) -> tuple[bytes, Manifest]:
+    """Serialize params (safetensors) and describe them (manifest with their sha256)."""
+    blob = st_save({k: np.ascontiguousarray(v) for k, v in flat.items()})
+    manifest = Manifest(
+        version=version,
+        step=step,
+        sha256=hashlib.sha256(blob).hexdigest(),
+        created_at=time.time(),
+        num_bytes=len(blob),
+        model=model,
+    )
+    return blob, manifest
+
+
 def read_latest(store: ObjectStore) -> tuple[int, str, int] | None:
     """(version, snapshot prefix, pointer generation) of the newest snapshot, or None."""
     got = store.read_versioned(LATEST_KEY)
@@ -123,15 +139,7 @@ class WeightsPublisher:
     ) -> Manifest:
         if version <= self.latest_version:
             raise ValueError(f"version {version} is not newer than published {self.latest_version}")
-        blob = st_save({k: np.ascontiguousarray(v) for k, v in flat.items()})
-        manifest = Manifest(
-            version=version,
-            step=step,
-            sha256=hashlib.sha256(blob).hexdigest(),
-            created_at=time.time(),
-            num_bytes=len(blob),
-            model=model,
-        )
+        blob, manifest = encode_snapshot(flat, version=version, step=step, model=model)
         prefix = snapshot_prefix(version)
         self._store.write_bytes(f"{prefix}/{PARAMS_FILE}", blob)
         self._store.write_bytes(f"{prefix}/{MANIFEST_FILE}", manifest.to_json())
