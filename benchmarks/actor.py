@@ -33,13 +33,13 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
-from tunix_tasks.actor import Actor
+from tunix_tasks.actor.actor import Actor
 from tunix_tasks.config import ModelConfig, config_from_dict
-from tunix_tasks.model import flat_params
-from tunix_tasks.policy import build_policy, model_meta
-from tunix_tasks.runs import mark_done, write_config
-from tunix_tasks.sampling import Sampler
-from tunix_tasks.weights import WeightsPublisher
+from tunix_tasks.policy.build import build_policy, model_meta
+from tunix_tasks.policy.model import flat_params
+from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.storage.runs import mark_done, write_config
+from tunix_tasks.storage.weights import WeightsPublisher
 
 LATENCY_S = 0.5
 

@@ -41,9 +41,15 @@ import numpy as np
 
 from tests.shard_factory import make_episode, realistic_lengths
 from tunix_tasks.config import config_from_dict
-from tunix_tasks.packing import PackResult, SequenceExample, bucket_no_pack, pack, pad_to_max
-from tunix_tasks.policy import build_policy
-from tunix_tasks.train_step import Trainer
+from tunix_tasks.learner.packing import (
+    PackResult,
+    SequenceExample,
+    bucket_no_pack,
+    pack,
+    pad_to_max,
+)
+from tunix_tasks.learner.train_step import Trainer
+from tunix_tasks.policy.build import build_policy
 
 BUCKETS = (256, 512, 1024, 2048)
 STRATEGIES = {"pad_to_max": pad_to_max, "bucket_no_pack": bucket_no_pack, "pack": pack}

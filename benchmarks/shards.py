@@ -25,8 +25,8 @@ import pyarrow.parquet as pq
 
 from tests.gcs_server import FakeGcs
 from tests.shard_factory import make_episode, realistic_lengths
-from tunix_tasks.shards import ShardStream, ShardWriter
-from tunix_tasks.store import open_store
+from tunix_tasks.storage.shards import ShardStream, ShardWriter
+from tunix_tasks.storage.store import open_store
 
 
 def run(uri: str, shards: int, per_shard: int, repeats: int) -> dict[str, float]:

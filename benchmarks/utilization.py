@@ -24,11 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tunix_tasks.cli_run import SYNC_OVERRIDES
 from tunix_tasks.config import load_config
-from tunix_tasks.launcher import train_local
-from tunix_tasks.report import summarize
-from tunix_tasks.store import open_store
+from tunix_tasks.frontdoor.cli_run import SYNC_OVERRIDES
+from tunix_tasks.frontdoor.launcher import train_local
+from tunix_tasks.frontdoor.report import summarize
+from tunix_tasks.storage.store import open_store
 
 
 def run(

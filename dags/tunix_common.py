@@ -89,11 +89,11 @@ def ensure_library_importable() -> None:
 
 
 def entrypoints():
-    """`tunix_tasks.entrypoints`, imported at task run time (never at DAG parse time)."""
+    """`tunix_tasks.frontdoor.entrypoints`, imported at task run time (never at DAG parse time)."""
     ensure_library_importable()
     import importlib
 
-    return importlib.import_module("tunix_tasks.entrypoints")
+    return importlib.import_module("tunix_tasks.frontdoor.entrypoints")
 
 
 def sanitize_run_name(text: str) -> str:

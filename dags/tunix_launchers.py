@@ -3,7 +3,7 @@
 The DAG tasks call `launch_actor` / `launch_learner`; this module decides how:
 
 - ``TUNIX_LAUNCHER=local`` (default): in the Airflow worker's own Python process, by
-  calling `tunix_tasks.entrypoints.run_actor` / `run_learner`. With the LocalExecutor
+  calling `tunix_tasks.frontdoor.entrypoints.run_actor` / `run_learner`. With the LocalExecutor
   that is one OS process per task on the Airflow machine; with the Celery executor the
   `cpu`/`tpu` queues route the tasks to CPU and TPU workers.
 - ``TUNIX_LAUNCHER=kubernetes``: the task builds a pod (`actor_pod_spec` /
@@ -88,9 +88,9 @@ def launch_learner(
 
 
 def _python_command(function: str, args: list[Any], kwargs: dict[str, Any]) -> list[str]:
-    """`python -c` calling `tunix_tasks.entrypoints.<function>` and writing its XCom."""
+    """`python -c` calling `tunix_tasks.frontdoor.entrypoints.<function>` and writing its XCom."""
     code = (
-        "import json, os; from tunix_tasks import entrypoints as e; "
+        "import json, os; from tunix_tasks.frontdoor import entrypoints as e; "
         f"a = json.loads({json.dumps(json.dumps({'args': args, 'kwargs': kwargs}))}); "
         f"r = e.{function}(*a['args'], **a['kwargs']); "
         f"os.makedirs(os.path.dirname({XCOM_RETURN!r}), exist_ok=True); "

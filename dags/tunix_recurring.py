@@ -60,7 +60,7 @@ def resume(params: dict | None = None) -> list[dict]:
 
     ep = entrypoints()
     from tunix_tasks.config import ConfigError, apply_overrides
-    from tunix_tasks.store import join_uri, normalize_uri, open_store
+    from tunix_tasks.storage.store import join_uri, normalize_uri, open_store
 
     params = dict(params or {})
     run_name = params["run_name"]

@@ -6,7 +6,7 @@ prepare (setup) ─┬─> actor [0..N) (mapped, pool cpu) ───────
                                                            (teardown)    (teardown)
 ```
 
-- `prepare` validates the form through `tunix_tasks.entrypoints.prepare_run` (a bad
+- `prepare` validates the form through `tunix_tasks.frontdoor.entrypoints.prepare_run` (a bad
   value fails the task without retrying, naming the field), writes `config.json`, clears
   a previous DONE marker and returns the run URI and the actor ids. The run is keyed by
   the `run_name` param, else by the Airflow `run_id` (never by `logical_date`, which is

@@ -1,4 +1,4 @@
-"""Tests for tunix_tasks.actor: real actors on a real store (file:// and gs://), no mocks.
+"""Tests for tunix_tasks.actor.actor: real actors on a real store (file:// and gs://), no mocks.
 
 Each test publishes weight snapshots with `WeightsPublisher`, runs an `Actor` in a thread
 (or `run_actor` in a subprocess) and checks what it wrote: valid shards, exact behaviour
@@ -31,17 +31,17 @@ import pytest
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
-from tunix_tasks.actor import Actor
+from tunix_tasks.actor.actor import Actor
 from tunix_tasks.config import RunConfig, config_from_dict
 from tunix_tasks.envs import StepResult, register_env
-from tunix_tasks.metrics import read_metrics
-from tunix_tasks.model import flat_params, load_flat_params, token_logprobs
-from tunix_tasks.policy import build_policy, model_meta
-from tunix_tasks.runs import mark_done, write_config
-from tunix_tasks.shards import Episode, ShardStream
-from tunix_tasks.store import ObjectStore
-from tunix_tasks.tokenizer import Tokenizer
-from tunix_tasks.weights import (
+from tunix_tasks.policy.build import build_policy, model_meta
+from tunix_tasks.policy.model import flat_params, load_flat_params, token_logprobs
+from tunix_tasks.policy.tokenizer import Tokenizer
+from tunix_tasks.storage.metrics import read_metrics
+from tunix_tasks.storage.runs import mark_done, write_config
+from tunix_tasks.storage.shards import Episode, ShardStream
+from tunix_tasks.storage.store import ObjectStore
+from tunix_tasks.storage.weights import (
     LATEST_KEY,
     MANIFEST_FILE,
     PARAMS_FILE,
@@ -338,7 +338,7 @@ def test_actor_reloads_weights_and_refuses_corrupt_snapshot(store_uri, caplog):
     n1 = actor.stats.episodes
     run.episodes_at_least(n1 + 3 * cfg.actor.envs_per_actor)  # well past the in-flight ones
 
-    with caplog.at_level(logging.ERROR, logger="tunix_tasks.weights"):
+    with caplog.at_level(logging.ERROR, logger="tunix_tasks.storage.weights"):
         _publish_corrupt(store, cfg, _peaky(8, cfg), version=2)
         run.until(lambda: 2 in actor.weights.refused, "refusal of the corrupt v2")
         n2 = actor.stats.episodes
@@ -446,7 +446,7 @@ def test_sigterm_subprocess_exits_cleanly_and_flushes(tmp_path, compile_cache):
     script = (
         "import json, logging, sys\n"
         "logging.basicConfig(level=logging.INFO)\n"
-        "from tunix_tasks.entrypoints import run_actor\n"
+        "from tunix_tasks.frontdoor.entrypoints import run_actor\n"
         "print('SUMMARY ' + json.dumps(run_actor(sys.argv[1], 3)), flush=True)\n"
     )
     env = {

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from tests.test_learner import PER_STEP, _episodes, _learner, _ledger, _prepare, _write
-from tunix_tasks.checkpoint import Checkpointer, ledger_key, read_ledger
-from tunix_tasks.policy import build_policy
-from tunix_tasks.runs import read_config
-from tunix_tasks.store import open_store
-from tunix_tasks.train_step import Trainer
+from tunix_tasks.learner.checkpoint import Checkpointer, ledger_key, read_ledger
+from tunix_tasks.learner.train_step import Trainer
+from tunix_tasks.policy.build import build_policy
+from tunix_tasks.storage.runs import read_config
+from tunix_tasks.storage.store import open_store
 
 STEPS = 4
 

@@ -9,13 +9,13 @@ import sys
 import numpy as np
 
 from tests.shard_factory import make_episode
-from tunix_tasks.shards import ShardWriter
-from tunix_tasks.store import open_store
+from tunix_tasks.storage.shards import ShardWriter
+from tunix_tasks.storage.store import open_store
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "tunix_tasks.cli", *args],
+        [sys.executable, "-m", "tunix_tasks.frontdoor.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -25,17 +25,22 @@ import numpy as np
 import pytest
 
 from tests.shard_factory import make_episode
-from tunix_tasks.checkpoint import read_ledger
-from tunix_tasks.entrypoints import prepare_run, run_learner
-from tunix_tasks.learner import Learner
-from tunix_tasks.lease import LEASE_KEY, LeaseHeldError, LeaseLost
-from tunix_tasks.metrics import read_metrics
-from tunix_tasks.model import token_logprobs
-from tunix_tasks.policy import build_policy
-from tunix_tasks.runs import DONE_KEY, read_config
-from tunix_tasks.shards import Episode, ShardWriter, episodes_to_table, table_to_parquet_bytes
-from tunix_tasks.store import ObjectStore, open_store
-from tunix_tasks.weights import PublishConflict, WeightsPublisher, read_latest
+from tunix_tasks.frontdoor.entrypoints import prepare_run, run_learner
+from tunix_tasks.learner.checkpoint import read_ledger
+from tunix_tasks.learner.learner import Learner
+from tunix_tasks.policy.build import build_policy
+from tunix_tasks.policy.model import token_logprobs
+from tunix_tasks.storage.lease import LEASE_KEY, LeaseHeldError, LeaseLost
+from tunix_tasks.storage.metrics import read_metrics
+from tunix_tasks.storage.runs import DONE_KEY, read_config
+from tunix_tasks.storage.shards import (
+    Episode,
+    ShardWriter,
+    episodes_to_table,
+    table_to_parquet_bytes,
+)
+from tunix_tasks.storage.store import ObjectStore, open_store
+from tunix_tasks.storage.weights import PublishConflict, WeightsPublisher, read_latest
 
 REPO = Path(__file__).resolve().parents[1]
 EP_LEN = 32  # two episodes per row of the 64 bucket: 16 episodes per step of 8 rows
@@ -153,7 +158,7 @@ def test_exactly_once_across_sigkills(tmp_path):
     }
     code = (
         "import json, logging; logging.basicConfig(level=logging.WARNING); "
-        "from tunix_tasks.entrypoints import run_learner; "
+        "from tunix_tasks.frontdoor.entrypoints import run_learner; "
         f"print('SUMMARY', json.dumps(run_learner({uri!r})))"
     )
 

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from tunix_tasks.evaluate import evaluate_params, evaluate_snapshot, held_out_seeds
-from tunix_tasks.runs import read_config
+from tunix_tasks.frontdoor.evaluate import evaluate_params, evaluate_snapshot, held_out_seeds
+from tunix_tasks.storage.runs import read_config
 
 pytestmark = pytest.mark.slow
 MARGIN = 0.30
@@ -23,7 +23,7 @@ MARGIN = 0.30
 
 def test_trained_policy_beats_random(tmp_path):
     cmd = [
-        sys.executable, "-m", "tunix_tasks.cli", "train", "--quiet",
+        sys.executable, "-m", "tunix_tasks.frontdoor.cli", "train", "--quiet",
         "--config", "configs/demo.yaml",
         "--store", str(tmp_path / "runs"), "--run-name", "learn",
         "--set", "learner.max_steps=30", "--set", "env.latency_s=0",

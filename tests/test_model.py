@@ -1,4 +1,4 @@
-"""Tests for tunix_tasks.model: packing, KV cache, logprobs, weight I/O, sharding."""
+"""Tests for tunix_tasks.policy.model: packing, KV cache, logprobs, weight I/O, sharding."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tunix_tasks.config import ModelConfig
-from tunix_tasks.model import (
+from tunix_tasks.policy.model import (
     Transformer,
     flat_params,
     load_flat_params,

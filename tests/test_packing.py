@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tunix_tasks.packing import (
+from tunix_tasks.learner.packing import (
     PackResult,
     SequenceExample,
     bucket_no_pack,

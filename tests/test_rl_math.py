@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunix_tasks.packing import SequenceExample, pack
-from tunix_tasks.rl_math import (
+from tunix_tasks.learner.packing import SequenceExample, pack
+from tunix_tasks.learner.rl_math import (
     batch_advantages,
     group_advantages,
     masked_mean,

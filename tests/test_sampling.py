@@ -1,4 +1,4 @@
-"""Tests for tunix_tasks.sampling: logprob agreement, greedy == no-cache, stops, compiles."""
+"""Tests for tunix_tasks.policy.sampling: logprob agreement, greedy == no-cache, stops, compiles."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from tunix_tasks.config import ModelConfig
-from tunix_tasks.model import Transformer, flat_params, token_logprobs
-from tunix_tasks.sampling import Sampler
-from tunix_tasks.tokenizer import Tokenizer
+from tunix_tasks.policy.model import Transformer, flat_params, token_logprobs
+from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.policy.tokenizer import Tokenizer
 
 TOK = Tokenizer()
 CFG = ModelConfig(preset="custom", d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=48)

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.shard_factory import make_episode
-from tunix_tasks.shards import SHARD_SCHEMA, ShardStream, ShardWriter
-from tunix_tasks.store import open_store
+from tunix_tasks.storage.shards import SHARD_SCHEMA, ShardStream, ShardWriter
+from tunix_tasks.storage.store import open_store
 
 
 def _write(store, n, *, per_shard=8, actor="actor-0", seed=0):
@@ -87,8 +87,8 @@ def test_writer_killed_mid_shard_leaves_no_partial_shard(tmp_path):
         sys.path.insert(0, {os.getcwd()!r})
         import numpy as np
         from tests.shard_factory import make_episode
-        from tunix_tasks.shards import ShardWriter
-        from tunix_tasks.store import open_store
+        from tunix_tasks.storage.shards import ShardWriter
+        from tunix_tasks.storage.store import open_store
         store = open_store({uri!r})
         rng = np.random.default_rng()
         w = ShardWriter(store, actor_id="a", max_episodes=64)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tunix_tasks.store import NotFound, PreconditionFailed, normalize_uri, open_store
+from tunix_tasks.storage.store import NotFound, PreconditionFailed, normalize_uri, open_store
 
 
 def test_bytes_roundtrip_and_list(store_uri):
@@ -86,8 +86,8 @@ def test_writer_killed_mid_write_leaves_nothing_visible(tmp_path):
         f"""
         import os, sys
         sys.path.insert(0, {os.getcwd()!r})
-        from tunix_tasks.store import LocalStore
-        import tunix_tasks.store as st
+        from tunix_tasks.storage.store import LocalStore
+        import tunix_tasks.storage.store as st
         real_write = st.os.fsync
         def slow_fsync(fd):
             print("writing", flush=True)
@@ -126,7 +126,7 @@ def test_invalid_keys_rejected(tmp_path):
 @pytest.mark.gcs
 def test_gcs_outage_is_a_clear_error(tmp_path):
     """A dead endpoint gives a StoreError naming the object after bounded retries."""
-    from tunix_tasks.store import GcsStore, StoreError
+    from tunix_tasks.storage.store import GcsStore, StoreError
 
     os.environ["STORAGE_EMULATOR_HOST"], old = (
         "http://127.0.0.1:9",

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tunix_tasks.checkpoint import read_ledger
-from tunix_tasks.metrics import read_metrics
-from tunix_tasks.runs import is_done
-from tunix_tasks.store import open_store
-from tunix_tasks.weights import read_latest
+from tunix_tasks.learner.checkpoint import read_ledger
+from tunix_tasks.storage.metrics import read_metrics
+from tunix_tasks.storage.runs import is_done
+from tunix_tasks.storage.store import open_store
+from tunix_tasks.storage.weights import read_latest
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def _cmd(store: str, run_name: str, *extra: str, mode: str | None = None) -> lis
     cmd = [
         sys.executable,
         "-m",
-        "tunix_tasks.cli",
+        "tunix_tasks.frontdoor.cli",
         "train",
         "--quiet",
         "--store",

@@ -12,9 +12,9 @@ import pytest
 
 from tests.shard_factory import make_episode
 from tunix_tasks.config import MeshConfig, config_from_dict
-from tunix_tasks.packing import SequenceExample, pack
-from tunix_tasks.policy import build_policy
-from tunix_tasks.train_step import Trainer, make_mesh
+from tunix_tasks.learner.packing import SequenceExample, pack
+from tunix_tasks.learner.train_step import Trainer, make_mesh
+from tunix_tasks.policy.build import build_policy
 
 BUCKETS = (64, 128)
 ROWS = 8

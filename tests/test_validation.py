@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.shard_factory import make_episode
-from tunix_tasks.shards import episodes_to_table, table_to_parquet_bytes
-from tunix_tasks.store import open_store
-from tunix_tasks.validation import ShardValidationError, read_shard
+from tunix_tasks.storage.shards import episodes_to_table, table_to_parquet_bytes
+from tunix_tasks.storage.store import open_store
+from tunix_tasks.storage.validation import ShardValidationError, read_shard
 
 VOCAB = 103
 

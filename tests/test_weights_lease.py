@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from tunix_tasks.lease import Lease, LeaseHeldError, LeaseLost
-from tunix_tasks.store import open_store
-from tunix_tasks.weights import (
+from tunix_tasks.storage.lease import Lease, LeaseHeldError, LeaseLost
+from tunix_tasks.storage.store import open_store
+from tunix_tasks.storage.weights import (
     PublishConflict,
     WeightsClient,
     WeightsError,

@@ -219,7 +219,7 @@ class RunConfig(_Frozen):
     @field_validator("store")
     @classmethod
     def _store(cls, value: str) -> str:
-        from tunix_tasks.store import normalize_uri  # local: keeps config import-light
+        from tunix_tasks.storage.store import normalize_uri  # local: keeps config import-light
 
         return normalize_uri(value)
 

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("tunix_tasks.entrypoints", reason="tunix_tasks.entrypoints not written yet")
-pytest.importorskip("tunix_tasks.report", reason="tunix_tasks.report not written yet")
-pytest.importorskip("tunix_tasks.evaluate", reason="tunix_tasks.evaluate not written yet")
+pytest.importorskip(
+    "tunix_tasks.frontdoor.entrypoints", reason="tunix_tasks.frontdoor.entrypoints not written yet"
+)
+pytest.importorskip(
+    "tunix_tasks.frontdoor.report", reason="tunix_tasks.frontdoor.report not written yet"
+)
+pytest.importorskip(
+    "tunix_tasks.frontdoor.evaluate", reason="tunix_tasks.frontdoor.evaluate not written yet"
+)
 
 pytestmark = [pytest.mark.airflow, pytest.mark.slow]
 
@@ -35,7 +41,7 @@ def _states(dag_run) -> dict[str, str]:
 
 
 def test_train_dag_in_process(airflow_db, dagbag, store):
-    from tunix_tasks.store import open_store
+    from tunix_tasks.storage.store import open_store
 
     dag = dagbag.dags["tunix_train"]
     conf = {
@@ -64,7 +70,7 @@ def test_eval_dag_manual_params(airflow_db, dagbag, store):
 
 
 def test_recurring_dag_continues_the_run(airflow_db, dagbag, store):
-    from tunix_tasks.entrypoints import learner_progress
+    from tunix_tasks.frontdoor.entrypoints import learner_progress
 
     before = learner_progress(f"{store}/dagtest")
     dag = dagbag.dags["tunix_recurring"]

@@ -19,7 +19,9 @@ from datetime import datetime
 
 import pytest
 
-pytest.importorskip("tunix_tasks.entrypoints", reason="tunix_tasks.entrypoints not written yet")
+pytest.importorskip(
+    "tunix_tasks.frontdoor.entrypoints", reason="tunix_tasks.frontdoor.entrypoints not written yet"
+)
 
 pytestmark = [pytest.mark.airflow, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -109,7 +111,7 @@ def _wait_run(af, dag_id: str, run_id: str, timeout: float) -> dict:
 
 
 def test_train_run_end_to_end(airflow):
-    from tunix_tasks.store import open_store
+    from tunix_tasks.storage.store import open_store
 
     af = airflow
     t0 = time.monotonic()

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from tunix_tasks.envs import Environment, rollout
-from tunix_tasks.tokenizer import ANSWER, TOOL, Tokenizer
+from tunix_tasks.policy.tokenizer import ANSWER, TOOL, Tokenizer
 
 _TOK = Tokenizer()
 # What a policy can emit before END: the two action markers and every character.

@@ -5,7 +5,7 @@ import pytest
 from tests.envs.conftest import random_baseline
 from tunix_tasks.envs import CalculatorEnv, demo_policy, make_env, rollout
 from tunix_tasks.envs.calculator import ToolError, safe_eval
-from tunix_tasks.tokenizer import ANSWER, TOOL
+from tunix_tasks.policy.tokenizer import ANSWER, TOOL
 
 
 async def _play(env, seed, actions):

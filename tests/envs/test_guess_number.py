@@ -5,7 +5,7 @@ import pytest
 from tests.envs.conftest import random_baseline
 from tunix_tasks.envs import GuessNumberEnv, demo_policy, make_env, rollout
 from tunix_tasks.envs.base import Environment
-from tunix_tasks.tokenizer import ANSWER
+from tunix_tasks.policy.tokenizer import ANSWER
 
 
 async def _play(env: GuessNumberEnv, seed: int, actions: list[str]):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tunix_tasks.sandbox import SandboxLimits, run_python, run_python_async
+from tunix_tasks.envs.sandbox import SandboxLimits, run_python, run_python_async
 
 FAST = SandboxLimits(wall_s=2.0, cpu_s=1, memory_bytes=256 * 1024 * 1024)
 REPO = Path(__file__).resolve().parents[2]
@@ -172,7 +172,7 @@ def test_async_runs_do_not_block_the_loop():
 _UNPRIVILEGED_SCRIPT = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
-from tunix_tasks.sandbox import SandboxLimits, run_python
+from tunix_tasks.envs.sandbox import SandboxLimits, run_python
 lim = SandboxLimits(wall_s=1.5, cpu_s=1)
 target = sys.argv[2]
 attacks = {

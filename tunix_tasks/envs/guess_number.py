@@ -15,7 +15,7 @@ import random
 import re
 
 from tunix_tasks.envs.base import StepResult
-from tunix_tasks.tokenizer import ANSWER
+from tunix_tasks.policy.tokenizer import ANSWER
 
 _INT = re.compile(r"[+-]?\d{1,9}")
 

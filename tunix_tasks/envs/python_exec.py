@@ -3,7 +3,7 @@
 Task (from the seed): ``print the sum of 3 and 4``, ``print the product of 3 and 4``,
 ``print 5*6``, ``print 5+6``, ``print 9-2``. Action: Python source, e.g. ``print(3+4)``;
 a single bare expression is run REPL-style, so ``3+4`` prints ``7`` too. The program
-runs in :mod:`tunix_tasks.sandbox` (off the event loop); text that does not parse is
+runs in :mod:`tunix_tasks.envs.sandbox` (off the event loop); text that does not parse is
 answered without starting a process. Reward 1.0 when the run succeeds and its stripped
 stdout equals the target, else 0. Observation: the (truncated) stdout, or the last line
 of the error, or ``timeout``. Done when correct or after ``max_turns`` (default 2).
@@ -16,7 +16,7 @@ import ast
 import random
 
 from tunix_tasks.envs.base import StepResult
-from tunix_tasks.sandbox import SandboxLimits, SandboxResult, run_python_async
+from tunix_tasks.envs.sandbox import SandboxLimits, SandboxResult, run_python_async
 
 _TEMPLATES: tuple[tuple[str, str], ...] = (
     ("print the sum of {a} and {b}", "+"),

@@ -15,13 +15,13 @@ import logging
 
 import numpy as np
 
+from tunix_tasks.actor.rollout import EpisodeLimits, ScriptedPolicy, play_episode
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
-from tunix_tasks.metrics import MetricsWriter
-from tunix_tasks.packing import SequenceExample, pack
-from tunix_tasks.rollout import EpisodeLimits, ScriptedPolicy, play_episode
-from tunix_tasks.tokenizer import Tokenizer
-from tunix_tasks.train_step import Trainer
+from tunix_tasks.learner.packing import SequenceExample, pack
+from tunix_tasks.learner.train_step import Trainer
+from tunix_tasks.policy.tokenizer import Tokenizer
+from tunix_tasks.storage.metrics import MetricsWriter
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ def _config(args: argparse.Namespace, extra: Sequence[str] = ()):
 
 @_command("inspect")
 def _inspect(args: argparse.Namespace) -> int:
-    from tunix_tasks.inspect_shards import format_summary, inspect_uri
+    from tunix_tasks.frontdoor.inspect import format_summary, inspect_uri
 
     summary = inspect_uri(args.uri)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extend_parser(sub: argparse._SubParsersAction) -> None:
     """Commands of the actor/learner/run halves register here (see commands below)."""
-    from tunix_tasks import cli_run
+    from tunix_tasks.frontdoor import cli_run
 
     cli_run.add_commands(sub, _add_config_args, _COMMANDS, _config)
 

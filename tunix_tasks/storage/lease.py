@@ -29,7 +29,7 @@ from typing import Any
 
 import psutil
 
-from tunix_tasks.store import ObjectStore, PreconditionFailed, StoreError, join_uri
+from tunix_tasks.storage.store import ObjectStore, PreconditionFailed, StoreError, join_uri
 
 log = logging.getLogger(__name__)
 

@@ -32,17 +32,17 @@ from typing import Any
 
 import numpy as np
 
-from tunix_tasks.batching import BatchingPolicy
+from tunix_tasks.actor.batching import BatchingPolicy
+from tunix_tasks.actor.rollout import EpisodeLimits, EpisodeRecord, play_episode
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
-from tunix_tasks.metrics import MetricsWriter
-from tunix_tasks.policy import build_policy
-from tunix_tasks.rollout import EpisodeLimits, EpisodeRecord, play_episode
-from tunix_tasks.runs import is_done
-from tunix_tasks.sampling import Sampler
-from tunix_tasks.shards import Episode, ShardWriter
-from tunix_tasks.store import ObjectStore
-from tunix_tasks.weights import WeightsClient
+from tunix_tasks.policy.build import build_policy
+from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.storage.metrics import MetricsWriter
+from tunix_tasks.storage.runs import is_done
+from tunix_tasks.storage.shards import Episode, ShardWriter
+from tunix_tasks.storage.store import ObjectStore
+from tunix_tasks.storage.weights import WeightsClient
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """CLI commands that run processes of a training run (actor, learner, train, report, eval).
 
 Kept apart from `cli.py` so `tunix-tasks inspect` never imports JAX. Each command parses
-its arguments and calls one function of `tunix_tasks.entrypoints` or `launcher`.
+its arguments and calls one function of `tunix_tasks.frontdoor.entrypoints` or `launcher`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def _print_json(obj: Any) -> None:
 
 
 def _train(args: argparse.Namespace, load: Callable[..., Any]) -> int:
-    from tunix_tasks.launcher import train_local
+    from tunix_tasks.frontdoor.launcher import train_local
 
     extra = []
     if args.store:
@@ -45,15 +45,15 @@ def _train(args: argparse.Namespace, load: Callable[..., Any]) -> int:
 
 
 def _actor(args: argparse.Namespace) -> int:
-    from tunix_tasks.entrypoints import run_actor
+    from tunix_tasks.frontdoor.entrypoints import run_actor
 
     _print_json(run_actor(args.run, args.actor_id, deadline_s=args.deadline))
     return 0
 
 
 def _learner(args: argparse.Namespace) -> int:
-    from tunix_tasks.entrypoints import run_learner
-    from tunix_tasks.launcher import PROGRESS_PREFIX
+    from tunix_tasks.frontdoor.entrypoints import run_learner
+    from tunix_tasks.frontdoor.launcher import PROGRESS_PREFIX
 
     def progress(record: dict[str, Any]) -> None:
         print(PROGRESS_PREFIX + json.dumps(record, default=str), flush=True)
@@ -69,21 +69,21 @@ def _learner(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from tunix_tasks.report import write_report
+    from tunix_tasks.frontdoor.report import write_report
 
     print(write_report(args.run_uri))
     return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from tunix_tasks.evaluate import evaluate_snapshot, held_out_seeds
+    from tunix_tasks.frontdoor.evaluate import evaluate_snapshot, held_out_seeds
 
     _print_json(evaluate_snapshot(args.run_uri, args.version, seeds=held_out_seeds(args.episodes)))
     return 0
 
 
 def _prepare(args: argparse.Namespace, load: Callable[..., Any]) -> int:
-    from tunix_tasks.entrypoints import prepare_run
+    from tunix_tasks.frontdoor.entrypoints import prepare_run
 
     print(prepare_run(load(args, [])))
     return 0

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from tunix_tasks.config import RunConfig
-from tunix_tasks.entrypoints import actor_name, prepare_run
-from tunix_tasks.runs import mark_done
+from tunix_tasks.frontdoor.entrypoints import actor_name, prepare_run
+from tunix_tasks.storage.runs import mark_done
 
 PROGRESS_PREFIX = "TUNIX_PROGRESS "
 GRACE_S = 60.0
@@ -73,7 +73,7 @@ class LiveStatus:
 def _spawn(name: str, args: list[str], log_dir: str, env: dict[str, str]) -> _Child:
     log = open(os.path.join(log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - closed at exit
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tunix_tasks.cli", *args],
+        [sys.executable, "-m", "tunix_tasks.frontdoor.cli", *args],
         stdout=subprocess.PIPE if name == "learner" else log,
         stderr=log,
         start_new_session=True,  # terminal Ctrl-C goes to the launcher only
@@ -173,7 +173,7 @@ def train_local(
             _stop(actors, signal.SIGTERM, GRACE_S)
         else:
             # The learner marks DONE when it finishes; make sure actors see it even if it crashed.
-            from tunix_tasks.store import open_store
+            from tunix_tasks.storage.store import open_store
 
             if learner.proc.returncode != 0:
                 mark_done(
@@ -199,7 +199,7 @@ def train_local(
         "last_step": status.record,
     }
     if report:
-        from tunix_tasks.report import write_report
+        from tunix_tasks.frontdoor.report import write_report
 
         summary["report"] = write_report(run_uri)
     return summary

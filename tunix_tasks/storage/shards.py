@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tunix_tasks.store import ObjectStore
+from tunix_tasks.storage.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +345,7 @@ class ShardStream:
 
         `include_acked=True` also returns rows acknowledged before a restart (flagged
         `acked`), for statistics that need whole groups, such as advantages."""
-        from tunix_tasks.validation import ShardValidationError, read_shard
+        from tunix_tasks.storage.validation import ShardValidationError, read_shard
 
         def read(key: str) -> pa.Table | ShardValidationError:
             try:

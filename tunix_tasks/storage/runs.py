@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from tunix_tasks.config import ConfigError, RunConfig, config_from_dict
-from tunix_tasks.store import NotFound, ObjectStore, open_store
+from tunix_tasks.storage.store import NotFound, ObjectStore, open_store
 
 CONFIG_KEY = "config.json"
 DONE_KEY = "control/DONE"

@@ -4,7 +4,7 @@ Owns pure functions only. The loss-side functions take ``jax.numpy`` arrays, hav
 Python control flow on values and are ``jax.jit``-able (string/flag arguments are
 static). Advantages are computed on the host with numpy, per episode, before packing.
 
-Arrays here are laid out as ``tunix_tasks.packing.PackedBatch`` lays them out: ``[B, L]``
+Arrays here are laid out as ``tunix_tasks.learner.packing.PackedBatch`` lays them out: ``[B, L]``
 aligned with TARGET positions (``logp_new[r, p]`` is the new policy's log-prob of
 ``targets[r, p]``), so every loss term is elementwise and masked by ``loss_mask``.
 

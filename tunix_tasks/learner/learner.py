@@ -28,18 +28,18 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from tunix_tasks.checkpoint import Checkpointer
 from tunix_tasks.config import RunConfig
-from tunix_tasks.learner_input import BufferedEpisode, LearnerInput
-from tunix_tasks.lease import Lease, LeaseLost
-from tunix_tasks.metrics import MetricsWriter
-from tunix_tasks.packing import PackedBatch, pack
-from tunix_tasks.policy import build_policy, model_meta
-from tunix_tasks.runs import mark_done
-from tunix_tasks.store import ObjectStore
-from tunix_tasks.train_step import Trainer
-from tunix_tasks.warm_start import warm_start
-from tunix_tasks.weights import WeightsPublisher, read_latest
+from tunix_tasks.learner.checkpoint import Checkpointer
+from tunix_tasks.learner.packing import PackedBatch, pack
+from tunix_tasks.learner.source import BufferedEpisode, LearnerInput
+from tunix_tasks.learner.train_step import Trainer
+from tunix_tasks.learner.warm_start import warm_start
+from tunix_tasks.policy.build import build_policy, model_meta
+from tunix_tasks.storage.lease import Lease, LeaseLost
+from tunix_tasks.storage.metrics import MetricsWriter
+from tunix_tasks.storage.runs import mark_done
+from tunix_tasks.storage.store import ObjectStore
+from tunix_tasks.storage.weights import WeightsPublisher, read_latest
 
 log = logging.getLogger(__name__)
 

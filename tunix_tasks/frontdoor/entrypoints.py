@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tunix_tasks.config import ConfigError, RunConfig, config_from_dict
-from tunix_tasks.runs import is_done, read_config, write_config
-from tunix_tasks.runs import mark_done as _mark_done
-from tunix_tasks.store import open_store
+from tunix_tasks.storage.runs import is_done, read_config, write_config
+from tunix_tasks.storage.runs import mark_done as _mark_done
+from tunix_tasks.storage.store import open_store
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def run_actor(
     deadline_s: float | None = None,
     handle_signals: bool = True,
 ) -> dict[str, Any]:
-    from tunix_tasks.actor import Actor
+    from tunix_tasks.actor.actor import Actor
 
     cfg, store = read_config(run_uri)
     actor = Actor(
@@ -73,7 +73,7 @@ def run_learner(
     latest checkpoint; marks the run DONE when finished."""
     import signal
 
-    from tunix_tasks.learner import Learner
+    from tunix_tasks.learner.learner import Learner
 
     cfg, store = read_config(run_uri)
     learner = Learner(
@@ -92,8 +92,8 @@ def run_learner(
 
 def learner_progress(run_uri: str) -> dict[str, Any]:
     """Step and version of the latest checkpoint (0 / -1 before the first one)."""
-    from tunix_tasks.checkpoint import Checkpointer
-    from tunix_tasks.weights import read_latest
+    from tunix_tasks.learner.checkpoint import Checkpointer
+    from tunix_tasks.storage.weights import read_latest
 
     _, store = read_config(run_uri)
     ckpt = Checkpointer(store)
@@ -114,7 +114,7 @@ def run_is_done(run_uri: str) -> bool:
 
 
 def write_report(run_uri: str) -> str:
-    from tunix_tasks.report import write_report as _write
+    from tunix_tasks.frontdoor.report import write_report as _write
 
     return _write(run_uri)
 
@@ -122,7 +122,7 @@ def write_report(run_uri: str) -> str:
 def evaluate_snapshot(
     run_uri: str, version: int | None = None, *, seeds: list[int] | None = None
 ) -> dict[str, Any]:
-    from tunix_tasks.evaluate import evaluate_snapshot as _eval
+    from tunix_tasks.frontdoor.evaluate import evaluate_snapshot as _eval
 
     return _eval(run_uri, version, seeds=seeds)
 

@@ -29,7 +29,7 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from tunix_tasks.store import NotFound, ObjectStore, PreconditionFailed, join_uri
+from tunix_tasks.storage.store import NotFound, ObjectStore, PreconditionFailed, join_uri
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from tunix_tasks.checkpoint import read_ledger
-from tunix_tasks.metrics import read_metrics
-from tunix_tasks.runs import QUARANTINE_PREFIX, is_done, read_config
-from tunix_tasks.store import ObjectStore, join_uri
+from tunix_tasks.learner.checkpoint import read_ledger
+from tunix_tasks.storage.metrics import read_metrics
+from tunix_tasks.storage.runs import QUARANTINE_PREFIX, is_done, read_config
+from tunix_tasks.storage.store import ObjectStore, join_uri
 
 REPORT_KEY = "report/index.html"
 SUMMARY_KEY = "report/summary.json"

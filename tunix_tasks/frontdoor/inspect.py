@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from tunix_tasks.shards import length_histogram
-from tunix_tasks.store import join_uri, normalize_uri, open_store
-from tunix_tasks.validation import ShardValidationError, read_shard
+from tunix_tasks.storage.shards import length_histogram
+from tunix_tasks.storage.store import join_uri, normalize_uri, open_store
+from tunix_tasks.storage.validation import ShardValidationError, read_shard
 
 
 def _split(uri: str) -> tuple[str, list[str]]:

@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tunix_tasks.shards import SCHEMA_VERSION, SHARD_SCHEMA, STATUSES
-from tunix_tasks.store import NotFound, ObjectStore, join_uri
+from tunix_tasks.storage.shards import SCHEMA_VERSION, SHARD_SCHEMA, STATUSES
+from tunix_tasks.storage.store import NotFound, ObjectStore, join_uri
 
 
 class ShardValidationError(ValueError):

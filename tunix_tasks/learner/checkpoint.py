@@ -28,7 +28,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from tunix_tasks.store import ObjectStore, join_uri
+from tunix_tasks.storage.store import ObjectStore, join_uri
 
 log = logging.getLogger(__name__)
 

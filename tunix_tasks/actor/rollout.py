@@ -22,7 +22,7 @@ import numpy as np
 
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs.base import Environment
-from tunix_tasks.tokenizer import Tokenizer
+from tunix_tasks.policy.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

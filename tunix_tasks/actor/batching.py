@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import jax
 
-from tunix_tasks.sampling import Sampler
+from tunix_tasks.policy.sampling import Sampler
 
 
 @dataclass

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_tasks.model import Transformer, load_flat_params, sampling_log_probs
-from tunix_tasks.tokenizer import Tokenizer
+from tunix_tasks.policy.model import Transformer, load_flat_params, sampling_log_probs
+from tunix_tasks.policy.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_BATCH_BUCKETS", "DEFAULT_PROMPT_BUCKETS", "Sample", "Sampler"]
 

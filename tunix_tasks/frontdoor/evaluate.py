@@ -17,14 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from tunix_tasks.batching import BatchingPolicy
+from tunix_tasks.actor.batching import BatchingPolicy
+from tunix_tasks.actor.rollout import EpisodeLimits, play_episode
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
-from tunix_tasks.policy import build_policy
-from tunix_tasks.rollout import EpisodeLimits, play_episode
-from tunix_tasks.runs import read_config
-from tunix_tasks.sampling import Sampler
-from tunix_tasks.weights import WeightsError, load_snapshot, read_latest
+from tunix_tasks.policy.build import build_policy
+from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.storage.runs import read_config
+from tunix_tasks.storage.weights import WeightsError, load_snapshot, read_latest
 
 HELD_OUT_SEED_BASE = 3 << 29
 DEFAULT_EPISODES = 64

@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Any
 
-from tunix_tasks.store import ObjectStore
+from tunix_tasks.storage.store import ObjectStore
 
 METRICS_PREFIX = "metrics/"
 

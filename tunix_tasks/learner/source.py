@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 
 from tunix_tasks.config import RunConfig
-from tunix_tasks.packing import SequenceExample
-from tunix_tasks.rl_math import batch_advantages, group_advantages
-from tunix_tasks.runs import quarantine
-from tunix_tasks.shards import ShardStream, StreamItem
-from tunix_tasks.store import ObjectStore, StoreError
-from tunix_tasks.validation import ShardValidationError
+from tunix_tasks.learner.packing import SequenceExample
+from tunix_tasks.learner.rl_math import batch_advantages, group_advantages
+from tunix_tasks.storage.runs import quarantine
+from tunix_tasks.storage.shards import ShardStream, StreamItem
+from tunix_tasks.storage.store import ObjectStore, StoreError
+from tunix_tasks.storage.validation import ShardValidationError
 
 log = logging.getLogger(__name__)
 

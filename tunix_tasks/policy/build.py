@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tunix_tasks.config import ModelConfig
-from tunix_tasks.model import Transformer
-from tunix_tasks.tokenizer import Tokenizer
+from tunix_tasks.policy.model import Transformer
+from tunix_tasks.policy.tokenizer import Tokenizer
 
 
 def build_policy(
