@@ -10,7 +10,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test test-fast lint format demo bench airflow clean
+.PHONY: venv bwrap test test-fast lint format demo bench airflow clean
+
+# python_exec runs model-written code under bubblewrap (docs/sandbox.md); as root, install it.
+bwrap:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" != 0 ] && echo "warning: bubblewrap (bwrap) is missing: python_exec refuses to run (docs/sandbox.md)"; } || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap)
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,13 +33,13 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: $(STAMP)
+test: $(STAMP) bwrap
 	$(BIN)/python -m pytest -q -ra --durations=15
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) bwrap
 	$(BIN)/python -m pytest -q -ra -m "not slow"
 
-demo: $(STAMP)
+demo: $(STAMP) bwrap
 	$(BIN)/tunix-tasks train --config configs/demo.yaml
 
 bench: $(STAMP)

@@ -41,9 +41,9 @@ import numpy as np
 
 from tests.shard_factory import make_episode, realistic_lengths
 from tunix_tasks.config import config_from_dict
+from tunix_tasks.episode import Episode
 from tunix_tasks.learner.packing import (
     PackResult,
-    SequenceExample,
     bucket_no_pack,
     pack,
     pad_to_max,
@@ -55,14 +55,14 @@ BUCKETS = (256, 512, 1024, 2048)
 STRATEGIES = {"pad_to_max": pad_to_max, "bucket_no_pack": bucket_no_pack, "pack": pack}
 
 
-def make_examples(n: int, seed: int) -> list[SequenceExample]:
+def make_examples(n: int, seed: int) -> list[Episode]:
     rng = np.random.default_rng(seed)
     out = []
     for i, length in enumerate(realistic_lengths(rng, n)):
         e = make_episode(rng, length=int(length))
         out.append(
-            SequenceExample(
-                f"e{i}", e.tokens, e.loss_mask, e.behavior_logprobs, float(rng.normal())
+            Episode(
+                f"e{i}", e.tokens, e.loss_mask, e.behavior_logprobs, advantage=float(rng.normal())
             )
         )
     return out

@@ -3,7 +3,7 @@
 Writes N shards of realistic episodes (log-normal lengths over 16..2048 tokens) with the
 ShardWriter, then reads them back two ways in the same run:
   baseline: plain `pyarrow.parquet.read_table` of each file (pyarrow's filesystem)
-  reader:   `ShardStream.poll()` (list + read + validate + decode to episodes)
+  reader:   `EpisodeSource.poll()` (list + read + validate + decode to episodes + advantages)
 and prints trajectories/s, MB/s and reader/baseline throughput ratio (goal >= 0.8).
 
     python benchmarks/shards.py [--shards 20] [--per-shard 64]
@@ -25,7 +25,8 @@ import pyarrow.parquet as pq
 
 from tests.gcs_server import FakeGcs
 from tests.shard_factory import make_episode, realistic_lengths
-from tunix_tasks.storage.shards import ShardStream, ShardWriter
+from tunix_tasks.learner.source import EpisodeSource
+from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
 
 
@@ -48,7 +49,8 @@ def run(uri: str, shards: int, per_shard: int, repeats: int) -> dict[str, float]
         return sum(pq.read_table(f"{base}/{k}", filesystem=fs).num_rows for k in keys)
 
     def reader() -> int:
-        return sum(1 for item in ShardStream(store, vocab_size=103).poll() if item.episode.length)
+        source = EpisodeSource(store, vocab_size=103)
+        return sum(1 for ep in source.poll(max_shards=len(keys)) if ep.length)
 
     best = {"baseline": float("inf"), "reader": float("inf")}
     for _ in range(repeats):  # interleaved, best-of: the machine is noisy

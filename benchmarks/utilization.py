@@ -25,7 +25,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tunix_tasks.config import load_config
-from tunix_tasks.frontdoor.cli_run import SYNC_OVERRIDES
 from tunix_tasks.frontdoor.launcher import train_local
 from tunix_tasks.frontdoor.report import summarize
 from tunix_tasks.storage.store import open_store
@@ -61,7 +60,7 @@ def run(
         f"learner.max_staleness={max_staleness}",
     ]
     if mode == "sync":
-        overrides += list(SYNC_OVERRIDES)
+        overrides.append("mode=sync")  # SyncFlow: staleness 0, one version per batch
     cfg = load_config("configs/demo.yaml", overrides)
     out = train_local(cfg, quiet=True, report=False)
     s = summarize(open_store(out["run_uri"]))

@@ -1,6 +1,6 @@
 """`tunix_eval`: evaluate each new weight snapshot, scheduled on the `tunix_weights` asset.
 
-The learner posts an asset event per snapshot with `extra={"run_uri", "version", "path"}`.
+The learner task posts an asset event per new snapshot with `extra={"run_uri", "version", "path"}`.
 Airflow may fold several queued events into one DAG run: the task evaluates the newest
 version of every run among them (older ones are superseded and only logged).
 `evaluate_snapshot` writes `<run_uri>/eval/v{version}.json`; the results are also
@@ -14,7 +14,9 @@ import logging
 from datetime import datetime, timedelta
 
 from airflow.sdk import Param, dag, task
-from tunix_common import CPU_POOL, WEIGHTS_ASSET
+from tunix_fleet import CPU_POOL
+from tunix_launchers import entrypoints
+from tunix_weights import WEIGHTS_ASSET
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,6 @@ def latest_per_run(extras: list[dict]) -> dict[str, int | None]:
 @task(pool=CPU_POOL, queue=CPU_POOL, retries=1, retry_delay=timedelta(seconds=10))
 def evaluate(triggering_asset_events=None, params: dict | None = None) -> list[dict]:
     """Evaluate the snapshots named by the triggering events (or by the params)."""
-    from tunix_common import entrypoints
-
     extras: list[dict] = []
     for events in (triggering_asset_events or {}).values():
         extras.extend(dict(e.extra or {}) for e in events)

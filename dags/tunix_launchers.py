@@ -9,10 +9,10 @@ The DAG tasks call `launch_actor` / `launch_learner`; this module decides how:
 - ``TUNIX_LAUNCHER=kubernetes``: the task builds a pod (`actor_pod_spec` /
   `learner_pod_spec`: image, node pool selector, resources, command) and runs it with
   `KubernetesPodOperator` from `apache-airflow-providers-cncf-kubernetes`. The provider is
-  imported only then, so it is not a dependency of the default setup. Because the learner
-  then runs in a pod, its weight snapshots are announced by `WeightsWatcher`, a thread in
-  the Airflow task that polls `learner_progress(run_uri)` and posts one asset event per new
-  version.
+  imported only then, so it is not a dependency of the default setup.
+
+Either way the learner's weight snapshots are announced by the learner task's
+`tunix_weights.WeightsWatcher`, which watches the run's `weights/LATEST`.
 
 Environment knobs of the kubernetes launcher (all optional except the image):
 `TUNIX_IMAGE`, `TUNIX_K8S_NAMESPACE` (default `tunix`), `TUNIX_K8S_SERVICE_ACCOUNT`
@@ -23,12 +23,14 @@ Environment knobs of the kubernetes launcher (all optional except the image):
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
-import threading
-from collections.abc import Callable
+import re
 from typing import Any
+
+from tunix_params import ensure_library_importable
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +46,10 @@ def launcher_kind() -> str:
     return kind
 
 
-def _entrypoints():
-    from tunix_common import entrypoints
-
-    return entrypoints()
+def entrypoints():
+    """`tunix_tasks.frontdoor.entrypoints`, imported at task run time (never at parse time)."""
+    ensure_library_importable()
+    return importlib.import_module("tunix_tasks.frontdoor.entrypoints")
 
 
 # --------------------------------------------------------------------------- launch
@@ -58,30 +60,17 @@ def launch_actor(run_uri: str, actor_id: int, *, deadline_s: float | None = None
     if launcher_kind() == KUBERNETES:
         spec = actor_pod_spec(run_uri, actor_id, deadline_s=deadline_s)
         return run_pod(spec, task_suffix=f"actor-{actor_id}")
-    return _entrypoints().run_actor(run_uri, actor_id, deadline_s=deadline_s)
+    return entrypoints().run_actor(run_uri, actor_id, deadline_s=deadline_s)
 
 
 def launch_learner(
-    run_uri: str,
-    *,
-    max_steps: int | None = None,
-    deadline_s: float | None = None,
-    on_publish: Callable[[int, str], None] | None = None,
+    run_uri: str, *, max_steps: int | None = None, deadline_s: float | None = None
 ) -> dict:
     """Run the learner (resuming from its latest checkpoint) until `max_steps` / deadline."""
     if launcher_kind() == KUBERNETES:
         spec = learner_pod_spec(run_uri, max_steps=max_steps, deadline_s=deadline_s)
-        watcher = WeightsWatcher(run_uri, on_publish) if on_publish else None
-        if watcher:
-            watcher.start()
-        try:
-            return run_pod(spec, task_suffix="learner")
-        finally:
-            if watcher:
-                watcher.stop()
-    return _entrypoints().run_learner(
-        run_uri, max_steps=max_steps, deadline_s=deadline_s, on_publish=on_publish
-    )
+        return run_pod(spec, task_suffix="learner")
+    return entrypoints().run_learner(run_uri, max_steps=max_steps, deadline_s=deadline_s)
 
 
 # --------------------------------------------------------------------------- pod specs
@@ -145,8 +134,6 @@ def _pod(
 
 
 def _pod_name(run_uri: str, suffix: str) -> str:
-    import re
-
     run = run_uri.rstrip("/").rsplit("/", 1)[-1].lower()
     name = re.sub(r"[^a-z0-9-]+", "-", f"tunix-{run}-{suffix}").strip("-")
     return name[:63].rstrip("-")
@@ -212,49 +199,3 @@ def run_pod(spec: dict, *, task_suffix: str) -> dict:
         on_finish_action="delete_pod",
     )
     return op.execute(context) or {}
-
-
-class WeightsWatcher:
-    """Polls `learner_progress(run_uri)` and calls `on_publish` for every new version.
-
-    Used when the learner runs outside the task's process (a pod), where no in-process
-    callback is possible.
-    """
-
-    def __init__(self, run_uri: str, on_publish: Callable[[int, str], None], poll_s: float = 15.0):
-        self.run_uri = run_uri
-        self.on_publish = on_publish
-        self.poll_s = poll_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._loop, name="tunix-weights-watcher", daemon=True
-        )
-        self._seen: int | None = None
-
-    def start(self) -> None:
-        self._seen = self._version()
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.poll_s + 5)
-        self._check()  # the final snapshot
-
-    def _version(self) -> int | None:
-        try:
-            version = _entrypoints().learner_progress(self.run_uri).get("version")
-        except Exception as err:
-            log.warning("learner_progress(%s) failed: %s", self.run_uri, err)
-            return self._seen
-        return None if version is None else int(version)
-
-    def _check(self) -> None:
-        version = self._version()
-        if version is not None and (self._seen is None or version > self._seen):
-            self._seen = version
-            path = f"{self.run_uri.rstrip('/')}/weights/v{version:08d}"
-            self.on_publish(version, path)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            self._check()

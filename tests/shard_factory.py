@@ -6,7 +6,7 @@ import uuid
 
 import numpy as np
 
-from tunix_tasks.storage.shards import Episode
+from tunix_tasks.episode import Episode
 
 
 def make_episode(

@@ -34,21 +34,21 @@ from jax.experimental.compilation_cache import compilation_cache
 from tunix_tasks.actor.actor import Actor
 from tunix_tasks.config import RunConfig, config_from_dict
 from tunix_tasks.envs import StepResult, register_env
+from tunix_tasks.episode import Episode
+from tunix_tasks.learner.source import EpisodeSource
 from tunix_tasks.policy.build import build_policy, model_meta
 from tunix_tasks.policy.model import flat_params, load_flat_params, token_logprobs
 from tunix_tasks.policy.tokenizer import Tokenizer
+from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import read_metrics
 from tunix_tasks.storage.runs import mark_done, write_config
-from tunix_tasks.storage.shards import Episode, ShardStream
 from tunix_tasks.storage.store import ObjectStore
 from tunix_tasks.storage.weights import (
-    LATEST_KEY,
     MANIFEST_FILE,
     PARAMS_FILE,
     WeightsPublisher,
     encode_snapshot,
     read_latest,
-    snapshot_prefix,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,12 +155,12 @@ def _publish_corrupt(store: ObjectStore, cfg: RunConfig, flat, version: int) -> 
     )
     bad = bytearray(blob)
     bad[len(bad) // 2] ^= 0xFF
-    prefix = snapshot_prefix(version)
+    prefix = RunLayout.snapshot(version)
     store.write_bytes(f"{prefix}/{PARAMS_FILE}", bytes(bad))
     store.write_bytes(f"{prefix}/{MANIFEST_FILE}", manifest.to_json())
     _, _, generation = read_latest(store)
     pointer = json.dumps({"version": version, "path": prefix, "step": version}).encode()
-    store.write_if_generation(LATEST_KEY, pointer, generation)
+    store.write_if_generation(RunLayout.LATEST, pointer, generation)
 
 
 class _Running:
@@ -201,12 +201,9 @@ class _Running:
 
 def _read_episodes(store: ObjectStore) -> list[Episode]:
     """Every episode of every shard, through the learner's validating reader."""
-    invalid: list = []
-    items = ShardStream(
-        store, vocab_size=TOK.vocab_size, on_invalid=lambda k, e: invalid.append((k, e))
-    ).poll()
-    assert not invalid, invalid
-    episodes = [item.episode for item in items]
+    source = EpisodeSource(store, vocab_size=TOK.vocab_size)
+    episodes = source.poll(max_shards=100_000)
+    assert not source.quarantined, source.quarantined
     ids = [e.episode_id for e in episodes]
     assert len(set(ids)) == len(ids), "an episode was written twice"
     return episodes
@@ -515,3 +512,211 @@ def test_concurrent_envs_scale_throughput(tmp_path):
     # ideal: 1 env ~1.6 episodes/s (reset + step = 0.6 s), 16 envs ~16x that
     assert one > 0.5
     assert sixteen > 4 * one, (one, sixteen)
+
+
+# ------------------------------------------------- snapshots that do not fit (#11)
+
+
+def _misfits(flat: dict[str, np.ndarray]) -> list[tuple[dict[str, np.ndarray], str]]:
+    """Checksum-valid snapshots that do not fit the model, and the reason each is refused."""
+    return [
+        ({k: v for k, v in flat.items() if k != "unembed"}, "missing keys ['unembed']"),
+        ({**flat, "blocks/99/extra": np.zeros(3, np.float32)}, "unexpected keys"),
+        ({**flat, "unembed": flat["unembed"][..., :-1]}, "shape mismatches [unembed"),
+        ({**flat, "unembed": flat["unembed"].astype(np.float64)}, "dtype mismatches [unembed"),
+    ]
+
+
+def _poison_latest(store: ObjectStore) -> None:
+    """CAS a pointer whose version is a path over LATEST (the #11 report)."""
+    _, _, generation = read_latest(store)
+    store.write_if_generation(RunLayout.LATEST, b'{"version": "../../etc"}', generation)
+
+
+def test_actor_refuses_snapshots_that_do_not_fit_and_a_poisoned_pointer(store_uri, caplog):
+    """A snapshot with a valid checksum but a missing / extra tensor, a wrong shape or a
+    wrong dtype is refused and remembered like a checksum failure, before any swap; a
+    poisoned LATEST is refused and logged once; the actor keeps v0 throughout and takes
+    the next good version. (Before: the actor died in load_flat_params or on the pointer,
+    and a float64 snapshot was silently cast and loaded.)"""
+    cfg = _config(store_uri)
+    store = write_config(cfg)
+    _publish(store, cfg, _peaky(123, cfg), version=0)
+    actor = Actor(cfg, store, actor_id="actor-fit")
+    run = _Running(actor)
+    run.episodes_at_least(4)
+    good = _peaky(7, cfg)
+    misfits = _misfits(good)
+    with caplog.at_level(logging.ERROR, logger="tunix_tasks.storage.weights"):
+        for version, (flat, why) in enumerate(misfits, start=1):
+            _publish(store, cfg, flat, version)
+            run.until(lambda v=version: v in actor.weights.refused, f"refusal of v{version}")
+            assert why in actor.weights.refused[version], actor.weights.refused[version]
+            assert actor.version == 0 and actor.weights.version == 0
+        _poison_latest(store)
+        run.until(lambda: actor.weights.refused_pointer is not None, "refusal of the pointer")
+        t0, n = time.monotonic(), actor.stats.episodes
+        run.episodes_at_least(n + 2 * cfg.actor.envs_per_actor)
+        run.until(lambda: time.monotonic() - t0 > 1.0, "10 more polls")  # weight_poll_s 0.1
+    assert actor.version == 0 and run.thread.is_alive()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("refusing weights pointer" in m for m in messages) == 1, messages
+    for version in range(1, len(misfits) + 1):
+        assert sum(f"refusing weights v{version}," in m for m in messages) == 1, messages
+
+    _publish(store, cfg, good, version=len(misfits) + 1)  # a learner supersedes the pointer
+    run.until(lambda: actor.version == len(misfits) + 1, "reload of the good version")
+    mark_done(store, "test finished")
+    summary = run.join()
+    assert summary["last_version"] == len(misfits) + 1
+    assert {e.policy_version for e in _read_episodes(store)} <= {0, len(misfits) + 1}
+    assert read_metrics(store, "actor/actor-fit")[-1]["reloads"] == 2
+
+
+def test_restarted_actor_refuses_a_bad_latest_instead_of_crashing(tmp_path):
+    """An actor (re)started on a LATEST that names a snapshot of the wrong shape, or on a
+    poisoned pointer, waits for good weights and says why, instead of crashing on every
+    restart. (Before: ValueError from load_flat_params / WeightsError at each start.)"""
+    cfg = _config(f"file://{tmp_path}")
+    store = write_config(cfg)
+    _publish(store, cfg, _peaky(1, cfg), version=0)
+    wrong_shape, _ = _misfits(_peaky(2, cfg))[2]
+    _publish(store, cfg, wrong_shape, version=1)
+    for _ in range(2):  # every restart: refused, never a crash
+        with pytest.raises(TimeoutError, match=r"refused: v1: .*shape mismatches \[unembed"):
+            Actor(cfg, store, actor_id="actor-r", weights_timeout_s=0.5).run()
+    _poison_latest(store)
+    with pytest.raises(TimeoutError, match=r"refused: .*weights/LATEST is not a valid pointer"):
+        Actor(cfg, store, actor_id="actor-r", weights_timeout_s=0.5).run()
+    _publish(store, cfg, _peaky(3, cfg), version=2)
+    actor = Actor(cfg, store, actor_id="actor-r")
+    run = _Running(actor)
+    run.until(lambda: actor.version == 2, "the good v2")
+    mark_done(store, "test finished")
+    assert run.join()["last_version"] == 2
+
+
+# ---------------------------------------------------------------- supervision (issues #11, #12)
+
+
+def test_no_episodes_before_the_first_snapshot(tmp_path):
+    """Issue #12.11: while the learner warm-starts (no snapshot yet) the actor waits: no
+    episode, no shard, no sampler compile. Its first episodes use the first snapshot the
+    learner publishes (the post-warm-start weights), so none is born stale."""
+    cfg = _config(f"file://{tmp_path}", episodes_per_shard=4)
+    store = write_config(cfg)
+    actor = Actor(cfg, store, actor_id="actor-w")
+    run = _Running(actor)
+    try:
+        time.sleep(3.0)  # the learner's warm start
+        assert actor.stats.episodes == 0 and actor.version == -1
+        assert actor.sampler.compile_count == 0 and not store.list("shards/")
+        _publish(store, cfg, _peaky(1, cfg), version=3)  # e.g. a resumed run's first
+        run.episodes_at_least(4)
+    finally:
+        actor.request_stop("test")
+        summary = run.join()
+    episodes = _read_episodes(store)
+    assert len(episodes) == summary["episodes"] > 0
+    assert {e.policy_version for e in episodes} == {3}
+
+
+def test_store_outage_retries_with_backoff_then_gives_up(tmp_path):
+    """`StoreOutage`: a call that must succeed is retried through failures and keeps its
+    data; optional calls just report None; only a store call that worked ends an outage
+    (not a call that did nothing); past the limit a clear StoreUnavailable."""
+    from tunix_tasks.storage.outage import StoreOutage, StoreUnavailable
+    from tunix_tasks.storage.store import NotFound, StoreError, open_store
+
+    outage = StoreOutage(limit_s=30.0, backoff_s=(0.01, 0.05))
+    calls = []
+
+    def flaky(fail_first: int) -> str:
+        calls.append(1)
+        if len(calls) <= fail_first:
+            raise StoreError("connection refused")
+        return "written"
+
+    assert outage.call("shard commit", flaky, 3) == "written" and len(calls) == 4
+    assert outage.outages == 1 and outage.failures == 3 and outage.down_s == 0.0
+    calls.clear()
+    assert outage.tolerate("DONE check", flaky, 1) is None  # failed: try next round
+    assert outage.down_s > 0 and outage.tolerate("DONE check", flaky, 1) == "written"
+    assert outage.tolerate("metrics", lambda: None) is None and outage.down_s > 0
+    store = outage.observe(open_store(f"file://{tmp_path}"))
+    assert store.exists("x") is False and outage.down_s == 0.0  # the store answered
+    assert outage.tolerate("weights", lambda: (_ for _ in ()).throw(NotFound("gone"))) is None
+
+    stopping = StoreOutage(limit_s=30.0, backoff_s=(0.01, 0.05), should_stop=lambda: True)
+    assert stopping.call("shard commit", flaky, 10**6) is None  # a stop ends the retries
+
+    def down() -> None:
+        raise StoreError("connection refused")
+
+    short = StoreOutage(limit_s=0.3, backoff_s=(0.01, 0.05))
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=r"shard commit: object store unreachable"):
+        short.call("shard commit", down)
+    assert 0.3 <= time.monotonic() - t0 < 5
+    deadline = time.monotonic() + 0.2  # a final flush: bounded even if the limit is far
+    with pytest.raises(StoreUnavailable):
+        StoreOutage(limit_s=3600.0, backoff_s=(0.01, 0.05)).call("final", down, deadline=deadline)
+
+
+@pytest.mark.gcs
+def test_actor_rides_out_a_real_store_outage(tmp_path, monkeypatch):
+    """Issue #11.8: the gs:// store (a real fake-gcs-server) goes down for many times the
+    per-call retry deadline. The actor keeps its episodes, stops producing while blocked,
+    writes them once the store is back, and loses or duplicates nothing. With a short
+    outage limit it exits with a clear StoreUnavailable instead."""
+    from tests.gcs_outage import OutageGcs
+    from tunix_tasks.storage.outage import StoreUnavailable
+    from tunix_tasks.storage.store import RETRY_DEADLINE_ENV
+
+    monkeypatch.setenv(RETRY_DEADLINE_ENV, "1")  # each store call gives up after ~1 s
+    with OutageGcs() as gcs:
+        cfg = _config(gcs.new_bucket_uri(), episodes_per_shard=4)
+        store = write_config(cfg)
+        _publish(store, cfg, _peaky(1, cfg), version=0)
+        actor = Actor(cfg, store, actor_id="actor-o")
+        run = _Running(actor)
+        try:
+            run.until(lambda: actor.writer.episodes_written >= 4, "a first shard")
+            gcs.down()
+            t_down, before = time.monotonic(), actor.stats.episodes
+            run.until(lambda: actor._outage.down_s > 0, "the outage noticed")
+            # Production stops: every group loop blocks on its commit, nothing new piles up.
+            last, quiet_since = actor.stats.episodes, time.monotonic()
+            while time.monotonic() - quiet_since < 4.0:
+                assert time.monotonic() - t_down < 40, "kept producing through the outage"
+                if actor.stats.episodes != last:
+                    last, quiet_since = actor.stats.episodes, time.monotonic()
+                time.sleep(0.1)
+            assert last - before <= 2 * cfg.actor.envs_per_actor + cfg.actor.episodes_per_shard
+            time.sleep(max(0.0, 8.0 - (time.monotonic() - t_down)))  # >> the retry deadline
+            assert run.error is None and run.thread.is_alive()
+            written_down = actor.writer.episodes_written
+            gcs.up()
+            run.until(lambda: actor.writer.episodes_written > written_down + 4, "writes again")
+        finally:
+            actor.request_stop("test")
+            if gcs._proc is None:
+                gcs.up()
+        summary = run.join()
+        assert actor._outage.outages >= 1
+        episodes = _read_episodes(store)  # also: no episode written twice
+        assert len(episodes) == summary["episodes"] == actor.stats.episodes
+
+        quitter = Actor(cfg, store, actor_id="actor-q", store_outage_s=2.0)
+        run = _Running(quitter)
+        try:
+            run.until(lambda: quitter.writer.episodes_written >= 4, "a first shard")
+            gcs.down()
+            run.thread.join(timeout=WAIT_S)
+            assert not run.thread.is_alive(), "the actor should give up"
+        finally:
+            quitter.request_stop("test")
+            if gcs._proc is None:
+                gcs.up()
+        assert isinstance(run.error, StoreUnavailable), run.error
+        assert "unreachable for" in str(run.error)

@@ -15,9 +15,12 @@ import numpy as np
 import pytest
 
 from tests.test_learner import PER_STEP, _episodes, _learner, _ledger, _prepare, _write
-from tunix_tasks.learner.checkpoint import Checkpointer, ledger_key, read_ledger
+from tunix_tasks.learner.checkpoint import Checkpointer, read_ledger
+from tunix_tasks.learner.learner import Learner
+from tunix_tasks.learner.startup import start_learner
 from tunix_tasks.learner.train_step import Trainer
 from tunix_tasks.policy.build import build_policy
+from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.runs import read_config
 from tunix_tasks.storage.store import open_store
 
@@ -29,16 +32,25 @@ def _shards(seed: int = 0):
     return [_episodes(rng, PER_STEP) for _ in range(STEPS)]
 
 
-def _run(uri: str, max_steps: int) -> tuple[dict, dict[int, dict], object]:
+class _Recording(Learner):
+    """Keeps each step's loss and the params right after that step's update."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.seen: dict[int, dict] = {}
+
+    def _record(self, m, batch, episodes):
+        record = super()._record(m, batch, episodes)
+        params = self.parts.trainer.flat_params()
+        self.seen[record["step"]] = {"loss": record["loss"], "params": params}
+        return record
+
+
+def _run(uri: str, max_steps: int) -> tuple[dict, dict[int, dict], _Recording]:
     """Run a learner to `max_steps`; returns (summary, {step: (loss, params)}, learner)."""
-    seen: dict[int, dict] = {}
-    learner = None
-
-    def progress(record: dict) -> None:
-        seen[record["step"]] = {"loss": record["loss"], "params": learner.trainer.flat_params()}
-
-    learner = _learner(uri, max_steps=max_steps, progress=progress)
-    return learner.run(), seen, learner
+    cfg, store = read_config(uri)
+    learner = _Recording(cfg, store, max_steps=max_steps)
+    return learner.run(), learner.seen, learner
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path):
@@ -49,31 +61,32 @@ def test_resume_matches_an_uninterrupted_run(tmp_path):
     uri_a = _prepare(str(tmp_path / "a"), **common)
     uri_b = _prepare(str(tmp_path / "b"), **common)
     _write(open_store(uri_a), shards)
-    _write(open_store(uri_b), shards)
+    keys = _write(open_store(uri_b), shards)
 
     _, steps_a, _ = _run(uri_a, STEPS)
     first, _, learner1 = _run(uri_b, 2)
     assert first["steps"] == 2 and first["stop_reason"] == "max_steps"
-    saved_stream = learner1.input.get_state()
-    saved_opt = jax.tree.map(np.asarray, learner1.trainer.state()["opt"])
-    assert len(saved_stream["done"]) == 2  # shards 1 and 2 fully acknowledged
+    saved_stream = learner1.parts.source.get_state()
+    saved_opt = jax.tree.map(np.asarray, learner1.parts.trainer.state()["opt"])
+    position = learner1.parts.source.source.position
+    assert [position.is_done(k) for k in keys] == [True, True, False, False]
 
     # Resume: restore step, version, stream position and optimizer state.
-    learner2 = _learner(uri_b, max_steps=STEPS)
-    learner2._setup()
+    cfg, store = read_config(uri_b)
+    parts = start_learner(cfg, store)
     try:
-        assert learner2.step == 2
-        assert learner2.version == first["version"] + 1  # publishes a newer version
-        assert learner2.input.get_state() == saved_stream
-        assert learner2.counters["trained_episodes"] == 2 * PER_STEP
-        restored_opt = jax.tree.map(np.asarray, learner2.trainer.state()["opt"])
+        assert parts.step == 2
+        assert parts.version == first["version"] + 1  # publishes a newer version
+        assert parts.source.get_state() == saved_stream
+        assert parts.counters["trained_episodes"] == 2 * PER_STEP
+        restored_opt = jax.tree.map(np.asarray, parts.trainer.state()["opt"])
         jax.tree.map(np.testing.assert_array_equal, restored_opt, saved_opt)
         assert int(np.asarray(restored_opt["step"])) == 2
         np.testing.assert_array_equal(
-            learner2.trainer.flat_params()["embed"], learner1.trainer.flat_params()["embed"]
+            parts.trainer.flat_params()["embed"], learner1.parts.trainer.flat_params()["embed"]
         )
     finally:
-        learner2._teardown()
+        parts.close()
 
     second, steps_b, _ = _run(uri_b, STEPS)
     assert second["steps"] == STEPS and second["trained_episodes"] == STEPS * PER_STEP
@@ -98,7 +111,7 @@ def test_ledger_of_a_crash_before_the_first_checkpoint_is_discarded(tmp_path):
     eps = _shards()[0]
     _write(store, [eps])
     ghost = {"trained": [e.episode_id for e in eps[:5]], "dropped": {"stale": ["x"]}}
-    store.write_bytes(ledger_key(3), json.dumps(ghost).encode())
+    store.write_bytes(RunLayout.ledger(3), json.dumps(ghost).encode())
 
     summary = _learner(uri).run()
     assert summary["steps"] == 1

@@ -55,3 +55,316 @@ def test_config_prints_validated_json():
     out = _cli("config", "--config", "configs/demo.yaml", "--set", "learner.max_steps=7")
     assert out.returncode == 0
     assert json.loads(out.stdout)["learner"]["max_steps"] == 7
+
+
+# -- one CLI module: heavy imports only inside the commands that need them -------------------
+_HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax")
+
+
+def _imports_after(*argv: str) -> tuple[int, list[str]]:
+    code = (
+        "import json, sys\n"
+        "from tunix_tasks.frontdoor.cli import main\n"
+        f"rc = main({list(argv)!r})\n"
+        f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {_HEAVY!r})\n"
+        "print(json.dumps({'rc': rc, 'heavy': heavy}), file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = json.loads(out.stderr.strip().splitlines()[-1])
+    return result["rc"], result["heavy"]
+
+
+def test_inspect_config_and_prepare_never_import_jax(tmp_path):
+    store = open_store(str(tmp_path))
+    w = ShardWriter(store, actor_id="a", max_episodes=10)
+    w.add(make_episode(np.random.default_rng(0), length=20, policy_version=0))
+    w.close()
+    assert _imports_after("inspect", str(tmp_path / "shards"), "--json") == (0, [])
+    assert _imports_after("config", "--config", "configs/demo.yaml") == (0, [])
+    rc, heavy = _imports_after("prepare", "--set", f"store={tmp_path}/runs", "--set", "run_name=p1")
+    assert (rc, heavy) == (0, [])
+    assert json.loads((tmp_path / "runs/p1/config.json").read_text())["run_name"] == "p1"
+
+
+def test_every_command_parses_and_train_flags_are_overrides():
+    from tunix_tasks.frontdoor.cli import build_parser, train_overrides
+
+    parser = build_parser()
+    for argv in (
+        ["inspect", "x"],
+        ["config"],
+        ["train"],
+        ["prepare"],
+        ["actor", "--run", "r", "--actor-id", "3", "--deadline", "5"],
+        ["learner", "--run", "r", "--max-steps", "7", "--deadline", "5"],
+        ["report", "r"],
+        ["eval", "r", "--version", "2", "--episodes", "8"],
+    ):
+        assert callable(parser.parse_args(argv).func), argv
+    args = parser.parse_args(
+        ["train", "--store", "gs://b/p", "--run-name", "n", "--mode", "sync", "--set", "seed=1"]
+    )
+    # --mode sync only sets mode=sync: RunConfig itself derives what sync implies.
+    assert train_overrides(args) == ["store=gs://b/p", "run_name=n", "mode=sync"]
+    assert train_overrides(parser.parse_args(["train", "--mode", "async"])) == ["mode=async"]
+    assert train_overrides(parser.parse_args(["train"])) == []
+
+
+def test_train_calls_the_launcher_with_the_config(monkeypatch, tmp_path, capsys):
+    from tunix_tasks.frontdoor import cli, launcher
+
+    seen = {}
+
+    def fake_train_local(cfg, *, quiet):
+        seen["cfg"], seen["quiet"] = cfg, quiet
+        return {"run_uri": cfg.run_uri, "learner_exit_code": 0, "interrupted": None}
+
+    monkeypatch.setattr(launcher, "train_local", fake_train_local)
+    argv = ["train", "--store", str(tmp_path), "--run-name", "t", "--mode", "sync", "--quiet"]
+    assert cli.main([*argv, "--set", "learner.max_steps=3"]) == 0
+    cfg = seen["cfg"]
+    assert (cfg.mode, cfg.run_name, cfg.learner.max_steps, seen["quiet"]) == ("sync", "t", 3, True)
+    out = capsys.readouterr().out
+    assert "mode=sync" in out and json.loads(out[out.index("\n{") + 1 :])["run_uri"] == cfg.run_uri
+    # Exit codes: a failed learner -> 1, an interrupted run -> 130.
+    monkeypatch.setattr(
+        launcher, "train_local", lambda cfg, quiet: {"learner_exit_code": 3, "interrupted": None}
+    )
+    assert cli.main(argv) == 1
+    monkeypatch.setattr(
+        launcher,
+        "train_local",
+        lambda cfg, quiet: {"learner_exit_code": 0, "interrupted": "SIGINT"},
+    )
+    assert cli.main(argv) == 130
+
+
+def test_learner_has_no_progress_flag():
+    out = _cli("learner", "--run", "r", "--progress")
+    assert out.returncode == 2 and "unrecognized arguments: --progress" in out.stderr
+
+
+# -- the live display: rendered from metrics records, no run needed ---------------------------
+def _step_record(step: int, t: float, **kw) -> dict:
+    record = {
+        "time": t,
+        "process": "learner",
+        "step": step,
+        "version": step // 2,
+        "loss": 0.1,
+        "reward_mean": 0.5,
+        "duty_cycle": 0.87,
+        "buffer": 12,
+        "backlog_shards": 3,
+        "staleness": {"0": 6, "2": 2},
+        "dropped": {"stale": 4, "env_error": 1},
+    }
+    return {**record, **kw}
+
+
+def test_live_display_renders_from_metrics_records(tmp_path):
+    import io
+    import time
+
+    from rich.console import Console
+
+    from tunix_tasks.frontdoor.launcher import LiveStatus
+    from tunix_tasks.storage.metrics import MetricsTail, MetricsWriter
+
+    status = LiveStatus(20, warm_start_steps=40, actors_total=2)
+    status.actors_alive = 2
+    assert "starting" in status.line() and "actors 2/2" in status.line()
+
+    # The records the learner writes, read back the way train_local reads them.
+    store = open_store(str(tmp_path))
+    writer = MetricsWriter(store, "learner", flush_interval_s=0)
+    tail = MetricsTail(store, "learner")
+    writer.log(warm_start_step=10, nll=2.0)
+    status.update(tail.poll())
+    assert "warm start 10/40" in status.line()
+    now = time.time()
+    for step, reward in ((1, 0.0), (2, 1.0)):
+        rec = _step_record(step, now, reward_mean=reward)
+        writer.log(**{k: v for k, v in rec.items() if k not in ("time", "process")})
+    status.update(tail.poll(), now=time.time() + 0.5)
+    line = status.line(now=time.time() + 0.5)
+    for part in (
+        "step 2/20",
+        "version v1",
+        "reward 0.100",  # EMA: 0.9 * 0.0 + 0.1 * 1.0
+        "duty 0.87",
+        "buffer 12 eps",
+        "backlog 3 shards",
+        "staleness 0.5 (max 2)",
+        "dropped 5",
+        "actors 2/2",
+    ):
+        assert part in line, (part, line)
+    assert status.record["step"] == 2
+    lag = status.lag_summary()
+    assert lag["records"] == 3 and 0.5 <= lag["max"] < 30 and lag["mean"] < lag["max"]
+
+    buf = io.StringIO()
+    Console(file=buf, width=200, color_system=None).print(status.render())
+    table = buf.getvalue()
+    for part in ("learner", "10%", "step", "2/20", "reward", "0.100", "staleness", "0.5 (max 2)"):
+        assert part in table, (part, table)
+    # Records that arrive out of step order never move the display backwards.
+    status.update([_step_record(1, now)])
+    assert status.record["step"] == 2
+
+
+def test_display_kinds(capsys):
+    import io
+
+    from rich.console import Console
+
+    from tunix_tasks.frontdoor.launcher import LiveStatus, _Display
+
+    status = LiveStatus(10, actors_total=1)
+    status.update([_step_record(4, 0.0)])
+    with _Display(status, quiet=True) as d:  # --quiet: nothing
+        d.refresh(force=True)
+        d.message("hello")
+    assert capsys.readouterr().out == ""
+    plain = Console(file=io.StringIO())  # not a terminal: plain lines, throttled
+    with _Display(status, quiet=False, console=plain) as d:
+        assert d.kind == "plain"
+        d.refresh()
+        d.refresh()  # within PLAIN_EVERY_S: not printed again
+        d.refresh(force=True)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and all("step 4/10" in line for line in out)
+    buf = io.StringIO()
+    term = Console(file=buf, force_terminal=True, width=160, color_system=None)
+    with _Display(status, quiet=False, console=term) as d:
+        assert d.kind == "live"
+        d.refresh()
+        d.message("SIGINT: stopping")
+    text = buf.getvalue()
+    assert "4/10" in text and "SIGINT: stopping" in text
+
+
+# -- errors: one line `tunix-tasks: ...` on stderr and a documented exit code ----------------
+def _cli_env(
+    *args: str, env: dict | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "tunix_tasks.frontdoor.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _assert_one_line_error(out: subprocess.CompletedProcess, code: int, *needles: str) -> str:
+    assert out.returncode == code, (out.returncode, out.stderr[-3000:])
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("tunix-tasks: "), out.stderr[-3000:]
+    for needle in needles:
+        assert needle in last, (needle, last)
+    return last
+
+
+def test_exit_codes_are_documented():
+    from tunix_tasks.frontdoor import cli
+
+    for code in (0, 1, 2, 3, 4, 5, 130):
+        assert f"\n    {code} " in cli.__doc__, code
+    assert (cli.EXIT_USAGE, cli.EXIT_FENCED, cli.EXIT_LEASE_HELD, cli.EXIT_STORAGE) == (2, 3, 4, 5)
+
+
+def test_config_file_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learner:\n  max_steps: [3\nmode: async\n")
+    _assert_one_line_error(_cli("config", "--config", str(bad)), 2, str(bad), "YAML", "line")
+    missing = tmp_path / "missing.yaml"
+    _assert_one_line_error(
+        _cli("config", "--config", str(missing)), 2, str(missing), "does not exist"
+    )
+    _assert_one_line_error(
+        _cli("train", "--config", str(tmp_path)), 2, str(tmp_path), "is a directory"
+    )
+
+
+def test_unsupported_scheme_is_one_line():
+    for argv in (("inspect", "s3://bucket/shards"), ("report", "s3://bucket/run")):
+        _assert_one_line_error(_cli(*argv), 2, "unsupported store scheme 's3'", "valid: file, gs")
+
+
+def test_corrupt_run_config_is_one_line(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    store.write_bytes("config.json", b'{"run_name": "run", "learner": ')
+    for argv in (("report", store.uri), ("learner", "--run", store.uri)):
+        _assert_one_line_error(
+            _cli(*argv), 2, f"{store.uri}/config.json", "corrupt", "not valid JSON"
+        )
+
+
+def test_unreachable_gcs_logs_its_retries_then_one_line():
+    from tests.gcs_server import _free_port
+
+    env = {
+        "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{_free_port()}",  # nothing listens
+        "TUNIX_STORE_RETRY_DEADLINE_S": "3",
+    }
+    out = _cli_env("inspect", "gs://bucket/run/shards", env=env, timeout=60)
+    last = _assert_one_line_error(out, 5, "gs://bucket/run/shards", "unreachable", "3 s")
+    retries = [line for line in out.stderr.splitlines() if "retrying" in line]
+    assert retries and all("gs://bucket/run" in line for line in retries), out.stderr
+    assert "ConnectionError" in retries[0] and last == out.stderr.strip().splitlines()[-1]
+
+
+def test_second_learner_is_refused_in_one_line(tmp_path):
+    import os
+    import socket
+    import time
+
+    from tunix_tasks.frontdoor.entrypoints import prepare_run
+    from tunix_tasks.storage.layout import RunLayout
+
+    uri = prepare_run({"store": str(tmp_path)}, run_name="held")
+    holder = {  # this (live) test process holds the lease
+        "owner": "first-learner",
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "expires_at": time.time() + 600,
+    }
+    open_store(uri).write_if_generation(RunLayout.LEASE, json.dumps(holder).encode(), 0)
+    out = _cli("learner", "--run", uri)
+    _assert_one_line_error(out, 4, "'first-learner'", "refusing to start a second learner")
+
+
+def test_permission_denied_is_one_line(tmp_path):
+    import os
+
+    if os.geteuid() == 0:  # root ignores file modes; sysfs refuses new folders to root too
+        store = "/sys/tunix_tasks_test_runs"
+    else:
+        (tmp_path / "ro").mkdir(mode=0o555)
+        store = str(tmp_path / "ro")
+    out = _cli("prepare", "--set", f"store={store}", "--set", "run_name=p")
+    _assert_one_line_error(out, 5, "permission denied", store)
+
+
+def test_inspect_of_a_missing_path_fails(tmp_path):
+    for uri in (str(tmp_path / "nope"), f"file://{tmp_path}/nope/x.parquet"):
+        _assert_one_line_error(_cli("inspect", uri), 2, "nope", "does not exist")
+    (tmp_path / "empty").mkdir()  # an existing empty folder: zero shards, not an error
+    ok = _cli("inspect", str(tmp_path / "empty"))
+    assert ok.returncode == 0 and "shards: 0" in ok.stdout
+
+
+def test_unknown_env_fails_config_and_prepare(tmp_path):
+    for argv in (
+        ("config", "--set", "env.name=no_such_env"),
+        ("prepare", "--set", f"store={tmp_path}", "--set", "env.name=no_such_env"),
+    ):
+        out = _cli(*argv)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert "env.name" in out.stderr and "calculator, guess_number, python_exec" in out.stderr
+    assert not (tmp_path / "demo").exists()

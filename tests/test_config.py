@@ -42,13 +42,6 @@ def test_invalid_values_are_named(override, needle):
     assert needle in str(info.value)
 
 
-def test_sync_mode_requires_fresh_data_rules():
-    with pytest.raises(ConfigError, match="max_staleness=0"):
-        load_config(None, ["mode=sync"])
-    cfg = load_config(None, ["mode=sync", "learner.max_staleness=0", "learner.publish_every=1"])
-    assert cfg.mode == "sync"
-
-
 def test_yaml_json_and_overrides(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps({"run_name": "x", "actor": {"num_actors": 3}}))
     cfg = load_config(tmp_path / "a.json", ["actor.envs_per_actor=5", "env.kwargs.difficulty=1"])
@@ -82,3 +75,74 @@ def test_every_field_is_documented():
 
     missing = [n for n in names(RunConfig) if f"`{n}`" not in doc]
     assert not missing, f"docs/configuration.md lacks {missing}"
+
+
+def test_env_name_is_validated_with_the_valid_names(monkeypatch):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["env.name=no_such_env"])
+    msg = str(info.value)
+    assert "env.name" in msg and "no_such_env" in msg
+    assert "calculator, guess_number, python_exec" in msg and "tunix_tasks.envs" in msg
+    for name in ("calculator", "guess_number", "python_exec"):
+        assert load_config(None, [f"env.name={name}"]).env.name == name
+
+    # A plug-in of the `tunix_tasks.envs` entry-point group is a valid name.
+    import importlib.metadata
+
+    plugin = importlib.metadata.EntryPoint(
+        name="echo_plugin", value="tests.envs.test_registry:_EchoEnv", group="tunix_tasks.envs"
+    )
+    real = importlib.metadata.entry_points
+
+    def fake_entry_points(**kw):
+        if kw.get("group") == "tunix_tasks.envs":
+            return importlib.metadata.EntryPoints([plugin])
+        return real(**kw)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", fake_entry_points)
+    assert load_config(None, ["env.name=echo_plugin"]).env.name == "echo_plugin"
+    with pytest.raises(ConfigError, match="echo_plugin, guess_number"):
+        load_config(None, ["env.name=nope"])
+
+
+def test_env_validation_imports_no_environment():
+    """The learner reads config.json too and must not import environments (nor the
+    sandbox): the name check resolves names without importing tunix_tasks.envs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from tunix_tasks.config import ConfigError, load_config\n"
+        "load_config(None, ['env.name=python_exec'])\n"
+        "try:\n"
+        "    load_config(None, ['env.name=no_such_env'])\n"
+        "except ConfigError as err:\n"
+        "    assert 'python_exec' in str(err)\n"
+        "else:\n"
+        "    raise SystemExit('accepted an unknown env')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('tunix_tasks.envs')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_async_max_staleness_0_is_refused():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["learner.max_staleness=0"])
+    msg = str(info.value)
+    assert "learner.max_staleness=0" in msg and "mode=sync" in msg
+    assert "max_staleness >= 1" in msg
+    assert load_config(None, ["learner.max_staleness=1"]).learner.max_staleness == 1
+    sync = load_config(None, ["mode=sync", "learner.max_staleness=0"])  # sync ignores it
+    assert (sync.mode, sync.learner.max_staleness) == ("sync", 0)
+
+
+def test_shipped_configs_load():
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        load_config(path)

@@ -9,6 +9,7 @@ importance weights on fresh data.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -25,21 +26,22 @@ import numpy as np
 import pytest
 
 from tests.shard_factory import make_episode
+from tunix_tasks.episode import Episode
 from tunix_tasks.frontdoor.entrypoints import prepare_run, run_learner
 from tunix_tasks.learner.checkpoint import read_ledger
 from tunix_tasks.learner.learner import Learner
 from tunix_tasks.policy.build import build_policy
 from tunix_tasks.policy.model import token_logprobs
-from tunix_tasks.storage.lease import LEASE_KEY, LeaseHeldError, LeaseLost
+from tunix_tasks.storage.layout import RunLayout
+from tunix_tasks.storage.lease import LeaseHeldError, LeaseLost
 from tunix_tasks.storage.metrics import read_metrics
-from tunix_tasks.storage.runs import DONE_KEY, read_config
+from tunix_tasks.storage.runs import read_config
 from tunix_tasks.storage.shards import (
-    Episode,
     ShardWriter,
     episodes_to_table,
     table_to_parquet_bytes,
 )
-from tunix_tasks.storage.store import ObjectStore, open_store
+from tunix_tasks.storage.store import ObjectStore, PreconditionFailed, open_store
 from tunix_tasks.storage.weights import PublishConflict, WeightsPublisher, read_latest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,6 +100,10 @@ def _ledger(store: ObjectStore) -> tuple[list[str], dict[str, list[str]]]:
     return trained, dropped
 
 
+def _step_records(store: ObjectStore) -> list[dict]:
+    return [r for r in read_metrics(store, "learner") if "step" in r and "loss" in r]
+
+
 def _learner(uri: str, **kw) -> Learner:
     cfg, store = read_config(uri)
     return Learner(cfg, store, **kw)
@@ -142,9 +148,10 @@ def test_exactly_once_across_sigkills(tmp_path):
     fresh, stale, shards = set(), set(), []
     for s in range(n_shards):
         f = _episodes(rng, fresh_per, version=1000)
-        st = _episodes(rng, stale_per, length=24, version=0)
-        for e in st:
-            e.group_id = f"stale{s}"
+        st = [
+            dataclasses.replace(e, group_id=f"stale{s}")
+            for e in _episodes(rng, stale_per, length=24, version=0)
+        ]
         fresh |= {e.episode_id for e in f}
         stale |= {e.episode_id for e in st}
         shards.append(f + st)
@@ -207,8 +214,8 @@ def test_exactly_once_across_sigkills(tmp_path):
     assert set(trained) == fresh
     assert set(dropped) == {"stale"} and set(dropped["stale"]) == stale
     assert set(accounted) == fresh | stale
-    assert store.exists(DONE_KEY)
-    lease = json.loads(store.read_bytes(LEASE_KEY))
+    assert store.exists(RunLayout.DONE)
+    lease = json.loads(store.read_bytes(RunLayout.LEASE))
     assert lease["released"] is True
     assert read_latest(store)[0] > 1000 + steps  # every restart published a newer version
 
@@ -254,15 +261,20 @@ def test_second_learner_refused_and_stolen_lease_stops_publishing(store_uri):
     with pytest.raises(LeaseHeldError) as info:
         run_learner(uri, handle_signals=False)
     msg = str(info.value)
-    assert "refusing to start a second learner" in msg and first.lease.owner in msg
+    assert "refusing to start a second learner" in msg and first.parts.lease.owner in msg
     assert "learner/LEASE" in msg
 
     # Steal: another owner replaces the lease (compare-and-swap on its generation), then
     # publishes its own weights as a real successor would.
-    data, generation = store.read_versioned(LEASE_KEY)
-    thief = {**json.loads(data), "owner": "other-host:1:thief", "host": "other-host", "pid": 1}
-    thief["expires_at"] = time.time() + 3600
-    store.write_if_generation(LEASE_KEY, json.dumps(thief).encode(), generation)
+    for _ in range(20):  # the holder renews concurrently: retry the CAS as a thief would
+        data, generation = store.read_versioned(RunLayout.LEASE)
+        thief = {**json.loads(data), "owner": "other-host:1:thief", "host": "other-host", "pid": 1}
+        thief["expires_at"] = time.time() + 3600
+        try:
+            store.write_if_generation(RunLayout.LEASE, json.dumps(thief).encode(), generation)
+            break
+        except PreconditionFailed:
+            continue
     for _ in range(50):  # the old learner may still publish until it notices (<= ttl/3)
         try:
             WeightsPublisher(store).publish(
@@ -275,10 +287,10 @@ def test_second_learner_refused_and_stolen_lease_stops_publishing(store_uri):
     thread.join(timeout=60)
     assert not thread.is_alive()
     assert isinstance(box.get("error"), (LeaseLost, PublishConflict)), box
-    assert first.lease.lost or isinstance(box["error"], PublishConflict)
+    assert first.parts.lease.lost or isinstance(box["error"], PublishConflict)
     assert read_latest(store)[0] == 9999  # never overwritten by the stolen learner
-    assert json.loads(store.read_bytes(LEASE_KEY))["owner"] == "other-host:1:thief"
-    assert not store.exists(DONE_KEY)
+    assert json.loads(store.read_bytes(RunLayout.LEASE))["owner"] == "other-host:1:thief"
+    assert not store.exists(RunLayout.DONE)
 
 
 # ------------------------------------------------------------------- quarantine
@@ -297,7 +309,7 @@ def _bad_shards(store: ObjectStore, rng) -> dict[str, str]:
     bad[key] = "missing_columns"
 
     eps = _episodes(rng, 4)
-    eps[2].reward = math.nan
+    eps[2] = dataclasses.replace(eps[2], reward=math.nan)
     key = "shards/actor-9/0000000000003-nanreward.parquet"
     store.write_bytes(key, table_to_parquet_bytes(episodes_to_table(eps)))
     bad[key] = "non_finite"
@@ -339,12 +351,13 @@ def test_bad_shards_are_quarantined_good_ones_trained(tmp_path):
 
 
 def test_compile_count_bounded_by_buckets_and_truncation_counted(tmp_path):
-    """Lengths 5..300 (some > the 128 bucket): at most one RL compilation per bucket, and
-    each truncated episode that was trained is counted once."""
+    """Lengths 5..192 (some > the 128 bucket; 192 = actor.max_episode_tokens, longer ones
+    are quarantined): at most one RL compilation per bucket, and each truncated episode
+    that was trained is counted once."""
     uri = _prepare(str(tmp_path), max_steps=6, max_staleness=10_000, min_episodes_per_step=8)
     store = open_store(uri)
     rng = np.random.default_rng(2)
-    lengths = np.concatenate([rng.integers(5, 128, 150), rng.integers(129, 300, 20)])
+    lengths = np.concatenate([rng.integers(5, 128, 150), rng.integers(129, 193, 20)])
     rng.shuffle(lengths)
     eps = [make_episode(rng, length=int(n), group_id=f"g{i // 4}") for i, n in enumerate(lengths)]
     _write(store, [eps[i : i + 34] for i in range(0, len(eps), 34)])
@@ -353,13 +366,13 @@ def test_compile_count_bounded_by_buckets_and_truncation_counted(tmp_path):
     summary = learner.run()
     assert summary["steps"] == 6
     assert 1 <= summary["compile_count"] <= 2
-    assert learner.trainer.total_compiles == summary["compile_count"]  # no supervised step
+    assert learner.parts.trainer.total_compiles == summary["compile_count"]  # no supervised step
     buckets = {r["bucket"] for r in read_metrics(store, "learner") if "bucket" in r}
     assert buckets <= {64, 128}
     trained, _ = _ledger(store)
     by_id = {e.episode_id: e for e in eps}
     long_trained = sum(by_id[i].length > 128 for i in trained)
-    assert learner.counters["truncated_sequences"] == long_trained
+    assert learner.acct.counters["truncated_sequences"] == long_trained
     assert summary["truncated_sequences"] == long_trained
 
 
@@ -367,12 +380,12 @@ def test_compile_count_bounded_by_buckets_and_truncation_counted(tmp_path):
 
 
 def test_stale_data_dropped_and_counted(tmp_path):
-    """max_staleness=0: data from an older policy version is dropped (not trained)."""
-    uri = _prepare(str(tmp_path), max_steps=2, max_staleness=0, publish_every=100)
+    """max_staleness=1: data more than one policy version old is dropped (not trained)."""
+    uri = _prepare(str(tmp_path), max_steps=2, max_staleness=1, publish_every=100)
     store = open_store(uri)
     _prepublish(store, 3)  # the learner runs at version 4
     rng = np.random.default_rng(3)
-    old = _episodes(rng, 12, version=3)
+    old = _episodes(rng, 12, version=2)
     older = _episodes(rng, 4, version=1)
     new = _episodes(rng, 2 * PER_STEP, version=4)
     _write(store, [old + older, new[:PER_STEP], new[PER_STEP:]])
@@ -388,6 +401,66 @@ def test_stale_data_dropped_and_counted(tmp_path):
         assert r["dropped"] == {"stale": 16}
 
 
+# ------------------------------------------------- issue #11: bad input, retention
+
+
+def test_future_replayed_and_too_long_shards_never_trained(tmp_path):
+    """#11.4: a shard from the future (policy_version latest + 1,000,000) was trained
+    (staleness -999996 in metrics); #11.5: a shard copied under a new name was accounted
+    twice; #11.6: an episode over actor.max_episode_tokens (192) was truncated and
+    trained. Now: quarantined as `future_version` / `too_long`, the replay dropped as
+    `duplicate`. #11.11: old snapshots are pruned (keep the newest 2) and, with
+    `delete_consumed_shards`, the consumed shards are deleted after the final checkpoint."""
+    uri = _prepare(
+        str(tmp_path),
+        max_steps=2,
+        max_staleness=10,
+        keep_snapshots=2,
+        keep_every=0,
+        delete_consumed_shards=True,
+    )
+    store = open_store(uri)
+    _prepublish(store, 3)  # the learner runs at versions 4..6
+    rng = np.random.default_rng(11)
+    bad = {
+        "shards/actor-9/0000000000001-future.parquet": (
+            "future_version",
+            _episodes(rng, 4, version=1_000_004),
+        ),
+        "shards/actor-9/0000000000002-long.parquet": (
+            "too_long",
+            _episodes(rng, 4, length=193, version=4),
+        ),
+    }
+    for key, (_, eps) in bad.items():
+        store.write_bytes(key, table_to_parquet_bytes(episodes_to_table(eps)))
+    good = [_episodes(rng, PER_STEP, version=4) for _ in range(2)]
+    keys = _write(store, good)
+    replay = "shards/actor-0/9999999999999-replay.parquet"
+    store.write_bytes(replay, store.read_bytes(keys[0]))
+
+    summary = _learner(uri).run()
+    assert summary["steps"] == 2 and summary["trained_episodes"] == 2 * PER_STEP
+    assert summary["dropped"] == {"duplicate": PER_STEP}
+    assert {q["shard"]: q["reason"] for q in summary["quarantined"]} == {
+        k: reason for k, (reason, _) in bad.items()
+    }
+    trained, dropped = _ledger(store)
+    assert sorted(trained) == sorted(e.episode_id for eps in good for e in eps)  # once each
+    assert set(dropped) == {"duplicate"}
+    assert set(dropped["duplicate"]) == {e.episode_id for e in good[0]}
+    for r in _step_records(store):
+        assert all(int(s) >= 0 for s in r["staleness"]), r["staleness"]
+    # Retention: v3..v6 were published, the newest two are kept (LATEST is v6).
+    assert read_latest(store)[0] == 6
+    assert sorted({i.key.split("/")[1] for i in store.list("weights/v")}) == [
+        "v00000005",
+        "v00000006",
+    ]
+    # The consumed shards (the replay too) are gone; the quarantined ones were moved.
+    assert store.list("shards/") == []
+
+
 # --------------------------------------------------------------------- bfloat16
 
 
@@ -396,15 +469,15 @@ def test_bfloat16_compute_trains_with_finite_loss(tmp_path):
     store = open_store(uri)
     rng = np.random.default_rng(4)
     _write(store, [_episodes(rng, PER_STEP) for _ in range(3)])
-    records: list[dict] = []
-    learner = _learner(uri, progress=records.append)
+    learner = _learner(uri)
     summary = learner.run()
-    assert summary["steps"] == 3
-    assert learner.trainer.model.compute_dtype == jnp.bfloat16
+    records = _step_records(store)
+    assert summary["steps"] == 3 and len(records) == 3
+    assert learner.parts.trainer.model.compute_dtype == jnp.bfloat16
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
     assert all(r["grad_norm"] > 0 for r in records)
     # Params stay float32 (only the matmuls run in bfloat16).
-    assert all(v.dtype == np.float32 for v in learner.trainer.flat_params().values())
+    assert all(v.dtype == np.float32 for v in learner.parts.trainer.flat_params().values())
 
 
 # ------------------------------------------------------------- on-policy weights
@@ -428,12 +501,12 @@ def _on_policy_episodes(uri: str, rng, n: int) -> list[Episode]:
 
 
 def test_fresh_data_has_unit_importance_weights(tmp_path):
-    """max_staleness=0 with data from the current policy: pi/mu is 1 on every token."""
-    uri = _prepare(str(tmp_path), max_steps=1, max_staleness=0)
+    """Data from the current policy (staleness 0): pi/mu is 1 on every token."""
+    uri = _prepare(str(tmp_path), max_steps=1, max_staleness=1)
     store = open_store(uri)
     _write(store, [_on_policy_episodes(uri, np.random.default_rng(5), PER_STEP)])
-    records: list[dict] = []
-    summary = _learner(uri, progress=records.append).run()
+    summary = _learner(uri).run()
+    records = _step_records(store)
     assert summary["steps"] == 1 and summary["dropped"] == {}
     (r,) = records
     assert r["staleness"] == {"0": PER_STEP}

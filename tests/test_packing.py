@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tunix_tasks.episode import Episode
 from tunix_tasks.learner.packing import (
     PackResult,
-    SequenceExample,
     bucket_no_pack,
     choose_bucket,
     pack,
@@ -23,18 +23,16 @@ def _seq(idx: int, length: int, rng: np.random.Generator | None = None, version:
     mask = (rng.random(length) < 0.6).astype(np.int8)
     blp = np.where(mask == 1, -rng.random(length), 0.0).astype(np.float32)
     tokens = idx * 10_000 + np.arange(length) + 1  # never 0, so padding is distinguishable
-    return SequenceExample(
-        f"ep{idx}", tokens, mask, blp, advantage=idx * 0.5, policy_version=version
-    )
+    return Episode(f"ep{idx}", tokens, mask, blp, advantage=idx * 0.5, policy_version=version)
 
 
-def _lognormal(n: int, seed: int = 0) -> list[SequenceExample]:
+def _lognormal(n: int, seed: int = 0) -> list[Episode]:
     rng = np.random.default_rng(seed)
     lengths = np.clip(np.exp(rng.normal(np.log(300), 1.0, n)), 16, 2048).astype(int)
     return [_seq(i, int(n_), rng) for i, n_ in enumerate(lengths)]
 
 
-def _check_layout(result: PackResult, given: list[SequenceExample], batch_rows: int, buckets):
+def _check_layout(result: PackResult, given: list[Episode], batch_rows: int, buckets):
     """Every episode exactly once (batch or leftover), at the right place, target-aligned."""
     by_id = {s.episode_id: s for s in given}
     seen: list[str] = [s.episode_id for s in result.leftover]
@@ -96,20 +94,20 @@ def test_choose_bucket() -> None:
 
 def test_sequence_example_validates() -> None:
     with pytest.raises(ValueError, match="lengths differ"):
-        SequenceExample("x", [1, 2, 3], [0, 1], [0, 0, 0], 0.0)
+        Episode("x", [1, 2, 3], [0, 1], [0, 0, 0])
     with pytest.raises(ValueError, match="no tokens"):
-        SequenceExample("x", [], [], [], 0.0)
+        Episode("x", [], [], [])
 
 
 # --------------------------------------------------------------------------- exact layout
 
 
 def test_hand_example_exact_arrays() -> None:
-    a = SequenceExample("A", [10, 11, 12, 13, 14, 15], [0, 0, 1, 1, 0, 1],
+    a = Episode("A", [10, 11, 12, 13, 14, 15], [0, 0, 1, 1, 0, 1],
                         [0, 0, -0.1, -0.2, 0, -0.3], advantage=1.5, policy_version=3)  # fmt: skip
-    b = SequenceExample("B", [20, 21, 22, 23, 24], [0, 1, 1, 1, 1], [0, -1, -2, -3, -4], -1.0)
-    c = SequenceExample("C", [30, 31, 32], [0, 1, 1], [0, -0.5, -0.6], 0.25)
-    d = SequenceExample("D", [40, 41], [0, 1], [0, -0.7], 2.0)
+    b = Episode("B", [20, 21, 22, 23, 24], [0, 1, 1, 1, 1], [0, -1, -2, -3, -4], advantage=-1.0)
+    c = Episode("C", [30, 31, 32], [0, 1, 1], [0, -0.5, -0.6], advantage=0.25)
+    d = Episode("D", [40, 41], [0, 1], [0, -0.7], advantage=2.0)
     res = pack([c, a, d, b], buckets=(8, 16), batch_rows=2)
     # Candidates for the longest (6): bucket 8 fills both rows 100% ([6,2], [5,3]);
     # bucket 16 would fit all four in one row and leave row 2 empty.

@@ -10,29 +10,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunix_tasks.learner.packing import SequenceExample, pack
+from tunix_tasks.episode import Episode
+from tunix_tasks.learner.packing import pack
 from tunix_tasks.learner.rl_math import (
     batch_advantages,
     group_advantages,
     masked_mean,
     policy_loss,
-    stale_mask,
-    staleness,
-    target_logprobs,
-    token_entropy,
     truncated_importance_weights,
 )
 
-# --------------------------------------------------------------------------- staleness
+# --------------------------------------------------------------------------- references
 
 
-def test_staleness_and_mask() -> None:
-    versions = np.array([10, 9, 6, 11])
-    np.testing.assert_array_equal(staleness(10, versions), [0, 1, 4, -1])
-    np.testing.assert_array_equal(stale_mask(10, versions, 3), [False, False, True, False])
-    np.testing.assert_array_equal(stale_mask(10, versions, 0), [False, True, True, False])
-    jitted = jax.jit(stale_mask, static_argnums=2)
-    np.testing.assert_array_equal(jitted(10, versions, 3), [False, False, True, False])
+def target_logprobs(logits, targets):
+    """``log_softmax(logits)[..., targets]``: ``[B, L, V], [B, L] -> [B, L]`` (reference)."""
+    logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, jnp.asarray(targets)[..., None], axis=-1)[..., 0]
 
 
 # --------------------------------------------------------------------------- IS weights
@@ -95,9 +89,7 @@ def test_sequence_weights_on_a_packed_batch_match_per_episode() -> None:
     eps = []
     for i, n in enumerate([5, 9, 3, 7, 12, 4]):
         mask = (rng.random(n) < 0.7).astype(np.int8)
-        eps.append(
-            SequenceExample(f"e{i}", np.arange(n) + 1, mask, np.where(mask, -rng.random(n), 0), 0.0)
-        )
+        eps.append(Episode(f"e{i}", np.arange(n) + 1, mask, np.where(mask, -rng.random(n), 0)))
     new_lp = {e.episode_id: np.where(e.loss_mask, -rng.random(e.length), 0) for e in eps}
     (batch,) = pack(eps, buckets=(16,), batch_rows=3).batches
     # Place the new log-probs target-aligned, exactly as the learner would get them.
@@ -205,7 +197,6 @@ def _reinforce(logits, targets, mask, adv):
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_staleness_zero_equals_on_policy_reinforce_exactly(level: str) -> None:
     logits, targets, mask, adv, seg, logp_b = _fresh_problem()
-    assert not stale_mask(5, jnp.array([5, 5]), 0).any()
 
     def tis(lg):
         logp = target_logprobs(lg, targets)
@@ -250,9 +241,6 @@ def test_policy_loss_jit_and_metrics() -> None:
     assert empty == 0.0  # no loss tokens: 0, not NaN
 
 
-def test_entropy_and_masked_mean() -> None:
-    np.testing.assert_allclose(
-        token_entropy(jnp.zeros((2, 3, 4))), np.full((2, 3), math.log(4)), rtol=1e-6
-    )
+def test_masked_mean() -> None:
     assert masked_mean(jnp.array([1.0, 3.0]), jnp.array([0, 0])) == 0.0
     np.testing.assert_allclose(masked_mean(jnp.array([1.0, 3.0, 5.0]), jnp.array([1, 0, 1])), 3.0)

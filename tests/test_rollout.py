@@ -97,12 +97,21 @@ def _limits(**kw) -> EpisodeLimits:
     return EpisodeLimits(**{**base, **kw})
 
 
-def _play(env, policy, **limits):
-    return asyncio.run(play_episode(env, policy, seed=11, limits=_limits(**limits), tok=TOK))
+def _play(env, policy, *, step_times: list[float] | None = None, **limits):
+    return asyncio.run(
+        play_episode(
+            env,
+            policy,
+            seed=11,
+            limits=_limits(**limits),
+            tok=TOK,
+            on_env_step=None if step_times is None else step_times.append,
+        )
+    )
 
 
 def _check_invariants(rec) -> None:
-    tokens, mask, lp = rec.arrays()
+    tokens, mask, lp = rec.tokens, rec.loss_mask, rec.behavior_logprobs
     assert len(tokens) == len(mask) == len(lp)
     assert tokens[0] == TOK.bos_id and tokens[-1] == TOK.eos_id
     assert np.all(lp[mask == 0] == 0.0)
@@ -112,7 +121,8 @@ def _check_invariants(rec) -> None:
 def test_layout_mask_and_logprobs_exact():
     env = make_env(ENV, turns=2)
     policy = _Scripted(["ab", "c"])
-    rec = _play(env, policy)
+    step_times: list[float] = []
+    rec = _play(env, policy, step_times=step_times)
     obs0, obs1 = "n=2", "n=1"
     u, a, e = TOK.user_id, TOK.assistant_id, TOK.end_id
     expected = [
@@ -123,7 +133,7 @@ def test_layout_mask_and_logprobs_exact():
         *[*TOK.encode("c"), e],
         TOK.eos_id,
     ]
-    tokens, mask, lp = rec.arrays()
+    tokens, mask, lp = rec.tokens, rec.loss_mask, rec.behavior_logprobs
     assert tokens.tolist() == expected
     policy_positions = [i for i, t in enumerate(expected) if i > 0 and expected[i - 1] == a]
     # mask is 1 exactly on the policy's tokens: the action characters and its END
@@ -136,20 +146,20 @@ def test_layout_mask_and_logprobs_exact():
     want_lp[first : first + 3] = [-0.25, -0.5, -0.75]
     want_lp[second : second + 2] = [-0.25, -0.5]
     np.testing.assert_array_equal(lp, want_lp)
-    assert rec.status == "ok" and rec.turns == 2 and rec.reward == 1.0
-    assert rec.versions == {3}
+    assert rec.status == "ok" and rec.num_turns == 2 and rec.reward == 1.0
+    assert rec.policy_version == 3 and rec.seed == 11 and rec.env == env.name
     assert env.actions == ["ab", "c"]  # END is stripped before the env sees the action
     # the policy sees the whole episode so far, ending with ASSISTANT
     assert policy.contexts[0] == expected[:first]
     assert policy.contexts[1] == expected[:second]
-    assert len(rec.env_step_s) == 2
+    assert len(step_times) == 2
     _check_invariants(rec)
 
 
 def test_scripted_policy_demonstration():
     env = make_env(ENV, turns=3)
     rec = _play(env, ScriptedPolicy(env.demonstration(0), TOK))
-    assert rec.status == "ok" and rec.reward == 1.0 and rec.turns == 3
+    assert rec.status == "ok" and rec.reward == 1.0 and rec.num_turns == 3
     _check_invariants(rec)
 
 
@@ -157,38 +167,45 @@ def test_env_step_raising_is_env_error():
     env = make_env(ENV, turns=3, raise_on_step=2)
     rec = _play(env, _Scripted(["a", "b", "c"]))
     assert rec.status == "env_error"
-    assert rec.turns == 2  # the failing step's action is kept, then EOS
+    assert rec.num_turns == 2  # the failing step's action is kept, then EOS
     _check_invariants(rec)
 
 
 def test_env_reset_raising_is_env_error():
     rec = _play(make_env(ENV, raise_on_reset=True), _Scripted(["a"]))
-    assert rec.status == "env_error" and rec.turns == 0
+    assert rec.status == "env_error" and rec.num_turns == 0
     _check_invariants(rec)
-    assert rec.arrays()[1].sum() == 0
+    assert rec.loss_mask.sum() == 0
 
 
 def test_slow_step_is_truncated():
     env = make_env(ENV, turns=3, step_sleep_s=2.0)
-    t0 = asyncio.run(_timed(env, step_timeout_s=0.1))
-    rec, wall = t0
-    assert rec.status == "truncated" and rec.turns == 1
+    rec, wall, step_times = asyncio.run(_timed(env, step_timeout_s=0.1))
+    assert rec.status == "truncated" and rec.num_turns == 1
     assert wall < 1.5  # the slow step was abandoned at the timeout, not awaited
-    assert rec.env_step_s and rec.env_step_s[0] < 1.0
+    assert step_times and step_times[0] < 1.0
     _check_invariants(rec)
 
 
 def test_slow_reset_is_truncated():
-    rec, wall = asyncio.run(_timed(make_env(ENV, reset_sleep_s=2.0), step_timeout_s=0.1))
-    assert rec.status == "truncated" and rec.turns == 0 and wall < 1.5
+    rec, wall, _ = asyncio.run(_timed(make_env(ENV, reset_sleep_s=2.0), step_timeout_s=0.1))
+    assert rec.status == "truncated" and rec.num_turns == 0 and wall < 1.5
     _check_invariants(rec)
 
 
 async def _timed(env, **limits):
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    rec = await play_episode(env, _Scripted(["a"] * 8), seed=1, limits=_limits(**limits), tok=TOK)
-    return rec, loop.time() - t0
+    times: list[float] = []
+    rec = await play_episode(
+        env,
+        _Scripted(["a"] * 8),
+        seed=1,
+        limits=_limits(**limits),
+        tok=TOK,
+        on_env_step=times.append,
+    )
+    return rec, loop.time() - t0, times
 
 
 def test_token_budget_is_truncated():
@@ -196,7 +213,7 @@ def test_token_budget_is_truncated():
     env = make_env(ENV, turns=10, obs_chars=10)
     rec = _play(env, _Scripted(["abcd"] * 10), max_episode_tokens=40, max_turns=10)
     assert rec.status == "truncated"
-    assert rec.turns == 2
+    assert rec.num_turns == 2
     assert len(rec.tokens) <= 40
     _check_invariants(rec)
 
@@ -206,7 +223,7 @@ def test_action_cut_to_remaining_budget():
     env = make_env(ENV, turns=1, obs_chars=3)
     budget = 1 + 5 + 3 + 1  # BOS + prompt + room for 3 tokens + EOS
     rec = _play(env, _Scripted(["abcdefgh"]), max_episode_tokens=budget)
-    tokens, mask, lp = rec.arrays()
+    tokens, mask, lp = rec.tokens, rec.loss_mask, rec.behavior_logprobs
     assert len(tokens) == budget
     assert mask.sum() == 3
     np.testing.assert_array_equal(lp[mask == 1], [-0.25, -0.5, -0.75])
@@ -216,14 +233,14 @@ def test_action_cut_to_remaining_budget():
 def test_max_new_tokens_caps_action():
     env = make_env(ENV, turns=1)
     rec = _play(env, _Scripted(["abcdefgh"]), max_new_tokens=4)
-    assert rec.arrays()[1].sum() == 4
+    assert rec.loss_mask.sum() == 4
     assert env.actions == ["abcd"]
 
 
 def test_max_turns_without_done_is_truncated():
     env = make_env(ENV, turns=100)
     rec = _play(env, _Scripted(["a"] * 10), max_turns=3)
-    assert rec.status == "truncated" and rec.turns == 3
+    assert rec.status == "truncated" and rec.num_turns == 3
     _check_invariants(rec)
 
 

@@ -11,10 +11,10 @@ import textwrap
 
 import numpy as np
 import pyarrow.parquet as pq
-import pytest
 
 from tests.shard_factory import make_episode
-from tunix_tasks.storage.shards import SHARD_SCHEMA, ShardStream, ShardWriter
+from tunix_tasks.learner.source import EpisodeSource
+from tunix_tasks.storage.shards import SHARD_SCHEMA, ShardWriter
 from tunix_tasks.storage.store import open_store
 
 
@@ -42,32 +42,6 @@ def test_shard_is_plain_parquet_sorted_with_metadata(store_uri):
     hist = json.loads(meta[b"tunix.length_histogram"])
     assert sum(hist["counts"]) == 8
     assert pq.ParquetFile(store.open_input(keys[0])).metadata.num_row_groups >= 1
-
-
-def test_stream_yields_all_and_resumes_from_state(store_uri):
-    store = open_store(store_uri)
-    eps, _ = _write(store, 30, per_shard=8)
-    stream = ShardStream(store, vocab_size=103)
-    items = stream.poll()
-    assert sorted(i.episode.episode_id for i in items) == sorted(e.episode_id for e in eps)
-    by_id = {e.episode_id: e for e in eps}
-    for it in items:
-        np.testing.assert_array_equal(it.episode.tokens, by_id[it.episode.episode_id].tokens)
-    # ack half, checkpoint, "crash", restore: exactly the unacked half comes back.
-    acked = items[::2]
-    for it in acked:
-        stream.ack(it.shard, [it.row])
-    state = json.loads(json.dumps(stream.get_state()))
-    fresh = ShardStream(store, vocab_size=103)
-    fresh.set_state(state)
-    again = fresh.poll()
-    assert {i.episode.episode_id for i in again} == {i.episode.episode_id for i in items[1::2]}
-    assert fresh.poll() == []  # nothing new until more shards arrive
-    for it in again:
-        fresh.ack(it.shard, [it.row])
-    assert fresh.get_state()["partial"] == {} and len(fresh.get_state()["done"]) == 4
-    more, _ = _write(store, 5, per_shard=8, seed=1)
-    assert {i.episode.episode_id for i in fresh.poll()} == {e.episode_id for e in more}
 
 
 def test_time_based_flush(tmp_path):
@@ -108,42 +82,11 @@ def test_writer_killed_mid_shard_leaves_no_partial_shard(tmp_path):
     store = open_store(uri)
     keys = [i.key for i in store.list("shards/")]
     assert keys, "the writer should have committed some shards before being killed"
-    items = ShardStream(store, vocab_size=103).poll()  # validates every shard
-    assert len(items) == 64 * len(keys)
+    source = EpisodeSource(store, vocab_size=103)
+    assert len(source.poll(max_shards=10_000)) == 64 * len(keys)  # validates every shard
+    assert not source.quarantined
     leftovers = [
         p for p in (tmp_path / "run").rglob("*") if p.is_file() and p.name.startswith(".tmp")
     ]
     # Temp files of killed writers may remain, but they are invisible to list().
     assert all(".tmp" not in k for k in keys) and len(leftovers) <= 3
-
-
-def test_state_version_checked():
-    stream = ShardStream(open_store("/tmp"), vocab_size=10)
-    with pytest.raises(ValueError, match="version"):
-        stream.set_state({"version": 99})
-
-
-def test_invalid_shard_reported_and_skipped(tmp_path):
-    store = open_store(str(tmp_path))
-    _write(store, 4)
-    store.write_bytes("shards/actor-0/0000000000000-bad.parquet", b"not parquet")
-    seen = []
-    stream = ShardStream(store, vocab_size=103, on_invalid=lambda k, e: seen.append((k, e.reason)))
-    assert len(stream.poll()) == 4
-    assert seen == [("shards/actor-0/0000000000000-bad.parquet", "corrupt")]
-    assert "shards/actor-0/0000000000000-bad.parquet" in stream.get_state()["done"]
-
-
-def test_include_acked_returns_whole_shards_flagged(tmp_path):
-    """After a restart, advantages need whole groups: acked rows come back, flagged."""
-    store = open_store(str(tmp_path))
-    _write(store, 8, per_shard=8)
-    stream = ShardStream(store, vocab_size=103)
-    items = stream.poll()
-    for it in items[:3]:
-        stream.ack(it.shard, [it.row])
-    resumed = ShardStream(store, vocab_size=103)
-    resumed.set_state(stream.get_state())
-    again = resumed.poll(include_acked=True)
-    assert len(again) == 8
-    assert sorted(i.row for i in again if i.acked) == sorted(i.row for i in items[:3])

@@ -12,7 +12,16 @@ import time
 
 import pytest
 
-from tunix_tasks.storage.store import NotFound, PreconditionFailed, normalize_uri, open_store
+from tunix_tasks.storage.store import (
+    RETRY_DEADLINE_ENV,
+    LocalStore,
+    NotFound,
+    PreconditionFailed,
+    StoreError,
+    normalize_uri,
+    open_store,
+)
+from tunix_tasks.storage.tempfiles import MAX_AGE_ENV, write_temp
 
 
 def test_bytes_roundtrip_and_list(store_uri):
@@ -143,3 +152,72 @@ def test_gcs_outage_is_a_clear_error(tmp_path):
             os.environ.pop("STORAGE_EMULATOR_HOST")
         else:
             os.environ["STORAGE_EMULATOR_HOST"] = old
+
+
+def test_list_start_after_and_folders(store_uri):
+    """Issue #11.11: listings that start from a position, and folder discovery."""
+    store = open_store(store_uri)
+    for key in ["s/a/1.p", "s/a/2.p", "s/a/3.p", "s/b/1.p", "s/b/deep/x.p", "top.txt"]:
+        store.write_bytes(key, b"x")
+    assert store.list_folders("s/") == ["s/a/", "s/b/"]
+    assert store.list_folders("") == ["s/"]
+    assert store.list_folders("nothing/") == []
+    keys = lambda **kw: [i.key for i in store.list("s/a/", **kw)]  # noqa: E731
+    assert keys(start_after="s/a/1.p") == ["s/a/2.p", "s/a/3.p"]  # exclusive
+    assert keys(start_after="s/a/0") == ["s/a/1.p", "s/a/2.p", "s/a/3.p"]
+    assert keys(start_after="s/a/3.p") == []
+    assert keys(start_after=None) == keys()
+    assert [i.key for i in store.list("s/", start_after="s/a/3.p")] == ["s/b/1.p", "s/b/deep/x.p"]
+
+
+def _age(path, seconds: float) -> None:
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+
+
+def test_stale_temp_files_of_killed_writers_are_collected(tmp_path, monkeypatch):
+    """Issue #11.10: a writer killed between writing its temp file and renaming it leaves a
+    hidden `.tmp-*` file; listing collects those older than the max age (1 h by default,
+    configurable), in generation folders too, and leaves younger ones (writes in flight)."""
+    monkeypatch.delenv(MAX_AGE_ENV, raising=False)
+    root = tmp_path / "run"
+    store = LocalStore(f"file://{root}")
+    store.write_bytes("shards/a/1.parquet", b"x")
+    store.write_if_generation("weights/LATEST", b"v1", 0)
+    # What killed writers leave: the temp file written, never renamed or linked.
+    old_shard = write_temp(root / "shards/a", b"partial shard")
+    old_gen = write_temp(root / "weights/.LATEST.gens", b"partial pointer")
+    in_flight = write_temp(root / "shards/a", b"being written")
+    _age(old_shard, 2 * 3600)
+    _age(old_gen, 2 * 3600)
+    _age(in_flight, 1800)
+    assert [i.key for i in store.list("shards/")] == ["shards/a/1.parquet"]
+    assert not old_shard.exists() and not old_gen.exists()
+    assert in_flight.exists()
+    assert store.read_bytes("weights/LATEST") == b"v1"
+    assert store.read_bytes("shards/a/1.parquet") == b"x"
+
+    # Throttled: another listing right away does not walk the folder again.
+    late = write_temp(root / "metrics", b"partial chunk")
+    _age(late, 2 * 3600)
+    store.list("shards/")
+    assert late.exists()
+
+    # The age is configurable (TUNIX_STORE_TMP_MAX_AGE_S).
+    monkeypatch.setenv(MAX_AGE_ENV, "60")
+    open_store(f"file://{root}").list("nothing/")
+    assert not late.exists() and not in_flight.exists()
+    assert [i.key for i in store.list()] == ["shards/a/1.parquet", "weights/LATEST"]
+
+
+@pytest.mark.gcs
+def test_gcs_retry_deadline_is_configurable(monkeypatch):
+    """Issue #11.8: the per-call retry deadline (default 120 s) comes from
+    TUNIX_STORE_RETRY_DEADLINE_S, so short outages can be tested and tuned."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")
+    monkeypatch.setenv(RETRY_DEADLINE_ENV, "1")
+    store = open_store("gs://nobucket/run")
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match=r"gs://nobucket/run/x"):
+        store.write_bytes("x", b"1")
+    assert time.monotonic() - t0 < 15

@@ -12,7 +12,8 @@ import pytest
 
 from tests.shard_factory import make_episode
 from tunix_tasks.config import MeshConfig, config_from_dict
-from tunix_tasks.learner.packing import SequenceExample, pack
+from tunix_tasks.episode import Episode
+from tunix_tasks.learner.packing import pack
 from tunix_tasks.learner.train_step import Trainer, make_mesh
 from tunix_tasks.policy.build import build_policy
 
@@ -29,12 +30,12 @@ def _cfg():
     )
 
 
-def _examples(rng, n: int, lo: int, hi: int, tag: str) -> list[SequenceExample]:
+def _examples(rng, n: int, lo: int, hi: int, tag: str) -> list[Episode]:
     out = []
     for i in range(n):
         e = make_episode(rng, length=int(rng.integers(lo, hi)))
         adv = float(rng.normal())
-        out.append(SequenceExample(f"{tag}{i}", e.tokens, e.loss_mask, e.behavior_logprobs, adv))
+        out.append(Episode(f"{tag}{i}", e.tokens, e.loss_mask, e.behavior_logprobs, advantage=adv))
     return out
 
 

@@ -104,3 +104,44 @@ def test_good_shard_passes(tmp_path):
     store = open_store(str(tmp_path))
     store.write_bytes("shards/a/good.parquet", table_to_parquet_bytes(_good_table()))
     assert read_shard(store, "shards/a/good.parquet", vocab_size=VOCAB).num_rows == 6
+
+
+def _versioned_table(versions, lengths):
+    rng = np.random.default_rng(1)
+    return episodes_to_table(
+        [
+            make_episode(rng, length=n, policy_version=v)
+            for v, n in zip(versions, lengths, strict=True)
+        ]
+    )
+
+
+def test_too_long_episode_rejected_with_the_limit_named(tmp_path):
+    """Issue #11.6: an episode over the run's limit was accepted (and silently truncated)."""
+    store = open_store(str(tmp_path))
+    store.write_bytes(
+        "shards/a/long.parquet", table_to_parquet_bytes(_versioned_table([0] * 3, [10, 300, 40]))
+    )
+    with pytest.raises(ShardValidationError) as info:
+        read_shard(store, "shards/a/long.parquet", vocab_size=VOCAB, max_length=192)
+    assert info.value.reason == "too_long"
+    assert "row 2: 300 tokens" in info.value.detail  # shards store rows by length
+    assert "max_length=192" in info.value.detail and "actor.max_episode_tokens" in info.value.detail
+    assert (
+        read_shard(store, "shards/a/long.parquet", vocab_size=VOCAB, max_length=300).num_rows == 3
+    )
+    assert read_shard(store, "shards/a/long.parquet", vocab_size=VOCAB).num_rows == 3  # no limit
+
+
+def test_future_policy_version_rejected(tmp_path):
+    """Issue #11.4: a policy_version newer than anything published was trained."""
+    store = open_store(str(tmp_path))
+    table = _versioned_table([3, 1_000_007, 2], [10, 10, 10])
+    store.write_bytes("shards/a/future.parquet", table_to_parquet_bytes(table))
+    with pytest.raises(ShardValidationError) as info:
+        read_shard(store, "shards/a/future.parquet", vocab_size=VOCAB, max_version=7)
+    assert info.value.reason == "future_version"
+    assert "1000007" in info.value.detail and "(7)" in info.value.detail
+    ok = _versioned_table([3, 7, 2], [10, 10, 10])
+    store.write_bytes("shards/a/ok.parquet", table_to_parquet_bytes(ok))
+    assert read_shard(store, "shards/a/ok.parquet", vocab_size=VOCAB, max_version=7).num_rows == 3

@@ -33,6 +33,9 @@ __all__ = [
 ]
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: The environments shipped with tunix_tasks.envs. `env.name` accepts any registered name
+#: (plug-ins too); the JSON schema (and so the Airflow form) offers these.
+BUILTIN_ENVS = ("calculator", "guess_number", "python_exec")
 
 
 class ConfigError(ValueError):
@@ -56,7 +59,11 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 class ModelConfig(_Frozen):
     """Decoder-only transformer shape. `preset` fills any dimension not given explicitly."""
 
-    preset: Literal["tiny", "small", "base", "custom"] = "tiny"
+    preset: Literal["tiny", "small", "base", "custom"] = Field(
+        "tiny",
+        description="tiny: tests (seconds); small: ~1M params demo; base: accelerator-sized; "
+        "custom: set every dimension",
+    )
     d_model: int = Field(0, ge=0)
     n_layers: int = Field(0, ge=0)
     n_heads: int = Field(0, ge=0)
@@ -90,11 +97,32 @@ class ModelConfig(_Frozen):
         return self
 
 
+def known_env_names() -> list[str]:
+    """Valid `env.name` values: the built-ins, the `tunix_tasks.envs` entry points, and
+    names registered in code if `tunix_tasks.envs` is loaded. Never imports it (the
+    learner reads config.json and imports no environment): ship plug-ins as entry points."""
+    import contextlib
+    import importlib.metadata
+    import sys
+
+    registry = sys.modules.get("tunix_tasks.envs")
+    if registry is not None:  # its registry and the entry points
+        return sorted(set(BUILTIN_ENVS) | set(registry.available_envs()))
+    names = set(BUILTIN_ENVS)
+    with contextlib.suppress(Exception):  # a broken distribution: built-ins stay valid
+        names.update(ep.name for ep in importlib.metadata.entry_points(group="tunix_tasks.envs"))
+    return sorted(names)
+
+
 class EnvConfig(_Frozen):
     """Which environment the actors step, and how slow it is (simulated remote latency)."""
 
-    name: str = "calculator"
-    max_turns: int = Field(4, ge=1, le=64)
+    name: str = Field(
+        "calculator",
+        description="the environment the actors step (a built-in or a registered plug-in)",
+        json_schema_extra={"enum": list(BUILTIN_ENVS)},
+    )
+    max_turns: int = Field(4, ge=1, le=64, description="turns before an episode is truncated")
     latency_s: float = Field(0.0, ge=0.0, description="added delay per env step (seconds)")
     latency_jitter: float = Field(
         0.0, ge=0.0, description="relative jitter of the delay: uniform in [1-j, 1+j]"
@@ -104,12 +132,25 @@ class EnvConfig(_Frozen):
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra env constructor args")
 
+    @field_validator("name")
+    @classmethod
+    def _known_env(cls, value: str) -> str:
+        names = known_env_names()
+        if value not in names:
+            raise ValueError(
+                f"unknown environment; valid: {', '.join(names)} (or a plug-in "
+                "of the entry-point group 'tunix_tasks.envs')"
+            )
+        return value
+
 
 class ActorConfig(_Frozen):
     """The CPU actor fleet."""
 
-    num_actors: int = Field(2, ge=1, le=1024)
-    envs_per_actor: int = Field(8, ge=1, le=4096)
+    num_actors: int = Field(2, ge=1, le=1024, description="actor processes")
+    envs_per_actor: int = Field(
+        8, ge=1, le=4096, description="environments each actor steps concurrently"
+    )
     group_size: int = Field(
         4, ge=1, le=64, description="episodes per env seed (advantages are normalized per group)"
     )
@@ -147,7 +188,9 @@ class MeshConfig(_Frozen):
 class LearnerConfig(_Frozen):
     """The accelerator learner: data rules, maths, shapes, optimisation, publishing."""
 
-    max_steps: int = Field(100, ge=1)
+    max_steps: int = Field(
+        100, ge=1, description="total optimizer steps of the run; the run is DONE when reached"
+    )
     batch_rows: int = Field(8, ge=1, description="rows per training batch (every bucket)")
     buckets: tuple[int, ...] = Field(
         (64, 128, 256), description="row lengths; sequences are packed into one of these"
@@ -162,16 +205,30 @@ class LearnerConfig(_Frozen):
     warmup_steps: int = Field(0, ge=0)
     grad_clip: float = Field(1.0, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
-    max_staleness: int = Field(4, ge=0)
+    max_staleness: int = Field(
+        4, ge=0, description="async: drop episodes more than this many versions old"
+    )
     rho_max: float = Field(2.0, gt=0.0, description="truncation of importance ratios")
     is_level: Literal["token", "sequence"] = "token"
     ppo_clip: float = Field(0.0, ge=0.0, description="PPO ratio clip epsilon; 0 disables")
     advantage: Literal["group", "batch"] = "group"
-    publish_every: int = Field(2, ge=1, description="publish weights every P steps")
+    publish_every: int = Field(2, ge=1, description="async: publish weights every P steps")
     checkpoint_every: int = Field(10, ge=1)
     lease_ttl_s: float = Field(30.0, gt=0.0)
     data_timeout_s: float = Field(
         600.0, gt=0.0, description="give up if no usable data arrives for this long"
+    )
+    keep_snapshots: int = Field(
+        16, ge=2, le=1_000_000, description="keep the newest K weight snapshots (and LATEST's)"
+    )
+    keep_every: int = Field(
+        50, ge=0, le=1_000_000, description="also keep versions that are multiples of M; 0: none"
+    )
+    delete_consumed_shards: bool = Field(
+        False, description="delete a shard once a committed checkpoint holds it consumed"
+    )
+    dedup_window: int = Field(
+        65_536, ge=1, le=10_000_000, description="episode ids remembered to drop replays"
     )
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -189,12 +246,21 @@ class LearnerConfig(_Frozen):
 class RunConfig(_Frozen):
     """Everything that defines one run. `run_uri` = `<store>/<run_name>`."""
 
-    run_name: str = "demo"
+    run_name: str = Field(
+        "demo",
+        description="the run's folder under the store: letters, digits, '.', '_', '-'; "
+        "reusing a name resumes that run",
+        json_schema_extra={"pattern": _RUN_NAME.pattern},
+    )
     store: str = Field(
         "file://./runs", description="root URI: file:///abs/dir or gs://bucket/prefix"
     )
-    mode: Literal["async", "sync"] = "async"
-    seed: int = 0
+    mode: Literal["async", "sync"] = Field(
+        "async",
+        description="async: actors never wait (AsyncFlow); sync: the lockstep baseline "
+        "(SyncFlow: staleness 0, one version per batch of episodes)",
+    )
+    seed: int = Field(0, ge=0, description="random seed of the run (model init, episode seeds)")
     deadline_s: float = Field(
         0.0, ge=0.0, description="stop everything after this long; 0: no deadline"
     )
@@ -235,12 +301,11 @@ class RunConfig(_Frozen):
                 f"actor.max_episode_tokens={self.actor.max_episode_tokens} exceeds "
                 f"model.max_seq_len={self.model.max_seq_len}"
             )
-        if self.mode == "sync" and (
-            self.learner.max_staleness != 0 or self.learner.publish_every != 1
-        ):
+        if self.mode == "async" and self.learner.max_staleness == 0:
             raise ValueError(
-                "mode=sync requires learner.max_staleness=0 and learner.publish_every=1 "
-                "(`tunix-tasks train --mode sync` sets both)"
+                "learner.max_staleness=0 in async mode drops every episode started before the "
+                "latest publish (most of the data); use mode=sync (on-policy: it ignores "
+                "max_staleness) or learner.max_staleness >= 1"
             )
         return self
 

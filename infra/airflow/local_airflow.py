@@ -83,7 +83,7 @@ def airflow_env(
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "15",
             "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
             "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(home / "logs"),
-            # where the learner posts tunix_weights asset events (dags/tunix_common.py)
+            # where the learner task posts tunix_weights asset events (dags/tunix_api.py)
             "TUNIX_AIRFLOW_API_URL": url,
             "TUNIX_STORE": env.get("TUNIX_STORE") or f"file://{REPO / 'runs'}",
             "JAX_PLATFORMS": env.get("JAX_PLATFORMS", "cpu"),

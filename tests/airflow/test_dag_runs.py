@@ -41,6 +41,7 @@ def _states(dag_run) -> dict[str, str]:
 
 
 def test_train_dag_in_process(airflow_db, dagbag, store):
+    from tunix_tasks.storage.layout import RunLayout
     from tunix_tasks.storage.store import open_store
 
     dag = dagbag.dags["tunix_train"]
@@ -59,8 +60,8 @@ def test_train_dag_in_process(airflow_db, dagbag, store):
     assert states["prepare"] == states["learner"] == states["report"] == "success"
     assert states["stop_fleet"] == "success"
     run = open_store(f"{store}/dagtest")
-    assert run.exists("config.json") and run.exists("weights/LATEST")
-    assert run.exists("control/DONE")
+    assert run.exists(RunLayout.CONFIG) and run.exists(RunLayout.LATEST)
+    assert run.exists(RunLayout.DONE)
 
 
 def test_eval_dag_manual_params(airflow_db, dagbag, store):
@@ -79,3 +80,12 @@ def test_recurring_dag_continues_the_run(airflow_db, dagbag, store):
     assert dr.state == "success", _states(dr)
     after = learner_progress(f"{store}/dagtest")
     assert after["step"] >= before["step"]
+
+
+def test_recurring_dag_refuses_a_bad_config(airflow_db, dagbag, store):
+    """A run that does not exist yet is created from the params: bad ones fail `resume`."""
+    dag = dagbag.dags["tunix_recurring"]
+    conf = {"store": store, "run_name": "badrec", "overrides": ["learner.buckets=[7]"]}
+    dr = dag.test(run_conf=conf, mark_success_pattern=r"^actor$")
+    states = _states(dr)
+    assert dr.state == "failed" and states["resume"] == "failed", states

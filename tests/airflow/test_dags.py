@@ -1,12 +1,12 @@
-"""Static checks of the tunix DAGs: import, structure, params, parse time, helpers."""
+"""Static checks of the tunix DAGs: import, structure, params form, parse time, layout."""
 
 from __future__ import annotations
 
-import http.server
+import ast
+import copy
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,7 @@ import pytest
 from .conftest import DAGS
 
 DAG_FILES = ["tunix_train.py", "tunix_recurring.py", "tunix_eval.py"]
+HELPERS = sorted(p.name for p in DAGS.glob("*.py") if p.name not in DAG_FILES)
 
 
 def test_no_import_errors(dagbag):
@@ -23,7 +24,57 @@ def test_no_import_errors(dagbag):
 
 def test_helper_modules_are_not_parsed_as_dags():
     ignored = (DAGS / ".airflowignore").read_text().split()
-    assert {"tunix_common.py", "tunix_launchers.py"} <= set(ignored)
+    assert HELPERS and set(HELPERS) <= set(ignored)
+    assert set(HELPERS) == {
+        "tunix_api.py",
+        "tunix_fleet.py",
+        "tunix_launchers.py",
+        "tunix_params.py",
+        "tunix_weights.py",
+    }
+
+
+def _sibling_imports(path: Path, siblings: set[str]) -> set[str]:
+    """Every dags/ module `path` imports, at top level or inside a function."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        out |= {n.split(".")[0] for n in names} & siblings
+    return out
+
+
+def test_no_import_circle_in_dags():
+    modules = {p.stem: p for p in DAGS.glob("*.py")}
+    graph = {name: _sibling_imports(path, set(modules) - {name}) for name, path in modules.items()}
+    # helpers never import a DAG file
+    dag_modules = {f[:-3] for f in DAG_FILES}
+    for name in set(modules) - dag_modules:
+        assert not graph[name] & dag_modules, (name, graph[name])
+    # no cycle (depth-first search with colours)
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            assert state.get(dep) != 1, f"import circle: {' -> '.join([*path, name, dep])}"
+            if dep not in state:
+                visit(dep, [*path, name])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert graph["tunix_params"] == set(), "the form module imports no other helper"
+
+
+@pytest.mark.parametrize("path", sorted(DAGS.glob("*.py")), ids=lambda p: p.name)
+def test_dag_modules_stay_small(path):
+    assert len(path.read_text().splitlines()) <= 300, f"{path.name}: split it by concern"
 
 
 @pytest.mark.parametrize("dag_id", ["tunix_train", "tunix_recurring"])
@@ -57,14 +108,18 @@ def test_recurring_schedule(dagbag):
     assert dag.catchup is False and dag.max_active_runs == 1
     assert dag.timetable.expression == "0 0 * * *"  # @daily (TUNIX_RECURRING_SCHEDULE)
     assert "steps_per_interval" in dag.params
+    assert dag.params["run_name"] == "nightly"
 
 
 def test_eval_is_scheduled_on_weights_asset(dagbag):
-    from tunix_common import WEIGHTS_ASSET
+    from tunix_weights import WEIGHTS_ASSET
 
     dag = dagbag.dags["tunix_eval"]
     assert [a.name for a in dag.timetable.asset_condition.objects] == [WEIGHTS_ASSET.name]
     assert dag.get_task("evaluate").pool == "cpu"
+
+
+# --------------------------------------------------------------------------- params form
 
 
 def test_params_defaults_are_valid(dagbag):
@@ -77,49 +132,101 @@ def test_params_defaults_are_valid(dagbag):
     [
         ("num_actors", -1),
         ("num_actors", 0),
+        ("num_actors", 1025),  # ActorConfig.num_actors le=1024
         ("env", "nope"),
         ("model_preset", "huge"),
         ("max_staleness", -1),
+        ("max_staleness", "x"),
         ("publish_every", 0),
         ("deadline_s", -5),
         ("env_latency_s", -0.1),
+        ("env_max_turns", 65),
+        ("seed", -1),
         ("run_name", "bad name!"),
         ("store", "s3://bucket"),
         ("overrides", ["no-equals-sign"]),
     ],
 )
-def test_params_reject_bad_values(dagbag, name, value):
-    import copy
-
+@pytest.mark.parametrize("dag_id", ["tunix_train", "tunix_recurring"])
+def test_params_reject_bad_values(dagbag, dag_id, name, value):
     from airflow.sdk.exceptions import ParamValidationError
 
-    params = copy.deepcopy(dagbag.dags["tunix_train"].params)
+    params = copy.deepcopy(dagbag.dags[dag_id].params)
     with pytest.raises(ParamValidationError, match=name):
         params[name] = value
 
 
-def test_params_describe_the_form(dagbag):
+def test_run_name_empty_only_where_derived(dagbag):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    train = copy.deepcopy(dagbag.dags["tunix_train"].params)
+    train["run_name"] = ""  # derived from the Airflow run_id
+    recurring = copy.deepcopy(dagbag.dags["tunix_recurring"].params)
+    with pytest.raises(ParamValidationError, match="run_name"):
+        recurring["run_name"] = ""
+
+
+def _schema_leaf(schema: dict, dotted: str) -> dict:
+    """Independent of config_params: walk RunConfig's JSON schema by hand."""
+    defs = schema["$defs"]
+    node = schema
+    for part in dotted.split("."):
+        node = node["properties"][part]
+        if "$ref" in node:
+            node = {**defs[node["$ref"].split("/")[-1]], **node}
+    return node
+
+
+def test_form_equals_run_config_schema(dagbag):
+    """Bounds, enums and descriptions of the form are RunConfig's, for every exposed key."""
+    from tunix_tasks.config import RunConfig
+    from tunix_tasks.config_params import FORM_KEYS
+
+    schema = RunConfig.model_json_schema()
+    keywords = ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+    for dag_id in ("tunix_train", "tunix_recurring"):
+        params = dagbag.dags[dag_id].params
+        assert set(FORM_KEYS) | {"overrides"} <= set(params)
+        for name, key in FORM_KEYS.items():
+            param, leaf = params.get_param(name), _schema_leaf(schema, key)
+            form = param.schema
+            for kw in keywords:
+                assert form.get(kw) == leaf.get(kw), (dag_id, name, kw, form, leaf)
+            assert leaf.get("description") and param.description == leaf["description"], name
+            if "pattern" in leaf:  # the train form also takes an empty run name
+                assert form["pattern"] in (leaf["pattern"], f"^$|{leaf['pattern']}")
+    # the values the form offers are the library's
+    from tunix_tasks.config import BUILTIN_ENVS, MODEL_PRESETS
+
     params = dagbag.dags["tunix_train"].params
-    for name in (
-        "store",
-        "run_name",
-        "env",
-        "model_preset",
-        "num_actors",
-        "envs_per_actor",
-        "max_steps",
-        "max_staleness",
-        "publish_every",
-        "deadline_s",
-        "env_latency_s",
-    ):
-        assert params.get_param(name).description, name
-    assert params.get_param("env").schema["enum"] == ["calculator", "guess_number", "python_exec"]
-    assert params.get_param("num_actors").schema["minimum"] == 1
+    assert params.get_param("env").schema["enum"] == list(BUILTIN_ENVS)
+    assert set(MODEL_PRESETS) < set(params.get_param("model_preset").schema["enum"])
+
+
+def test_builtin_envs_are_registered():
+    from tunix_tasks.config import BUILTIN_ENVS
+    from tunix_tasks.envs import available_envs
+
+    assert set(BUILTIN_ENVS) <= set(available_envs())
+
+
+def test_form_defaults(dagbag):
+    from tunix_params import default_store
+
+    params = dagbag.dags["tunix_train"].params
+    assert params["store"] == default_store() and params["run_name"] == ""
+    assert (params["max_steps"], params["deadline_s"]) == (50, 3600)
+    assert (params["num_actors"], params["env"], params["model_preset"]) == (
+        2,
+        "calculator",
+        "tiny",
+    )
+    for name in params:
+        assert params.get_param(name).schema.get("title"), name
 
 
 def test_run_config_from_params_matches_run_config(dagbag):
-    from tunix_common import run_config_from_params
+    from tunix_params import run_config_from_params
 
     from tunix_tasks.config import config_from_dict
 
@@ -128,10 +235,13 @@ def test_run_config_from_params_matches_run_config(dagbag):
     assert cfg.run_name == "x1" and cfg.actor.num_actors == params["num_actors"]
     assert cfg.learner.publish_every == params["publish_every"]
     assert cfg.env.name == params["env"] and cfg.model.preset == params["model_preset"]
+    assert cfg.env.latency_s == params["env_latency_s"]
+    assert cfg.env.max_turns == params["env_max_turns"] and cfg.seed == params["seed"]
+    assert cfg.deadline_s == params["deadline_s"] and cfg.learner.max_steps == 50
 
 
 def test_sanitize_run_name():
-    from tunix_common import sanitize_run_name
+    from tunix_params import sanitize_run_name
 
     assert sanitize_run_name("manual__2025-01-01T00:00:00.123+00:00") == (
         "manual__2025-01-01T00-00-00.123-00-00"
@@ -149,13 +259,15 @@ for path in sys.argv[2:]:
     spec = importlib.util.spec_from_file_location("probe_" + path.rsplit("/", 1)[-1][:-3], path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     out[path] = time.perf_counter() - t0
-heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "flax", "optax",
-        "tunix_tasks", "pyarrow", "orbax"))
+light = {"tunix_tasks", "tunix_tasks.config", "tunix_tasks.config_params"}
+heavy = sorted(m for m in sys.modules if m not in light and m.split(".")[0] in ("jax", "jaxlib",
+        "flax", "optax", "tunix_tasks", "pyarrow", "orbax", "numpy", "airflow_client"))
 print(json.dumps({"times": out, "heavy": heavy}))
 """
 
 
 def test_parse_time_and_no_heavy_imports():
+    """Each DAG file parses in < 1 s in a fresh process (the first pays for pydantic)."""
     files = [str(DAGS / f) for f in DAG_FILES]
     proc = subprocess.run(
         [sys.executable, "-c", _PARSE_PROBE, str(DAGS), *files],
@@ -168,141 +280,3 @@ def test_parse_time_and_no_heavy_imports():
     assert result["heavy"] == [], "DAG files must not import heavy modules at parse time"
     for path, seconds in result["times"].items():
         assert seconds < 1.0, f"{Path(path).name} took {seconds:.2f}s to parse"
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def test_latest_per_run():
-    from tunix_eval import latest_per_run
-
-    extras = [
-        {"run_uri": "a", "version": 2},
-        {"run_uri": "a", "version": 4},
-        {"run_uri": "a", "version": 3},
-        {"run_uri": "b", "version": None},
-        {"from_rest_api": True},
-    ]
-    assert latest_per_run(extras) == {"a": 4, "b": None}
-
-
-class _FakeApi(http.server.BaseHTTPRequestHandler):
-    calls: list = []
-
-    def log_message(self, *args):
-        pass
-
-    def _reply(self, code, body):
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        self.calls.append(("GET", self.path, self.headers.get("Authorization"), None))
-        if self.path.startswith("/api/v2/assets?"):
-            self._reply(
-                200, {"assets": [{"id": 7, "name": "tunix_weights"}, {"id": 8, "name": "x"}]}
-            )
-        else:
-            self._reply(404, {"detail": "nope"})
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.calls.append(("POST", self.path, self.headers.get("Authorization"), body))
-        if self.path == "/auth/token":
-            ok = body == {"username": "u", "password": "p"}
-            self._reply(201 if ok else 401, {"access_token": "tok"} if ok else {"detail": "bad"})
-        elif self.path == "/api/v2/assets/events":
-            self._reply(200, {"id": 1, **body})
-        else:
-            self._reply(404, {"detail": "nope"})
-
-
-@pytest.fixture
-def fake_api():
-    _FakeApi.calls = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeApi)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", _FakeApi.calls
-    server.shutdown()
-
-
-def test_rest_client_posts_asset_event_with_password_login(fake_api, monkeypatch):
-    from tunix_common import WeightsEventPublisher
-
-    url, calls = fake_api
-    monkeypatch.setenv("TUNIX_AIRFLOW_ASSET_EVENTS", "1")
-    monkeypatch.setenv("TUNIX_AIRFLOW_API_URL", url)
-    monkeypatch.setenv("TUNIX_AIRFLOW_API_USER", "u")
-    monkeypatch.setenv("TUNIX_AIRFLOW_API_PASSWORD", "p")
-    pub = WeightsEventPublisher("file:///r/run1")
-    pub(3, "file:///r/run1/weights/v00000003")
-    pub(4, "file:///r/run1/weights/v00000004")
-    assert pub.posted == [3, 4] and pub.failed == []
-    posts = [c for c in calls if c[1] == "/api/v2/assets/events"]
-    assert posts[0][2] == "Bearer tok"
-    assert posts[0][3] == {
-        "asset_id": 7,
-        "extra": {
-            "run_uri": "file:///r/run1",
-            "version": 3,
-            "path": "file:///r/run1/weights/v00000003",
-        },
-    }
-    # one login and one asset lookup, then cached
-    assert sum(c[1] == "/auth/token" for c in calls) == 1
-    assert sum(c[1].startswith("/api/v2/assets?") for c in calls) == 1
-
-
-def test_rest_failures_never_raise(monkeypatch):
-    from tunix_common import AirflowApiClient, WeightsEventPublisher
-
-    monkeypatch.setenv("TUNIX_AIRFLOW_ASSET_EVENTS", "1")
-    monkeypatch.setattr("time.sleep", lambda s: None)
-    pub = WeightsEventPublisher(
-        "file:///r", client=AirflowApiClient("http://127.0.0.1:9", timeout_s=1)
-    )
-    pub(1, "file:///r/weights/v00000001")
-    assert pub.failed == [1]
-
-
-# --------------------------------------------------------------------------- launchers
-
-
-def test_pod_specs(monkeypatch):
-    import tunix_launchers as L
-
-    monkeypatch.setenv("TUNIX_IMAGE", "gcr.io/p/tunix:1")
-    monkeypatch.setenv("TUNIX_CPU_NODE_POOL", "actors")
-    actor = L.actor_pod_spec("gs://b/runs/My_Run", 3, deadline_s=60.0)
-    learner = L.learner_pod_spec("gs://b/runs/My_Run", max_steps=100)
-    assert actor["metadata"]["name"] == "tunix-my-run-actor-3"
-    assert actor["spec"]["nodeSelector"] == {"cloud.google.com/gke-nodepool": "actors"}
-    assert actor["spec"]["containers"][0]["image"] == "gcr.io/p/tunix:1"
-    assert learner["spec"]["containers"][0]["resources"]["limits"]["google.com/tpu"] == "4"
-    assert "cloud.google.com/gke-tpu-accelerator" in learner["spec"]["nodeSelector"]
-    for pod in (actor, learner):
-        cmd = pod["spec"]["containers"][0]["command"]
-        assert cmd[:2] == ["python", "-c"]
-        compile(cmd[2], "<pod>", "exec")
-    assert "run_actor" in actor["spec"]["containers"][0]["command"][2]
-
-
-def test_launcher_selection(monkeypatch):
-    import tunix_launchers as L
-
-    monkeypatch.delenv("TUNIX_LAUNCHER", raising=False)
-    assert L.launcher_kind() == "local"
-    monkeypatch.setenv("TUNIX_LAUNCHER", "slurm")
-    with pytest.raises(ValueError, match="TUNIX_LAUNCHER"):
-        L.launcher_kind()
-    monkeypatch.setenv("TUNIX_LAUNCHER", "kubernetes")
-    try:
-        import airflow.providers.cncf.kubernetes  # noqa: F401
-    except ImportError:
-        with pytest.raises(RuntimeError, match="cncf-kubernetes"):
-            L.launch_actor("file:///tmp/x", 0)

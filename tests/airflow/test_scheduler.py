@@ -6,8 +6,9 @@ them at the end, checking that no process of theirs (tasks included) is left.
 
 One training run goes through the REST API exactly as a user's would: trigger
 `tunix_train` with `conf`, poll, then check that it succeeded, that the actors ran at
-the same time as the learner, that weight snapshots were published, that the learner's
-asset events scheduled `tunix_eval`, and that the run is DONE.
+the same time as the learner, that weight snapshots were published, that the learner
+task's asset events (its watcher of `weights/LATEST`) scheduled `tunix_eval`, and that
+the run is DONE.
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from datetime import datetime
 
 import pytest
 
-pytest.importorskip(
-    "tunix_tasks.frontdoor.entrypoints", reason="tunix_tasks.frontdoor.entrypoints not written yet"
-)
+from tunix_tasks.storage.layout import RunLayout
 
 pytestmark = [pytest.mark.airflow, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -112,6 +111,7 @@ def _wait_run(af, dag_id: str, run_id: str, timeout: float) -> dict:
 
 def test_train_run_end_to_end(airflow):
     from tunix_tasks.storage.store import open_store
+    from tunix_tasks.storage.weights import read_latest
 
     af = airflow
     t0 = time.monotonic()
@@ -142,8 +142,8 @@ def test_train_run_end_to_end(airflow):
     # snapshots were published, the run is DONE (so no actor outlives it), report written
     run_uri = f"{af.store}/{RUN}"
     store = open_store(run_uri)
-    assert store.exists("weights/LATEST")
-    assert store.exists("control/DONE")
+    assert store.exists(RunLayout.LATEST)
+    assert store.exists(RunLayout.DONE)
     xcom = af.request(
         "GET",
         f"/api/v2/dags/tunix_train/dagRuns/{run_id}/taskInstances/learner/xcomEntries/return_value",
@@ -155,6 +155,8 @@ def test_train_run_end_to_end(airflow):
         learned = ast.literal_eval(learned)
     assert learned["steps"] >= CONF["max_steps"]
     assert learned["asset_events_posted"] and not learned["asset_events_failed"], learned
+    # the learner task's watcher announced the final weights/LATEST
+    assert max(learned["asset_events_posted"]) == read_latest(store)[0]
 
     # the learner's asset events (posted through REST) carry the run and version ...
     events = af.request("GET", "/api/v2/assets/events?limit=100")["asset_events"]
@@ -174,7 +176,7 @@ def test_train_run_end_to_end(airflow):
         assert time.monotonic() < deadline, f"tunix_eval did not succeed: {evals}"
         time.sleep(3)
     assert all(r["run_type"] == "asset_triggered" for r in evals)
-    assert [o for o in store.list("eval/")], "evaluate_snapshot wrote no eval/v*.json"
+    assert [o for o in store.list(RunLayout.EVAL)], "evaluate_snapshot wrote no eval/v*.json"
     print(f"end to end (train + eval) in {time.monotonic() - t0:.0f}s")
 
 

@@ -2,8 +2,8 @@ import asyncio
 
 import pytest
 
-from tests.envs.conftest import random_baseline
-from tunix_tasks.envs import CalculatorEnv, demo_policy, make_env, rollout
+from tests.envs.conftest import demo_policy, random_baseline, rollout
+from tunix_tasks.envs import CalculatorEnv, make_env
 from tunix_tasks.envs.calculator import ToolError, safe_eval
 from tunix_tasks.policy.tokenizer import ANSWER, TOOL
 

@@ -2,8 +2,8 @@ import asyncio
 
 import pytest
 
-from tests.envs.conftest import random_baseline
-from tunix_tasks.envs import GuessNumberEnv, demo_policy, make_env, rollout
+from tests.envs.conftest import demo_policy, random_baseline, rollout
+from tunix_tasks.envs import GuessNumberEnv, make_env
 from tunix_tasks.envs.base import Environment
 from tunix_tasks.policy.tokenizer import ANSWER
 

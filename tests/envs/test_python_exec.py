@@ -1,8 +1,14 @@
 import asyncio
+from pathlib import Path
 
-from tests.envs.conftest import random_baseline
-from tunix_tasks.envs import PythonExecEnv, demo_policy, make_env, rollout
-from tunix_tasks.envs.python_exec import prepare_source
+import pytest
+
+from tests.envs.conftest import demo_policy, random_baseline, rollout
+from tunix_tasks.envs import PythonExecEnv, make_env
+from tunix_tasks.envs.python_exec import DEFAULT_LIMITS, prepare_source
+from tunix_tasks.envs.sandbox import SandboxLimits, SandboxUnavailable, check_isolation
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 async def _play(env, seed, actions):
@@ -70,3 +76,31 @@ def test_random_baseline_is_low():
     mean = random_baseline(lambda: make_env("python_exec"), range(200), max_turns=2)
     print(f"python_exec random-policy mean reward over 200 seeds: {mean:.3f}")
     assert mean < 0.05
+
+
+def test_model_code_cannot_read_the_project():
+    if check_isolation(DEFAULT_LIMITS) != "bwrap":
+        pytest.skip("bubblewrap not usable here")
+    env = PythonExecEnv()
+    seed, _ = _seed_with("sum of")
+    _, res = asyncio.run(
+        _play(env, seed, [f"print(open({str(REPO / 'pyproject.toml')!r}).read())"])
+    )
+    assert res[0].observation.startswith("FileNotFoundError"), res[0].observation
+    assert res[0].reward == 0.0
+
+
+def test_sandbox_mode_from_env_kwargs():
+    """``env.kwargs.sandbox`` picks the mode; no real isolation means no environment."""
+    with pytest.raises(ValueError, match="sandbox mode"):
+        make_env("python_exec", sandbox="off")
+    bare = SandboxLimits(wall_s=3.0, cpu_s=1, bwrap="/nonexistent/bwrap", isolate_network=False)
+    with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap"):
+        PythonExecEnv(limits=bare)
+    env = make_env("python_exec", limits=bare, sandbox="unsafe-audit-only")
+    assert env.limits.mode == "unsafe-audit-only"
+    seed, target = _seed_with("sum of")
+    task = asyncio.run(env.reset(seed))
+    a, b = (int(w) for w in task.split() if w.isdigit())
+    res = asyncio.run(env.step(f"{a}+{b}"))
+    assert res.reward == 1.0 and res.observation == target

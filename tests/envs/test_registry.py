@@ -63,3 +63,14 @@ def test_entry_point_plugin(monkeypatch):
     env = make_env("echo_plugin", latency_s=0.01)
     assert isinstance(env, LatencyWrapper) and isinstance(env.env, _EchoEnv)
     assert env.name == "echo" and env.demonstration(3) == ["3"]
+
+
+def test_every_action_marker_is_one_token_of_the_character_tokenizer():
+    """The env protocol owns its markers; the tokenizer must encode each as one token."""
+    from tunix_tasks.envs import ACTION_MARKERS
+    from tunix_tasks.policy.tokenizer import Tokenizer
+
+    tok = Tokenizer()
+    for marker in ACTION_MARKERS:
+        (token,) = tok.encode(marker)
+        assert tok.is_special(token) and tok.decode([token]) == marker

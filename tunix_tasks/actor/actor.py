@@ -7,12 +7,17 @@ stepping while the model computes. Episodes of one group (same env seed) are com
 the same shard, which is what group-normalised advantages need.
 
     actor = Actor(cfg, store, actor_id="actor-0")
-    summary = actor.run()          # until DONE marker, deadline, SIGTERM/SIGINT
+    summary = actor.run()          # until DONE marker, deadline, SIGTERM/SIGINT/SIGHUP
+
+Store outages: the actor keeps its episodes buffered and retries with backoff (a
+blocked commit also stops it from producing more) for up to an hour, then exits with
+`StoreUnavailable`; polls of weights, DONE and metrics just try again later (outage.py).
 
 Weights: before each policy batch the actor polls `weights/LATEST` (at most every
-`weight_poll_s`) and swaps in a new, checksum-verified snapshot. An episode's
-`policy_version` is the OLDEST version that produced any of its tokens, so staleness is
-never underestimated; per-token behaviour log-probs are exact either way.
+`weight_poll_s`) and swaps in a new snapshot once its checksum, tensor names, shapes and
+dtypes check out (a bad snapshot or pointer is refused once; the actor keeps its weights).
+An episode's `policy_version` is the OLDEST version that produced any of its tokens, so
+staleness is never underestimated; per-token behaviour log-probs are exact either way.
 
 Synchronous mode (`mode=sync`): the actor generates one batch of episodes per weights
 version, commits it, and waits for the learner to publish the next version.
@@ -33,22 +38,29 @@ from typing import Any
 import numpy as np
 
 from tunix_tasks.actor.batching import BatchingPolicy
-from tunix_tasks.actor.rollout import EpisodeLimits, EpisodeRecord, play_episode
+from tunix_tasks.actor.rollout import EpisodeLimits, play_episode
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
+from tunix_tasks.episode import Episode
 from tunix_tasks.policy.build import build_policy
 from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsWriter
+from tunix_tasks.storage.outage import StoreOutage
 from tunix_tasks.storage.runs import is_done
-from tunix_tasks.storage.shards import Episode, ShardWriter
-from tunix_tasks.storage.store import ObjectStore
-from tunix_tasks.storage.weights import WeightsClient
+from tunix_tasks.storage.shards import ShardWriter
+from tunix_tasks.storage.store import ObjectStore, StoreError
+from tunix_tasks.storage.weights import Manifest, WeightsClient
 
 log = logging.getLogger(__name__)
 
+FINAL_FLUSH_S = 30.0  # how long the last shard is retried in an outage when stopping
+
 
 def episode_seed(run_seed: int, actor_id: str, group: int) -> int:
-    """Deterministic, distinct env seeds per (run, actor, group); < 2**31."""
+    """Deterministic, distinct env seeds per (run, actor, group); < 2**31. The actor
+    passes `<actor_id>/<incarnation>` as `actor_id`, so a restarted actor (same id, new
+    incarnation) never replays the seeds of its previous life."""
     h = hashlib.blake2b(f"{run_seed}/{actor_id}/{group}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & 0x7FFFFFFF
 
@@ -73,10 +85,18 @@ class Actor:
         actor_id: str,
         deadline_s: float | None = None,
         weights_timeout_s: float = 900.0,
+        incarnation: str | None = None,
+        store_outage_s: float | None = None,
     ) -> None:
         self.cfg = cfg
+        self._outage = StoreOutage(should_stop=self._should_stop, limit_s=store_outage_s)
+        store = self._outage.observe(store)  # every store call that works ends an outage
         self.store = store
         self.actor_id = actor_id
+        # A fresh random incarnation per process start: env seeds, group ids and the
+        # sampling seed never repeat across restarts. Pass one for reproducible seeds.
+        self.incarnation = incarnation if incarnation is not None else uuid.uuid4().hex[:12]
+        self._seed_key = f"{actor_id}/{self.incarnation}"
         self._deadline = time.monotonic() + deadline_s if deadline_s else None
         self._weights_timeout_s = weights_timeout_s
         self._stop = threading.Event()
@@ -102,7 +122,7 @@ class Actor:
             max_new_tokens=cfg.actor.max_new_tokens,
             temperature=cfg.actor.temperature,
             top_k=cfg.actor.top_k,
-            seed=episode_seed(cfg.seed, actor_id, -1),
+            seed=episode_seed(cfg.seed, self._seed_key, -1),
             version=lambda: self.version,
             before_batch=self._maybe_reload,
             gather_s=cfg.actor.batch_wait_s,
@@ -118,7 +138,7 @@ class Actor:
             self._stop.set()
 
     def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda s, _f: self.request_stop(signal.Signals(s).name))
 
     def _should_stop(self) -> bool:
@@ -134,14 +154,13 @@ class Actor:
         t0 = time.monotonic()
         got = self._wait_for_weights()
         try:
-            if got is not None:
-                self._load(got[0], got[1].version)
+            if got is not None:  # already loaded by `_load`
                 asyncio.run(self._main())
-        finally:
-            with self._writer_lock:
-                self.writer.close()
-            self._log_metrics(time.monotonic() - t0)
-            self.metrics.close()
+        finally:  # the last shard, even in an outage (bounded: the launcher's grace is 60 s)
+            until = time.monotonic() + FINAL_FLUSH_S
+            self._outage.call("final shard", self._locked, self.writer.close, deadline=until)
+            self._outage.tolerate("metrics", self._log_metrics, time.monotonic() - t0)
+            self._outage.tolerate("metrics", self.metrics.close)
         return {
             "actor_id": self.actor_id,
             "episodes": self.stats.episodes,
@@ -158,34 +177,38 @@ class Actor:
         """First snapshot, or None when stopped (SIGTERM, DONE, deadline) before it came."""
         deadline = time.monotonic() + self._weights_timeout_s
         while not self._should_stop():
-            got = self.weights.poll()
+            got = self._outage.tolerate("weights poll", self.weights.poll, self._load)
             if got is not None:
                 return got
-            if is_done(self.store):
+            if self._outage.tolerate("DONE check", is_done, self.store):
                 self.request_stop("run done before weights were published")
                 return None
             if time.monotonic() > deadline:
+                refused = self.weights.refusals()
                 raise TimeoutError(
-                    f"no weights published under {self.store.uri}/weights/LATEST within "
+                    f"no weights published under {self.store.uri}/{RunLayout.LATEST} within "
                     f"{self._weights_timeout_s:.0f}s; is the learner running?"
+                    + (f" (refused: {refused})" if refused else "")
                 )
             time.sleep(0.25)
         return None
 
-    def _load(self, flat: dict[str, np.ndarray], version: int) -> None:
+    def _load(self, flat: dict[str, np.ndarray], manifest: Manifest) -> None:
+        """`WeightsClient.poll`'s apply: swap in a checksum-verified snapshot. The sampler
+        checks names, shapes and dtypes before swapping; its ValueError makes the client
+        refuse (and remember) the version while the actor keeps its current weights."""
         self.sampler.update_params(flat)
-        self.version = version
+        self.version = manifest.version
         self.stats.reloads += 1
-        log.info("actor %s loaded weights v%d", self.actor_id, version)
+        log.info("actor %s loaded weights v%d", self.actor_id, manifest.version)
 
     def _maybe_reload(self) -> None:
         now = time.monotonic()
         if now - self._last_poll < self.cfg.actor.weight_poll_s:
             return
         self._last_poll = now
-        got = self.weights.poll()
-        if got is not None:
-            self._load(got[0], got[1].version)
+        # Loads, or refuses (or the store fails) and keeps the current weights.
+        self._outage.tolerate("weights poll", self.weights.poll, self._load)
 
     # -- the event loop ----------------------------------------------------------------
     async def _main(self) -> None:
@@ -203,30 +226,43 @@ class Actor:
     async def _watch(self) -> None:
         """Stop on the run's DONE marker; commit partial shards on time."""
         while not self._should_stop():
-            done = await asyncio.to_thread(is_done, self.store)
+            done = await asyncio.to_thread(self._outage.tolerate, "DONE check", is_done, self.store)
             if done:
                 self.request_stop(f"run done: {done.get('reason', '')}")
                 break
-            await asyncio.to_thread(self._locked, self.writer.maybe_flush)
-            await asyncio.to_thread(self._log_metrics_periodic)  # may write: off the loop
+            tolerate = self._outage.tolerate  # a store outage: try again next round
+            await asyncio.to_thread(tolerate, "shard commit", self._locked, self.writer.maybe_flush)
+            await asyncio.to_thread(tolerate, "metrics", self._log_metrics_periodic)
             await asyncio.sleep(1.0)
 
-    async def _play_group(self) -> list[Episode]:
+    def _next_group(self) -> tuple[int, str]:
+        """(env seed, group id) of the next group: unique per actor incarnation."""
         group = self._group_counter
         self._group_counter += 1
-        seed = episode_seed(self.cfg.seed, self.actor_id, group)
-        group_id = f"{self.actor_id}/{group}"
+        return episode_seed(self.cfg.seed, self._seed_key, group), f"{self._seed_key}/{group}"
+
+    async def _play_group(self) -> list[Episode]:
+        seed, group_id = self._next_group()
         envs = [self._make_env(seed, k) for k in range(self.cfg.actor.group_size)]
-        records = await asyncio.gather(
+        episodes = await asyncio.gather(
             *(
-                play_episode(env, self.policy, seed=seed, limits=self.limits, tok=self.tok)
+                play_episode(
+                    env,
+                    self.policy,
+                    seed=seed,
+                    limits=self.limits,
+                    tok=self.tok,
+                    env_name=self.cfg.env.name,
+                    actor_id=self.actor_id,
+                    group_id=group_id,
+                    default_version=max(self.version, 0),
+                    on_env_step=self.stats.env_step_s.append,
+                )
                 for env in envs
             )
         )
-        for rec in records:
-            self.stats.env_step_s.extend(rec.env_step_s)
         del self.stats.env_step_s[:-4000]
-        return [self._episode(rec, seed, group_id) for rec in records]
+        return list(episodes)
 
     def _make_env(self, seed: int, k: int):
         e = self.cfg.env
@@ -251,30 +287,15 @@ class Actor:
             results = await asyncio.gather(*(self._play_group() for _ in range(groups)))
             for episodes in results:
                 await asyncio.to_thread(self._commit, episodes)
-            await asyncio.to_thread(self._locked, self.writer.flush)
+            await asyncio.to_thread(
+                self._outage.call, "shard commit", self._locked, self.writer.flush
+            )
             while self.version == version and not self._should_stop():
                 self._last_poll = 0.0
                 await asyncio.to_thread(self._maybe_reload)
                 await asyncio.sleep(0.05)
 
     # -- records -------------------------------------------------------------------
-    def _episode(self, rec: EpisodeRecord, seed: int, group_id: str) -> Episode:
-        tokens, mask, logprobs = rec.arrays()
-        return Episode(
-            episode_id=uuid.uuid4().hex,
-            actor_id=self.actor_id,
-            env=self.cfg.env.name,
-            group_id=group_id,
-            seed=seed,
-            policy_version=min(rec.versions) if rec.versions else max(self.version, 0),
-            tokens=tokens,
-            loss_mask=mask,
-            behavior_logprobs=logprobs,
-            reward=rec.reward,
-            num_turns=rec.turns,
-            status=rec.status,
-        )
-
     def _commit(self, episodes: list[Episode]) -> None:
         for ep in episodes:
             s = self.stats
@@ -283,7 +304,10 @@ class Actor:
             s.policy_tokens += int(ep.loss_mask.sum())
             s.reward_sum += ep.reward
             s.status[ep.status] = s.status.get(ep.status, 0) + 1
-        self._locked(self.writer.add_group, episodes)
+        try:
+            self._locked(self.writer.add_group, episodes)
+        except StoreError as err:  # still buffered: committed with the next flush that works
+            self._outage.call("shard commit", self._locked, self.writer.flush, failed=err)
 
     def _locked(self, fn, *args):
         with self._writer_lock:

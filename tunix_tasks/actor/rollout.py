@@ -4,24 +4,24 @@
     mask: 0 on everything the environment or the layout wrote, 1 on policy tokens
 
 `play_episode` drives one environment with any `Policy` (the actor's batched sampler, a
-greedy evaluator, or a scripted demonstration) and returns the tokens, loss mask,
-behaviour log-probs, reward, turns and status of the episode:
+greedy evaluator, or a scripted demonstration) and returns the `Episode`: tokens, loss
+mask, behaviour log-probs, reward, turns, status and the oldest weights version used:
 
-    record = await play_episode(env, policy, seed=7, limits=EpisodeLimits(...), tok=tok)
+    ep = await play_episode(env, policy, seed=7, limits=EpisodeLimits(...), tok=tok)
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs.base import Environment
+from tunix_tasks.episode import Episode
 from tunix_tasks.policy.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,9 @@ class EpisodeLimits:
 
 
 @dataclass
-class EpisodeRecord:
+class _Transcript:
+    """The episode as it is being played (mutable); `episode()` freezes it."""
+
     tokens: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -61,7 +63,6 @@ class EpisodeRecord:
     turns: int = 0
     status: str = "ok"
     versions: set[int] = field(default_factory=set)
-    env_step_s: list[float] = field(default_factory=list)
 
     def extend(
         self, tokens: Sequence[int], *, policy: bool, logprobs: Sequence[float] = ()
@@ -69,13 +70,6 @@ class EpisodeRecord:
         self.tokens.extend(tokens)
         self.loss_mask.extend([1 if policy else 0] * len(tokens))
         self.logprobs.extend(logprobs if policy else [0.0] * len(tokens))
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return (
-            np.asarray(self.tokens, np.int32),
-            np.asarray(self.loss_mask, np.int8),
-            np.asarray(self.logprobs, np.float32),
-        )
 
 
 async def play_episode(
@@ -85,23 +79,48 @@ async def play_episode(
     seed: int,
     limits: EpisodeLimits,
     tok: Tokenizer,
-) -> EpisodeRecord:
+    episode_id: str | None = None,
+    env_name: str | None = None,
+    actor_id: str = "",
+    group_id: str = "",
+    default_version: int = 0,
+    on_env_step: Callable[[float], None] | None = None,
+) -> Episode:
     """Run one episode. Environment errors end it with status `env_error`, slow steps and
-    the token budget with `truncated`; neither raises."""
-    rec = EpisodeRecord()
+    the token budget with `truncated`; neither raises. `env_name` defaults to `env.name`
+    (the actor passes the registry name it was made by); `default_version` is the
+    episode's policy version when no policy call was made; `on_env_step(seconds)` sees
+    every step's duration."""
+    rec = _Transcript()
+
+    def episode() -> Episode:
+        rec.extend([tok.eos_id], policy=False)  # every episode ends with EOS
+        return Episode(
+            episode_id or uuid.uuid4().hex,
+            rec.tokens,
+            rec.loss_mask,
+            rec.logprobs,
+            reward=rec.reward,
+            policy_version=min(rec.versions, default=default_version),
+            actor_id=actor_id,
+            env=env_name if env_name is not None else getattr(env, "name", ""),
+            group_id=group_id,
+            seed=seed,
+            num_turns=rec.turns,
+            status=rec.status,
+        )
+
     rec.extend([tok.bos_id], policy=False)
     loop = asyncio.get_running_loop()
     try:
         obs = await asyncio.wait_for(env.reset(seed), limits.step_timeout_s)
     except TimeoutError:
         rec.status = "truncated"
-        rec.extend([tok.eos_id], policy=False)  # every episode ends with EOS
-        return rec
+        return episode()
     except Exception as err:
         log.warning("env %s reset(seed=%d) failed: %r", getattr(env, "name", "?"), seed, err)
         rec.status = "env_error"
-        rec.extend([tok.eos_id], policy=False)
-        return rec
+        return episode()
     for _ in range(limits.max_turns):
         prompt = [tok.user_id, *tok.encode(obs), tok.assistant_id]
         room = limits.max_episode_tokens - len(rec.tokens) - len(prompt) - 1  # keep EOS slot
@@ -129,15 +148,15 @@ async def play_episode(
             rec.status = "env_error"
             break
         finally:
-            rec.env_step_s.append(loop.time() - t0)
+            if on_env_step is not None:
+                on_env_step(loop.time() - t0)
         rec.reward += float(result.reward)
         obs = result.observation
         if result.done:
             break
     else:
         rec.status = "truncated"  # ran out of turns without the env finishing
-    rec.extend([tok.eos_id], policy=False)
-    return rec
+    return episode()
 
 
 class ScriptedPolicy:

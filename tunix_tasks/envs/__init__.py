@@ -23,14 +23,17 @@ import random
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tunix_tasks.envs.base import Environment, StepResult, demo_policy, rollout
+from tunix_tasks.envs.base import ACTION_MARKERS, ANSWER, TOOL, Environment, StepResult
 from tunix_tasks.envs.calculator import CalculatorEnv
 from tunix_tasks.envs.guess_number import GuessNumberEnv
 from tunix_tasks.envs.latency import LatencyWrapper
 from tunix_tasks.envs.python_exec import PythonExecEnv
 
 __all__ = [
+    "ACTION_MARKERS",
+    "ANSWER",
     "ENTRY_POINT_GROUP",
+    "TOOL",
     "CalculatorEnv",
     "Environment",
     "GuessNumberEnv",
@@ -38,10 +41,8 @@ __all__ = [
     "PythonExecEnv",
     "StepResult",
     "available_envs",
-    "demo_policy",
     "make_env",
     "register_env",
-    "rollout",
 ]
 
 logger = logging.getLogger(__name__)

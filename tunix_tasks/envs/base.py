@@ -1,4 +1,4 @@
-"""Environment contract: owns ``StepResult``, the ``Environment`` protocol and ``rollout``.
+"""Environment contract: owns ``StepResult``, the ``Environment`` protocol and the action markers.
 
 Environments speak plain text. The actor wraps each observation as
 ``USER <observation> ASSISTANT``, samples the action up to END, strips END and calls
@@ -16,18 +16,26 @@ Environments speak plain text. The actor wraps each observation as
 ``reset``/``step`` are coroutines so one actor can step many environments with
 ``asyncio.gather``; an environment that blocks (the sandbox) does so off the event loop.
 ``demonstration(seed)`` returns expert actions that solve that seed (supervised warm start).
+
+Actions use two text markers that belong to this protocol: ``TOOL`` starts a tool call
+and ``ANSWER`` a final answer. A policy's tokenizer must know each as one token (the
+character tokenizer does; a test checks it).
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+TOOL = "<|tool|>"
+ANSWER = "<|answer|>"
+ACTION_MARKERS = (TOOL, ANSWER)
 
 
 @dataclass(frozen=True)
 class StepResult:
+    """What one action did: the next observation, its reward, whether the episode ended."""
+
     observation: str
     reward: float
     done: bool
@@ -36,6 +44,8 @@ class StepResult:
 
 @runtime_checkable
 class Environment(Protocol):
+    """A task the agent acts in, in text (see the module docstring for the episode loop)."""
+
     name: str
 
     async def reset(self, seed: int) -> str:
@@ -49,32 +59,3 @@ class Environment(Protocol):
     def demonstration(self, seed: int) -> list[str]:
         """Expert actions that earn the maximum reward for ``seed``."""
         ...
-
-
-PolicyFn = Callable[[str], str | Awaitable[str]]
-
-
-async def rollout(
-    env: Environment, policy_fn: PolicyFn, seed: int, max_turns: int
-) -> tuple[float, int, list[str]]:
-    """Play one episode; returns (total_reward, turns, actions). ``policy_fn`` maps the
-    latest observation to an action and may be sync or async."""
-    obs = await env.reset(seed)
-    total, actions = 0.0, []
-    for _ in range(max_turns):
-        action = policy_fn(obs)
-        if inspect.isawaitable(action):
-            action = await action
-        actions.append(action)
-        result = await env.step(action)
-        total += result.reward
-        obs = result.observation
-        if result.done:
-            break
-    return total, len(actions), actions
-
-
-def demo_policy(env: Environment, seed: int) -> PolicyFn:
-    """A policy that replays ``env.demonstration(seed)`` (for tests and baselines)."""
-    actions = iter(env.demonstration(seed))
-    return lambda _obs: next(actions, "")

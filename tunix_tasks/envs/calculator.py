@@ -19,9 +19,8 @@ import operator
 import random
 from collections.abc import Callable
 
-from tunix_tasks.envs.base import StepResult
+from tunix_tasks.envs.base import ANSWER, TOOL, StepResult
 from tunix_tasks.envs.guess_number import parse_int
-from tunix_tasks.policy.tokenizer import ANSWER, TOOL
 
 _BINOPS: dict[type[ast.operator], Callable[[int, int], int]] = {
     ast.Add: operator.add,

@@ -14,8 +14,7 @@ from __future__ import annotations
 import random
 import re
 
-from tunix_tasks.envs.base import StepResult
-from tunix_tasks.policy.tokenizer import ANSWER
+from tunix_tasks.envs.base import ANSWER, StepResult
 
 _INT = re.compile(r"[+-]?\d{1,9}")
 

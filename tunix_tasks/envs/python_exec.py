@@ -8,15 +8,27 @@ answered without starting a process. Reward 1.0 when the run succeeds and its st
 stdout equals the target, else 0. Observation: the (truncated) stdout, or the last line
 of the error, or ``timeout``. Done when correct or after ``max_turns`` (default 2).
 Demonstration: ``print(a+b)`` (or ``-``/``*``).
+
+Isolation: ``sandbox`` (``env.kwargs.sandbox`` in a run config) is the sandbox mode:
+``auto`` (default: bubblewrap, else kernel namespaces as root), ``bwrap``, or
+``unsafe-audit-only`` (explicit opt-in to running model code without real isolation).
+Construction raises :class:`~tunix_tasks.envs.sandbox.SandboxUnavailable`, naming how
+to install bubblewrap, when the chosen mode cannot be provided (docs/sandbox.md).
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import random
 
 from tunix_tasks.envs.base import StepResult
-from tunix_tasks.envs.sandbox import SandboxLimits, SandboxResult, run_python_async
+from tunix_tasks.envs.sandbox import (
+    SandboxLimits,
+    SandboxResult,
+    check_isolation,
+    run_python_async,
+)
 
 _TEMPLATES: tuple[tuple[str, str], ...] = (
     ("print the sum of {a} and {b}", "+"),
@@ -49,10 +61,17 @@ class PythonExecEnv:
     name = "python_exec"
 
     def __init__(
-        self, max_operand: int = 20, max_turns: int = 2, limits: SandboxLimits = DEFAULT_LIMITS
+        self,
+        max_operand: int = 20,
+        max_turns: int = 2,
+        limits: SandboxLimits = DEFAULT_LIMITS,
+        sandbox: str | None = None,
     ) -> None:
         if max_operand < 1 or max_turns < 1:
             raise ValueError("need max_operand >= 1 and max_turns >= 1")
+        if sandbox is not None:
+            limits = dataclasses.replace(limits, mode=sandbox)
+        check_isolation(limits)  # refuse now, not at the first step (cached per process)
         self.max_operand, self.max_turns, self.limits = max_operand, max_turns, limits
         self._target = ""
         self._turns = 0

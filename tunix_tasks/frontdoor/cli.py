@@ -1,14 +1,31 @@
 """`tunix-tasks` command line: parse arguments, then call the library.
 
     tunix-tasks inspect URI [--json]
-    tunix-tasks config [--config run.yaml] [--set k=v ...]    # print the validated config
-    tunix-tasks train  [--config run.yaml] [--set k=v ...] [--store URI] [--mode async|sync]
-    tunix-tasks actor  --run URI --actor-id N
-    tunix-tasks learner --run URI
-    tunix-tasks report RUN_URI
-    tunix-tasks eval RUN_URI [--version N]
+    tunix-tasks config  [--config run.yaml] [--set k=v ...]   # print the validated config
+    tunix-tasks train   [--config run.yaml] [--set k=v ...] [--store URI] [--run-name N]
+                        [--mode async|sync] [--quiet]
+    tunix-tasks prepare [--config run.yaml] [--set k=v ...]   # write <run>/config.json
+    tunix-tasks actor   --run URI --actor-id N [--deadline S]
+    tunix-tasks learner --run URI [--max-steps N] [--deadline S]
+    tunix-tasks report  RUN_URI
+    tunix-tasks eval    RUN_URI [--version N] [--episodes N]
 
-Heavy modules (JAX) are imported inside the commands that need them.
+Each command is one function that imports what it calls, so `inspect` and `config` never
+import JAX.
+
+Errors: a known failure prints one line `tunix-tasks: <what went wrong>` on stderr (with
+`-v`, its traceback before it) and exits with its code; an unexpected exception keeps
+its traceback (a bug). Exit codes:
+
+    0    success
+    1    the command ran and failed: `train`'s learner failed, `inspect` found invalid shards
+    2    bad input: arguments, the configuration (a missing, unreadable or invalid file, an
+         invalid value or URI), a path or run that does not exist, a corrupt config.json
+    3    the learner was fenced off: another learner published over `weights/LATEST`
+    4    another learner holds the run's lease (retry once it has stopped or expired)
+    5    storage failed: unreachable after retries (each retry is logged), or permission
+         denied
+    130  interrupted
 """
 
 from __future__ import annotations
@@ -17,23 +34,147 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from tunix_tasks.config import ConfigError, load_config
+from tunix_tasks.config import ConfigError, RunConfig, load_config
 
-_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
-
-
-def _command(
-    name: str,
-) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
-    def wrap(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-        _COMMANDS[name] = fn
-        return fn
-
-    return wrap
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_FENCED = 3  # = entrypoints.LEARNER_FENCED_EXIT_CODE (a SystemExit from run_learner)
+EXIT_LEASE_HELD = 4
+EXIT_STORAGE = 5
+EXIT_INTERRUPTED = 130
 
 
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def _config(args: argparse.Namespace, extra: Sequence[str] = ()) -> RunConfig:
+    import yaml
+
+    path = args.config
+    try:
+        return load_config(path, [*args.overrides, *extra])
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory, not a YAML or JSON file") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
+
+
+def _check_run_config(run_uri: str) -> None:
+    """Fail early, in one line, if the run's config.json is missing, corrupt or invalid."""
+    from tunix_tasks.storage.layout import RunLayout
+    from tunix_tasks.storage.runs import read_config
+    from tunix_tasks.storage.store import join_uri, normalize_uri
+
+    try:
+        read_config(run_uri)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        where = join_uri(normalize_uri(run_uri), RunLayout.CONFIG)
+        raise ConfigError(f"{where} is corrupt: not valid JSON ({err})") from None
+
+
+# -- commands: each parses nothing, calls one library function ------------------------------
+def _inspect(args: argparse.Namespace) -> int:
+    from tunix_tasks.frontdoor.inspect import format_summary, inspect_uri
+
+    summary = inspect_uri(args.uri)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return EXIT_FAILED if summary["invalid"] else 0
+
+
+def _print_config(args: argparse.Namespace) -> int:
+    print(_config(args).to_json())
+    return 0
+
+
+def train_overrides(args: argparse.Namespace) -> list[str]:
+    """The `--set` items that `train`'s own flags stand for."""
+    extra = []
+    if args.store:
+        extra.append(f"store={args.store}")
+    if args.run_name:
+        extra.append(f"run_name={args.run_name}")
+    if args.mode:
+        extra.append(f"mode={args.mode}")  # RunConfig derives what sync implies
+    return extra
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tunix_tasks.frontdoor.launcher import train_local
+
+    cfg = _config(args, train_overrides(args))
+    print(
+        f"run {cfg.run_uri}  mode={cfg.mode}  env={cfg.env.name}  model={cfg.model.preset}  "
+        f"actors={cfg.actor.num_actors}x{cfg.actor.envs_per_actor} envs  steps={cfg.learner.max_steps}"
+    )
+    summary = train_local(cfg, quiet=args.quiet)
+    _print_json(summary)
+    if summary.get("failed"):
+        print(f"tunix-tasks: {summary['failed']}; fix it, then run the same command again "
+              f"to resume {cfg.run_uri}", file=sys.stderr)  # fmt: skip
+        return EXIT_FAILED
+    if summary.get("interrupted"):
+        print(f"interrupted; run the same command again to resume {cfg.run_uri}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0 if summary["learner_exit_code"] == 0 else EXIT_FAILED
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from tunix_tasks.frontdoor.entrypoints import prepare_run
+
+    print(prepare_run(_config(args)))
+    return 0
+
+
+def _actor(args: argparse.Namespace) -> int:
+    from tunix_tasks.frontdoor.entrypoints import run_actor
+
+    _check_run_config(args.run)
+
+    _print_json(run_actor(args.run, args.actor_id, deadline_s=args.deadline))
+    return 0
+
+
+def _learner(args: argparse.Namespace) -> int:
+    from tunix_tasks.frontdoor.entrypoints import run_learner
+
+    _check_run_config(args.run)
+
+    summary = run_learner(args.run, max_steps=args.max_steps, deadline_s=args.deadline)
+    print(json.dumps(summary, default=str), file=sys.stderr)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    _check_run_config(args.run_uri)  # before the (heavier) report imports
+    from tunix_tasks.frontdoor.report import write_report
+
+    print(write_report(args.run_uri))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    _check_run_config(args.run_uri)
+    from tunix_tasks.frontdoor.evaluate import evaluate_snapshot, held_out_seeds
+
+    _print_json(evaluate_snapshot(args.run_uri, args.version, seeds=held_out_seeds(args.episodes)))
+    return 0
+
+
+# -- parser ----------------------------------------------------------------------------------
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML or JSON run configuration (defaults if omitted)")
     p.add_argument(
@@ -46,63 +187,99 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _config(args: argparse.Namespace, extra: Sequence[str] = ()):
-    return load_config(args.config, [*args.overrides, *extra])
-
-
-@_command("inspect")
-def _inspect(args: argparse.Namespace) -> int:
-    from tunix_tasks.frontdoor.inspect import format_summary, inspect_uri
-
-    summary = inspect_uri(args.uri)
-    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
-    return 1 if summary["invalid"] else 0
-
-
-@_command("config")
-def _print_config(args: argparse.Namespace) -> int:
-    cfg = _config(args)
-    print(cfg.to_json())
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tunix-tasks", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("inspect", help="summarize a shard or every shard under a prefix")
+    def command(name: str, fn: Callable[[argparse.Namespace], int], help: str):
+        p = sub.add_parser(name, help=help)
+        p.set_defaults(func=fn)
+        return p
+
+    p = command("inspect", _inspect, "summarize a shard or every shard under a prefix")
     p.add_argument("uri", help="file path, file://..., or gs://... (a .parquet or a prefix)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    p = sub.add_parser("config", help="validate and print a run configuration")
+    p = command("config", _print_config, "validate and print a run configuration")
     _add_config_args(p)
 
-    _extend_parser(sub)
+    p = command("train", _train, "run a learner and N actors locally (the main job)")
+    _add_config_args(p)
+    p.add_argument("--store", help="root URI of runs: a folder, file:///abs, or gs://bucket/prefix")
+    p.add_argument("--run-name", help="run name (the run lives at <store>/<run-name>)")
+    p.add_argument(
+        "--mode", choices=["async", "sync"], help="sync: the classic synchronous baseline"
+    )
+    p.add_argument("--quiet", action="store_true", help="no live progress display")
+
+    p = command("prepare", _prepare, "validate a config and write <run>/config.json")
+    _add_config_args(p)
+
+    p = command("actor", _actor, "run one actor of a prepared run")
+    p.add_argument("--run", required=True, help="run URI (holds config.json)")
+    p.add_argument("--actor-id", type=int, required=True)
+    p.add_argument("--deadline", type=float, default=None, help="stop after this many seconds")
+
+    p = command("learner", _learner, "run the learner of a prepared run (resumes)")
+    p.add_argument("--run", required=True, help="run URI (holds config.json)")
+    p.add_argument("--max-steps", type=int, default=None, help="total steps (overrides config)")
+    p.add_argument("--deadline", type=float, default=None, help="stop after this many seconds")
+
+    p = command("report", _report, "write the HTML report of a run (also a crashed one)")
+    p.add_argument("run_uri")
+
+    p = command("eval", _eval, "evaluate a weight snapshot on held-out seeds")
+    p.add_argument("run_uri")
+    p.add_argument("--version", type=int, default=None, help="default: the latest")
+    p.add_argument("--episodes", type=int, default=64)
     return parser
 
 
-def _extend_parser(sub: argparse._SubParsersAction) -> None:
-    """Commands of the actor/learner/run halves register here (see commands below)."""
-    from tunix_tasks.frontdoor import cli_run
-
-    cli_run.add_commands(sub, _add_config_args, _COMMANDS, _config)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return _COMMANDS[args.command](args)
-    except ConfigError as err:
-        print(f"tunix-tasks: {err}", file=sys.stderr)
-        return 2
+        return args.func(args)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as err:
+        known = _known_error(err)
+        if known is None:
+            raise  # a bug: keep the traceback
+        code, message = known
+        if args.verbose:
+            traceback.print_exc()
+        print(f"tunix-tasks: {message}", file=sys.stderr)
+        return code
+
+
+def _known_error(err: Exception) -> tuple[int, str] | None:
+    """(exit code, one-line message) of an expected failure; None for anything else."""
+    from tunix_tasks.storage.lease import LeaseHeldError
+    from tunix_tasks.storage.store import InvalidURI, NotFound, StoreError
+
+    if isinstance(err, (ConfigError, InvalidURI, NotFound)):
+        return EXIT_USAGE, str(err)
+    if isinstance(err, LeaseHeldError):
+        return EXIT_LEASE_HELD, str(err)
+    if isinstance(err, StoreError):
+        return EXIT_STORAGE, str(err)
+    if isinstance(err, PermissionError):
+        return EXIT_STORAGE, f"permission denied: {err.filename} ({err.strerror})"
+    if isinstance(err, OSError) and err.filename is not None:
+        return EXIT_STORAGE, f"{err.filename}: {err.strerror}"
+    # Errors of modules that only some commands load (checked without importing them).
+    weights = sys.modules.get("tunix_tasks.storage.weights")
+    if weights is not None and isinstance(err, weights.WeightsError):
+        return EXIT_FAILED, str(err)
+    warm_start = sys.modules.get("tunix_tasks.learner.warm_start")
+    if warm_start is not None and isinstance(err, warm_start.MissingDemonstrations):
+        return EXIT_USAGE, str(err)
+    return None
 
 
 if __name__ == "__main__":

@@ -12,13 +12,12 @@ it in a fresh process; nothing here imports Airflow.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from tunix_tasks.config import ConfigError, RunConfig, config_from_dict
-from tunix_tasks.storage.runs import is_done, read_config, write_config
 from tunix_tasks.storage.runs import mark_done as _mark_done
+from tunix_tasks.storage.runs import read_config, write_config
 from tunix_tasks.storage.store import open_store
 
 log = logging.getLogger(__name__)
@@ -29,7 +28,8 @@ def actor_name(actor_id: int | str) -> str:
 
 
 def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None = None) -> str:
-    """Validate the config, write `<run_uri>/config.json` (idempotent), clear DONE."""
+    """Validate the config, write `<run_uri>/config.json` (idempotent), clear DONE, and
+    (with `warm_start_steps`) write the demonstration shards the learner imitates first."""
     if isinstance(params, RunConfig):
         cfg = params
     else:
@@ -37,7 +37,11 @@ def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None =
         if run_name is not None:
             data["run_name"] = run_name
         cfg = config_from_dict(data)
-    write_config(cfg)
+    store = write_config(cfg)
+    if cfg.warm_start_steps:
+        from tunix_tasks.actor.demonstrations import write_demonstrations
+
+        write_demonstrations(cfg, store)
     log.info("prepared run %s", cfg.run_uri)
     return cfg.run_uri
 
@@ -49,6 +53,7 @@ def run_actor(
     deadline_s: float | None = None,
     handle_signals: bool = True,
 ) -> dict[str, Any]:
+    """Run actor `actor_id` of a prepared run until DONE, the deadline or a signal."""
     from tunix_tasks.actor.actor import Actor
 
     cfg, store = read_config(run_uri)
@@ -60,34 +65,55 @@ def run_actor(
     return actor.run()
 
 
+LEARNER_FENCED_EXIT_CODE = 3
+"""Exit status of `tunix-tasks learner` when another learner published over this one's
+`weights/LATEST`: it is fenced off and stops (no traceback, one logged line). Retrying
+does not help; the run belongs to the other learner."""
+
+
+class LearnerFenced(SystemExit):
+    """Raised by `run_learner` instead of `PublishConflict`: a SystemExit whose `code` is
+    `LEARNER_FENCED_EXIT_CODE`, so the learner process exits with that status and the one
+    line logged before (`str()` of this exception), whatever command called it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(LEARNER_FENCED_EXIT_CODE)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def run_learner(
     run_uri: str,
     *,
     max_steps: int | None = None,
     deadline_s: float | None = None,
-    on_publish: Callable[[int, str], None] | None = None,
-    progress: Callable[[dict[str, Any]], None] | None = None,
     handle_signals: bool = True,
 ) -> dict[str, Any]:
     """Train until `max_steps` (total steps of the run) or the deadline; resumes from the
-    latest checkpoint; marks the run DONE when finished."""
+    latest checkpoint; marks the run DONE when finished. Progress is in the run's metrics
+    (`MetricsTail(store, "learner")`); new weights appear as `weights/LATEST`.
+
+    A learner that lost the `weights/LATEST` race (another learner published over it)
+    logs one line and raises `LearnerFenced` (SystemExit, status 3)."""
     import signal
 
     from tunix_tasks.learner.learner import Learner
+    from tunix_tasks.storage.weights import PublishConflict
 
     cfg, store = read_config(run_uri)
     learner = Learner(
-        cfg,
-        store,
-        max_steps=max_steps,
-        deadline_s=deadline_s or cfg.deadline_s or None,
-        on_publish=on_publish,
-        progress=progress,
+        cfg, store, max_steps=max_steps, deadline_s=deadline_s or cfg.deadline_s or None
     )
     if handle_signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda s, _f: learner.request_stop(signal.Signals(s).name))
-    return learner.run()
+    try:
+        return learner.run()
+    except PublishConflict as err:  # lost the weights/LATEST race: fenced off
+        log.error("%s", err)
+        raise LearnerFenced(str(err)) from None
 
 
 def learner_progress(run_uri: str) -> dict[str, Any]:
@@ -109,11 +135,8 @@ def mark_done(run_uri: str, reason: str) -> None:
     _mark_done(open_store(run_uri), reason)
 
 
-def run_is_done(run_uri: str) -> bool:
-    return is_done(open_store(run_uri)) is not None
-
-
 def write_report(run_uri: str) -> str:
+    """Write `report/index.html` + `summary.json` of a run (also a crashed one); its URI."""
     from tunix_tasks.frontdoor.report import write_report as _write
 
     return _write(run_uri)
@@ -122,28 +145,21 @@ def write_report(run_uri: str) -> str:
 def evaluate_snapshot(
     run_uri: str, version: int | None = None, *, seeds: list[int] | None = None
 ) -> dict[str, Any]:
+    """Score snapshot `version` (default: the latest) on held-out seeds; writes eval/."""
     from tunix_tasks.frontdoor.evaluate import evaluate_snapshot as _eval
 
     return _eval(run_uri, version, seeds=seeds)
 
 
-def wait_for_file(run_uri: str, key: str, timeout_s: float) -> None:
-    store = open_store(run_uri)
-    deadline = time.monotonic() + timeout_s
-    while not store.exists(key):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{run_uri}/{key} did not appear within {timeout_s:.0f}s")
-        time.sleep(0.2)
-
-
 __all__ = [
+    "LEARNER_FENCED_EXIT_CODE",
     "ConfigError",
+    "LearnerFenced",
     "evaluate_snapshot",
     "learner_progress",
     "mark_done",
     "prepare_run",
     "run_actor",
-    "run_is_done",
     "run_learner",
     "write_report",
 ]

@@ -23,6 +23,7 @@ from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.policy.build import build_policy
 from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.runs import read_config
 from tunix_tasks.storage.weights import WeightsError, load_snapshot, read_latest
 
@@ -58,7 +59,7 @@ async def _evaluate(
                 for s in seeds
             )
         )
-    return [(r.reward, r.turns, r.status) for r in records]
+    return [(ep.reward, ep.num_turns, ep.status) for ep in records]
 
 
 def evaluate_params(
@@ -104,5 +105,5 @@ def evaluate_snapshot(
         **evaluate_params(cfg, flat, seeds or held_out_seeds(), greedy=greedy),
         "time": time.time(),
     }
-    store.write_bytes(f"eval/v{version:08d}.json", json.dumps(result, indent=2).encode())
+    store.write_bytes(RunLayout.eval_result(version), json.dumps(result, indent=2).encode())
     return result

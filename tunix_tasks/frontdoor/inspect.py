@@ -1,7 +1,8 @@
 """`tunix-tasks inspect URI`: what is in a shard, or in every shard under a prefix.
 
 Reads through the same store and validation as the learner, so an invalid shard is
-reported with the reason the learner would quarantine it for.
+reported with the reason the learner would quarantine it for. A URI with nothing there
+raises `NotFound` (the CLI exits 2); an existing empty folder is zero shards.
 
     summary = inspect_uri("file:///tmp/runs/demo/shards")
     print(format_summary(summary))
@@ -11,24 +12,36 @@ from __future__ import annotations
 
 import collections
 import json
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import numpy as np
 import pyarrow as pa
 
 from tunix_tasks.storage.shards import length_histogram
-from tunix_tasks.storage.store import join_uri, normalize_uri, open_store
+from tunix_tasks.storage.store import NotFound, join_uri, normalize_uri, open_store
 from tunix_tasks.storage.validation import ShardValidationError, read_shard
 
 
 def _split(uri: str) -> tuple[str, list[str]]:
-    """(store root, keys): a single .parquet object, or every .parquet under a prefix."""
+    """(store root, keys): a single .parquet object, or every .parquet under a prefix.
+    Raises `NotFound` if there is nothing at `uri`: no such object, and no folder (local)
+    or no object under the prefix (gs://, where folders do not exist by themselves)."""
     uri = normalize_uri(uri)
     if uri.endswith(".parquet"):
         root, _, name = uri.rpartition("/")
+        if not open_store(root).exists(name):
+            raise NotFound(f"{uri} does not exist")
         return root, [name]
-    store = open_store(uri)
-    return uri, [i.key for i in store.list("") if i.key.endswith(".parquet")]
+    infos = open_store(uri).list("")
+    local = Path(urlparse(uri).path) if uri.startswith("file://") else None
+    if not infos and not (local and local.is_dir()):
+        exists = local is not None and local.exists()
+        raise NotFound(
+            f"{uri} {'is not a .parquet file or a folder' if exists else 'does not exist'}"
+        )
+    return uri, [i.key for i in infos if i.key.endswith(".parquet")]
 
 
 def inspect_uri(uri: str, *, vocab_size: int = 1 << 31) -> dict[str, Any]:

@@ -3,116 +3,209 @@
 This is `tunix-tasks train`. Every process is a fresh Python (`tunix-tasks learner ...`,
 `tunix-tasks actor ...`) in its own session, so a terminal Ctrl-C reaches only the
 launcher, which then stops the children in order: the learner checkpoints and exits,
-actors flush their shards, stragglers are killed after a grace period. Running the same
-command again resumes the run from its checkpoint.
+actors flush their shards, stragglers are killed after a grace period. SIGTERM and SIGHUP
+(the terminal closed) do the same; children also get SIGTERM if the launcher itself is
+killed. Running the same command again resumes the run from its checkpoint. A failed
+actor is reported with its last log lines and restarted a few times; when none is left,
+the run stops with a message instead of idling (supervision.py).
 
-    summary = train_local(cfg)        # blocks; prints live progress; writes the report
+The live display reads the learner's metrics records with `MetricsTail`, the same records
+(and the same reader) the report uses; there is no second telemetry channel. On a
+terminal it is a `rich` live table; otherwise a plain line every few seconds.
+
+    summary = train_local(cfg)        # blocks; shows live progress; writes the report
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import IO, Any
+from collections.abc import Iterable
+from typing import Any
 
 from tunix_tasks.config import RunConfig
-from tunix_tasks.frontdoor.entrypoints import actor_name, prepare_run
-from tunix_tasks.storage.runs import mark_done
+from tunix_tasks.frontdoor.entrypoints import LEARNER_FENCED_EXIT_CODE, actor_name, prepare_run
+from tunix_tasks.frontdoor.supervision import (
+    ActorPool,
+    close_logs,
+    log_tail,
+    spawn,
+    stop,
+    stop_after,
+)
+from tunix_tasks.storage.metrics import MetricsTail, Stopwatch
+from tunix_tasks.storage.runs import is_done, mark_done
+from tunix_tasks.storage.store import ObjectStore, StoreError, open_store
 
-PROGRESS_PREFIX = "TUNIX_PROGRESS "
+log = logging.getLogger(__name__)
+
 GRACE_S = 60.0
+POLL_S = 1.0  # metrics poll; with the learner's 1 s flush the display lags ~1-2 s
+PLAIN_EVERY_S = 5.0  # one plain line this often when stdout is not a terminal
+MAX_RESTARTS = 3  # per actor
+RESTART_DELAY_S = 5.0  # doubled after each restart of the same actor
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-@dataclass
-class _Child:
-    name: str
-    proc: subprocess.Popen
-    log: IO[bytes]
-
-
-@dataclass
 class LiveStatus:
-    """What the progress line shows; updated from the learner's progress records."""
+    """What the live display shows, folded from the learner's metrics records."""
 
-    max_steps: int
-    started: float = field(default_factory=time.monotonic)
-    record: dict[str, Any] = field(default_factory=dict)
-    reward_ema: float | None = None
-    actors_alive: int = 0
+    def __init__(
+        self,
+        max_steps: int,
+        *,
+        warm_start_steps: int = 0,
+        actors_total: int = 0,
+        watch: Stopwatch | None = None,
+    ) -> None:
+        self.max_steps = max_steps
+        self.warm_start_steps = warm_start_steps
+        self.actors_total = actors_total
+        self.actors_alive = 0
+        self.watch = watch or Stopwatch()
+        self.started_at = time.time()
+        self.record: dict[str, Any] = {}  # the latest learner step record
+        self.warm_step = 0
+        self.reward_ema: float | None = None
+        self.last_record_time: float | None = None
+        # Display lag = when a record reached us - when the learner logged it.
+        self.lag_n, self.lag_sum, self.lag_max = 0, 0.0, 0.0
 
-    def update(self, record: dict[str, Any]) -> None:
-        self.record = record
-        r = record.get("reward_mean")
-        if r is not None:
-            self.reward_ema = r if self.reward_ema is None else 0.9 * self.reward_ema + 0.1 * r
+    def update(self, records: Iterable[dict[str, Any]], *, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        for r in records:
+            t = r.get("time")
+            if isinstance(t, int | float):
+                self.last_record_time = max(self.last_record_time or t, t)
+                if t >= self.started_at:  # a resumed run's old records are not "lag"
+                    lag = max(0.0, now - t)
+                    self.lag_n, self.lag_sum = self.lag_n + 1, self.lag_sum + lag
+                    self.lag_max = max(self.lag_max, lag)
+            if "warm_start_step" in r:
+                self.warm_step = max(self.warm_step, int(r["warm_start_step"]))
+            if "step" in r and "loss" in r:
+                if int(r["step"]) >= int(self.record.get("step", -1)):
+                    self.record = r
+                reward = r.get("reward_mean")
+                if reward is not None:
+                    self.reward_ema = (
+                        reward if self.reward_ema is None else 0.9 * self.reward_ema + 0.1 * reward
+                    )
 
-    def line(self) -> str:
+    def lag_summary(self) -> dict[str, Any]:
+        return {
+            "records": self.lag_n,
+            "mean": self.lag_sum / self.lag_n if self.lag_n else None,
+            "max": self.lag_max if self.lag_n else None,
+        }
+
+    def fields(self, *, now: float | None = None) -> list[tuple[str, str]]:
+        """(label, value) pairs, the same for the table and the plain line."""
+        now = time.time() if now is None else now
         r = self.record
-        if not r:
-            return f"[{time.monotonic() - self.started:6.0f}s] waiting for the learner (compiling, warm start, first data)... actors alive {self.actors_alive}"
-        stale = r.get("staleness", {})
-        n = sum(stale.values()) or 1
-        mean_stale = sum(int(k) * v for k, v in stale.items()) / n
-        dropped = sum(r.get("dropped", {}).values())
-        return (
-            f"[{time.monotonic() - self.started:6.0f}s] step {r['step']}/{self.max_steps} v{r['version']}"
-            f"  reward {self.reward_ema or 0:.3f}  duty {r['duty_cycle']:.2f}"
-            f"  buffer {r['buffer']} backlog {r['backlog_shards']} shards"
-            f"  staleness {mean_stale:.1f}  dropped {dropped}  actors {self.actors_alive}"
-        )
-
-
-def _spawn(name: str, args: list[str], log_dir: str, env: dict[str, str]) -> _Child:
-    log = open(os.path.join(log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - closed at exit
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tunix_tasks.frontdoor.cli", *args],
-        stdout=subprocess.PIPE if name == "learner" else log,
-        stderr=log,
-        start_new_session=True,  # terminal Ctrl-C goes to the launcher only
-        env=env,
-    )
-    return _Child(name, proc, log)
-
-
-def _read_progress(
-    child: _Child, status: LiveStatus, echo: Callable[[dict[str, Any]], None]
-) -> None:
-    assert child.proc.stdout is not None
-    for raw in child.proc.stdout:
-        line = raw.decode(errors="replace")
-        if line.startswith(PROGRESS_PREFIX):
-            try:
-                record = json.loads(line[len(PROGRESS_PREFIX) :])
-            except ValueError:
-                continue
-            status.update(record)
-            echo(record)
+        out = [("time", f"{self.watch.wall_s:.0f}s")]
+        if r:
+            out.append(("step", f"{r['step']}/{self.max_steps}"))
+            out.append(("version", f"v{r.get('version', '?')}"))
+        elif self.warm_step:
+            out.append(("step", f"warm start {self.warm_step}/{self.warm_start_steps}"))
         else:
-            child.log.write(raw)
-            child.log.flush()
+            out.append(("step", "starting (compile, warm start, first data)"))
+        if r:
+            stale = {int(k): int(v) for k, v in (r.get("staleness") or {}).items()}
+            n = sum(stale.values())
+            mean_stale = sum(k * v for k, v in stale.items()) / n if n else 0.0
+            out += [
+                ("reward", f"{self.reward_ema or 0.0:.3f}"),
+                ("duty", f"{r.get('duty_cycle', 0.0):.2f}"),
+                ("buffer", f"{r.get('buffer', 0)} eps"),
+                ("backlog", f"{r.get('backlog_shards', 0)} shards"),
+                ("staleness", f"{mean_stale:.1f} (max {max(stale, default=0)})"),
+                ("dropped", str(sum((r.get("dropped") or {}).values()))),
+            ]
+        out.append(("actors", f"{self.actors_alive}/{self.actors_total}"))
+        if self.last_record_time is not None:
+            out.append(("updated", f"{max(0.0, now - self.last_record_time):.0f}s ago"))
+        return out
+
+    def line(self, *, now: float | None = None) -> str:
+        return "  ".join(f"{k} {v}" for k, v in self.fields(now=now))
+
+    def render(self, *, now: float | None = None) -> Any:
+        """A rich renderable: a step progress bar over a one-row table of the fields."""
+        from rich import box
+        from rich.console import Group
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+
+        fields = self.fields(now=now)
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+        for label, _ in fields:
+            table.add_column(label, justify="right", no_wrap=True)
+        table.add_row(*(v for _, v in fields))
+        step = int(self.record.get("step", 0))
+        bar = Table.grid(padding=(0, 1))
+        bar.add_row(
+            "learner",
+            ProgressBar(
+                total=max(1, self.max_steps), completed=min(step, self.max_steps), width=40
+            ),
+            f"{100 * step / max(1, self.max_steps):.0f}%",
+        )
+        return Group(bar, table)
 
 
-def _stop(children: list[_Child], sig: int, grace_s: float) -> None:
-    for c in children:
-        if c.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(c.proc.pid, sig)
-    deadline = time.monotonic() + grace_s
-    for c in children:
-        try:
-            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(c.proc.pid, signal.SIGKILL)
-            c.proc.wait()
+class _Display:
+    """`rich` live table on a terminal; plain periodic lines otherwise; nothing if quiet."""
+
+    def __init__(self, status: LiveStatus, *, quiet: bool, console: Any = None) -> None:
+        from rich.console import Console
+
+        self.status = status
+        self.console = console or Console()
+        self.kind = "off" if quiet else ("live" if self.console.is_terminal else "plain")
+        self._live: Any = None
+        self._last_plain = -PLAIN_EVERY_S
+
+    def __enter__(self) -> _Display:
+        if self.kind == "live":
+            from rich.live import Live
+
+            self._live = Live(
+                self.status.render(), console=self.console, auto_refresh=False, transient=False
+            )
+            self._live.__enter__()
+        return self
+
+    def refresh(self, *, force: bool = False) -> None:
+        if self.kind == "live":
+            self._live.update(self.status.render(), refresh=True)
+        elif self.kind == "plain":
+            now = time.monotonic()
+            if force or now - self._last_plain >= PLAIN_EVERY_S:
+                print(self.status.line(), flush=True)
+                self._last_plain = now
+
+    def message(self, text: str) -> None:
+        if self.kind == "live":
+            self.console.print(text)  # above the live table
+        elif self.kind == "plain":
+            print(text, flush=True)
+
+    def alert(self, text: str) -> None:
+        """Something went wrong: shown even with --quiet (on stderr then)."""
+        if self.kind == "live":
+            self.console.print(text, markup=False, highlight=False)
+        else:
+            print(f"tunix-tasks train: {text}", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
 
 
 def train_local(
@@ -121,95 +214,155 @@ def train_local(
     log_dir: str | None = None,
     quiet: bool = False,
     report: bool = True,
+    max_restarts: int = MAX_RESTARTS,
+    restart_delay_s: float = RESTART_DELAY_S,
 ) -> dict[str, Any]:
-    """Run a whole training run locally; returns the summary (also in the report)."""
+    """Run a whole training run locally; returns the summary (also in the report).
+
+    A failed actor is reported with the end of its log and restarted up to `max_restarts`
+    times; when no actor is left the learner is stopped (it checkpoints) and the summary
+    says why in `failed` (with `interrupted` set: the run can be resumed)."""
     run_uri = prepare_run(cfg)
+    store = open_store(run_uri)
     if log_dir is None:
         log_dir = os.path.join(os.getcwd(), "runs", "_logs", cfg.run_name)
     os.makedirs(log_dir, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    status = LiveStatus(max_steps=cfg.learner.max_steps)
-    tty = sys.stdout.isatty() and not quiet
-    last_print = [0.0]
+    watch = Stopwatch()
+    status = LiveStatus(
+        cfg.learner.max_steps,
+        warm_start_steps=cfg.warm_start_steps,
+        actors_total=cfg.actor.num_actors,
+        watch=watch,
+    )
+    tail = MetricsTail(store, "learner")
 
-    def echo(_record: dict[str, Any]) -> None:
-        if quiet:
-            return
-        now = time.monotonic()
-        if tty:
-            print("\r" + status.line()[:200].ljust(200), end="", flush=True)
-        elif now - last_print[0] >= 5.0:
-            print(status.line(), flush=True)
-            last_print[0] = now
+    def poll() -> None:
+        with watch.timed("metrics_poll"):
+            try:
+                records = tail.poll()
+            except Exception as err:  # the display must never stop a run; retried next poll
+                log.warning("reading metrics failed: %r", err)
+                return
+        status.update(records)
 
-    learner = _spawn("learner", ["learner", "--run", run_uri, "--progress"], log_dir, env)
-    actors = [
-        _spawn(actor_name(i), ["actor", "--run", run_uri, "--actor-id", str(i)], log_dir, env)
-        for i in range(cfg.actor.num_actors)
-    ]
-    children = [learner, *actors]
-    reader = threading.Thread(target=_read_progress, args=(learner, status, echo), daemon=True)
-    reader.start()
     interrupted: list[str] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
+        if signum == signal.SIGHUP:
+            _detach_from_terminal()  # the terminal is gone: writing to it would fail
         interrupted.append(signal.Signals(signum).name)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    t0 = time.monotonic()
+    old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    learner = spawn("learner", ["learner", "--run", run_uri], log_dir, env)
+    actors = [
+        spawn(actor_name(i), ["actor", "--run", run_uri, "--actor-id", str(i)], log_dir, env)
+        for i in range(cfg.actor.num_actors)
+    ]
+    children = [learner, *actors]
+    failed: str | None = None
+    polls = 0
     try:
-        while learner.proc.poll() is None and not interrupted:
-            status.actors_alive = sum(a.proc.poll() is None for a in actors)
-            if not status.record:
-                echo({})
-            time.sleep(0.5)
-        if interrupted:
-            if not quiet:
-                print(
-                    f"\n{interrupted[0]}: stopping learner (checkpoint) and actors (flush)...",
-                    flush=True,
-                )
-            _stop([learner], signal.SIGTERM, GRACE_S)
-            _stop(actors, signal.SIGTERM, GRACE_S)
-        else:
-            # The learner marks DONE when it finishes; make sure actors see it even if it crashed.
-            from tunix_tasks.storage.store import open_store
-
-            if learner.proc.returncode != 0:
-                mark_done(
-                    open_store(run_uri), f"learner exited with code {learner.proc.returncode}"
-                )
-            _stop_after(actors, GRACE_S)
+        with _Display(status, quiet=quiet) as display:
+            pool = ActorPool(
+                actors,
+                env=env,
+                report=display.alert,
+                max_restarts=max_restarts,
+                restart_delay_s=restart_delay_s,
+            )
+            next_poll = 0.0
+            while learner.running and not interrupted:
+                pool.check()
+                status.actors_alive = pool.alive
+                if pool.failed_for_good() and not _done(store):
+                    failed = f"all {len(actors)} actors died ({pool.describe()})"
+                    interrupted.append("actors dead")
+                    break
+                if time.monotonic() >= next_poll:
+                    poll()
+                    polls += 1
+                    next_poll = time.monotonic() + POLL_S
+                display.refresh()
+                time.sleep(0.25)
+            if interrupted:
+                why = failed or interrupted[0]
+                display.alert(f"{why}: stopping learner (checkpoint) and actors (flush)...")
+                stop([learner], signal.SIGTERM, GRACE_S)
+                stop(actors, signal.SIGTERM, GRACE_S)
+            else:
+                code = learner.proc.returncode
+                if code != 0:
+                    display.alert(
+                        f"learner exited with code {code}; last lines of {learner.log_path}:\n"
+                        + log_tail(learner.log_path)
+                    )
+                # The learner marks DONE when it finishes; make sure actors see it even if
+                # it crashed (and stop them directly if the store cannot say so). A fenced
+                # learner lost the run to another one: DONE would stop that one's actors.
+                fenced = code == LEARNER_FENCED_EXIT_CODE
+                if code == 0 or (
+                    not fenced and _mark_done(store, f"learner exited with code {code}")
+                ):
+                    stop_after(actors, GRACE_S)
+                stop(actors, signal.SIGTERM, GRACE_S)
+            poll()  # the learner closed its metrics writer: the final records are there
+            polls += 1
+            status.actors_alive = pool.alive
+            display.refresh(force=True)
     finally:
+        stop(children, signal.SIGTERM, GRACE_S)  # none left running, unless we failed
         for s, h in old.items():
             signal.signal(s, h)
-        reader.join(timeout=5)
-        for c in children:
-            c.log.close()
-    if tty:
-        print()
+        close_logs(children)
     summary: dict[str, Any] = {
         "run_uri": run_uri,
         "mode": cfg.mode,
-        "wall_s": time.monotonic() - t0,
+        "wall_s": watch.wall_s,
         "learner_exit_code": learner.proc.returncode,
         "actor_exit_codes": [a.proc.returncode for a in actors],
+        "actor_restarts": {a.name: a.restarts for a in actors if a.restarts},
         "interrupted": interrupted[0] if interrupted else None,
+        "failed": failed,
         "logs": log_dir,
         "last_step": status.record,
+        "display": {
+            "lag_s": status.lag_summary(),
+            "polls": polls,
+            "poll_s": watch.totals.get("metrics_poll", 0.0),
+        },
     }
     if report:
         from tunix_tasks.frontdoor.report import write_report
 
-        summary["report"] = write_report(run_uri)
+        try:
+            summary["report"] = write_report(run_uri)
+        except StoreError as err:  # an outage at the very end: the run itself is fine
+            summary["report_error"] = str(err)
     return summary
 
 
-def _stop_after(actors: list[_Child], grace_s: float) -> None:
-    """Actors exit on their own once DONE is visible; terminate any that do not."""
-    deadline = time.monotonic() + grace_s
-    for a in actors:
-        try:
-            a.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _stop([a], signal.SIGTERM, 10.0)
+def _done(store: ObjectStore) -> bool:
+    try:
+        return is_done(store) is not None
+    except StoreError:
+        return False
+
+
+def _mark_done(store: ObjectStore, reason: str) -> bool:
+    try:
+        mark_done(store, reason)
+        return True
+    except StoreError as err:
+        log.error("could not mark the run done (%s); stopping the actors directly", err)
+        return False
+
+
+def _detach_from_terminal() -> None:
+    """After a hang-up, point stdout/stderr that were the terminal at /dev/null."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if os.isatty(fd):
+                os.dup2(null, fd)
+    os.close(null)

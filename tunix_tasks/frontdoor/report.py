@@ -1,7 +1,9 @@
 """The run report: summary numbers (JSON) and plots (one self-contained HTML page).
 
 Built only from what the run left in its store (metrics chunks, ledger, quarantine,
-evaluations, config), so it works for a finished, a running or a crashed run:
+evaluations, config), so it works for a finished, a running or a crashed run. Metrics
+records come through `MetricsTail`, the reader the live display of `tunix-tasks train`
+uses, so the report and the display show the same numbers:
 
     uri = write_report("file:///tmp/runs/demo")   # -> .../report/index.html
     summary = summarize(store)                     # the numbers alone
@@ -19,16 +21,38 @@ from typing import Any
 import numpy as np
 
 from tunix_tasks.learner.checkpoint import read_ledger
-from tunix_tasks.storage.metrics import read_metrics
-from tunix_tasks.storage.runs import QUARANTINE_PREFIX, is_done, read_config
+from tunix_tasks.storage.layout import RunLayout
+from tunix_tasks.storage.metrics import MetricsTail
+from tunix_tasks.storage.runs import is_done, read_config
 from tunix_tasks.storage.store import ObjectStore, join_uri
 
-REPORT_KEY = "report/index.html"
-SUMMARY_KEY = "report/summary.json"
+
+def _step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every learner step record, redone steps included, in time order."""
+    steps = [r for r in records if r.get("process") == "learner" and "step" in r and "loss" in r]
+    return sorted(steps, key=lambda r: r["time"])
 
 
 def _learner_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in records if r.get("process") == "learner" and "step" in r and "loss" in r]
+    """One record per learner step, in step order. A learner that crashes resumes from
+    its last checkpoint and redoes the steps after it; a redone step keeps the record of
+    the attempt that survived (the latest), so nothing counts twice."""
+    last: dict[int, dict[str, Any]] = {}
+    for r in _step_records(records):
+        last[r["step"]] = r
+    return [last[step] for step in sorted(last)]
+
+
+def step_record_gaps(records: list[dict[str, Any]]) -> tuple[int, int]:
+    """(steps redone, steps without metrics). Redone: step records superseded by a later
+    attempt's record of the same step (a crash after the metrics of those steps were
+    flushed). Without metrics: steps up to the last one with no record at all, e.g. run
+    after the last metrics flush of an attempt that then crashed past a checkpoint (such
+    steps are not redone, so their metrics are lost)."""
+    every = _step_records(records)
+    unique = {r["step"] for r in every}
+    last = max(unique, default=0)
+    return len(every) - len(unique), last - len({s for s in unique if 1 <= s <= last})
 
 
 def steady_duty_cycle(steps: list[dict[str, Any]]) -> float | None:
@@ -41,10 +65,17 @@ def steady_duty_cycle(steps: list[dict[str, Any]]) -> float | None:
     return busy / span if span > 0 else None
 
 
-def summarize(store: ObjectStore) -> dict[str, Any]:
+def read_records(store: ObjectStore) -> list[dict[str, Any]]:
+    """Every metrics record of the run (all processes), sorted by time."""
+    return MetricsTail(store).poll()
+
+
+def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     cfg, _ = read_config(store.uri)
-    records = read_metrics(store)
-    steps = _learner_steps(records)
+    if records is None:
+        records = read_records(store)
+    steps = _learner_steps(records)  # one per step: redone steps count once
+    steps_redone, steps_without_metrics = step_record_gaps(records)
     actors = [r for r in records if str(r.get("process", "")).startswith("actor/")]
     final_actor: dict[str, dict[str, Any]] = {}
     for r in actors:
@@ -59,9 +90,13 @@ def summarize(store: ObjectStore) -> dict[str, Any]:
     for r in steps:
         for k, v in (r.get("staleness") or {}).items():
             staleness[int(k)] += v
-    quarantined = [i.key for i in store.list(QUARANTINE_PREFIX) if i.key.endswith(".reason.json")]
+    quarantined = [
+        i.key for i in store.list(RunLayout.QUARANTINE) if i.key.endswith(".reason.json")
+    ]
     evals = [
-        json.loads(store.read_bytes(i.key)) for i in store.list("eval/") if i.key.endswith(".json")
+        json.loads(store.read_bytes(i.key))
+        for i in store.list(RunLayout.EVAL)
+        if i.key.endswith(".json")
     ]
     rewards = [r["reward_mean"] for r in steps]
     k = max(1, len(rewards) // 10)
@@ -75,6 +110,8 @@ def summarize(store: ObjectStore) -> dict[str, Any]:
         "env_latency_s": cfg.env.latency_s,
         "done": is_done(store),
         "steps": steps[-1]["step"] if steps else 0,
+        "steps_redone": steps_redone,
+        "steps_without_metrics": steps_without_metrics,
         "version": steps[-1]["version"] if steps else None,
         "trained_episodes_ledger": trained,
         "dropped_ledger": dict(dropped),
@@ -253,8 +290,9 @@ th,td{{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}} fi
 def write_report(run_uri: str) -> str:
     """Write report/index.html and report/summary.json under the run; returns the HTML URI."""
     _, store = read_config(run_uri)
-    summary = summarize(store)
-    plots = _plots(read_metrics(store), summary)
-    store.write_bytes(SUMMARY_KEY, json.dumps(summary, indent=2, default=str).encode())
-    store.write_bytes(REPORT_KEY, render_html(summary, plots).encode())
-    return join_uri(store.uri, REPORT_KEY)
+    records = read_records(store)
+    summary = summarize(store, records)
+    plots = _plots(records, summary)
+    store.write_bytes(RunLayout.SUMMARY, json.dumps(summary, indent=2, default=str).encode())
+    store.write_bytes(RunLayout.REPORT, render_html(summary, plots).encode())
+    return join_uri(store.uri, RunLayout.REPORT)

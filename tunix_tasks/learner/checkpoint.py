@@ -28,16 +28,14 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.store import ObjectStore, join_uri
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_PREFIX = "learner/checkpoints"
-LEDGER_PREFIX = "learner/ledger/"
-
 
 def _directory(store: ObjectStore) -> Any:
-    uri = join_uri(store.uri, CHECKPOINT_PREFIX)
+    uri = join_uri(store.uri, RunLayout.CHECKPOINTS)
     if uri.startswith("file://"):
         return urlparse(uri).path
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
@@ -52,17 +50,18 @@ def _directory(store: ObjectStore) -> Any:
     return uri
 
 
-def ledger_key(step: int) -> str:
-    return f"{LEDGER_PREFIX}{step:010d}.json"
-
-
 class Checkpointer:
     def __init__(self, store: ObjectStore, *, max_to_keep: int = 3) -> None:
         self._store = store
         self._manager = ocp.CheckpointManager(
             _directory(store),
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+                max_to_keep=max_to_keep,
+                create=True,
+                enable_async_checkpointing=False,
+                # A save cut off by a crash or a store outage leaves an uncommitted step
+                # behind; saving that step again on resume must not trip over it.
+                cleanup_tmp_directories=True,
             ),
             item_names=("state", "meta"),
         )
@@ -73,7 +72,8 @@ class Checkpointer:
     def save(
         self, step: int, state: nnx.State | dict, meta: dict[str, Any], ledger: dict[str, Any]
     ) -> None:
-        self._store.write_bytes(ledger_key(step), json.dumps(ledger).encode())
+        self._store.write_bytes(RunLayout.ledger(step), json.dumps(ledger).encode())
+        self._clear_uncommitted(step)
         pure = nnx.to_pure_dict(state) if isinstance(state, nnx.State) else _pure(state)
         self._manager.save(
             step,
@@ -83,6 +83,16 @@ class Checkpointer:
             force=True,
         )
         self._manager.wait_until_finished()
+
+    def _clear_uncommitted(self, step: int) -> None:
+        """Delete what an earlier save of `step`, cut off by a crash or a store outage,
+        left behind. On GCS orbax writes the step's folder in place (OCDBT files and all)
+        and saving into such a leftover fails; locally it uses temp folders, which
+        `cleanup_tmp_directories` removes."""
+        if step in self._manager.all_steps():
+            return
+        for info in self._store.list(f"{RunLayout.CHECKPOINTS}/{step}/"):
+            self._store.delete(info.key)
 
     def restore(self, template: dict) -> tuple[dict, dict[str, Any]] | None:
         """(state pytree shaped and sharded like `template`, meta) of the latest step."""
@@ -102,7 +112,7 @@ class Checkpointer:
     def prune_ledger_after(self, step: int) -> int:
         """Delete ledger files of steps > `step` (work lost with the crash)."""
         removed = 0
-        for info in self._store.list(LEDGER_PREFIX):
+        for info in self._store.list(RunLayout.LEDGER):
             name = info.key.rsplit("/", 1)[-1].removesuffix(".json")
             if name.isdigit() and int(name) > step:
                 self._store.delete(info.key)
@@ -124,4 +134,4 @@ def _pure(tree: Any) -> Any:
 
 def read_ledger(store: ObjectStore) -> list[dict[str, Any]]:
     """All ledger entries, in step order."""
-    return [json.loads(store.read_bytes(i.key)) for i in store.list(LEDGER_PREFIX)]
+    return [json.loads(store.read_bytes(i.key)) for i in store.list(RunLayout.LEDGER)]

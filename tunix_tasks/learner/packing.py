@@ -33,51 +33,18 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from tunix_tasks.episode import Episode
+
 __all__ = [
     "PackResult",
     "PackStats",
     "PackedBatch",
-    "SequenceExample",
     "bucket_no_pack",
     "choose_bucket",
     "pack",
     "pad_to_max",
     "truncate",
 ]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class SequenceExample:
-    """One episode as the packer sees it; arrays are per token, all of equal length."""
-
-    episode_id: str
-    tokens: np.ndarray  # int32 [n]
-    loss_mask: np.ndarray  # int8 [n], 1 on policy-generated tokens
-    behavior_logprobs: np.ndarray  # float32 [n], log mu(token t); 0 where loss_mask is 0
-    advantage: float
-    policy_version: int = 0
-
-    def __post_init__(self) -> None:
-        tokens = np.asarray(self.tokens, dtype=np.int32).reshape(-1)
-        mask = np.asarray(self.loss_mask, dtype=np.int8).reshape(-1)
-        blp = np.asarray(self.behavior_logprobs, dtype=np.float32).reshape(-1)
-        if tokens.size == 0:
-            raise ValueError(f"episode {self.episode_id!r} has no tokens")
-        if not tokens.size == mask.size == blp.size:
-            raise ValueError(
-                f"episode {self.episode_id!r}: tokens/loss_mask/behavior_logprobs lengths "
-                f"differ ({tokens.size}, {mask.size}, {blp.size})"
-            )
-        # Frozen dataclass: normalise dtypes once so packing can copy slices blindly.
-        object.__setattr__(self, "tokens", tokens)
-        object.__setattr__(self, "loss_mask", mask)
-        object.__setattr__(self, "behavior_logprobs", blp)
-        object.__setattr__(self, "advantage", float(self.advantage))
-        object.__setattr__(self, "policy_version", int(self.policy_version))
-
-    @property
-    def length(self) -> int:
-        return int(self.tokens.size)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -134,7 +101,7 @@ class PackStats:
 @dataclasses.dataclass(frozen=True)
 class PackResult:
     batches: list[PackedBatch]
-    leftover: list[SequenceExample]  # to be kept by the caller for the next call
+    leftover: list[Episode]  # to be kept by the caller for the next call
     stats: PackStats
 
 
@@ -156,7 +123,7 @@ def choose_bucket(length: int, buckets: Sequence[int]) -> int:
     return ordered[-1]
 
 
-def truncate(seq: SequenceExample, max_len: int) -> SequenceExample:
+def truncate(seq: Episode, max_len: int) -> Episode:
     """Keep the first ``max_len`` tokens (prompt and earliest turns survive)."""
     if seq.length <= max_len:
         return seq
@@ -168,9 +135,7 @@ def truncate(seq: SequenceExample, max_len: int) -> SequenceExample:
     )
 
 
-def _truncate_all(
-    sequences: Sequence[SequenceExample], max_len: int
-) -> tuple[list[SequenceExample], int]:
+def _truncate_all(sequences: Sequence[Episode], max_len: int) -> tuple[list[Episode], int]:
     out = [truncate(s, max_len) for s in sequences]
     return out, sum(s.length > max_len for s in sequences)
 
@@ -181,7 +146,7 @@ Row = list[int]  # indices into the (truncated) sequence list, in placement orde
 
 
 def _assemble(
-    seqs: Sequence[SequenceExample], rows: Sequence[Row], batch_rows: int, bucket_len: int
+    seqs: Sequence[Episode], rows: Sequence[Row], batch_rows: int, bucket_len: int
 ) -> PackedBatch:
     """Write ``rows`` (padded with empty rows up to ``batch_rows``) into target-aligned arrays."""
     shape = (batch_rows, bucket_len)
@@ -231,7 +196,7 @@ def _assemble(
 
 
 def _result(
-    seqs: Sequence[SequenceExample],
+    seqs: Sequence[Episode],
     planned: Sequence[tuple[int, list[Row]]],
     leftover: Sequence[int],
     batch_rows: int,
@@ -321,7 +286,7 @@ class _LengthPool:
 
 
 def pack(
-    sequences: Sequence[SequenceExample],
+    sequences: Sequence[Episode],
     *,
     buckets: tuple[int, ...],
     batch_rows: int,
@@ -364,7 +329,7 @@ def pack(
 
 
 def _one_per_row(
-    sequences: Sequence[SequenceExample],
+    sequences: Sequence[Episode],
     buckets: tuple[int, ...],
     batch_rows: int,
     flush: bool,
@@ -390,7 +355,7 @@ def _one_per_row(
 
 
 def pad_to_max(
-    sequences: Sequence[SequenceExample],
+    sequences: Sequence[Episode],
     *,
     buckets: tuple[int, ...],
     batch_rows: int,
@@ -401,7 +366,7 @@ def pad_to_max(
 
 
 def bucket_no_pack(
-    sequences: Sequence[SequenceExample],
+    sequences: Sequence[Episode],
     *,
     buckets: tuple[int, ...],
     batch_rows: int,

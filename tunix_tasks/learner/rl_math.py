@@ -37,32 +37,11 @@ __all__ = [
     "group_advantages",
     "masked_mean",
     "policy_loss",
-    "stale_mask",
-    "staleness",
-    "target_logprobs",
-    "token_entropy",
     "truncated_importance_weights",
 ]
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
-
-
-# --------------------------------------------------------------------------- staleness
-
-
-def staleness(learner_version: ArrayLike, policy_versions: ArrayLike) -> Array:
-    """``learner_version - policy_version`` per trajectory (DESIGN.md, "Staleness")."""
-    return jnp.asarray(learner_version) - jnp.asarray(policy_versions)
-
-
-def stale_mask(learner_version: ArrayLike, policy_versions: ArrayLike, max_staleness: int) -> Array:
-    """True where a trajectory is too stale to train on (``staleness > max_staleness``).
-
-    Negative staleness (data from a snapshot newer than a learner restored from an older
-    checkpoint) is not stale: it is off-policy like any other and the IS weights handle it.
-    """
-    return staleness(learner_version, policy_versions) > max_staleness
 
 
 # --------------------------------------------------------------------------- helpers
@@ -72,18 +51,6 @@ def masked_mean(x: ArrayLike, mask: ArrayLike) -> Array:
     """Mean of ``x`` over ``mask``; 0 when the mask is empty (never NaN)."""
     mask = jnp.asarray(mask, jnp.float32)
     return jnp.sum(jnp.asarray(x) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-
-def target_logprobs(logits: ArrayLike, targets: ArrayLike) -> Array:
-    """``log_softmax(logits)[..., targets]``: ``[B, L, V], [B, L] -> [B, L]``."""
-    logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, jnp.asarray(targets)[..., None], axis=-1)[..., 0]
-
-
-def token_entropy(logits: ArrayLike) -> Array:
-    """Entropy of the next-token distribution at every position: ``[..., V] -> [...]``."""
-    logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
-    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
 def _sequence_sum(x: Array, segment_ids: Array | None) -> Array:

@@ -1,16 +1,26 @@
-"""The learner's input side: shards -> validated episodes -> advantages -> a buffer.
+"""The learner's input: shards -> validated `Episode`s with advantages, and their position.
 
-A background thread follows the `ShardStream` (so reading and validating shards overlaps
-the train step), quarantines invalid shards, computes each episode's advantage over its
-group (all episodes of a group are in one shard), and hands `BufferedEpisode`s to the
-learner. The learner acknowledges an episode only once it is trained or dropped; the
-stream's position (under a lock) is what the checkpoint stores.
+Three pieces, composed like grain's iterators (each `get_state` holds its parent's):
 
-    inp = LearnerInput(store, cfg, vocab_size=tok.vocab_size)
-    inp.set_state(meta["stream"]); inp.start()
-    new = inp.drain()                 # BufferedEpisodes read since the last call
-    inp.ack(episode)                  # trained or dropped
-    meta["stream"] = inp.get_state()
+- `ShardPosition` (`position.py`): which shards and rows are acknowledged (trained or
+  dropped). Pure state, bounded: a per-actor watermark replaces the keys of every fully
+  acknowledged shard below it, so a checkpoint does not grow with the run's history.
+- `EpisodeSource`: one round = list each actor's folder from its watermark, read and
+  validate the shards not yet handed out concurrently (quarantining bad ones), compute
+  each episode's advantage over its group (a group is always in one shard) and return
+  the `Episode`s, each tagged with its `source` row; replayed episode ids are flagged
+  (`is_duplicate`). `ack(episode)` marks it accounted for.
+- `PrefetchingSource`: the same interface, with the rounds run by a background thread so
+  reading overlaps the train step.
+
+    source = PrefetchingSource(EpisodeSource(store, vocab_size=..., advantage="group"))
+    source.set_state(checkpoint["stream"]); source.start()
+    for ep in source.drain():        # Episodes read since the last call
+        ...train or drop (as "duplicate" if source.is_duplicate(ep))...; source.ack(ep)
+    checkpoint["stream"] = source.get_state(); ...save...; source.committed()
+
+After `set_state`, every unacknowledged row is yielded again: that is what makes the
+learner's accounting exactly-once across crashes.
 """
 
 from __future__ import annotations
@@ -19,120 +29,241 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from tunix_tasks.config import RunConfig
-from tunix_tasks.learner.packing import SequenceExample
+from tunix_tasks.episode import Episode, ShardRow
+from tunix_tasks.learner.accounting import RecentIds
+from tunix_tasks.learner.position import STATE_VERSION, ShardPosition
 from tunix_tasks.learner.rl_math import batch_advantages, group_advantages
+from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.runs import quarantine
-from tunix_tasks.storage.shards import ShardStream, StreamItem
+from tunix_tasks.storage.shards import table_episodes
 from tunix_tasks.storage.store import ObjectStore, StoreError
-from tunix_tasks.storage.validation import ShardValidationError
+from tunix_tasks.storage.validation import ShardValidationError, read_shard
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class BufferedEpisode:
-    shard: str
-    row: int
-    episode_id: str
-    policy_version: int
-    reward: float
-    status: str
-    example: SequenceExample
+__all__ = ["STATE_VERSION", "EpisodeSource", "PrefetchingSource", "ShardPosition"]
 
 
-def with_advantages(items: list[StreamItem], mode: str) -> list[BufferedEpisode]:
-    """Advantages for the episodes of one shard: group-normalised (GRPO) or batch."""
-    if not items:
-        return []
-    rewards = np.asarray([it.episode.reward for it in items], np.float32)
+def shard_advantages(rewards: np.ndarray, group_ids: list[str], mode: str) -> np.ndarray:
+    """Advantages for the episodes of one shard: group-normalised (GRPO) or over the shard."""
     if mode == "group":
-        adv = group_advantages(rewards, [it.episode.group_id for it in items])
-    else:
-        adv = batch_advantages(rewards)
-    out = []
-    for it, a in zip(items, np.asarray(adv, np.float32), strict=True):
-        e = it.episode
-        out.append(
-            BufferedEpisode(
-                shard=it.shard,
-                row=it.row,
-                episode_id=e.episode_id,
-                policy_version=e.policy_version,
-                reward=e.reward,
-                status=e.status,
-                example=SequenceExample(
-                    episode_id=e.episode_id,
-                    tokens=e.tokens,
-                    loss_mask=e.loss_mask,
-                    behavior_logprobs=e.behavior_logprobs,
-                    advantage=float(a),
-                    policy_version=e.policy_version,
-                ),
-            )
-        )
-    return out
+        return np.asarray(group_advantages(rewards, group_ids), np.float32)
+    return np.asarray(batch_advantages(rewards), np.float32)
 
 
-class LearnerInput:
+class EpisodeSource:
+    """Complete shards under `shards/` -> validated `Episode`s with advantages.
+
+    Limits: `max_length` (quarantine `too_long`) and `newest_version`, which the learner
+    sets to the newest version it has published (quarantine `future_version`: no actor
+    can hold weights newer than that). Replays: an episode whose id is in flight or was
+    accounted within the last `dedup_window` ids is handed out but `is_duplicate`; the
+    learner drops it as `duplicate`. Listing: one listing per actor folder, from its
+    watermark, so a poll costs the shards not yet done, not the run's history. With
+    `delete_consumed`, shards done in a committed checkpoint are deleted (`committed`).
+    """
+
     def __init__(
-        self, store: ObjectStore, cfg: RunConfig, *, vocab_size: int, poll_s: float = 0.2
+        self,
+        store: ObjectStore,
+        *,
+        vocab_size: int,
+        advantage: str = "group",
+        read_threads: int = 4,
+        grace_ms: int = 10_000,
+        max_length: int | None = None,
+        dedup_window: int = 65_536,
+        delete_consumed: bool = False,
     ) -> None:
         self._store = store
-        self._advantage = cfg.learner.advantage
-        self._poll_s = poll_s
-        self._lock = threading.Lock()
-        self._queue: queue.Queue[BufferedEpisode] = queue.Queue()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.vocab_size = vocab_size
+        self.advantage = advantage
+        self.max_length = max_length
+        self.newest_version: int | None = None  # None: no future-version check
+        self.delete_consumed = delete_consumed
+        self.position = ShardPosition(grace_ms=grace_ms)
+        self.seen = RecentIds(dedup_window)  # accounted episode ids (checkpointed)
+        self._emitted: set[str] = set()  # shards handed out by this process, not yet done
+        self._inflight: set[str] = set()  # ids handed out (not duplicates), not yet acked
+        self._duplicates: set[ShardRow] = set()  # rows handed out as duplicates, not acked
+        self._consumed: list[str] = []  # shards done since the last get_state ...
+        self._uncommitted: list[str] = []  # ... and those in a state not yet committed
+        self._pool = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="shard-read")
+        self._deleter: ThreadPoolExecutor | None = None  # finishes its deletes on close()
         self.quarantined: list[dict[str, str]] = []
-        self.errors = 0
         self.backlog_shards = 0
-        self._stream = ShardStream(store, vocab_size=vocab_size, on_invalid=self._quarantine)
 
-    # -- position -----------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:
-        with self._lock:
-            return self._stream.get_state()
+        self._uncommitted += self._consumed
+        self._consumed = []
+        return {**self.position.get_state(), "seen": self.seen.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        with self._lock:
-            self._stream.set_state(state)
+        self.position.set_state(state)
+        self.seen.set_state(state.get("seen", {}))  # absent in checkpoints before dedup
+        self._emitted, self._inflight, self._duplicates = set(), set(), set()
+        self._consumed, self._uncommitted = [], []
 
-    def ack(self, ep: BufferedEpisode) -> None:
-        with self._lock:
-            self._stream.ack(ep.shard, [ep.row])
+    def committed(self) -> None:
+        """The state last returned by `get_state` is durable (checkpointed): with
+        `delete_consumed`, delete the shards it holds done, in the background."""
+        keys, self._uncommitted = self._uncommitted, []
+        if self.delete_consumed and keys:
+            self._deleter = self._deleter or ThreadPoolExecutor(1, "shard-delete")
+            self._deleter.submit(self._delete, keys)
 
-    # -- reading ------------------------------------------------------------------
+    def _delete(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                self._store.delete(key)
+            except StoreError as err:  # left in place: it is done, never read again
+                log.warning("could not delete consumed shard %s: %s", key, err)
+
+    def is_duplicate(self, episode: Episode) -> bool:
+        return episode.source in self._duplicates
+
+    def ack(self, episode: Episode) -> None:
+        """Mark an episode accounted for (trained on, or dropped)."""
+        row = episode.source
+        assert row is not None, "only episodes read from a shard can be acknowledged"
+        self.position.ack(row.shard, [row.row])
+        if row in self._duplicates:
+            self._duplicates.discard(row)  # its id belongs to the original
+        else:
+            self.seen.add(episode.episode_id)
+            self._inflight.discard(episode.episode_id)
+        if row.shard in self._emitted and self.position.is_done(row.shard):
+            self._emitted.discard(row.shard)
+            self._consumed.append(row.shard)
+
+    def _list_shards(self) -> list[str]:
+        """Keys above each actor's watermark: one listing per actor folder."""
+
+        def folder_keys(folder: str) -> list[str]:
+            mark = self.position.watermark(RunLayout.shard_actor(folder))
+            after = folder + mark if mark else None
+            return [i.key for i in self._store.list(folder, start_after=after)]
+
+        folders = self._store.list_folders(RunLayout.SHARDS)
+        listed = [k for keys in self._pool.map(folder_keys, folders) for k in keys]
+        return [k for k in listed if k.endswith(".parquet")]
+
+    def pending_shards(self) -> list[str]:
+        """Complete shards not yet handed out by this process, oldest first."""
+        listed = self._list_shards()
+        self.position.compact(listed)
+        keys = [k for k in listed if not self.position.is_done(k)]
+        self.backlog_shards = len(keys)
+        # By creation-time file name, so the shards of all actors interleave fairly.
+        keys.sort(key=lambda k: (k.rsplit("/", 1)[-1], k))
+        return [k for k in keys if k not in self._emitted]
+
+    def poll(self, max_shards: int = 16) -> list[Episode]:
+        """One round: the unacknowledged episodes of up to `max_shards` new shards."""
+        keys = self.pending_shards()[:max_shards]
+        # Parquet decoding and object-store requests release the GIL: read concurrently.
+        tables = list(self._pool.map(self._read, keys))
+        out: list[Episode] = []
+        for key, table in zip(keys, tables, strict=True):
+            if isinstance(table, ShardValidationError):
+                self._quarantine(key, table)
+                continue
+            self._emitted.add(key)
+            acked = set(self.position.acked_rows(key))
+            self.position.opened(key, table.num_rows)
+            # Advantages over whole groups, also when part of a group was acknowledged
+            # before a restart; only the unacknowledged rows are handed out.
+            adv = shard_advantages(
+                table.column("reward").to_numpy(),
+                table.column("group_id").to_pylist(),
+                self.advantage,
+            ).tolist()
+            for i, ep in enumerate(table_episodes(table, shard=key, advantages=adv)):
+                if i in acked:
+                    continue
+                if ep.episode_id in self._inflight or ep.episode_id in self.seen:
+                    self._duplicates.add(ep.source)
+                else:
+                    self._inflight.add(ep.episode_id)
+                out.append(ep)
+        return out
+
+    def _read(self, key: str) -> Any:
+        limits = {"max_length": self.max_length, "max_version": self.newest_version}
+        try:
+            return read_shard(self._store, key, vocab_size=self.vocab_size, **limits)
+        except ShardValidationError as err:
+            return err
+
     def _quarantine(self, key: str, err: ShardValidationError) -> None:
+        log.warning("invalid shard %s: %s", key, err.reason)
         quarantine(self._store, key, reason=err.reason, detail=err.detail)
         self.quarantined.append({"shard": key, "reason": err.reason})
+        self.position.mark_done(key)
 
-    def poll_once(self, max_shards: int = 16) -> int:
-        """Read up to `max_shards` new shards into the queue; returns episodes added."""
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._deleter is not None:
+            self._deleter.shutdown(wait=True)
+
+
+class PrefetchingSource:
+    """Runs `EpisodeSource` rounds in a background thread; same position, under a lock."""
+
+    def __init__(self, source: EpisodeSource, *, poll_s: float = 0.2, max_queued: int = 20_000):
+        self.source = source
+        self._poll_s = poll_s
+        self._max_queued = max_queued
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Episode] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.errors = 0
+
+    def get_state(self) -> dict[str, Any]:
         with self._lock:
-            pending = self._stream.pending_shards()
-            self.backlog_shards = len(pending)
-            # Acknowledged rows too: a group's advantages are computed over the whole group,
-            # also when part of it was trained before a restart.
-            items = self._stream.poll(max_shards=max_shards, include_acked=True) if pending else []
-        by_shard: dict[str, list[StreamItem]] = {}
-        for it in items:
-            by_shard.setdefault(it.shard, []).append(it)
-        n = 0
-        for shard_items in by_shard.values():
-            for item, ep in zip(
-                shard_items, with_advantages(shard_items, self._advantage), strict=True
-            ):
-                if not item.acked:
-                    self._queue.put(ep)
-                    n += 1
-        return n
+            return {"parent": self.source.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        # Checkpoints written before the sources were composed hold the position itself.
+        with self._lock:
+            self.source.set_state(state.get("parent", state))
+
+    def ack(self, episode: Episode) -> None:
+        with self._lock:
+            self.source.ack(episode)
+
+    def is_duplicate(self, episode: Episode) -> bool:
+        # No lock (a poll may hold it for seconds): the flag is set before the episode is
+        # queued and cleared only by `ack`, on the caller's thread.
+        return self.source.is_duplicate(episode)
+
+    def committed(self) -> None:
+        with self._lock:
+            self.source.committed()
+
+    def set_newest_version(self, version: int) -> None:
+        self.source.newest_version = version  # one int, read by the next round: no lock
+
+    @property
+    def quarantined(self) -> list[dict[str, str]]:
+        return self.source.quarantined
+
+    @property
+    def backlog_shards(self) -> int:
+        return self.source.backlog_shards
+
+    def poll_once(self) -> int:
+        with self._lock:
+            episodes = self.source.poll()
+        for ep in episodes:
+            self._queue.put(ep)
+        return len(episodes)
 
     def start(self) -> None:
         def loop() -> None:
@@ -143,20 +274,20 @@ class LearnerInput:
                     self.errors += 1
                     log.warning("shard polling failed: %s", err)
                     added = 0
-                if not added or self._queue.qsize() > 20000:
+                if not added or self._queue.qsize() > self._max_queued:
                     self._stop.wait(self._poll_s)
 
         self._thread = threading.Thread(target=loop, name="shard-prefetch", daemon=True)
         self._thread.start()
 
-    def drain(self, timeout_s: float = 0.0) -> list[BufferedEpisode]:
-        out: list[BufferedEpisode] = []
+    def drain(self, timeout_s: float = 0.0) -> list[Episode]:
+        """Episodes read since the last call; waits up to `timeout_s` for the first."""
+        out: list[Episode] = []
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                out.append(
-                    self._queue.get(timeout=max(0.0, deadline - time.monotonic()) if not out else 0)
-                )
+                wait = max(0.0, deadline - time.monotonic()) if not out else 0
+                out.append(self._queue.get(timeout=wait))
             except queue.Empty:
                 return out
 
@@ -164,3 +295,4 @@ class LearnerInput:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.source.close()

@@ -1,65 +1,63 @@
-"""Supervised warm start on generated demonstrations, before RL.
+"""Supervised warm start on the run's demonstration shards, before RL.
 
-Agentic RL starts from a pretrained model; our tiny policies start from random weights,
-so the learner can first imitate each environment's `demonstration(seed)` for a few
-steps (maximum likelihood on the policy tokens, same packed shapes and step function).
-Demonstration seeds come from a range the actors never use (>= 2**31).
+Maximum likelihood on the policy tokens of the episodes under `demos/` (written by the
+actor side, see `tunix_tasks.actor.demonstrations`), with the same packed shapes and step
+function as RL. The learner never plays an environment itself.
 
-    warm_start(trainer, cfg, tok, metrics=metrics)
+    nll = warm_start(trainer, cfg, store, vocab_size=tok.vocab_size, metrics=metrics)
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import logging
 
 import numpy as np
 
-from tunix_tasks.actor.rollout import EpisodeLimits, ScriptedPolicy, play_episode
 from tunix_tasks.config import RunConfig
-from tunix_tasks.envs import make_env
-from tunix_tasks.learner.packing import SequenceExample, pack
+from tunix_tasks.episode import Episode
+from tunix_tasks.learner.packing import pack
 from tunix_tasks.learner.train_step import Trainer
-from tunix_tasks.policy.tokenizer import Tokenizer
+from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsWriter
+from tunix_tasks.storage.shards import table_episodes
+from tunix_tasks.storage.store import ObjectStore
+from tunix_tasks.storage.validation import read_shard
 
 log = logging.getLogger(__name__)
 
-DEMO_SEED_BASE = 1 << 31
+
+class MissingDemonstrations(RuntimeError):
+    """`warm_start_steps > 0` but the run has no demonstration shards."""
 
 
-async def _demos(cfg: RunConfig, tok: Tokenizer, n: int) -> list[SequenceExample]:
-    limits = EpisodeLimits.from_config(cfg)
-    out = []
-    for i in range(n):
-        seed = DEMO_SEED_BASE + cfg.seed * 100_003 + i
-        env = make_env(cfg.env.name, **cfg.env.kwargs)
-        policy = ScriptedPolicy(env.demonstration(seed), tok)
-        rec = await play_episode(env, policy, seed=seed, limits=limits, tok=tok)
-        tokens, mask, _ = rec.arrays()
-        out.append(
-            SequenceExample(
-                episode_id=f"demo-{i}",
-                tokens=tokens,
-                loss_mask=mask,
-                behavior_logprobs=np.zeros(len(tokens), np.float32),
-                advantage=1.0,
-            )
+def read_demonstrations(store: ObjectStore, *, vocab_size: int) -> list[Episode]:
+    keys = sorted(i.key for i in store.list(RunLayout.DEMOS) if i.key.endswith(".parquet"))
+    if not keys:
+        raise MissingDemonstrations(
+            f"warm start needs demonstrations under {store.uri}/{RunLayout.DEMOS}, and there "
+            "are none: prepare the run first (`tunix-tasks prepare`, or the DAG's prepare "
+            "task), which writes them"
         )
-    return out
-
-
-def demonstrations(cfg: RunConfig, tok: Tokenizer, n: int) -> list[SequenceExample]:
-    return asyncio.run(_demos(cfg, tok, n))
+    episodes = [
+        dataclasses.replace(ep, advantage=1.0)
+        for key in keys
+        for ep in table_episodes(read_shard(store, key, vocab_size=vocab_size))
+    ]
+    return sorted(episodes, key=lambda ep: ep.episode_id)  # seed order, as they were played
 
 
 def warm_start(
-    trainer: Trainer, cfg: RunConfig, tok: Tokenizer, *, metrics: MetricsWriter | None = None
+    trainer: Trainer,
+    cfg: RunConfig,
+    store: ObjectStore,
+    *,
+    vocab_size: int,
+    metrics: MetricsWriter | None = None,
 ) -> list[float]:
     """Run `cfg.warm_start_steps` supervised steps; returns the per-step NLL."""
     lc = cfg.learner
-    # Enough demonstrations to fill each step's batch without repeating too much.
-    demos = demonstrations(cfg, tok, n=max(64, 4 * lc.batch_rows * (lc.buckets[0] // 32)))
+    demos = read_demonstrations(store, vocab_size=vocab_size)
     rng = np.random.default_rng(cfg.seed)
     losses: list[float] = []
     for step in range(cfg.warm_start_steps):

@@ -10,7 +10,8 @@ This module owns:
 - KV-cache decoding for the sampler: `init_cache` + `forward_with_cache` with static shapes.
 - Sharding annotations: every param carries a PartitionSpec over the mesh axis `"fsdp"` on
   its d_model dimension (None elsewhere), read with `nnx.get_partition_spec(nnx.state(m))`.
-- Weight I/O helpers for safetensors snapshots (`flat_params` / `load_flat_params`),
+- Weight I/O helpers for safetensors snapshots (`flat_params` / `check_flat_params` /
+  `load_flat_params`),
   `param_count`, and the sampling distribution (`sampling_log_probs`, `token_logprobs`)
   that the sampler and the learner must both use so behaviour logprobs match.
 """
@@ -31,6 +32,7 @@ __all__ = [
     "FSDP",
     "KVCache",
     "Transformer",
+    "check_flat_params",
     "flat_params",
     "load_flat_params",
     "param_count",
@@ -308,21 +310,25 @@ def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
     }
 
 
-def load_flat_params(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
-    """Load `flat_params`-style arrays into `model` in place (keeps each param's sharding).
-
-    Raises ValueError naming every missing / unexpected key and shape mismatch; nothing is
-    modified when it raises.
-    """
+def check_flat_params(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
+    """Raise ValueError unless `flat` has exactly `model`'s tensors, each of its shape and
+    float32 (the snapshot format); the message names every missing / unexpected key and
+    every shape or dtype mismatch. Reads only shapes and dtypes."""
     current = _flat_vars(model)
     missing = sorted(set(current) - set(flat))
     unexpected = sorted(set(flat) - set(current))
+    common = sorted(set(current) & set(flat))
     bad_shape = [
         f"{n}: expected {tuple(current[n].shape)}, got {tuple(np.shape(flat[n]))}"
-        for n in sorted(set(current) & set(flat))
+        for n in common
         if tuple(np.shape(flat[n])) != tuple(current[n].shape)
     ]
-    if missing or unexpected or bad_shape:
+    bad_dtype = [
+        f"{n}: expected float32, got {np.asarray(flat[n]).dtype}"
+        for n in common
+        if np.asarray(flat[n]).dtype != np.float32
+    ]
+    if missing or unexpected or bad_shape or bad_dtype:
         parts = []
         if missing:
             parts.append(f"missing keys {missing}")
@@ -330,7 +336,19 @@ def load_flat_params(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
             parts.append(f"unexpected keys {unexpected}")
         if bad_shape:
             parts.append(f"shape mismatches [{'; '.join(bad_shape)}]")
+        if bad_dtype:
+            parts.append(f"dtype mismatches [{'; '.join(bad_dtype)}]")
         raise ValueError("load_flat_params: " + ", ".join(parts))
+
+
+def load_flat_params(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
+    """Load `flat_params`-style arrays into `model` in place (keeps each param's sharding).
+
+    Checks first (`check_flat_params`: names, shapes, float32) and raises ValueError naming
+    every problem; nothing is modified when it raises.
+    """
+    check_flat_params(model, flat)
+    current = _flat_vars(model)
     state = nnx.state(model, nnx.Param)
     new_values = {}
     for name, var in current.items():

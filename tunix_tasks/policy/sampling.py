@@ -101,8 +101,12 @@ class Sampler:
     # ------------------------------------------------------------------ weights
 
     def update_params(self, flat: Mapping[str, np.ndarray]) -> None:
-        """Load `flat_params`-style weights (e.g. from a safetensors snapshot); no recompile."""
-        load_flat_params(self._model, flat)
+        """Load `flat_params`-style weights (e.g. from a safetensors snapshot); no recompile.
+
+        Names, shapes and dtypes (float32) are checked against the model BEFORE anything is
+        swapped: a ValueError naming every mismatch leaves the sampler on its old weights.
+        """
+        load_flat_params(self._model, flat)  # checks everything first, then swaps
         self._state = nnx.state(self._model)
 
     @property

@@ -17,7 +17,7 @@ Layout of one episode (the actor builds it, the learner trains on it):
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 PAD = "<|pad|>"
 BOS = "<|bos|>"
@@ -87,19 +87,3 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return 0 <= token_id < len(SPECIAL_TOKENS)
-
-    def split_specials(self, ids: Sequence[int]) -> list[tuple[int | None, str]]:
-        """Group ids into (special_id or None, text) runs, for parsing actions."""
-        runs: list[tuple[int | None, str]] = []
-        buf: list[int] = []
-        for i in ids:
-            if self.is_special(i):
-                if buf:
-                    runs.append((None, self.decode(buf)))
-                    buf = []
-                runs.append((i, self._id_to_piece[i]))
-            else:
-                buf.append(i)
-        if buf:
-            runs.append((None, self.decode(buf)))
-        return runs

@@ -29,11 +29,10 @@ from typing import Any
 
 import psutil
 
+from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.store import ObjectStore, PreconditionFailed, StoreError, join_uri
 
 log = logging.getLogger(__name__)
-
-LEASE_KEY = "learner/LEASE"
 
 
 class LeaseHeldError(RuntimeError):
@@ -58,7 +57,7 @@ class Lease:
 
     @property
     def where(self) -> str:
-        return join_uri(self._store.uri, LEASE_KEY)
+        return join_uri(self._store.uri, RunLayout.LEASE)
 
     def _record(self) -> bytes:
         now = time.time()
@@ -82,7 +81,7 @@ class Lease:
         return bool(same_host and holder.get("pid") and not psutil.pid_exists(int(holder["pid"])))
 
     def acquire(self) -> None:
-        got = self._store.read_versioned(LEASE_KEY)
+        got = self._store.read_versioned(RunLayout.LEASE)
         generation = 0
         if got is not None:
             data, generation = got
@@ -98,7 +97,7 @@ class Lease:
                 )
         try:
             self._generation = self._store.write_if_generation(
-                LEASE_KEY, self._record(), generation
+                RunLayout.LEASE, self._record(), generation
             )
         except PreconditionFailed:
             raise LeaseHeldError(
@@ -113,7 +112,7 @@ class Lease:
                 return
             try:
                 self._generation = self._store.write_if_generation(
-                    LEASE_KEY, self._record(), self._generation
+                    RunLayout.LEASE, self._record(), self._generation
                 )
             except PreconditionFailed:
                 self._lost = True
@@ -154,7 +153,7 @@ class Lease:
                 record["released"] = True
                 try:
                     self._store.write_if_generation(
-                        LEASE_KEY, json.dumps(record).encode(), self._generation
+                        RunLayout.LEASE, json.dumps(record).encode(), self._generation
                     )
                 except (PreconditionFailed, StoreError) as err:
                     log.warning("could not release lease: %s", err)

@@ -4,17 +4,13 @@ A shard is one Parquet file with one row per episode, rows sorted by `length`, s
 groups, and key-value metadata (`tunix.schema_version`, `tunix.length_histogram`, ...).
 Anyone can read one with `pyarrow.parquet.read_table(path)`.
 
-Actors append episodes to a `ShardWriter`, which commits a shard atomically every N
-episodes or T seconds. The learner follows new shards with a `ShardStream`, which
-yields episodes and remembers which ones were acknowledged (trained or dropped), so its
-state can go into a checkpoint:
+Actors append `Episode`s to a `ShardWriter`, which commits a shard atomically every N
+episodes or T seconds; `table_episodes` turns a (validated, see `validation.py`) table
+back into `Episode`s. The learner's `EpisodeSource` follows the shards.
 
-    stream = ShardStream(store, vocab_size=tok.vocab_size)
-    stream.set_state(checkpoint["stream"])        # resume
-    for item in stream.poll():                     # episodes of newly complete shards
-        ...train or drop item.episode...
-        stream.ack(item.shard, [item.row])
-    checkpoint["stream"] = stream.get_state()
+    writer = ShardWriter(store, actor_id="actor-0003", max_episodes=32, max_interval_s=30)
+    writer.add_group(episodes)                       # may commit a shard
+    episodes = list(table_episodes(read_shard(store, key, vocab_size=103)))
 """
 
 from __future__ import annotations
@@ -23,23 +19,20 @@ import io
 import json
 import logging
 import time
-import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tunix_tasks.episode import Episode, ShardRow
+from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-SHARDS_PREFIX = "shards/"
-STATUSES = ("ok", "truncated", "env_error")
 HISTOGRAM_EDGES = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 ROW_GROUP_ROWS = 256
 
@@ -61,29 +54,6 @@ SHARD_SCHEMA = pa.schema(
         pa.field("created_at", pa.timestamp("ms", tz="UTC"), nullable=False),
     ]
 )
-
-
-@dataclass(slots=True)
-class Episode:
-    """One finished episode as the actor records it (one shard row)."""
-
-    episode_id: str
-    actor_id: str
-    env: str
-    group_id: str
-    seed: int
-    policy_version: int
-    tokens: np.ndarray  # int32 [length]
-    loss_mask: np.ndarray  # int8 [length], 1 on policy-generated tokens
-    behavior_logprobs: np.ndarray  # float32 [length], 0 where loss_mask is 0
-    reward: float
-    num_turns: int
-    status: str = "ok"
-    created_at: float = field(default_factory=time.time)
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
 
 
 def length_histogram(lengths: Iterable[int]) -> dict[str, list[int]]:
@@ -148,12 +118,6 @@ def table_to_parquet_bytes(
     return sink.getvalue()
 
 
-def shard_key(actor_id: str, created_at: float | None = None) -> str:
-    """`shards/<actor>/<created_ms>-<random>.parquet`: unique, sorts by creation time."""
-    ms = int((created_at if created_at is not None else time.time()) * 1000)
-    return f"{SHARDS_PREFIX}{actor_id}/{ms:013d}-{uuid.uuid4().hex[:8]}.parquet"
-
-
 class ShardWriter:
     """Buffers episodes and commits them as one shard every N episodes or T seconds.
 
@@ -212,7 +176,7 @@ class ShardWriter:
         data = table_to_parquet_bytes(
             episodes_to_table(self._buffer), extra_metadata=self._metadata
         )
-        key = shard_key(self.actor_id)
+        key = RunLayout.shard_key(self.actor_id)
         self._store.write_bytes(key, data)
         self.episodes_written += len(self._buffer)
         self.shards_written.append(key)
@@ -223,18 +187,11 @@ class ShardWriter:
         return self.flush()
 
 
-@dataclass(frozen=True)
-class StreamItem:
-    """One episode from the stream, with where it came from (for `ack`)."""
-
-    shard: str
-    row: int
-    episode: Episode
-    acked: bool = False  # only with poll(include_acked=True)
-
-
-def table_episodes(table: pa.Table) -> Iterator[Episode]:
-    """Episodes of a (validated) shard table, in row order, as numpy views."""
+def table_episodes(
+    table: pa.Table, *, shard: str | None = None, advantages: Sequence[float] | None = None
+) -> Iterator[Episode]:
+    """Episodes of a (validated) shard table, in row order, as numpy views. With `shard`,
+    each is tagged with its `ShardRow`; `advantages` (one per row) fill `advantage`."""
     cols = {name: table.column(name).combine_chunks() for name in table.column_names}
     lists = {}
     for name in ("tokens", "loss_mask", "behavior_logprobs"):
@@ -269,138 +226,6 @@ def table_episodes(table: pa.Table) -> Iterator[Episode]:
             num_turns=nums["num_turns"][i],
             status=scalars["status"][i],
             created_at=created[i],
+            advantage=0.0 if advantages is None else advantages[i],
+            source=None if shard is None else ShardRow(shard, i),
         )
-
-
-class ShardStream:
-    """Follows complete shards under `shards/` and remembers what was acknowledged.
-
-    Position = the set of fully acknowledged shards plus, for shards in progress, the
-    acknowledged row indices. After `set_state`, unacknowledged rows are yielded again,
-    which is what makes the learner's accounting exactly-once across crashes.
-    Shards that fail validation are passed to `on_invalid(key, error)` and marked done.
-    """
-
-    def __init__(
-        self,
-        store: ObjectStore,
-        *,
-        vocab_size: int,
-        prefix: str = SHARDS_PREFIX,
-        on_invalid: Any = None,
-        read_threads: int = 4,
-    ) -> None:
-        self._store = store
-        self.vocab_size = vocab_size
-        self.prefix = prefix
-        self._on_invalid = on_invalid
-        self._done: set[str] = set()
-        self._acked: dict[str, set[int]] = {}  # shard -> acked rows (shard opened, not done)
-        self._rows: dict[str, int] = {}  # shard -> row count, for shards in progress
-        self._emitted: set[str] = set()  # shards whose rows were handed out this process
-        self.read_threads = read_threads
-        self._pool: ThreadPoolExecutor | None = None
-
-    # -- position -----------------------------------------------------------------
-    def get_state(self) -> dict[str, Any]:
-        return {
-            "version": 1,
-            "done": sorted(self._done),
-            "partial": {k: sorted(v) for k, v in sorted(self._acked.items())},
-            "rows": dict(sorted(self._rows.items())),
-        }
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        if state.get("version") != 1:
-            raise ValueError(f"unsupported ShardStream state version {state.get('version')!r}")
-        self._done = set(state["done"])
-        self._acked = {k: set(v) for k, v in state["partial"].items()}
-        self._rows = dict(state.get("rows", {}))
-        self._emitted = set()
-
-    # -- reading ------------------------------------------------------------------
-    def pending_shards(self) -> list[str]:
-        """Complete shards not yet fully handed out by this process, oldest first."""
-        keys = [
-            info.key
-            for info in self._store.list(self.prefix)
-            if info.key.endswith(".parquet") and info.key not in self._done
-        ]
-        # Sort by the creation-time file name, so shards of all actors interleave fairly.
-        keys.sort(key=lambda k: (k.rsplit("/", 1)[-1], k))
-        return [k for k in keys if k not in self._emitted]
-
-    def backlog_hint(self) -> int:
-        """Number of complete shards not yet fully acknowledged."""
-        return sum(
-            1
-            for info in self._store.list(self.prefix)
-            if info.key.endswith(".parquet") and info.key not in self._done
-        )
-
-    def poll(
-        self, *, max_shards: int | None = None, include_acked: bool = False
-    ) -> list[StreamItem]:
-        """Episodes from newly complete shards (each shard's rows in length order).
-
-        `include_acked=True` also returns rows acknowledged before a restart (flagged
-        `acked`), for statistics that need whole groups, such as advantages."""
-        from tunix_tasks.storage.validation import ShardValidationError, read_shard
-
-        def read(key: str) -> pa.Table | ShardValidationError:
-            try:
-                return read_shard(self._store, key, vocab_size=self.vocab_size)
-            except ShardValidationError as err:
-                return err
-
-        keys = self.pending_shards()[: max_shards or None]
-        # Shards are read concurrently (Parquet decoding and object-store requests release
-        # the GIL), then handed out in order.
-        if len(keys) > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self.read_threads, thread_name_prefix="shard-read"
-                )
-            tables = list(self._pool.map(read, keys))
-        else:
-            tables = [read(k) for k in keys]
-        items: list[StreamItem] = []
-        for key, table in zip(keys, tables, strict=True):
-            if isinstance(table, ShardValidationError):
-                err = table
-                log.warning("invalid shard %s: %s", key, err.reason)
-                if self._on_invalid is not None:
-                    self._on_invalid(key, err)
-                self._done.add(key)
-                self._acked.pop(key, None)
-                self._rows.pop(key, None)
-                continue
-            self._emitted.add(key)
-            acked = self._acked.setdefault(key, set())
-            self._rows[key] = table.num_rows
-            for row, episode in enumerate(table_episodes(table)):
-                if row not in acked:
-                    items.append(StreamItem(key, row, episode))
-                elif include_acked:
-                    items.append(StreamItem(key, row, episode, acked=True))
-            self._maybe_done(key)
-        return items
-
-    def ack(self, shard: str, rows: Iterable[int]) -> None:
-        """Mark rows as accounted for (trained on, or dropped)."""
-        if shard in self._done:
-            return
-        self._acked.setdefault(shard, set()).update(rows)
-        self._maybe_done(shard)
-
-    def _maybe_done(self, shard: str) -> None:
-        total = self._rows.get(shard)
-        if total is not None and len(self._acked.get(shard, ())) >= total:
-            self._done.add(shard)
-            self._acked.pop(shard, None)
-            self._rows.pop(shard, None)
-
-    def mark_invalid_done(self, shard: str) -> None:
-        self._done.add(shard)
-        self._acked.pop(shard, None)
-        self._rows.pop(shard, None)

@@ -9,7 +9,8 @@ paths under that root. Guarantees, identical on both backends:
 - `write_if_generation` is a compare-and-swap for small pointer objects (`weights/LATEST`,
   the learner lease): it succeeds only if the object's generation is still the one the
   caller read (0 = must not exist), else raises `PreconditionFailed`.
-- Transient GCS errors (429, 5xx, connection resets) are retried with exponential backoff.
+- Transient GCS errors (429, 5xx, connection resets) are retried with exponential backoff
+  for up to `retry_deadline_s` per call, each retry logged; then `StoreError`.
 
     store = open_store("file:///tmp/runs/demo")
     store.write_bytes("config.json", b"{}")
@@ -20,8 +21,8 @@ paths under that root. Guarantees, identical on both backends:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -30,7 +31,10 @@ from urllib.parse import urlparse
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from tunix_tasks.storage.tempfiles import TempSweeper, write_temp
+
 __all__ = [
+    "InvalidURI",
     "NotFound",
     "ObjectInfo",
     "ObjectStore",
@@ -42,10 +46,16 @@ __all__ = [
 ]
 
 SCHEMES = ("file", "gs")
+RETRY_DEADLINE_ENV = "TUNIX_STORE_RETRY_DEADLINE_S"
+log = logging.getLogger(__name__)
 
 
 class StoreError(RuntimeError):
     """A storage operation failed after retries."""
+
+
+class InvalidURI(ValueError):
+    """A store URI that is empty, lacks a bucket, or has an unsupported scheme."""
 
 
 class NotFound(StoreError, FileNotFoundError):
@@ -67,7 +77,7 @@ def normalize_uri(uri: str) -> str:
     """`file://rel`, `/abs` or `rel` -> `file:///abs`; `gs://b/p` kept; else ValueError."""
     uri = uri.strip()
     if not uri:
-        raise ValueError("store URI is empty; use file:///abs/dir or gs://bucket/prefix")
+        raise InvalidURI("store URI is empty; use file:///abs/dir or gs://bucket/prefix")
     if "://" not in uri:
         return "file://" + str(Path(uri).expanduser().resolve())
     parsed = urlparse(uri)
@@ -76,9 +86,9 @@ def normalize_uri(uri: str) -> str:
         return "file://" + str(Path(path).expanduser().resolve())
     if parsed.scheme == "gs":
         if not parsed.netloc:
-            raise ValueError(f"gs:// URI needs a bucket: {uri!r}")
+            raise InvalidURI(f"gs:// URI needs a bucket: {uri!r}")
         return f"gs://{parsed.netloc}/{parsed.path.strip('/')}".rstrip("/")
-    raise ValueError(f"unsupported store scheme {parsed.scheme!r} in {uri!r}; valid: file, gs")
+    raise InvalidURI(f"unsupported store scheme {parsed.scheme!r} in {uri!r}; valid: file, gs")
 
 
 def join_uri(root: str, key: str) -> str:
@@ -92,6 +102,7 @@ class ObjectStore(Protocol):
     store.write_bytes("shards/a/0001.parquet", data)      # atomic
     for info in store.list("shards/"):                     # sorted by key
         blob = store.read_bytes(info.key)
+    store.list_folders("shards/"); store.list("shards/a/", start_after="shards/a/0001.parquet")
     """
 
     uri: str
@@ -100,7 +111,8 @@ class ObjectStore(Protocol):
     def write_bytes(self, key: str, data: bytes) -> None: ...
     def read_versioned(self, key: str) -> tuple[bytes, int] | None: ...
     def write_if_generation(self, key: str, data: bytes, generation: int) -> int: ...
-    def list(self, prefix: str = "") -> list[ObjectInfo]: ...
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> list[ObjectInfo]: ...
+    def list_folders(self, prefix: str) -> list[str]: ...
     def exists(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
     def open_input(self, key: str) -> pa.NativeFile: ...
@@ -123,6 +135,7 @@ class LocalStore:
     def __init__(self, uri: str) -> None:
         self.uri = normalize_uri(uri)
         self.root = Path(urlparse(self.uri).path)
+        self._sweeper = TempSweeper(self.root)  # temp files of killed writers (tempfiles.py)
 
     def _path(self, key: str) -> Path:
         return self.root / _check_key(key)
@@ -130,16 +143,6 @@ class LocalStore:
     def _gens_dir(self, key: str) -> Path:
         p = self._path(key)
         return p.parent / f".{p.name}.gens"
-
-    @staticmethod
-    def _write_tmp(directory: Path, data: bytes) -> Path:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return tmp
 
     def read_bytes(self, key: str) -> bytes:
         versioned = self.read_versioned(key) if self._gens_dir(key).is_dir() else None
@@ -152,7 +155,7 @@ class LocalStore:
 
     def write_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        tmp = self._write_tmp(path.parent, data)
+        tmp = write_temp(path.parent, data)
         os.replace(tmp, path)
 
     def _latest_generation(self, key: str) -> int:
@@ -179,7 +182,7 @@ class LocalStore:
                 f"{join_uri(self.uri, key)}: expected generation {generation}, found {current}"
             )
         gens = self._gens_dir(key)
-        tmp = self._write_tmp(gens, data)
+        tmp = write_temp(gens, data)
         new = generation + 1
         try:
             os.link(tmp, gens / f"{new:020d}")
@@ -190,15 +193,17 @@ class LocalStore:
         finally:
             tmp.unlink(missing_ok=True)
         # Mirror for humans (`cat LATEST`); readers of this key use the generation files.
-        mirror = self._write_tmp(self._path(key).parent, data)
+        mirror = write_temp(self._path(key).parent, data)
         os.replace(mirror, self._path(key))
         for old in range(new - self._KEEP_GENERATIONS - 8, new - self._KEEP_GENERATIONS):
             if old > 0:
                 (gens / f"{old:020d}").unlink(missing_ok=True)
         return new
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> list[ObjectInfo]:
+        self._sweeper.maybe_sweep()  # at most every few minutes
         prefix = prefix.lstrip("/")
+        after = start_after.lstrip("/") if start_after else ""
         base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
         out: list[ObjectInfo] = []
         if not base.is_dir():
@@ -210,7 +215,7 @@ class LocalStore:
                     continue
                 full = Path(dirpath) / name
                 key = full.relative_to(self.root).as_posix()
-                if not key.startswith(prefix):
+                if not key.startswith(prefix) or key <= after:
                     continue
                 try:
                     st = full.stat()
@@ -219,6 +224,11 @@ class LocalStore:
                 out.append(ObjectInfo(key=key, size=st.st_size, updated=st.st_mtime))
         out.sort(key=lambda i: i.key)
         return out
+
+    def list_folders(self, prefix: str) -> list[str]:  # ["shards/a/", ...]
+        base = self.root / prefix.strip("/")
+        dirs = [d for d in base.iterdir() if d.is_dir()] if base.is_dir() else []
+        return sorted(f"{d.relative_to(self.root).as_posix()}/" for d in dirs if d.name[0] != ".")
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file() or self._latest_generation(key) > 0
@@ -246,9 +256,10 @@ class GcsStore:
     """A bucket prefix, through google-cloud-storage (honours STORAGE_EMULATOR_HOST)."""
 
     def __init__(
-        self, uri: str, *, client: object | None = None, retry_deadline_s: float = 120.0
+        self, uri: str, *, client: object | None = None, retry_deadline_s: float | None = None
     ) -> None:
         from google.api_core import exceptions as gexc
+        from google.api_core.retry import Retry
         from google.cloud import storage
         from google.cloud.storage.retry import DEFAULT_RETRY
 
@@ -270,7 +281,10 @@ class GcsStore:
         self._gexc = gexc
         # Errors that survive the retry policy; all become StoreError subclasses.
         self._errors = (gexc.GoogleAPICallError, gexc.RetryError, requests.RequestException)
-        self._retry = DEFAULT_RETRY.with_deadline(retry_deadline_s)
+        # How long one call keeps retrying (default 120 s, or TUNIX_STORE_RETRY_DEADLINE_S),
+        # on the errors GCS calls transient; each retry is logged (never a silent wait).
+        deadline = retry_deadline_s or float(os.environ.get(RETRY_DEADLINE_ENV) or 120.0)
+        self._retry = Retry(predicate=DEFAULT_RETRY._predicate, timeout=deadline, on_error=lambda err: log.warning("%s: %r; retrying for up to %.0f s", self.uri, err, deadline))  # fmt: skip
 
     def _name(self, key: str) -> str:
         key = _check_key(key)
@@ -280,11 +294,13 @@ class GcsStore:
         return name[len(self.prefix) + 1 :] if self.prefix else name
 
     def _wrap(self, key: str, err: Exception) -> StoreError:
-        where = join_uri(self.uri, key)
+        where = self.uri if key == "." else join_uri(self.uri, key)  # "." : a listing
         if isinstance(err, self._gexc.NotFound):
             return NotFound(f"{where} does not exist")
         if isinstance(err, self._gexc.PreconditionFailed):
             return PreconditionFailed(f"{where}: generation changed concurrently")
+        if isinstance(err, self._gexc.RetryError):  # .cause: the last transient error
+            return StoreError(f"{where}: unreachable, gave up after retrying for {self._retry.timeout:.0f} s (last error: {err.cause!r})")  # fmt: skip
         return StoreError(f"{where}: {type(err).__name__}: {err}")
 
     def read_bytes(self, key: str) -> bytes:
@@ -322,24 +338,25 @@ class GcsStore:
             raise self._wrap(key, err) from None
         return int(blob.generation)
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        prefix = prefix.lstrip("/")
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> list[ObjectInfo]:
         base = self.prefix + "/" if self.prefix else ""
-        full = base + prefix
+        offset = base + start_after.lstrip("/") if start_after else None  # inclusive
         try:
-            blobs = list(self._client.list_blobs(self._bucket, prefix=full, retry=self._retry))  # type: ignore[attr-defined]
+            blobs = list(self._client.list_blobs(self._bucket, prefix=base + prefix.lstrip("/"), start_offset=offset, retry=self._retry))  # type: ignore[attr-defined]  # fmt: skip
         except self._errors as err:
             raise self._wrap(prefix or ".", err) from None
-        out = [
-            ObjectInfo(
-                key=self._key(b.name),
-                size=int(b.size or 0),
-                updated=b.updated.timestamp() if b.updated else 0.0,
-            )
-            for b in blobs
-        ]
-        out.sort(key=lambda i: i.key)
-        return out
+        blobs = [b for b in blobs if offset is None or b.name > offset]
+        out = [ObjectInfo(self._key(b.name), int(b.size or 0), b.updated.timestamp() if b.updated else 0.0) for b in blobs]  # fmt: skip
+        return sorted(out, key=lambda i: i.key)
+
+    def list_folders(self, prefix: str) -> list[str]:
+        full = (self.prefix + "/" if self.prefix else "") + prefix.lstrip("/")
+        try:
+            pages = self._client.list_blobs(self._bucket, prefix=full, delimiter="/", retry=self._retry)  # type: ignore[attr-defined]  # fmt: skip
+            list(pages)  # the prefixes fill in as the pages are read
+        except self._errors as err:
+            raise self._wrap(prefix or ".", err) from None
+        return sorted(self._key(p) for p in pages.prefixes)
 
     def exists(self, key: str) -> bool:
         try:

@@ -5,6 +5,11 @@ shard and the reason. Checks are vectorised over Arrow buffers, so validating co
 small fraction of decoding.
 
     table = read_shard(store, "shards/actor-0/....parquet", vocab_size=103)
+    read_shard(store, key, vocab_size=103, max_length=192, max_version=7)  # learner limits
+
+`max_length` (the longest episode the run allows, `actor.max_episode_tokens`) rejects a
+shard as `too_long`; `max_version` (the newest weights version the learner has
+published) rejects one whose `policy_version` is from the future as `future_version`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tunix_tasks.storage.shards import SCHEMA_VERSION, SHARD_SCHEMA, STATUSES
+from tunix_tasks.episode import STATUSES
+from tunix_tasks.storage.shards import SCHEMA_VERSION, SHARD_SCHEMA
 from tunix_tasks.storage.store import NotFound, ObjectStore, join_uri
 
 
@@ -28,7 +34,14 @@ class ShardValidationError(ValueError):
         self.detail = detail
 
 
-def read_shard(store: ObjectStore, key: str, *, vocab_size: int) -> pa.Table:
+def read_shard(
+    store: ObjectStore,
+    key: str,
+    *,
+    vocab_size: int,
+    max_length: int | None = None,
+    max_version: int | None = None,
+) -> pa.Table:
     """Read and validate one shard; raises ShardValidationError (or NotFound)."""
     where = join_uri(store.uri, key)
     try:
@@ -41,11 +54,20 @@ def read_shard(store: ObjectStore, key: str, *, vocab_size: int) -> pa.Table:
         raise ShardValidationError(
             where, "corrupt", f"not a readable Parquet file ({err})"
         ) from None
-    validate_table(table, where=where, vocab_size=vocab_size)
+    validate_table(
+        table, where=where, vocab_size=vocab_size, max_length=max_length, max_version=max_version
+    )
     return table
 
 
-def validate_table(table: pa.Table, *, where: str, vocab_size: int) -> None:
+def validate_table(
+    table: pa.Table,
+    *,
+    where: str,
+    vocab_size: int,
+    max_length: int | None = None,
+    max_version: int | None = None,
+) -> None:
     """Raise ShardValidationError if `table` breaks the shard v1 contract."""
     meta = table.schema.metadata or {}
     version = meta.get(b"tunix.schema_version")
@@ -61,8 +83,8 @@ def validate_table(table: pa.Table, *, where: str, vocab_size: int) -> None:
     for name in SHARD_SCHEMA.names:
         if table.column(name).null_count:
             raise ShardValidationError(where, "null", f"column {name!r} has null values")
-    _check_lists(table, where, vocab_size)
-    _check_scalars(table, where)
+    _check_lists(table, where, vocab_size, max_length)
+    _check_scalars(table, where, max_version)
 
 
 def _check_schema(table: pa.Table, where: str) -> None:
@@ -88,7 +110,7 @@ def _list_parts(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     return np.diff(offsets), arr.flatten().to_numpy(zero_copy_only=False)
 
 
-def _check_lists(table: pa.Table, where: str, vocab_size: int) -> None:
+def _check_lists(table: pa.Table, where: str, vocab_size: int, max_length: int | None) -> None:
     lengths = table.column("length").to_numpy()
     parts = {
         name: _list_parts(table, name) for name in ("tokens", "loss_mask", "behavior_logprobs")
@@ -104,6 +126,14 @@ def _check_lists(table: pa.Table, where: str, vocab_size: int) -> None:
             )
     if (lengths <= 0).any():
         raise ShardValidationError(where, "empty_episode", "an episode has length 0")
+    if max_length is not None and (lengths > max_length).any():
+        row = int(np.argmax(lengths))
+        raise ShardValidationError(
+            where,
+            "too_long",
+            f"row {row}: {int(lengths[row])} tokens, over the limit max_length={max_length} "
+            "(actor.max_episode_tokens, at most model.max_seq_len)",
+        )
     tokens = parts["tokens"][1]
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
@@ -121,12 +151,20 @@ def _check_lists(table: pa.Table, where: str, vocab_size: int) -> None:
         raise ShardValidationError(where, "bad_logprob", "behavior_logprobs must be <= 0")
 
 
-def _check_scalars(table: pa.Table, where: str) -> None:
+def _check_scalars(table: pa.Table, where: str, max_version: int | None) -> None:
     reward = table.column("reward").to_numpy()
     if not np.isfinite(reward).all():
         raise ShardValidationError(where, "non_finite", "reward has NaN or inf")
-    if (table.column("policy_version").to_numpy() < 0).any():
+    versions = table.column("policy_version").to_numpy()
+    if (versions < 0).any():
         raise ShardValidationError(where, "bad_version", "policy_version must be >= 0")
+    if max_version is not None and versions.max() > max_version:
+        raise ShardValidationError(
+            where,
+            "future_version",
+            f"policy_version {int(versions.max())} is newer than the newest version the "
+            f"learner has published ({max_version})",
+        )
     statuses = set(pc.unique(table.column("status")).to_pylist())
     if not statuses <= set(STATUSES):
         raise ShardValidationError(

@@ -1,0 +1,166 @@
+"""The fleet of a training DAG: actors ∥ learner, then the `stop_fleet` / `report` teardowns.
+
+`fleet(setup)` wires, under a setup task that returned `publish_run_info(...)`:
+
+```
+setup ─┬─> actor [0..N) (mapped, pool cpu) ─────────────────┐
+       └─> learner (pool tpu, retries resume) ─> stop_fleet ─> report
+```
+
+Used by `tunix_train` and `tunix_recurring`. The tasks call the library only through
+`tunix_launchers` (in the task process or a pod) at run time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import task
+from tunix_launchers import entrypoints, launch_actor, launch_learner
+from tunix_weights import WeightsEventPublisher, WeightsWatcher
+
+log = logging.getLogger(__name__)
+
+#: Pools (and, for Celery/Kubernetes executors, queues) of the two kinds of worker.
+CPU_POOL = os.environ.get("TUNIX_CPU_POOL", "cpu")
+TPU_POOL = os.environ.get("TUNIX_TPU_POOL", "tpu")
+#: Hard limits on the long tasks; the run's own `deadline_s` normally ends them first.
+LEARNER_TIMEOUT = timedelta(hours=float(os.environ.get("TUNIX_LEARNER_TIMEOUT_H", "24")))
+ACTOR_TIMEOUT = timedelta(hours=float(os.environ.get("TUNIX_ACTOR_TIMEOUT_H", "24")))
+
+
+def optional_deadline(value: Any) -> float | None:
+    value = float(value or 0)
+    return value if value > 0 else None
+
+
+def _label_map_index(label: str) -> None:
+    from airflow.sdk import get_current_context
+
+    get_current_context()["tunix_label"] = label
+
+
+@task(
+    pool=CPU_POOL,
+    queue=CPU_POOL,
+    retries=2,
+    retry_delay=timedelta(seconds=10),
+    execution_timeout=ACTOR_TIMEOUT,
+    map_index_template="{{ tunix_label }}",
+)
+def actor(run_uri: str, actor_id: int, deadline_s: float | None = None) -> dict:
+    """One CPU actor: steps its envs and writes shards until the run is DONE."""
+    _label_map_index(f"actor {actor_id}")
+    return launch_actor(run_uri, int(actor_id), deadline_s=optional_deadline(deadline_s))
+
+
+@task(
+    pool=TPU_POOL,
+    queue=TPU_POOL,
+    retries=2,
+    # > learner.lease_ttl_s (30 s): a crashed learner's lease must expire before the retry
+    # takes it over, else the retry fails with LeaseHeldError.
+    retry_delay=timedelta(seconds=float(os.environ.get("TUNIX_LEARNER_RETRY_DELAY_S", "45"))),
+    execution_timeout=LEARNER_TIMEOUT,
+)
+def learner(run_uri: str, max_steps: int | None = None, deadline_s: float | None = None) -> dict:
+    """The learner: trains from the shards, publishes snapshots (+ asset events).
+
+    A retry resumes from the latest checkpoint (`run_learner` does that), so `retries`
+    turns a crashed or pre-empted learner into a pause rather than a lost run. Meanwhile
+    a `WeightsWatcher` announces each new `weights/LATEST` as a `tunix_weights` event.
+    """
+    publisher = WeightsEventPublisher(run_uri)
+    with WeightsWatcher(run_uri, publisher):
+        summary = launch_learner(
+            run_uri,
+            max_steps=int(max_steps) if max_steps else None,
+            deadline_s=optional_deadline(deadline_s),
+        )
+    summary = dict(summary or {})
+    summary["asset_events_posted"] = publisher.posted
+    summary["asset_events_failed"] = publisher.failed
+    return summary
+
+
+@task(pool=CPU_POOL, queue=CPU_POOL, retries=3, retry_delay=timedelta(seconds=5))
+def stop_fleet(run_uri: str) -> str:
+    """Mark the run DONE once the learner has finished, whatever its outcome.
+
+    Actors stop when they see the marker, so no actor outlives its learner. This is a
+    teardown: it runs even when the learner failed, and does not change the run's state.
+    """
+    from airflow.sdk import get_current_context
+
+    ctx = get_current_context()
+    dag_id, run_id = ctx["dag"].dag_id, ctx["run_id"]
+    try:  # for the DONE marker's reason only
+        states = ctx["ti"].get_task_states(dag_id=dag_id, task_ids=["learner"], run_ids=[run_id])
+        learner_state = states.get(run_id, {}).get("learner", "finished")
+    except Exception:
+        learner_state = "finished"
+    reason = f"airflow {dag_id}/{run_id}: learner {learner_state}"
+    entrypoints().mark_done(run_uri, reason)
+    log.info("marked %s DONE: %s", run_uri, reason)
+    return reason
+
+
+@task(pool=CPU_POOL, queue=CPU_POOL, retries=1, retry_delay=timedelta(seconds=5))
+def report(run_uri: str) -> str:
+    """Write the run's HTML report (works for crashed runs too); returns its URI."""
+    uri = entrypoints().write_report(run_uri)
+    log.info("report: %s", uri)
+    return uri
+
+
+def publish_run_info(
+    run_uri: str, num_actors: int, *, max_steps: int | None = None, deadline_s: float = 0.0
+) -> list[dict]:
+    """Called by the setup task: push the run's facts as XComs, return the actor kwargs.
+
+    Airflow maps only over a task's `return_value`, so the setup task returns one kwargs
+    dict per actor (`actor.expand_kwargs`) and pushes `run_uri`, `max_steps` and
+    `deadline_s` under their own keys for the learner and the teardowns.
+    """
+    from airflow.sdk import get_current_context
+
+    ti = get_current_context()["ti"]
+    ti.xcom_push(key="run_uri", value=run_uri)
+    # 0 = "the config's max_steps": an XCom whose value is None reads back as missing
+    # (XComNotFound when the learner's arguments are resolved).
+    ti.xcom_push(key="max_steps", value=int(max_steps or 0))
+    ti.xcom_push(key="deadline_s", value=float(deadline_s or 0))
+    return [
+        {"run_uri": run_uri, "actor_id": i, "deadline_s": float(deadline_s or 0)}
+        for i in range(int(num_actors))
+    ]
+
+
+def fleet(setup: Any):
+    """Wire actors ∥ learner → stop_fleet → report under the `setup` task.
+
+    `setup` is the XComArg of a task that returned `publish_run_info(...)`. The setup
+    task becomes an Airflow *setup*, `stop_fleet` and `report` its *teardowns*, so the
+    DAG run's state is that of the actors and the learner. Returns the report XComArg.
+    """
+    from airflow.sdk import XComArg
+
+    setup_op = setup.operator
+    run_uri = XComArg(setup_op, key="run_uri")
+    actors = actor.expand_kwargs(setup)
+    learn = learner(
+        run_uri=run_uri,
+        max_steps=XComArg(setup_op, key="max_steps"),
+        deadline_s=XComArg(setup_op, key="deadline_s"),
+    )
+    stop = stop_fleet(run_uri)
+    rep = report(run_uri)
+    learn >> stop
+    [actors, stop] >> rep
+    setup_op.as_setup()
+    stop.operator.as_teardown(setups=setup_op)
+    rep.operator.as_teardown(setups=setup_op)
+    return rep

@@ -1,0 +1,70 @@
+"""Flow policies: the exact ready / drop / publish semantics, and impossible settings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tunix_tasks.config import load_config
+from tunix_tasks.episode import Episode
+from tunix_tasks.learner.flow import AsyncFlow, SyncFlow, flow_from_config, stale_mask, staleness
+
+
+def _ep(version: int, status: str = "ok") -> Episode:
+    return Episode("e", [1, 2], [0, 1], [0, -1], policy_version=version, status=status)
+
+
+def test_staleness_maths():
+    versions = np.array([10, 9, 6, 11])
+    np.testing.assert_array_equal(staleness(10, versions), [0, 1, 4, -1])
+    np.testing.assert_array_equal(stale_mask(10, versions, 3), [False, False, True, False])
+    np.testing.assert_array_equal(stale_mask(10, versions, 0), [False, True, True, False])
+
+
+def test_async_flow_semantics():
+    flow = AsyncFlow(min_episodes=2, max_staleness=2, publish_every=3)
+    assert flow.drop_reason(_ep(8), 10) is None
+    assert flow.drop_reason(_ep(7), 10) == "stale"
+    assert flow.drop_reason(_ep(10, "env_error"), 10) == "env_error"
+    assert flow.drop_reason(_ep(12), 10) is None  # newer snapshot after a restore: IS handles it
+    assert not flow.ready([_ep(10)], 10) and flow.ready([_ep(10), _ep(3)], 10)
+    assert [flow.publish_due(s, [], 0) for s in range(1, 7)] == [False, False, True] * 2
+    assert flow.publish_at_end(4) and not flow.publish_at_end(6)
+    assert not flow.flush
+
+
+def test_sync_flow_trains_a_whole_version_then_publishes():
+    flow = SyncFlow(episodes_per_version=3)
+    assert flow.flush
+    assert flow.drop_reason(_ep(4), 5) == "stale" and flow.drop_reason(_ep(6), 5) == "stale"
+    assert flow.drop_reason(_ep(5), 5) is None
+    assert not flow.ready([_ep(5), _ep(5)], 5)  # 2 of 3 episodes of v5 arrived
+    assert flow.ready([_ep(5)] * 3, 5)
+    flow.trained([_ep(5)] * 2)  # first batch trained, one episode of v5 still buffered
+    assert flow.ready([_ep(5)], 5)
+    assert not flow.publish_due(1, [_ep(5)], 5)
+    flow.trained([_ep(5)])
+    assert flow.publish_due(2, [], 5)
+    flow.published()
+    assert not flow.ready([_ep(6)], 6)
+    assert not flow.publish_at_end(2)
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda: AsyncFlow(min_episodes=0, max_staleness=1, publish_every=1), "min_episodes"),
+        (lambda: AsyncFlow(min_episodes=1, max_staleness=-1, publish_every=1), "max_staleness"),
+        (lambda: AsyncFlow(min_episodes=1, max_staleness=1, publish_every=0), "publish_every"),
+        (lambda: SyncFlow(episodes_per_version=0), "episodes_per_version"),
+    ],
+)
+def test_impossible_settings_are_rejected(make, needle):
+    with pytest.raises(ValueError, match=needle):
+        make()
+
+
+def test_flow_from_config():
+    assert isinstance(flow_from_config(load_config(None, ["mode=sync"])), SyncFlow)
+    flow = flow_from_config(load_config(None, ["learner.max_staleness=7"]))
+    assert isinstance(flow, AsyncFlow) and flow.max_staleness == 7

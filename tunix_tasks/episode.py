@@ -1,0 +1,87 @@
+"""`Episode`: the one record of an episode, from the actor through the shard to the packer.
+
+The actor's rollout builds it, `storage.shards` writes it as one Parquet row (format v1)
+and reads it back, the learner's source adds the learner-side fields (`advantage`, and
+`source`: where it was read, which is what acknowledging it marks), and the packer lays
+its arrays into batches.
+
+    ep = Episode("ep-1", tokens, loss_mask, behavior_logprobs, reward=1.0, policy_version=3)
+    ep.length                                          # number of tokens
+    dataclasses.replace(ep, advantage=0.7, source=ShardRow("shards/a/1.parquet", 4))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+STATUSES = ("ok", "truncated", "env_error")
+
+
+class ShardRow(NamedTuple):
+    """Where an episode was read from: the unit the learner acknowledges."""
+
+    shard: str
+    row: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Episode:
+    """Arrays are per token and of equal length; `loss_mask` is 1 on policy tokens and
+    `behavior_logprobs` is the sampler's log-prob there (0 elsewhere)."""
+
+    episode_id: str
+    tokens: np.ndarray  # int32 [n]
+    loss_mask: np.ndarray  # int8 [n]
+    behavior_logprobs: np.ndarray  # float32 [n]
+    _: dataclasses.KW_ONLY
+    reward: float = 0.0
+    # The oldest weights version that produced any of its tokens (staleness is measured
+    # from it); 0 for demonstrations, which the learner only imitates.
+    policy_version: int = 0
+    actor_id: str = ""
+    env: str = ""
+    group_id: str = ""
+    seed: int = 0
+    num_turns: int = 0
+    status: str = "ok"
+    created_at: float = dataclasses.field(default_factory=time.time)
+    # Learner side only, never stored in a shard:
+    advantage: float = 0.0
+    source: ShardRow | None = None
+
+    def __post_init__(self) -> None:
+        tokens = _vector(self.tokens, np.int32)
+        mask = _vector(self.loss_mask, np.int8)
+        blp = _vector(self.behavior_logprobs, np.float32)
+        if tokens.size == 0:
+            raise ValueError(f"episode {self.episode_id!r} has no tokens")
+        if not tokens.size == mask.size == blp.size:
+            raise ValueError(
+                f"episode {self.episode_id!r}: tokens/loss_mask/behavior_logprobs lengths "
+                f"differ ({tokens.size}, {mask.size}, {blp.size})"
+            )
+        if self.status not in STATUSES:
+            raise ValueError(
+                f"episode {self.episode_id!r}: status {self.status!r} not in {STATUSES}"
+            )
+        # Frozen: normalise dtypes once, so writers and the packer copy slices blindly.
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "loss_mask", mask)
+        object.__setattr__(self, "behavior_logprobs", blp)
+        object.__setattr__(self, "advantage", float(self.advantage))
+        object.__setattr__(self, "policy_version", int(self.policy_version))
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.size)
+
+
+def _vector(values: object, dtype: type) -> np.ndarray:
+    # Shard reads hand over 1-D views of the right dtype already: keep those as they are.
+    if isinstance(values, np.ndarray) and values.dtype == dtype and values.ndim == 1:
+        return values
+    return np.asarray(values, dtype=dtype).reshape(-1)

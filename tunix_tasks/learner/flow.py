@@ -1,0 +1,154 @@
+"""Flow policies: when the learner trains, which episodes it drops, when it publishes.
+
+A flow policy is the learner's only rule about data and versions (in the spirit of
+Reverb's rate limiters: a named object with exact semantics, validated on construction).
+The learner's loop asks it, per step:
+
+    flow = flow_from_config(cfg)
+    for ep in buffer: reason = flow.drop_reason(ep, version)   # "stale", "env_error" or None
+    (the batcher drops what the source flags as a replay as "duplicate" before asking)
+    if flow.ready(buffer, version): ...pack (flush=flow.flush), train...
+    flow.trained(episodes)
+    if flow.publish_due(step, buffer, version): ...publish version + 1...; flow.published()
+    ...at the end: if flow.publish_at_end(step): publish
+
+Staleness is `learner_version - policy_version`, measured when an episode is about to
+be packed, so time spent in the buffer counts (docs/architecture.md, "Staleness").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from tunix_tasks.config import RunConfig
+from tunix_tasks.episode import Episode
+
+
+def staleness(learner_version: ArrayLike, policy_versions: ArrayLike) -> np.ndarray:
+    """`learner_version - policy_version`, per episode."""
+    return np.asarray(learner_version) - np.asarray(policy_versions)
+
+
+def stale_mask(learner_version: ArrayLike, policy_versions: ArrayLike, max_staleness: int):
+    """True where an episode is too stale to train on (`staleness > max_staleness`).
+
+    Negative staleness is not stale. It cannot reach the flow: a restarted learner
+    publishes a version newer than any snapshot out there, and the source quarantines
+    shards whose `policy_version` is newer than what the learner published
+    (`future_version`).
+    """
+    return staleness(learner_version, policy_versions) > max_staleness
+
+
+class FlowPolicy(Protocol):
+    """The questions the learner's loop asks; see the module docstring for the loop."""
+
+    flush: bool  # pack partial batches too (sync: a version's last episodes must train)
+
+    def drop_reason(self, episode: Episode, version: int) -> str | None: ...
+    def ready(self, buffer: Sequence[Episode], version: int) -> bool: ...
+    def trained(self, episodes: Sequence[Episode]) -> None: ...
+    def publish_due(self, step: int, buffer: Sequence[Episode], version: int) -> bool: ...
+    def published(self) -> None: ...
+    def publish_at_end(self, step: int) -> bool: ...
+
+
+def _drop_env_error(episode: Episode) -> str | None:
+    # An environment that broke says nothing about the policy: never train on it.
+    return "env_error" if episode.status == "env_error" else None
+
+
+class AsyncFlow:
+    """Asynchronous: train whenever at least `min_episodes` usable episodes are buffered;
+    drop an episode whose staleness exceeds `max_staleness` versions; publish version
+    v + 1 after every `publish_every` steps, and once more at the end if steps ran since
+    the last publish. Actors never wait for the learner, nor the learner for one actor.
+    """
+
+    flush = False
+
+    def __init__(self, *, min_episodes: int, max_staleness: int, publish_every: int) -> None:
+        if min_episodes < 1:
+            raise ValueError(f"AsyncFlow: min_episodes must be >= 1, got {min_episodes}")
+        if max_staleness < 0:
+            raise ValueError(f"AsyncFlow: max_staleness must be >= 0, got {max_staleness}")
+        if publish_every < 1:
+            raise ValueError(f"AsyncFlow: publish_every must be >= 1, got {publish_every}")
+        self.min_episodes = min_episodes
+        self.max_staleness = max_staleness
+        self.publish_every = publish_every
+
+    def drop_reason(self, episode: Episode, version: int) -> str | None:
+        if stale_mask(version, episode.policy_version, self.max_staleness):
+            return "stale"
+        return _drop_env_error(episode)
+
+    def ready(self, buffer: Sequence[Episode], version: int) -> bool:
+        return len(buffer) >= self.min_episodes
+
+    def trained(self, episodes: Sequence[Episode]) -> None:
+        pass
+
+    def publish_due(self, step: int, buffer: Sequence[Episode], version: int) -> bool:
+        return step % self.publish_every == 0
+
+    def published(self) -> None:
+        pass
+
+    def publish_at_end(self, step: int) -> bool:
+        return step % self.publish_every != 0
+
+
+class SyncFlow:
+    """Synchronous lockstep, the classic baseline: the actors play `episodes_per_version`
+    episodes with version v and wait; the learner trains on exactly those (in as many
+    steps as their batches need, partial batches included) and publishes v + 1 once none
+    of them is left. Every trained episode has staleness 0; an episode of any other
+    version is dropped as stale.
+    """
+
+    flush = True
+
+    def __init__(self, *, episodes_per_version: int) -> None:
+        if episodes_per_version < 1:
+            raise ValueError(
+                f"SyncFlow: episodes_per_version must be >= 1, got {episodes_per_version}"
+            )
+        self.episodes_per_version = episodes_per_version
+        self._trained = 0  # episodes of the current version trained so far
+
+    def drop_reason(self, episode: Episode, version: int) -> str | None:
+        if episode.policy_version != version:
+            return "stale"
+        return _drop_env_error(episode)
+
+    def ready(self, buffer: Sequence[Episode], version: int) -> bool:
+        fresh = sum(ep.policy_version == version for ep in buffer)
+        return fresh > 0 and fresh + self._trained >= self.episodes_per_version
+
+    def trained(self, episodes: Sequence[Episode]) -> None:
+        self._trained += len(episodes)
+
+    def publish_due(self, step: int, buffer: Sequence[Episode], version: int) -> bool:
+        return not any(ep.policy_version == version for ep in buffer)
+
+    def published(self) -> None:
+        self._trained = 0
+
+    def publish_at_end(self, step: int) -> bool:
+        return False  # every version's update was published when its batch finished
+
+
+def flow_from_config(cfg: RunConfig) -> FlowPolicy:
+    lc = cfg.learner
+    if cfg.mode == "sync":
+        return SyncFlow(episodes_per_version=cfg.sync_episodes_per_version)
+    return AsyncFlow(
+        min_episodes=lc.min_episodes_per_step,
+        max_staleness=lc.max_staleness,
+        publish_every=lc.publish_every,
+    )

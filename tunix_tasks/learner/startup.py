@@ -1,0 +1,130 @@
+"""Starting and stopping a learner: lease, model, trainer, checkpoint or warm start, source.
+
+    parts = start_learner(cfg, store)   # holds the lease; version `parts.version` is published
+    try: ...train...
+    finally: parts.close()
+
+On a fresh run the learner warm-starts from the run's demonstration shards (if
+`warm_start_steps`); on a restart it restores the latest checkpoint, deletes ledger
+files of work about to be redone, and always publishes the weights it resumes from as a
+new version, newer than anything out there, so actors leave weights from lost updates.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from flax import nnx
+
+from tunix_tasks.config import RunConfig
+from tunix_tasks.learner.checkpoint import Checkpointer
+from tunix_tasks.learner.publishing import SnapshotPublisher
+from tunix_tasks.learner.source import EpisodeSource, PrefetchingSource
+from tunix_tasks.learner.train_step import Trainer
+from tunix_tasks.learner.warm_start import warm_start
+from tunix_tasks.policy.build import build_policy, model_meta
+from tunix_tasks.storage.lease import Lease
+from tunix_tasks.storage.metrics import MetricsWriter
+from tunix_tasks.storage.retention import SnapshotRetention
+from tunix_tasks.storage.store import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LearnerParts:
+    lease: Lease | None = None
+    trainer: Trainer | None = None
+    ckpt: Checkpointer | None = None
+    source: PrefetchingSource | None = None
+    metrics: MetricsWriter | None = None
+    publisher: SnapshotPublisher | None = None
+    step: int = 0
+    version: int = 0
+    counters: dict[str, Any] | None = None
+    last_checkpoint: int = -1  # step of the checkpoint resumed from
+
+    def close(self) -> None:
+        """Stop threads and release the lease, whatever part of the start succeeded."""
+        for name, close in (
+            ("publisher", "close"),
+            ("source", "stop"),
+            ("metrics", "close"),
+            ("ckpt", "close"),
+            ("lease", "release"),
+        ):
+            obj = getattr(self, name)
+            if obj is not None:
+                try:
+                    getattr(obj, close)()
+                except Exception as err:  # keep tearing down the rest
+                    log.warning("learner teardown: %s.%s failed: %r", name, close, err)
+
+
+def start_learner(cfg: RunConfig, store: ObjectStore) -> LearnerParts:
+    parts = LearnerParts()
+    try:
+        _start(parts, cfg, store)
+    except BaseException:
+        parts.close()
+        raise
+    return parts
+
+
+def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
+    p.lease = Lease(store, ttl_s=cfg.learner.lease_ttl_s)
+    p.lease.acquire()  # LeaseHeldError if another learner runs on this run
+    p.lease.start_renewing()
+    tok, model = build_policy(cfg.model, seed=cfg.seed, compute_dtype=cfg.learner.compute_dtype)
+    p.trainer = Trainer(cfg, model)
+    p.ckpt = Checkpointer(store)
+    p.source = PrefetchingSource(
+        EpisodeSource(
+            store,
+            vocab_size=tok.vocab_size,
+            advantage=cfg.learner.advantage,
+            max_length=cfg.actor.max_episode_tokens,  # <= model.max_seq_len (validated)
+            dedup_window=cfg.learner.dedup_window,
+            delete_consumed=cfg.learner.delete_consumed_shards,
+        )
+    )
+    p.metrics = MetricsWriter(store, "learner")
+    # Reads weights/LATEST. One that is missing or not a valid pointer (a poisoned
+    # `{"version": "../../etc"}`) does not stop the start: the publisher then counts from
+    # the newest snapshot folder under weights/, and its first publish CASes over it.
+    retention = SnapshotRetention(
+        store, keep_last=cfg.learner.keep_snapshots, keep_every=cfg.learner.keep_every
+    )
+    p.publisher = SnapshotPublisher(
+        store, p.lease, model=model_meta(cfg.model), retention=retention
+    )
+    published = p.publisher.latest_version  # -1: no weights out there
+    restored = p.ckpt.restore(p.trainer.state())
+    if restored is not None:
+        state, meta = restored
+        # trainer.state() is {"model": State, "opt": State}: fill each State in turn.
+        target = p.trainer.state()
+        for name, part in target.items():
+            nnx.replace_by_pure_dict(part, state[name])
+        p.trainer.restore_state(target)
+        p.step, p.version, p.counters = int(meta["step"]), int(meta["version"]), meta["counters"]
+        p.source.set_state(meta["stream"])
+        p.last_checkpoint = p.step
+        pruned = p.ckpt.prune_ledger_after(p.step)
+        log.info("resumed at step %d (v%d); %d ledger files redone", p.step, p.version, pruned)
+    else:
+        # No checkpoint committed: ledger files of an earlier attempt that crashed before
+        # its first checkpoint describe work that is about to be redone.
+        if pruned := p.ckpt.prune_ledger_after(-1):
+            log.info("fresh start: removed %d ledger files of a crashed attempt", pruned)
+        # No checkpoint: all training so far is lost, so the warm start is redone too
+        # (also when an attempt that crashed before its first checkpoint published).
+        if cfg.warm_start_steps:
+            warm_start(p.trainer, cfg, store, vocab_size=tok.vocab_size, metrics=p.metrics)
+    p.version = max(p.version, published + 1)
+    p.publisher.publish(p.trainer.flat_params(), version=p.version, step=p.step)
+    p.publisher.wait()  # actors need the first snapshot before anything else
+    p.source.set_newest_version(p.version)  # newer policy_versions are quarantined
+    p.source.start()

@@ -1,0 +1,111 @@
+"""Retention: what a long run deletes, so that its storage does not grow with its history.
+
+- Weight snapshots: after each publish the learner's background publisher runs
+  `SnapshotRetention.prune`, which keeps the newest `keep_last` (>= 2) versions, every
+  version that is a multiple of `keep_every` (0: none), the version `weights/LATEST`
+  names, anything newer than it, and anything at or above `protect_from()` when that is
+  given (e.g. the oldest version an actor is known to hold); everything else is deleted,
+  manifest first, so a reader sees a snapshot complete or incomplete, never changed.
+- Consumed shards: `learner.delete_consumed_shards` has the source delete a shard once a
+  committed checkpoint holds it done (`learner/source.py`); a bucket lifecycle rule on
+  `shards/` and `quarantine/` is the alternative (docs/configuration.md).
+
+Actors load only what `LATEST` names and keep loaded weights in memory, so an old
+snapshot is read only by an actor that read `LATEST` just before `keep_last` newer
+versions were published; a refused (vanished) snapshot just makes it wait for the next.
+
+    retention = SnapshotRetention(store, keep_last=16, keep_every=50)
+    retention.prune()                         # -> the versions deleted
+    plan_pruning([1, 2, 3, 4, 5], keep_last=2, keep_every=2, latest=5)   # -> [1, 3]
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from tunix_tasks.storage.layout import RunLayout
+from tunix_tasks.storage.store import ObjectStore, StoreError
+from tunix_tasks.storage.weights import MANIFEST_FILE, WeightsError, read_latest
+
+log = logging.getLogger(__name__)
+
+
+def plan_pruning(
+    versions: Iterable[int],
+    *,
+    keep_last: int,
+    keep_every: int,
+    latest: int | None,
+    protect_from: int | None = None,
+) -> list[int]:
+    """The versions to delete (pure): all but the newest `keep_last`, multiples of
+    `keep_every`, `latest` and newer, and `protect_from` and newer."""
+    if keep_last < 2:
+        raise ValueError(
+            f"keep_last must be >= 2 (an actor may be loading the previous one), got {keep_last}"
+        )
+    if keep_every < 0:
+        raise ValueError(f"keep_every must be >= 0, got {keep_every}")
+    if latest is None:  # no pointer (yet): nothing is known to be unused
+        return []
+    ordered = sorted(set(versions))
+    keep = set(ordered[-keep_last:])
+    if keep_every > 0:
+        keep |= {v for v in ordered if v % keep_every == 0}
+    floor = latest if protect_from is None else min(latest, protect_from)
+    return [v for v in ordered if v not in keep and v < floor]
+
+
+def snapshot_files(store: ObjectStore) -> dict[int, list[str]]:
+    """Version -> keys of its files, from one listing of `weights/`."""
+    out: dict[int, list[str]] = {}
+    for info in store.list(RunLayout.WEIGHTS):
+        folder, _, name = info.key[len(RunLayout.WEIGHTS) :].partition("/")
+        if name and folder.startswith("v") and folder[1:].isdigit():  # not LATEST
+            out.setdefault(int(folder[1:]), []).append(info.key)
+    return out
+
+
+class SnapshotRetention:
+    """Deletes old weight snapshots by the rule in the module docstring."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        keep_last: int,
+        keep_every: int = 0,
+        protect_from: Callable[[], int | None] | None = None,
+    ) -> None:
+        plan_pruning([], keep_last=keep_last, keep_every=keep_every, latest=None)  # validates
+        self._store = store
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self._protect_from = protect_from
+        self.deleted: list[int] = []
+
+    def prune(self, published: int | None = None) -> list[int]:
+        """Delete what the rule allows; never raises (a failed delete is retried next
+        time). `published` is the version just published (for the log only)."""
+        try:
+            latest = read_latest(self._store)
+            files = snapshot_files(self._store)
+            doomed = plan_pruning(
+                files,
+                keep_last=self.keep_last,
+                keep_every=self.keep_every,
+                latest=None if latest is None else latest[0],
+                protect_from=self._protect_from() if self._protect_from else None,
+            )
+            for version in doomed:
+                # Manifest first: a reader then finds the snapshot incomplete, not torn.
+                for key in sorted(files[version], key=lambda k: not k.endswith(MANIFEST_FILE)):
+                    self._store.delete(key)
+                self.deleted.append(version)
+        except (StoreError, WeightsError) as err:
+            log.warning("snapshot retention after v%s failed: %s", published, err)
+            return []
+        if doomed:
+            log.info("retention: deleted snapshots %s after v%s", doomed, published)
+        return doomed
