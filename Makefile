@@ -10,11 +10,16 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv bwrap test test-fast lint format demo bench airflow clean
+.PHONY: venv bwrap browser test test-fast lint format demo bench airflow clean
 
 # python_exec runs model-written code under bubblewrap (docs/sandbox.md); as root, install it.
 bwrap:
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" != 0 ] && echo "warning: bubblewrap (bwrap) is missing: python_exec refuses to run (docs/sandbox.md)"; } || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap)
+
+# The browser test (tests/airflow/test_browser.py) drives Debian's chromium through Selenium;
+# as root, install it (Playwright's own browser download does not work everywhere).
+browser:
+	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { [ "$$(id -u)" != 0 ] && echo "warning: chromium/chromedriver are missing: the Airflow browser test is skipped"; } || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver)
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,7 +38,7 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: $(STAMP) bwrap
+test: $(STAMP) bwrap browser
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 test-fast: $(STAMP) bwrap
@@ -62,7 +67,7 @@ airflow-clean: ## Delete airflow_home/ (metadata DB, logs)
 test-airflow: $(STAMP) ## DAG import/structure/params/parse-time tests (seconds)
 	.venv/bin/python -m pytest tests/airflow -m "not slow" -q
 
-test-airflow-e2e: $(STAMP) ## dag.test() of each DAG + a real scheduler run (~5 min)
+test-airflow-e2e: $(STAMP) browser ## dag.test() of each DAG + a real scheduler run + the browser test (~7 min)
 	.venv/bin/python -m pytest tests/airflow -m slow -q
 
 clean:

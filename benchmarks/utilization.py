@@ -6,10 +6,17 @@ steps, with every environment step taking `--latency` seconds (an emulated remot
   async: actors keep stepping environments while the learner trains on what is buffered
   sync:  actors generate one batch with the newest weights; the learner waits for it
 
+  limit: the learner alone, on pre-generated shards of the same shapes (episodes of the
+         async run's mean length, groups of `group_size`), never waiting for data
+
 and prints side by side: learner duty cycle (time in the train step / wall time, start-up
 and compilation excluded; goal: async >= 0.95), learner wall time from first to last step
-(goal: sync / async >= 5), real tokens trained per second, reward reached and the
-fraction of episodes dropped as stale.
+(goal: sync / async >= 5), real tokens trained per second (steady: after the first step),
+that rate as a fraction of the learner-alone limit, reward reached, the fraction of
+episodes dropped as stale, and the latency audit's verdict (report's `latency_audit`).
+
+Where the machine has 2 cores or more, the learner is pinned to core 0 and the actors to
+the others (`os.sched_setaffinity`), so the learner's rate is not eaten by the actors.
 
     python benchmarks/utilization.py [--steps 30] [--latency 1.0]
 """
@@ -18,24 +25,97 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.shard_factory import make_episode
 from tunix_tasks.config import load_config
+from tunix_tasks.frontdoor.entrypoints import prepare_run, run_learner
 from tunix_tasks.frontdoor.launcher import train_local
-from tunix_tasks.frontdoor.report import summarize
+from tunix_tasks.frontdoor.report import _learner_steps, read_records, summarize
+from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
 
+CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+LEARNER_CORES = set(CORES[:1])
+ACTOR_CORES = set(CORES[1:])
 
-def run(
-    mode: str, root: str, steps: int, latency: float, actors: int, envs: int, max_staleness: int
-) -> dict:
-    overrides = [
+
+class Pinner(threading.Thread):
+    """Pins the processes of a run (found by its URI in /proc/*/cmdline): the learner to
+    `LEARNER_CORES`, actors to `ACTOR_CORES`. Does nothing on fewer than 2 cores."""
+
+    def __init__(self, run_uri: str) -> None:
+        super().__init__(daemon=True)
+        self.path = run_uri.split("://")[-1].rstrip("/")  # file:///x/run and /x/run alike
+        self.stopped, self.pinned = threading.Event(), set()
+
+    def run(self) -> None:
+        while ACTOR_CORES and not self.stopped.wait(0.5):
+            for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        args = f.read().decode(errors="replace").split("\0")
+                    ours = any(a.split("://")[-1].rstrip("/") == self.path for a in args)
+                    if pid in self.pinned or not ours:
+                        continue
+                    if "learner" in args or "actor" in args:
+                        cores = LEARNER_CORES if "learner" in args else ACTOR_CORES
+                        os.sched_setaffinity(pid, cores)
+                        self.pinned.add(pid)
+                except OSError:  # gone, or not ours
+                    continue
+
+
+def steady_tokens_per_s(run_uri: str) -> float | None:
+    """Real tokens trained per second from the end of the first step to the last."""
+    steps = _learner_steps(read_records(open_store(run_uri)))
+    span = steps[-1]["time"] - steps[0]["time"] if len(steps) > 1 else 0.0
+    return sum(r["real_tokens"] for r in steps[1:]) / span if span > 0 else None
+
+
+def learner_limit(root: str, steps: int, async_uri: str, overrides: list[str]) -> float | None:
+    """Tokens/s of the learner alone (pinned to core 0) on pre-generated shards shaped like
+    the async run's episodes: the most any fleet could get out of it."""
+    done = _learner_steps(read_records(open_store(async_uri)))
+    tokens, episodes = sum(r["real_tokens"] for r in done), sum(r["episodes"] for r in done)
+    length = round(tokens / max(1, episodes))
+    cfg = load_config(
+        "configs/demo.yaml",
+        [*overrides, "run_name=limit", "warm_start_steps=0", "learner.max_staleness=1000000"],
+    )
+    uri = prepare_run(cfg)
+    store, rng = open_store(uri), np.random.default_rng(0)
+    per_step = max([r["episodes"] for r in done] + [cfg.learner.min_episodes_per_step])
+    need = int(1.5 * steps * per_step) + 64  # never short of data
+    group = cfg.actor.group_size
+    writer = ShardWriter(store, actor_id="actor-0000", max_episodes=cfg.actor.episodes_per_shard)
+    for i in range(need):
+        writer.add(make_episode(rng, length=max(8, length), group_id=f"g{i // group}"))
+    writer.close()
+    old = os.sched_getaffinity(0) if ACTOR_CORES else None
+    if old:
+        os.sched_setaffinity(0, LEARNER_CORES)
+    try:
+        run_learner(uri, max_steps=steps, handle_signals=False)
+    finally:
+        if old:
+            os.sched_setaffinity(0, old)
+    return steady_tokens_per_s(uri)
+
+
+def overrides_for(
+    root: str, steps: int, latency: float, actors: int, envs: int, max_staleness: int
+) -> list[str]:
+    return [
         f"store={root}",
-        f"run_name={mode}",
         "model.preset=small",
         "warm_start_steps=100",
         "env.name=calculator",
@@ -59,21 +139,39 @@ def run(
         f"learner.checkpoint_every={steps}",
         f"learner.max_staleness={max_staleness}",
     ]
+
+
+def run(mode: str, overrides: list[str]) -> dict:
+    overrides = [*overrides, f"run_name={mode}"]
     if mode == "sync":
         overrides.append("mode=sync")  # SyncFlow: staleness 0, one version per batch
     cfg = load_config("configs/demo.yaml", overrides)
-    out = train_local(cfg, quiet=True, report=False)
-    s = summarize(open_store(out["run_uri"]))
+    pinner = Pinner(f"{cfg.store.rstrip('/')}/{mode}")
+    pinner.start()
+    try:
+        out = train_local(cfg, quiet=True, report=False)
+    finally:
+        pinner.stopped.set()
+    return measure(out["run_uri"], pinned=len(pinner.pinned))
+
+
+def measure(run_uri: str, *, pinned: int = 0) -> dict:
+    s = summarize(open_store(run_uri))
     dropped = sum(s["dropped_last_step"].values())
     generated = s["trained_episodes_ledger"] + dropped
     return {
         "duty cycle": s["duty_cycle_steady"],
         "learner wall s": s["learner_wall_s"],
         "tokens/s": s["trained_tokens_per_s"],
+        "tokens/s steady": steady_tokens_per_s(run_uri),
         "reward first": s["reward_first"],
         "reward last": s["reward_last"],
         "stale dropped": s["dropped_last_step"].get("stale", 0) / max(1, generated),
         "trained episodes": s["trained_episodes_ledger"],
+        "supply/capacity": s["latency_audit"]["supply_over_capacity"],
+        "processes pinned": pinned,
+        "run_uri": run_uri,
+        "audit": s["latency_audit"]["advice"],
     }
 
 
@@ -93,21 +191,38 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or tmp
-        results = {
-            m: run(m, root, args.steps, args.latency, args.actors, args.envs, args.max_staleness)
-            for m in ("async", "sync")
-        }
-    rows = list(results["async"])
+        ov = overrides_for(
+            root, args.steps, args.latency, args.actors, args.envs, args.max_staleness
+        )
+        results = {m: run(m, ov) for m in ("async", "sync")}
+        limit = learner_limit(root, args.steps, results["async"]["run_uri"], ov)
+    for r in results.values():
+        r["fraction of limit"] = (
+            r["tokens/s steady"] / limit if limit and r["tokens/s steady"] else None
+        )
+    rows = [r for r in results["async"] if not isinstance(results["async"][r], str)]
     print(
         f"\n{args.steps} learner steps, env latency {args.latency}s/step, {args.actors} actors x {args.envs} envs"
     )
     print(f"{'':<18}{'async':>12}{'sync':>12}")
     for r in rows:
-        print(f"{r:<18}{results['async'][r]:>12.3f}{results['sync'][r]:>12.3f}")
+        a, b = results["async"][r], results["sync"][r]
+        print(
+            f"{r:<18}{a if a is not None else float('nan'):>12.3f}{b if b is not None else float('nan'):>12.3f}"
+        )
+    print(
+        f"{'learner limit':<18}{limit or float('nan'):>12.1f}   tokens/s (learner alone, core {sorted(LEARNER_CORES)})"
+    )
+    for m in ("async", "sync"):
+        print(f"{m} audit: {results[m]['audit']}")
     ratio = results["sync"]["learner wall s"] / results["async"]["learner wall s"]
     print(f"{'sync/async wall':<18}{ratio:>12.2f}   (goal >= 5)")
     print(f"{'async duty':<18}{results['async']['duty cycle']:>12.3f}   (goal >= 0.95)")
-    print(json.dumps({"results": results, "sync_over_async_wall": ratio}))
+    print(
+        json.dumps(
+            {"results": results, "learner_limit_tokens_per_s": limit, "sync_over_async_wall": ratio}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -163,6 +163,22 @@ class AirflowApiClient:
             self._asset_ids[name] = int(ids[0])
         return self._asset_ids[name]
 
+    def pool_names(self) -> set[str]:
+        """`GET /api/v2/pools`: the names of the pools that exist."""
+        from airflow_client.client import PoolApi
+
+        names: set[str] = set()
+        while True:
+            page = self.call(
+                "GET /api/v2/pools",
+                lambda api, offset=len(names): PoolApi(api).get_pools(
+                    limit=100, offset=offset, _request_timeout=self.timeout_s
+                ),
+            )
+            names.update(pool.name for pool in page.pools)
+            if not page.pools or len(names) >= (page.total_entries or 0):
+                return names
+
     def post_asset_event(self, name: str, extra: dict[str, Any]) -> dict[str, Any]:
         """`POST /api/v2/assets/events`: record that the asset `name` was updated."""
         from airflow_client.client import AssetApi, CreateAssetEventsBody

@@ -20,7 +20,7 @@ from typing import Any
 
 from airflow.sdk import task
 from tunix_launchers import entrypoints, launch_actor, launch_learner
-from tunix_weights import WeightsEventPublisher, WeightsWatcher
+from tunix_weights import LearnerProgressLog, WeightsEventPublisher, WeightsWatcher
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +32,64 @@ LEARNER_TIMEOUT = timedelta(hours=float(os.environ.get("TUNIX_LEARNER_TIMEOUT_H"
 ACTOR_TIMEOUT = timedelta(hours=float(os.environ.get("TUNIX_ACTOR_TIMEOUT_H", "24")))
 
 
+#: `airflow pools set` commands that create the pools (what `make airflow-init` does locally).
+POOL_COMMANDS = {
+    CPU_POOL: f'airflow pools set {CPU_POOL} 16 "tunix actors (one slot per actor)"',
+    TPU_POOL: f'airflow pools set {TPU_POOL} 1 "tunix learners (one slot per accelerator slice)"',
+}
+
+
+def check_pools(pools: tuple[str, ...] = (CPU_POOL, TPU_POOL), client: Any = None) -> None:
+    """Fail fast when a pool the fleet uses does not exist (called by the setup task).
+
+    A task in a missing pool stays "scheduled" forever with only a scheduler log line
+    (plain `airflow standalone` creates no pools). Asks the REST API (`tunix_api`); when
+    the API cannot answer (no server, no credentials) it logs a warning and goes on.
+    `TUNIX_CHECK_POOLS=0` skips the check.
+    """
+    if os.environ.get("TUNIX_CHECK_POOLS", "1").strip().lower() in ("0", "false", "no"):
+        return
+    from airflow.sdk.exceptions import AirflowFailException
+
+    wanted = list(dict.fromkeys(pools))
+    commands = [POOL_COMMANDS.get(p, f'airflow pools set {p} 1 "tunix"') for p in wanted]
+    try:
+        if client is None:
+            from tunix_api import AirflowApiClient
+
+            client = AirflowApiClient.from_environment(attempts=1, timeout_s=5.0)
+        existing = client.pool_names()
+    except Exception as err:  # the check must not be what breaks a run
+        log.warning(
+            "could not check that the pools %s exist (%s); if the actors or the learner stay "
+            "'scheduled', create them: %s",
+            wanted,
+            err,
+            "; ".join(commands),
+        )
+        return
+    missing = [c for p, c in zip(wanted, commands, strict=True) if p not in existing]
+    if missing:
+        names = [p for p in wanted if p not in existing]
+        raise AirflowFailException(
+            f"Airflow pool(s) {', '.join(map(repr, names))} do not exist: the actors/learner "
+            f"would stay 'scheduled' forever. Create them, then clear this task: "
+            + "; ".join(missing)
+            + " (locally: make airflow-init)"
+        )
+    log.info("pools %s exist", wanted)
+
+
 def optional_deadline(value: Any) -> float | None:
     value = float(value or 0)
     return value if value > 0 else None
+
+
+def quiet_library_loggers() -> None:
+    """Raise the chatty libraries' loggers (orbax's checkpoint INFO lines, absl) to WARNING
+    in the task process, so the task log shows the learner's progress lines."""
+    for name in ("absl", "orbax", "orbax.checkpoint", "jax._src.xla_bridge", "etils"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _label_map_index(label: str) -> None:
@@ -73,13 +128,16 @@ def learner(run_uri: str, max_steps: int | None = None, deadline_s: float | None
     turns a crashed or pre-empted learner into a pause rather than a lost run. Meanwhile
     a `WeightsWatcher` announces each new `weights/LATEST` as a `tunix_weights` event.
     """
+    quiet_library_loggers()
     publisher = WeightsEventPublisher(run_uri)
-    with WeightsWatcher(run_uri, publisher):
+    progress = LearnerProgressLog(run_uri)
+    with WeightsWatcher(run_uri, publisher, on_poll=progress):
         summary = launch_learner(
             run_uri,
             max_steps=int(max_steps) if max_steps else None,
             deadline_s=optional_deadline(deadline_s),
         )
+    progress.flush()
     summary = dict(summary or {})
     summary["asset_events_posted"] = publisher.posted
     summary["asset_events_failed"] = publisher.failed

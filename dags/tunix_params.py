@@ -40,11 +40,13 @@ def ensure_library_importable() -> None:
 
 ensure_library_importable()
 
+from tunix_tasks.config import known_env_names  # noqa: E402
 from tunix_tasks.config_params import FORM_KEYS, form_specs, run_config_from_params  # noqa: E402
 
 __all__ = [
     "FORM_KEYS",
     "OVERRIDE_PATTERN",
+    "check_conf_keys",
     "default_store",
     "ensure_library_importable",
     "form_defaults",
@@ -89,10 +91,29 @@ def sanitize_run_name(text: str) -> str:
     return name or "run"
 
 
+def check_conf_keys(conf: Any, valid: Any) -> None:
+    """Raise ValueError naming the trigger `conf` keys that are not params (a typo such as
+    `max_step` would otherwise run with the defaults), with the valid ones."""
+    import difflib
+
+    valid = sorted(valid)
+    unknown = sorted(set(conf or {}) - set(valid))
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, valid, n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ValueError(
+        f"unknown param(s) in the trigger conf: {', '.join(hints)}; valid params: "
+        f"{', '.join(valid)} (other RunConfig fields go in 'overrides')"
+    )
+
+
 def _form_only(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     """Form rules on top of the config's schema (never looser than the config)."""
-    if name == "run_name":  # empty: derived from the Airflow run_id
-        return {"pattern": f"^$|{schema['pattern']}", "maxLength": 128}
+    if name == "run_name":  # empty or null (the UI sends null): derived from the run_id
+        return {"type": ["null", "string"], "pattern": f"^$|{schema['pattern']}", "maxLength": 128}
     if name == "store":  # the config also takes plain paths; the form wants a URI
         return {"pattern": r"^(file|gs)://", "minLength": 1}
     return {}
@@ -117,10 +138,13 @@ def training_params(
         schema = spec.schema()
         if not (name == "run_name" and require_run_name):
             schema.update(_form_only(name, schema))
+        if name == "env" and "enum" in schema:  # plug-ins too: suggestions + free text
+            schema.pop("enum")  # (prepare validates the name against the registry)
+            schema.update(examples=known_env_names(), minLength=1)
         params[name] = Param(values[name], title=titles.get(name, spec.title), **schema)
     params["overrides"] = Param(
         values["overrides"],
-        type="array",
+        type=["null", "array"],  # optional: no "required" badge in the UI (empty = null)
         items={"type": "string", "pattern": OVERRIDE_PATTERN},
         title="Extra config overrides",
         description="Advanced: RunConfig overrides as 'section.field=value' "

@@ -6,7 +6,9 @@ prepare (setup) ─┬─> actor [0..N) (mapped, pool cpu) ───────
                                                            (teardown)    (teardown)
 ```
 
-- `prepare` validates the form through `tunix_tasks.frontdoor.entrypoints.prepare_run` (a bad
+- `prepare` checks that the pools `cpu` and `tpu` exist (else it fails naming the
+  `airflow pools set` commands) and that the trigger conf has no unknown key (a typo),
+  validates the form through `tunix_tasks.frontdoor.entrypoints.prepare_run` (a bad
   value fails the task without retrying, naming the field), writes the run's config,
   clears a previous DONE marker and returns the run URI and the actor ids. The run is keyed by
   the `run_name` param, else by the Airflow `run_id` (never by `logical_date`, which is
@@ -24,20 +26,32 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from airflow.sdk import dag, task
-from tunix_fleet import fleet, publish_run_info
+from tunix_fleet import check_pools, fleet, publish_run_info
 from tunix_launchers import entrypoints
-from tunix_params import run_config_from_params, sanitize_run_name, training_params
+from tunix_params import (
+    check_conf_keys,
+    run_config_from_params,
+    sanitize_run_name,
+    training_params,
+)
 
 
 @task(retries=1, retry_delay=timedelta(seconds=5))
 def prepare(params: dict | None = None, run_id: str | None = None) -> list[dict]:
     """Validate the params, write the run's config; return the actors' kwargs."""
+    from airflow.sdk import get_current_context
     from airflow.sdk.exceptions import AirflowFailException
 
+    params = dict(params or {})
+    try:
+        ctx = get_current_context()  # `params` has the conf merged in: use the DAG's
+        check_conf_keys(getattr(ctx["dag_run"], "conf", None), ctx["dag"].params.keys())
+    except ValueError as err:
+        raise AirflowFailException(str(err)) from err  # no retry
+    check_pools()
     ep = entrypoints()
     from tunix_tasks.config import ConfigError, config_from_dict
 
-    params = dict(params or {})
     run_name = params.get("run_name") or sanitize_run_name(run_id or "run")
     try:
         cfg = config_from_dict(

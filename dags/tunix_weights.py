@@ -9,6 +9,11 @@ The same watcher serves both launchers: the learner in the task's own process an
 learner in a Kubernetes pod write the same pointer. Versions published within one poll
 interval are announced once, as the newest (the eval DAG evaluates the newest anyway).
 
+The same thread also runs `on_poll` callbacks, e.g. a `LearnerProgressLog`: one concise
+INFO line per `TUNIX_LOG_EVERY_STEPS` learner steps (default 10) in the task log, read
+from the run's metrics (`MetricsTail`), so the log shows step / reward / loss whether
+the learner runs in the task's process or in a pod.
+
 `TUNIX_AIRFLOW_ASSET_EVENTS=0` turns the events off (e.g. for `dag.test()` without an
 API server); `TUNIX_WEIGHTS_POLL_S` sets the poll interval (default 5 s).
 """
@@ -78,9 +83,11 @@ class WeightsWatcher:
         run_uri: str,
         on_new: Callable[[int, str], None],
         poll_s: float | None = None,
+        on_poll: Callable[[], None] | None = None,
     ) -> None:
         self.run_uri = run_uri
         self.on_new = on_new
+        self.on_poll = on_poll  # also called each poll (and at stop), e.g. LearnerProgressLog
         self.poll_s = float(poll_s or os.environ.get("TUNIX_WEIGHTS_POLL_S") or 5.0)
         self.seen: int | None = None
         self._store: Any = None
@@ -128,7 +135,12 @@ class WeightsWatcher:
         return version, join_uri(self.run_uri, prefix)
 
     def check(self) -> None:
-        """Announce LATEST if it is newer than the last version seen."""
+        """Announce LATEST if it is newer than the last version seen (and run `on_poll`)."""
+        if self.on_poll is not None:
+            try:
+                self.on_poll()
+            except Exception:
+                log.exception("on_poll of the weights watcher of %s failed", self.run_uri)
         latest = self._latest()
         if latest is not None and (self.seen is None or latest[0] > self.seen):
             self.seen = latest[0]
@@ -140,3 +152,54 @@ class WeightsWatcher:
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
             self.check()
+
+
+class LearnerProgressLog:
+    """`on_poll` callback: logs one INFO line per `every` learner steps (and, at `flush()`,
+    the newest step not logged yet), read from the run's learner metrics (`MetricsTail`)."""
+
+    FIELDS = (("reward_mean", ".3f"), ("loss", ".4g"), ("tokens_per_s", ".0f"), ("version", "d"))
+
+    def __init__(self, run_uri: str, every: int | None = None) -> None:
+        self.run_uri = run_uri
+        self.every = max(1, int(every or os.environ.get("TUNIX_LOG_EVERY_STEPS") or 10))
+        self.logged_step: int | None = None
+        self._pending: dict[str, Any] | None = None
+        self._tail: Any = None
+
+    def __call__(self) -> None:
+        from tunix_params import ensure_library_importable
+
+        ensure_library_importable()
+        from tunix_tasks.storage.metrics import MetricsTail
+        from tunix_tasks.storage.store import open_store
+
+        try:
+            if self._tail is None:
+                self._tail = MetricsTail(open_store(self.run_uri), "learner")
+            records = self._tail.poll()
+        except Exception as err:  # the next poll retries
+            log.warning("reading the learner metrics of %s failed: %s", self.run_uri, err)
+            return
+        for rec in records:
+            step = rec.get("step")
+            if not isinstance(step, int) or "loss" not in rec:
+                continue
+            if self.logged_step is None or step >= self.logged_step + self.every:
+                self._log(rec)
+            elif step > self.logged_step:
+                self._pending = rec
+
+    def flush(self) -> None:
+        self()
+        if self._pending is not None and self._pending["step"] > (self.logged_step or -1):
+            self._log(self._pending)
+
+    def _log(self, rec: dict[str, Any]) -> None:
+        parts = []
+        for name, fmt in self.FIELDS:
+            value = rec.get(name)
+            if isinstance(value, int | float):
+                parts.append(f"{name}={format(value, fmt if fmt != 'd' else '')}")
+        log.info("learner step %d: %s", rec["step"], " ".join(parts))
+        self.logged_step, self._pending = rec["step"], None

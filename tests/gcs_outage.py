@@ -10,8 +10,6 @@ gets "connection refused", as from a GCS endpoint that cannot be reached.
 from __future__ import annotations
 
 import subprocess
-import time
-import urllib.request
 
 from tests.gcs_server import FakeGcs
 
@@ -21,7 +19,6 @@ class OutageGcs(FakeGcs):
         """Stop the server process; its data folder stays."""
         proc, self._proc = self._proc, None
         assert proc is not None, "not running"
-        self._argv = proc.args
         proc.terminate()
         try:
             proc.wait(timeout=5)
@@ -31,14 +28,4 @@ class OutageGcs(FakeGcs):
 
     def up(self) -> None:
         """Start the server again on the same port and data folder."""
-        self._proc = subprocess.Popen(
-            self._argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1).read()
-                return
-            except OSError:
-                assert self._proc.poll() is None and time.monotonic() < deadline, "no restart"
-                time.sleep(0.1)
+        self._launch()

@@ -40,42 +40,43 @@ class FakeGcs:
         root = Path(self._tmp.name)
         self._log = open(root / "server.log", "wb")  # noqa: SIM115 - closed in stop()
         (root / "data").mkdir()
+        self._argv = [
+            str(_get_binary_path()),
+            "-scheme",
+            "http",
+            "-backend",
+            "filesystem",
+            "-filesystem-root",
+            str(root / "data"),
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(self.port),
+            "-external-url",
+            self.url,
+            "-log-level",
+            "error",
+        ]
+        self._launch()
+        self._old_env = os.environ.get("STORAGE_EMULATOR_HOST")
+        os.environ["STORAGE_EMULATOR_HOST"] = self.url
+        return self
+
+    def _launch(self) -> None:
+        """Start the server process and wait until it answers."""
         self._proc = subprocess.Popen(
-            [
-                str(_get_binary_path()),
-                "-scheme",
-                "http",
-                "-backend",
-                "filesystem",
-                "-filesystem-root",
-                str(root / "data"),
-                "-host",
-                "127.0.0.1",
-                "-port",
-                str(self.port),
-                "-external-url",
-                self.url,
-                "-log-level",
-                "error",
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            self._argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
         deadline = time.monotonic() + 20
         while True:
             try:
                 urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1).read()
-                break
+                return
             except OSError:
                 if self._proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"fake-gcs-server did not start: {(root / 'server.log').read_text()}"
-                    ) from None
+                    log = (Path(self._tmp.name) / "server.log").read_text()
+                    raise RuntimeError(f"fake-gcs-server did not start: {log}") from None
                 time.sleep(0.1)
-        self._old_env = os.environ.get("STORAGE_EMULATOR_HOST")
-        os.environ["STORAGE_EMULATOR_HOST"] = self.url
-        return self
 
     def new_bucket_uri(self, prefix: str = "root") -> str:
         from google.auth.credentials import AnonymousCredentials

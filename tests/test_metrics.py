@@ -10,6 +10,7 @@ import pytest
 
 from tunix_tasks.storage.metrics import MetricsTail, MetricsWriter, Stopwatch, read_metrics
 from tunix_tasks.storage.store import StoreError, open_store
+from tunix_tasks.storage.tensorboard import read_scalars
 
 
 def _chunk(store, process: str, ms: int, *steps: int, tag: str = "0000") -> str:
@@ -64,7 +65,7 @@ def test_writer_chunks_and_read_metrics(store_uri):
     assert records[0]["loss"] is None and records[1]["loss"] == 0.5  # NaN -> null
     assert _steps(read_metrics(store, "learner")) == [1, 2]
     assert [r["episodes"] for r in read_metrics(store, "actor/")] == [3]
-    keys = [i.key for i in store.list("metrics/")]
+    keys = [i.key for i in store.list("metrics/") if "/tensorboard/" not in f"/{i.key}"]
     assert len(keys) == 2 and all(k.endswith(".jsonl") for k in keys)
 
 
@@ -195,3 +196,72 @@ def test_stopwatch_shares():
     assert watch.share("other") == 0.0
     watch.add("train", 0.5)  # time measured elsewhere
     assert watch.totals["train"] >= 0.52
+
+
+def test_writer_writes_tensorboard_scalars(store_uri):
+    store = open_store(store_uri)
+    w = MetricsWriter(store, "learner", flush_interval_s=0)
+    w.log(warm_start_step=1, nll=2.0)  # the warm start: a series of its own
+    w.log(warm_start_step=2, nll=1.5)
+    w.log(step=1, loss=0.5, reward_mean=0.25, name="x", done=False, status={"ok": 1})
+    w.log(step=2, loss=float("inf"), reward_mean=0.75, episodes=7)
+    a = MetricsWriter(store, "actor/actor-0000", flush_interval_s=0)
+    a.log(episodes=3, reward_mean=0.5)  # no `step`: the writer's record count
+    a.log(episodes=5)
+    assert read_scalars(store, "learner") == {}  # events commit every 30 s and at close
+    w.close()
+    a.close()
+    scalars = read_scalars(store, "learner")
+    assert scalars == {  # numeric scalars only; NaN/inf, bools, strings, dicts skipped
+        "warm_start/nll": [(1, 2.0), (2, 1.5)],
+        "loss": [(1, 0.5)],
+        "reward_mean": [(1, 0.25), (2, 0.75)],
+        "episodes": [(2, 7.0)],
+    }
+    assert read_scalars(store, "actor/actor-0000") == {
+        "episodes": [(0, 3.0), (1, 5.0)],
+        "reward_mean": [(0, 0.5)],
+    }
+    keys = [i.key for i in store.list("metrics/tensorboard/")]
+    assert len(keys) == 2 and all(".out.tfevents." in k for k in keys)
+    assert read_metrics(store, "learner")[2]["loss"] == 0.5  # the JSON-lines are unchanged
+
+
+def test_tensorboard_reads_the_event_files(tmp_path):
+    """TensorBoard's own loader, when installed, sees the same scalars."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    store = open_store(str(tmp_path))
+    w = MetricsWriter(store, "learner", flush_interval_s=0)
+    for step in range(3):
+        w.log(step=step, loss=1.0 / (step + 1))
+        w._events.commit(force=True)  # one event file per record: read in name order
+    w.close()
+    acc = accumulator.EventAccumulator(str(tmp_path / "metrics" / "tensorboard" / "learner"))
+    acc.Reload()
+    got = [(e.step, round(e.value, 6)) for e in acc.Scalars("loss")]
+    assert got == [(0, 1.0), (1, 0.5), (2, 0.333333)]
+
+
+def test_tensorboard_failures_never_break_metrics(tmp_path, caplog):
+    store = open_store(str(tmp_path))
+
+    class NoEvents:
+        uri = store.uri
+
+        def write_bytes(self, key, data):
+            if "tfevents" in key:
+                raise StoreError("injected")
+            store.write_bytes(key, data)
+
+    w = MetricsWriter(NoEvents(), "learner", flush_interval_s=0)
+    w.log(step=1, loss=0.5)
+    w.close()
+    assert _steps(read_metrics(store, "learner")) == [1]
+    assert "tensorboard events of learner not written" in caplog.text
+    assert MetricsWriter(store, "x", tensorboard=False)._events is None
+    w = MetricsWriter(store, "big", flush_interval_s=0)
+    w.log(step=1 << 70, loss=1.0)  # beyond an int64 step: that event is skipped
+    w.log(step=2, loss=2.0)
+    w.close()
+    assert read_scalars(store, "big") == {"loss": [(2, 2.0)]}
+    assert "tensorboard event of big skipped" in caplog.text

@@ -91,3 +91,135 @@ def test_learner_steps_keep_the_last_record_per_step():
     records.append({"time": T0 + 4, "process": "actor/actor-0000", "episodes": 8})
     steps = _learner_steps(records)
     assert [(r["step"], r["attempt"]) for r in steps] == [(1, "a"), (2, "b")]
+
+
+# -- latency audit, versions, times, crashes, baselines (issue #12) ---------------------------
+def _run(tmp_path, name: str, *, mode: str = "async", step_s: float = 0.5, crash: bool = False):
+    """A run with 10 learner steps (one every 2 s) and two actors (records every 5 s); the
+    learner published v6 after its last step record (v5). `crash`: the learner's records
+    stop at step 10 while the actors go on for 60 s, and no DONE is written."""
+    from tunix_tasks.storage.runs import mark_done
+
+    cfg = config_from_dict(
+        {"store": str(tmp_path), "run_name": name, "mode": mode, "actor": {"num_actors": 2}}
+    )
+    store = write_config(cfg)
+    steps = []
+    for s in range(1, 11):
+        r = _record(s, T0 + 2 * s, "a")
+        r.update(version=s // 2, episodes=8, step_s=step_s, duty_cycle=0.123456789)
+        steps.append(r)
+    _write_chunk(store, steps)
+    end = 80 if crash else 20
+    for a in ("actor-0000", "actor-0001"):
+        recs = [
+            {
+                "time": T0 + 5 * i,
+                "process": f"actor/{a}",
+                "episodes": 10 * i,
+                "episodes_per_s": 2.0 if i else None,
+                "env_step_p50_s": 0.5,
+                "env_step_p99_s": 0.9,
+                "policy_latency_p50_s": 0.02,
+                "weights_version": 3,
+                "final": i * 5 == end,
+            }
+            for i in range(end // 5 + 1)
+        ]
+        key = f"{RunLayout.METRICS}actor/{a}/{int(T0 * 1000):013d}-x.jsonl"
+        store.write_bytes(key, "".join(json.dumps(r) + "\n" for r in recs).encode())
+    pointer = {"version": 6, "path": "weights/v00000006", "step": 10}
+    store.write_if_generation(RunLayout.LATEST, json.dumps(pointer).encode(), 0)
+    if not crash:
+        mark_done(store, "learner max_steps at step 10")
+    return store
+
+
+def test_summary_has_the_latency_audit_and_the_version_latest_names(tmp_path):
+    store = _run(tmp_path, "ok")
+    s = summarize(store)
+    assert s["version"] == 6  # weights/LATEST, not the last step record's 5
+    assert s["version_last_step_record"] == 5
+    audit = s["latency_audit"]
+    # 8 episodes per 0.5 s step = 16 eps/s; two actors at 2 eps/s = 4 eps/s.
+    assert audit["learner_capacity_eps_per_s"] == pytest.approx(16.0)
+    assert audit["actor_supply_eps_per_s"] == pytest.approx(4.0)
+    assert audit["bottleneck"] == "actors"
+    assert (audit["suggest_envs_per_actor"], audit["suggest_num_actors"]) == (32, 8)
+    assert "actor-bound" in s["duty_cycle_explained"]
+    assert s["duty_cycle"] == 0.1235  # rounded, not 16 digits
+    assert s["started_utc"] == "2023-11-14T22:13:20+00:00"
+    assert s["done"]["time"].endswith("+00:00")  # ISO UTC, not epoch seconds
+    assert s["health"]["finished"] and s["health"]["stopped_early"] == []
+    # Finished: actors that go on flushing long after the learner's end are fine...
+    late = {"time": T0 + 200, "process": "actor/actor-0000", "episodes": 99, "final": True}
+    key = f"{RunLayout.METRICS}actor/actor-0000/{int((T0 + 200) * 1000):013d}-y.jsonl"
+    store.write_bytes(key, (json.dumps(late) + "\n").encode())
+    assert summarize(store)["health"]["stopped_early"] == []
+    # ... but one whose records stopped well before the learner's last step did stop early.
+    early = {"time": T0 - 60, "process": "actor/actor-0009", "episodes": 1, "final": False}
+    key = f"{RunLayout.METRICS}actor/actor-0009/{int((T0 - 60) * 1000):013d}-z.jsonl"
+    store.write_bytes(key, (json.dumps(early) + "\n").encode())
+    assert summarize(store)["health"]["stopped_early"] == ["actor/actor-0009"]
+
+
+def test_report_html_and_summary_json_are_readable(tmp_path, monkeypatch):
+    from tunix_tasks.frontdoor import report
+
+    ylabels: list[str] = []
+    real_png = report._figure_png
+    monkeypatch.setattr(
+        report, "_figure_png", lambda fig: ylabels.append(fig.axes[0].get_ylabel()) or real_png(fig)
+    )
+    store = _run(tmp_path, "ok")
+    write_report(store.uri)
+    assert len(ylabels) >= 6 and all(ylabels)  # every plot has a y-axis label
+    page = store.read_bytes(RunLayout.REPORT).decode()
+    summary_text = store.read_bytes(RunLayout.SUMMARY).decode()
+    for text in (page, summary_text):
+        assert "0.123456789" not in text and "17000000" not in text  # no raw floats, no epochs
+        assert "actor-bound" in text
+    assert "Utilization" in page and "waited for data" in page
+    assert "seconds since the run's first metrics record" in page
+
+
+def test_report_of_a_crashed_run_says_which_process_died_and_why(tmp_path):
+    store = _run(tmp_path, "dead", crash=True)
+    logs = tmp_path / "_logs" / "dead"
+    logs.mkdir(parents=True)
+    (logs / "learner.log").write_text(
+        "step 10\nTraceback (most recent call last):\nOSError: disk full\n"
+    )
+    (logs / "actor-0000.log").write_text("fine\n")
+    write_report(store.uri)
+    h = json.loads(store.read_bytes(RunLayout.SUMMARY))["health"]
+    assert not h["finished"] and h["done_reason"] is None
+    assert h["stopped_early"] == ["learner"]
+    assert h["processes"]["learner"]["last_s"] == 20 and h["processes"]["learner"]["records"] == 10
+    assert h["log_tails"]["learner"][-1] == "OSError: disk full"
+    page = store.read_bytes(RunLayout.REPORT).decode()
+    assert "did not finish" in page and "Metrics stopped early: learner" in page
+    assert "OSError: disk full" in page
+    from tunix_tasks.storage.runs import mark_done
+
+    mark_done(store, "learner exited with code 1")  # what the launcher writes after a crash
+    h = summarize(store)["health"]
+    assert not h["finished"] and h["done_reason"] == "learner exited with code 1"
+
+
+def test_report_compares_with_the_sync_baseline(tmp_path):
+    from tunix_tasks.frontdoor.cli import main
+
+    run = _run(tmp_path, "demo")
+    _run(tmp_path, "demo-sync", mode="sync", step_s=0.25)
+    write_report(run.uri)  # the sibling <run>-sync is found by itself
+    base = json.loads(run.read_bytes(RunLayout.SUMMARY))["baseline"]
+    assert base["run_uri"].endswith("demo-sync")
+    rows = {r["metric"]: r for r in base["comparison"]}
+    assert rows["learner steps"]["run"] == rows["learner steps"]["baseline"] == 10
+    assert rows["real tokens trained / s"]["run_over_baseline"] == pytest.approx(1.0, rel=0.2)
+    assert "Against the baseline" in run.read_bytes(RunLayout.REPORT).decode()
+    other = _run(tmp_path, "other")
+    assert main(["report", other.uri, "--baseline", run.uri]) == 0
+    compared = json.loads(other.read_bytes(RunLayout.SUMMARY))["baseline"]
+    assert compared["run_uri"].endswith("/demo")

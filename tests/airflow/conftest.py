@@ -32,6 +32,7 @@ os.environ["AIRFLOW__CORE__DAGS_FOLDER"] = str(DAGS)
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = f"sqlite:///{_HOME / 'airflow.db'}"
 os.environ["TUNIX_AIRFLOW_ASSET_EVENTS"] = "0"  # no API server for dag.test()
+os.environ["TUNIX_CHECK_POOLS"] = "0"  # idem (test_preflight.py turns it on with a fake API)
 for path in (str(DAGS), str(INFRA), str(REPO)):
     if path not in sys.path:
         sys.path.insert(0, path)

@@ -133,7 +133,7 @@ def test_params_defaults_are_valid(dagbag):
         ("num_actors", -1),
         ("num_actors", 0),
         ("num_actors", 1025),  # ActorConfig.num_actors le=1024
-        ("env", "nope"),
+        ("env", ""),  # any other name: checked by prepare (plug-ins are entry points)
         ("model_preset", "huge"),
         ("max_staleness", -1),
         ("max_staleness", "x"),
@@ -161,7 +161,13 @@ def test_run_name_empty_only_where_derived(dagbag):
 
     train = copy.deepcopy(dagbag.dags["tunix_train"].params)
     train["run_name"] = ""  # derived from the Airflow run_id
+    train["run_name"] = None  # what the UI sends for an empty text field
+    # optional in the form: the UI shows no "required" badge (type includes "null")
+    assert "null" in train.get_param("run_name").schema["type"]
+    assert "null" in train.get_param("overrides").schema["type"]
+    train["overrides"] = None  # an empty list field in the UI
     recurring = copy.deepcopy(dagbag.dags["tunix_recurring"].params)
+    assert recurring.get_param("run_name").schema["type"] == "string"
     with pytest.raises(ParamValidationError, match="run_name"):
         recurring["run_name"] = ""
 
@@ -191,7 +197,13 @@ def test_form_equals_run_config_schema(dagbag):
             param, leaf = params.get_param(name), _schema_leaf(schema, key)
             form = param.schema
             for kw in keywords:
-                assert form.get(kw) == leaf.get(kw), (dag_id, name, kw, form, leaf)
+                want = leaf.get(kw)
+                if (dag_id, name, kw) == ("tunix_train", "run_name", "type"):
+                    want = ["null", want]  # optional: derived from the run_id
+                if (name, kw) == ("env", "enum"):  # plug-ins too: suggestions, free text
+                    assert set(want) <= set(form["examples"]), form
+                    want = None
+                assert form.get(kw) == want, (dag_id, name, kw, form, leaf)
             assert leaf.get("description") and param.description == leaf["description"], name
             if "pattern" in leaf:  # the train form also takes an empty run name
                 assert form["pattern"] in (leaf["pattern"], f"^$|{leaf['pattern']}")
@@ -199,7 +211,13 @@ def test_form_equals_run_config_schema(dagbag):
     from tunix_tasks.config import BUILTIN_ENVS, MODEL_PRESETS
 
     params = dagbag.dags["tunix_train"].params
-    assert params.get_param("env").schema["enum"] == list(BUILTIN_ENVS)
+    from tunix_tasks.config import known_env_names
+
+    env = params.get_param("env").schema
+    assert "enum" not in env and env["examples"] == known_env_names()
+    assert set(BUILTIN_ENVS) <= set(env["examples"])
+    params = copy.deepcopy(params)
+    params["env"] = "my_plugin_env"  # a plug-in name is not refused by the form
     assert set(MODEL_PRESETS) < set(params.get_param("model_preset").schema["enum"])
 
 

@@ -55,6 +55,7 @@ def airflow(tmp_path_factory):
     af.env["TUNIX_STORE"] = store
     af.env["TUNIX_LEARNER_RETRY_DELAY_S"] = "35"
     af.env["TUNIX_AIRFLOW_ASSET_EVENTS"] = "1"  # conftest turns them off for dag.test()
+    af.env["TUNIX_CHECK_POOLS"] = "1"  # conftest turns it off for dag.test(); check for real
     af.store = store
     t0 = time.monotonic()
     af.init()
@@ -80,7 +81,7 @@ def _post_error(af, path: str, body: dict) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize(
-    ("param", "value"), [("num_actors", -1), ("env", "nope"), ("max_staleness", "x")]
+    ("param", "value"), [("num_actors", -1), ("env_max_turns", 65), ("max_staleness", "x")]
 )
 def test_trigger_with_invalid_params_is_rejected(airflow, param, value):
     code, detail = _post_error(

@@ -7,7 +7,7 @@
     tunix-tasks prepare [--config run.yaml] [--set k=v ...]   # write <run>/config.json
     tunix-tasks actor   --run URI --actor-id N [--deadline S]
     tunix-tasks learner --run URI [--max-steps N] [--deadline S]
-    tunix-tasks report  RUN_URI
+    tunix-tasks report  RUN_URI [--baseline RUN_URI]
     tunix-tasks eval    RUN_URI [--version N] [--episodes N]
 
 Each command is one function that imports what it calls, so `inspect` and `config` never
@@ -160,9 +160,11 @@ def _learner(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     _check_run_config(args.run_uri)  # before the (heavier) report imports
+    if args.baseline:
+        _check_run_config(args.baseline)
     from tunix_tasks.frontdoor.report import write_report
 
-    print(write_report(args.run_uri))
+    print(write_report(args.run_uri, baseline=args.baseline))
     return 0
 
 
@@ -228,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("report", _report, "write the HTML report of a run (also a crashed one)")
     p.add_argument("run_uri")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="RUN_URI",
+        help="a run to compare with side by side (default: the sibling <run>-sync if any)",
+    )
 
     p = command("eval", _eval, "evaluate a weight snapshot on held-out seeds")
     p.add_argument("run_uri")

@@ -18,6 +18,7 @@ terminal it is a `rich` live table; otherwise a plain line every few seconds.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -28,6 +29,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from tunix_tasks.config import RunConfig
+from tunix_tasks.frontdoor.audit import display_line, explain_duty, latency_audit, rounded, utc
 from tunix_tasks.frontdoor.entrypoints import LEARNER_FENCED_EXIT_CODE, actor_name, prepare_run
 from tunix_tasks.frontdoor.supervision import (
     ActorPool,
@@ -46,13 +48,14 @@ log = logging.getLogger(__name__)
 GRACE_S = 60.0
 POLL_S = 1.0  # metrics poll; with the learner's 1 s flush the display lags ~1-2 s
 PLAIN_EVERY_S = 5.0  # one plain line this often when stdout is not a terminal
+ACTOR_POLL_S = 5.0  # actor metrics (for the latency audit): actors log every ~5 s
 MAX_RESTARTS = 3  # per actor
 RESTART_DELAY_S = 5.0  # doubled after each restart of the same actor
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class LiveStatus:
-    """What the live display shows, folded from the learner's metrics records."""
+    """What the live display shows, from the learner's (and actors', for the audit) records."""
 
     def __init__(
         self,
@@ -61,7 +64,11 @@ class LiveStatus:
         warm_start_steps: int = 0,
         actors_total: int = 0,
         watch: Stopwatch | None = None,
+        cfg: RunConfig | None = None,
     ) -> None:
+        self.cfg = cfg
+        self.steps: collections.deque[dict[str, Any]] = collections.deque(maxlen=200)
+        self.actor_records: dict[str, collections.deque[dict[str, Any]]] = {}
         self.max_steps = max_steps
         self.warm_start_steps = warm_start_steps
         self.actors_total = actors_total
@@ -87,7 +94,10 @@ class LiveStatus:
                     self.lag_max = max(self.lag_max, lag)
             if "warm_start_step" in r:
                 self.warm_step = max(self.warm_step, int(r["warm_start_step"]))
+            if str(r.get("process", "")).startswith("actor/"):
+                self.actor_records.setdefault(r["process"], collections.deque(maxlen=24)).append(r)
             if "step" in r and "loss" in r:
+                self.steps.append(r)
                 if int(r["step"]) >= int(self.record.get("step", -1)):
                     self.record = r
                 reward = r.get("reward_mean")
@@ -95,6 +105,14 @@ class LiveStatus:
                     self.reward_ema = (
                         reward if self.reward_ema is None else 0.9 * self.reward_ema + 0.1 * reward
                     )
+
+    def audit(self) -> dict[str, Any] | None:
+        """The latency audit of the recent records (None without the run's config)."""
+        if self.cfg is None:
+            return None
+        steps = sorted(self.steps, key=lambda r: r["step"])
+        actors = [r for rs in self.actor_records.values() for r in rs]
+        return latency_audit(steps, actors, self.cfg)
 
     def lag_summary(self) -> dict[str, Any]:
         return {
@@ -133,7 +151,9 @@ class LiveStatus:
         return out
 
     def line(self, *, now: float | None = None) -> str:
-        return "  ".join(f"{k} {v}" for k, v in self.fields(now=now))
+        text = "  ".join(f"{k} {v}" for k, v in self.fields(now=now))
+        audit = display_line(self.record.get("duty_cycle"), self.audit())
+        return f"{text}  | {audit}" if audit else text
 
     def render(self, *, now: float | None = None) -> Any:
         """A rich renderable: a step progress bar over a one-row table of the fields."""
@@ -156,7 +176,8 @@ class LiveStatus:
             ),
             f"{100 * step / max(1, self.max_steps):.0f}%",
         )
-        return Group(bar, table)
+        audit = display_line(self.record.get("duty_cycle"), self.audit())
+        return Group(bar, table, audit) if audit else Group(bar, table)
 
 
 class _Display:
@@ -234,17 +255,23 @@ def train_local(
         warm_start_steps=cfg.warm_start_steps,
         actors_total=cfg.actor.num_actors,
         watch=watch,
+        cfg=cfg,
     )
-    tail = MetricsTail(store, "learner")
+    tail, actor_tail = MetricsTail(store, "learner"), MetricsTail(store, "actor/")
+    next_actor_poll = [0.0]
 
-    def poll() -> None:
-        with watch.timed("metrics_poll"):
-            try:
-                records = tail.poll()
-            except Exception as err:  # the display must never stop a run; retried next poll
-                log.warning("reading metrics failed: %r", err)
-                return
-        status.update(records)
+    def poll(*, actors: bool = False) -> None:
+        due = actors or time.monotonic() >= next_actor_poll[0]
+        for t in (tail, actor_tail) if due else (tail,):
+            with watch.timed("metrics_poll"):
+                try:
+                    records = t.poll()
+                except Exception as err:  # the display must never stop a run; retried later
+                    log.warning("reading metrics failed: %r", err)
+                    continue
+            status.update(records)
+        if due:
+            next_actor_poll[0] = time.monotonic() + ACTOR_POLL_S
 
     interrupted: list[str] = []
 
@@ -306,7 +333,7 @@ def train_local(
                 ):
                     stop_after(actors, GRACE_S)
                 stop(actors, signal.SIGTERM, GRACE_S)
-            poll()  # the learner closed its metrics writer: the final records are there
+            poll(actors=True)  # the learner closed its metrics writer: final records there
             polls += 1
             status.actors_alive = pool.alive
             display.refresh(force=True)
@@ -325,7 +352,9 @@ def train_local(
         "interrupted": interrupted[0] if interrupted else None,
         "failed": failed,
         "logs": log_dir,
-        "last_step": status.record,
+        "last_step": {**status.record, "time": utc(status.record.get("time"))},
+        "latency_audit": status.audit(),
+        "duty_cycle_explained": explain_duty(status.record.get("duty_cycle"), status.audit()),
         "display": {
             "lag_s": status.lag_summary(),
             "polls": polls,
@@ -333,13 +362,14 @@ def train_local(
         },
     }
     if report:
-        from tunix_tasks.frontdoor.report import write_report
+        from tunix_tasks.frontdoor.report import latest_version, write_report
 
         try:
             summary["report"] = write_report(run_uri)
+            summary["version"] = latest_version(store)  # weights/LATEST: the last published
         except StoreError as err:  # an outage at the very end: the run itself is fine
             summary["report_error"] = str(err)
-    return summary
+    return rounded(summary)
 
 
 def _done(store: ObjectStore) -> bool:

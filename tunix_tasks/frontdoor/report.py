@@ -20,11 +20,20 @@ from typing import Any
 
 import numpy as np
 
+from tunix_tasks.frontdoor.audit import (
+    compare_runs,
+    explain_duty,
+    health,
+    latency_audit,
+    rounded,
+    utc,
+)
 from tunix_tasks.learner.checkpoint import read_ledger
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsTail
 from tunix_tasks.storage.runs import is_done, read_config
-from tunix_tasks.storage.store import ObjectStore, join_uri
+from tunix_tasks.storage.store import NotFound, ObjectStore, join_uri
+from tunix_tasks.storage.weights import PointerError, read_latest
 
 
 def _step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -70,6 +79,17 @@ def read_records(store: ObjectStore) -> list[dict[str, Any]]:
     return MetricsTail(store).poll()
 
 
+def latest_version(store: ObjectStore) -> int | None:
+    """The version `weights/LATEST` points at: the last published snapshot. The last step
+    record's version can be one less: the learner logs a step before publishing after it,
+    and publishes once more at the end of the run."""
+    try:
+        got = read_latest(store)
+    except (PointerError, NotFound):
+        return None
+    return got[0] if got else None
+
+
 def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     cfg, _ = read_config(store.uri)
     if records is None:
@@ -103,51 +123,65 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
     wall = steps[-1]["time"] - steps[0]["time"] + steps[0]["step_s"] if steps else 0.0
     trained_tokens = sum(r["real_tokens"] for r in steps)
     actor_eps = sum(int(r.get("episodes", 0)) for r in final_actor.values())
-    return {
-        "run_uri": store.uri,
-        "mode": cfg.mode,
-        "env": cfg.env.name,
-        "env_latency_s": cfg.env.latency_s,
-        "done": is_done(store),
-        "steps": steps[-1]["step"] if steps else 0,
-        "steps_redone": steps_redone,
-        "steps_without_metrics": steps_without_metrics,
-        "version": steps[-1]["version"] if steps else None,
-        "trained_episodes_ledger": trained,
-        "dropped_ledger": dict(dropped),
-        "dropped_last_step": steps[-1]["dropped"] if steps else {},
-        "episodes_generated": actor_eps,
-        "quarantined_shards": len(quarantined),
-        "reward_first": float(np.mean(rewards[:k])) if rewards else None,
-        "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
-        "duty_cycle": steps[-1]["duty_cycle"] if steps else None,
-        "duty_cycle_steady": steady_duty_cycle(steps),
-        "learner_wall_s": wall,
-        "trained_tokens": trained_tokens,
-        "trained_tokens_per_s": trained_tokens / wall if wall else None,
-        "compile_count": steps[-1]["compile_count"] if steps else 0,
-        "staleness_histogram": {str(s): n for s, n in sorted(staleness.items())},
-        "evaluations": sorted(
-            (
-                {
-                    "version": e["version"],
-                    "reward_mean": e["reward_mean"],
-                    "success_rate": e.get("success_rate"),
-                }
-                for e in evals
+    done = is_done(store)
+    audit = latency_audit(steps, actors, cfg)
+    duty_steady = steady_duty_cycle(steps)
+    last_step_version = steps[-1]["version"] if steps else None
+    version = latest_version(store)
+    times = [r["time"] for r in records]
+    return rounded(
+        {
+            "run_uri": store.uri,
+            "mode": cfg.mode,
+            "env": cfg.env.name,
+            "env_latency_s": cfg.env.latency_s,
+            "started_utc": utc(min(times, default=None)),
+            "ended_utc": utc(max(times, default=None)),
+            "done": {**done, "time": utc(done.get("time"))} if done else None,
+            "steps": steps[-1]["step"] if steps else 0,
+            "steps_redone": steps_redone,
+            "steps_without_metrics": steps_without_metrics,
+            "version": version if version is not None else last_step_version,
+            "version_last_step_record": last_step_version,
+            "trained_episodes_ledger": trained,
+            "dropped_ledger": dict(dropped),
+            "dropped_last_step": steps[-1]["dropped"] if steps else {},
+            "episodes_generated": actor_eps,
+            "quarantined_shards": len(quarantined),
+            "reward_first": float(np.mean(rewards[:k])) if rewards else None,
+            "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
+            "duty_cycle": steps[-1]["duty_cycle"] if steps else None,
+            "duty_cycle_steady": duty_steady,
+            "duty_cycle_explained": explain_duty(duty_steady, audit),
+            "latency_audit": audit,
+            "learner_wall_s": wall,
+            "trained_tokens": trained_tokens,
+            "trained_tokens_per_s": trained_tokens / wall if wall else None,
+            "compile_count": steps[-1]["compile_count"] if steps else 0,
+            "staleness_histogram": {str(s): n for s, n in sorted(staleness.items())},
+            "evaluations": sorted(
+                (
+                    {
+                        "version": e["version"],
+                        "reward_mean": e["reward_mean"],
+                        "success_rate": e.get("success_rate"),
+                    }
+                    for e in evals
+                ),
+                key=lambda e: e["version"],
             ),
-            key=lambda e: e["version"],
-        ),
-        "actors": {
-            name: {
-                "episodes": r.get("episodes"),
-                "env_step_p50_s": r.get("env_step_p50_s"),
-                "env_step_p99_s": r.get("env_step_p99_s"),
-                "weights_version": r.get("weights_version"),
-            }
-            for name, r in sorted(final_actor.items())
-        },
-    }
+            "actors": {
+                name: {
+                    "episodes": r.get("episodes"),
+                    "env_step_p50_s": r.get("env_step_p50_s"),
+                    "env_step_p99_s": r.get("env_step_p99_s"),
+                    "weights_version": r.get("weights_version"),
+                }
+                for name, r in sorted(final_actor.items())
+            },
+            "health": health(store.uri, records, done, cfg.run_name),
+        }
+    )
 
 
 def _figure_png(fig: Any) -> str:
@@ -167,10 +201,12 @@ def _plots(records: list[dict[str, Any]], summary: dict[str, Any]) -> list[tuple
     t0 = min((r["time"] for r in records), default=0.0)
     out: list[tuple[str, str]] = []
 
-    def panel(title: str, draw: Any) -> None:
+    def panel(title: str, draw: Any, ylabel: str, xlabel: str = "seconds since start") -> None:
         fig, ax = plt.subplots(figsize=(6.4, 3.2))
         draw(ax)
         ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)  # every plot says what it shows
         ax.grid(alpha=0.3)
         out.append((title, _figure_png(fig)))
         plt.close(fig)
@@ -192,15 +228,10 @@ def _plots(records: list[dict[str, Any]], summary: dict[str, Any]) -> list[tuple
                 pts = [(s, r) for s, r in pts if s is not None]
                 if pts:
                     ax.plot(*zip(*pts, strict=True), "o", label="held-out eval")
-            ax.set_xlabel("learner step")
-            ax.set_ylabel("reward")
             ax.legend(fontsize=8)
 
-        panel("Reward over learner steps", reward_panel)
-        panel(
-            "Reward over time",
-            lambda ax: (ax.plot(x_time, reward, alpha=0.5), ax.set_xlabel("seconds")),
-        )
+        panel("Reward over learner steps", reward_panel, "mean reward", "learner step")
+        panel("Reward over time", lambda ax: ax.plot(x_time, reward, alpha=0.5), "mean reward")
 
         def duty_panel(ax: Any) -> None:
             t = np.asarray(x_time)
@@ -215,32 +246,30 @@ def _plots(records: list[dict[str, Any]], summary: dict[str, Any]) -> list[tuple
                 )
             ax.plot(t, [r["duty_cycle"] for r in steps], label="cumulative")
             ax.set_ylim(0, 1.05)
-            ax.set_xlabel("seconds")
-            ax.set_ylabel("duty cycle")
             ax.legend(fontsize=8)
 
-        panel("Learner duty cycle (time in train step / wall time)", duty_panel)
+        duty = "Learner duty cycle (time in train step / wall time)"
+        panel(duty, duty_panel, "duty cycle (fraction)")
         panel(
             "Buffer backlog",
             lambda ax: (
                 ax.plot(x_time, [r["buffer"] for r in steps], label="buffered episodes"),
                 ax.plot(x_time, [r["backlog_shards"] for r in steps], label="unread shards"),
-                ax.set_xlabel("seconds"),
                 ax.legend(fontsize=8),
             ),
+            "episodes / shards",
         )
     hist = summary.get("staleness_histogram") or {}
     if hist:
         panel(
             "Staleness of trained episodes (versions)",
-            lambda ax: (
-                ax.bar([int(k) for k in hist], list(hist.values())),
-                ax.set_xlabel("learner version - policy version"),
-            ),
+            lambda ax: ax.bar([int(k) for k in hist], list(hist.values())),
+            "trained episodes",
+            "learner version - policy version",
         )
     dropped = dict(summary.get("dropped_ledger") or summary.get("dropped_last_step") or {})
     dropped["quarantined shards"] = summary.get("quarantined_shards", 0)
-    panel("Dropped", lambda ax: ax.bar(list(dropped), list(dropped.values())))
+    panel("Dropped", lambda ax: ax.bar(list(dropped), list(dropped.values())), "count", "")
     if actors:
 
         def latency_panel(ax: Any) -> None:
@@ -261,20 +290,51 @@ def _plots(records: list[dict[str, Any]], summary: dict[str, Any]) -> list[tuple
                     "--",
                     label=f"{name} p99",
                 )
-            ax.set_xlabel("seconds")
-            ax.set_ylabel("env step latency (s)")
             ax.legend(fontsize=6)
 
-        panel("Environment step latency", latency_panel)
+        panel("Environment step latency", latency_panel, "env step latency (s)")
     return out
 
 
-def render_html(summary: dict[str, Any], plots: list[tuple[str, str]]) -> str:
-    rows = "".join(
-        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(json.dumps(v, default=str))}</td></tr>"
-        for k, v in summary.items()
-        if k not in ("actors",)
+def _table(rows: list[dict[str, Any]] | dict[str, Any]) -> str:
+    """An HTML table: of a dict (key, value rows) or of a list of dicts (one per row)."""
+
+    def cell(v: Any) -> str:
+        return html.escape(v if isinstance(v, str) else json.dumps(v, default=str))
+
+    if isinstance(rows, dict):
+        body = "".join(f"<tr><th>{cell(k)}</th><td>{cell(v)}</td></tr>" for k, v in rows.items())
+        return f"<table>{body}</table>"
+    head = "".join(f"<th>{cell(k)}</th>" for k in (rows[0] if rows else {}))
+    body = "".join(
+        "<tr>" + "".join(f"<td>{cell(v)}</td>" for v in r.values()) + "</tr>" for r in rows
     )
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+SECTIONS = ("actors", "latency_audit", "health", "baseline", "duty_cycle_explained")
+
+
+def render_html(summary: dict[str, Any], plots: list[tuple[str, str]]) -> str:
+    summary = rounded(summary)
+    rows = _table({k: v for k, v in summary.items() if k not in SECTIONS})
+    audit = summary.get("latency_audit") or {}
+    utilization = f"<p>{html.escape(str(summary.get('duty_cycle_explained', '')))}</p>"
+    utilization += f"<p>{html.escape(str(audit.get('advice', '')))}</p>" + _table(audit)
+    baseline = summary.get("baseline")
+    if baseline:
+        utilization += f"<h3>Against the baseline {html.escape(baseline['run_uri'])}</h3>"
+        utilization += _table(baseline["comparison"])
+    h = summary.get("health") or {}
+    state = "finished" if h.get("finished") else "did not finish (crashed, stopped or running)"
+    why = f"<p>The run {state}; DONE: {html.escape(str(h.get('done_reason')))}."
+    if h.get("stopped_early"):
+        why += f" Metrics stopped early: {html.escape(', '.join(h['stopped_early']))}."
+    why += "</p>" + "".join(
+        f"<h4>last log lines of {html.escape(n)}</h4><pre>{html.escape(chr(10).join(ls))}</pre>"
+        for n, ls in (h.get("log_tails") or {}).items()
+    )
+    procs = [{"process": n, **p} for n, p in (h.get("processes") or {}).items()]
     imgs = "".join(
         f'<figure><img alt="{html.escape(t)}" src="data:image/png;base64,{b}"><figcaption>{html.escape(t)}</figcaption></figure>'
         for t, b in plots
@@ -283,16 +343,41 @@ def render_html(summary: dict[str, Any], plots: list[tuple[str, str]]) -> str:
 <style>body{{font-family:sans-serif;margin:2em;max-width:1400px}} table{{border-collapse:collapse}}
 th,td{{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}} figure{{display:inline-block;margin:8px}}</style>
 </head><body><h1>tunix-tasks run report</h1><p>{html.escape(summary["run_uri"])}</p>
-<h2>Summary</h2><table>{rows}</table><h2>Plots</h2>{imgs}
+<h2>Summary</h2>{rows}<h2>Utilization</h2>{utilization}<h2>Processes</h2>{why}{_table(procs)}
+<p>Times: seconds since the run's first metrics record ({summary.get("started_utc")} UTC).</p>
+<h2>Plots</h2>{imgs}
 <h2>Actors</h2><pre>{html.escape(json.dumps(summary.get("actors", {}), indent=2))}</pre></body></html>"""
 
 
-def write_report(run_uri: str) -> str:
-    """Write report/index.html and report/summary.json under the run; returns the HTML URI."""
+def baseline_uri(run_uri: str) -> str | None:
+    """The sync baseline of a run, by convention its sibling `<run>-sync`, if it exists."""
+    uri = run_uri.rstrip("/") + "-sync"
+    try:
+        read_config(uri)
+    except Exception:  # no such run, or unreadable: no baseline
+        return None
+    return uri
+
+
+def write_report(run_uri: str, baseline: str | None = None) -> str:
+    """Write report/index.html and report/summary.json under the run; returns the HTML URI.
+    `baseline`: a run of the same config to compare with (default: `<run>-sync` if any)."""
     _, store = read_config(run_uri)
     records = read_records(store)
     summary = summarize(store, records)
+    baseline = baseline or (
+        None if run_uri.rstrip("/").endswith("-sync") else baseline_uri(run_uri)
+    )
+    if baseline:
+        _, base_store = read_config(baseline)
+        other = summarize(base_store)
+        summary["baseline"] = {
+            "run_uri": base_store.uri,
+            "comparison": compare_runs(summary, other),
+        }
     plots = _plots(records, summary)
-    store.write_bytes(RunLayout.SUMMARY, json.dumps(summary, indent=2, default=str).encode())
+    store.write_bytes(
+        RunLayout.SUMMARY, json.dumps(rounded(summary), indent=2, default=str).encode()
+    )
     store.write_bytes(RunLayout.REPORT, render_html(summary, plots).encode())
     return join_uri(store.uri, RunLayout.REPORT)

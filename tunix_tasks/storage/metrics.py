@@ -11,6 +11,10 @@ interval of metrics, never training data.
     metrics.close()
     records = read_metrics(store, "learner")   # everything, sorted by time
 
+Each writer also commits its records' numeric scalars as TensorBoard event files under
+`metrics/tensorboard/<process>/` (storage/tensorboard.py), so `tensorboard --logdir
+RUN/metrics` shows them; `tensorboard=False` turns that off.
+
     tail = MetricsTail(store, "learner")  # incremental: only records not returned before
     while running:
         show(tail.poll())
@@ -39,6 +43,7 @@ from typing import Any
 
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.store import NotFound, ObjectStore
+from tunix_tasks.storage.tensorboard import EventChunks
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +65,17 @@ def _clean(value: Any) -> Any:
 
 class MetricsWriter:
     """Buffers records; commits them as one chunk per `flush_interval_s` at most, and each
-    record within `flush_interval_s` of being logged (on the next `log` or by a timer)."""
+    record within `flush_interval_s` of being logged (on the next `log` or by a timer).
+    With `tensorboard`, numeric scalars also go to TensorBoard event files (committed after
+    a chunk, at most every 30 s, and at close; their failures are logged, never raised)."""
 
     def __init__(
-        self, store: ObjectStore, process: str, *, flush_interval_s: float = FLUSH_INTERVAL_S
+        self,
+        store: ObjectStore,
+        process: str,
+        *,
+        flush_interval_s: float = FLUSH_INTERVAL_S,
+        tensorboard: bool = True,
     ) -> None:
         self._store = store
         self.process = process
@@ -73,12 +85,15 @@ class MetricsWriter:
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self._closed = False
+        self._events = EventChunks(store, process) if tensorboard else None
 
     def log(self, **fields: Any) -> None:
         record = {"time": time.time(), "process": self.process}
         record.update({k: _clean(v) for k, v in fields.items()})
         with self._lock:
             self._buffer.append(json.dumps(record, default=str))
+            if self._events is not None:
+                self._events.add(record)
             wait = self._last_flush + self.flush_interval_s - time.monotonic()
             if wait > 0 and self._timer is None and not self._closed:
                 self._timer = threading.Timer(wait, self._flush_on_timer)
@@ -108,6 +123,15 @@ class MetricsWriter:
             with self._lock:
                 self._buffer[:0] = lines
             raise
+        self._commit_events(force=False)
+
+    def _commit_events(self, *, force: bool) -> None:
+        if self._events is None:
+            return
+        try:
+            self._events.commit(force=force)
+        except Exception as err:  # kept pending; TensorBoard files are a view, never fatal
+            log.warning("tensorboard events of %s not written: %r", self.process, err)
 
     def close(self) -> None:
         with self._lock:
@@ -116,6 +140,7 @@ class MetricsWriter:
         if timer is not None:
             timer.cancel()
         self.flush()
+        self._commit_events(force=True)
 
 
 def read_metrics(store: ObjectStore, process: str | None = None) -> list[dict[str, Any]]:

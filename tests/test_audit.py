@@ -1,0 +1,146 @@
+"""The latency audit on crafted metrics records: who is the bottleneck, and by how much."""
+
+from __future__ import annotations
+
+import pytest
+
+from tunix_tasks.config import config_from_dict
+from tunix_tasks.frontdoor.audit import (
+    audit_line,
+    compare_runs,
+    display_line,
+    explain_duty,
+    latency_audit,
+    rounded,
+)
+from tunix_tasks.frontdoor.launcher import LiveStatus
+
+T0 = 1_700_000_000.0
+
+
+def _cfg(mode: str = "async", actors: int = 2, envs: int = 4):
+    return config_from_dict(
+        {
+            "store": "/tmp/unused",
+            "run_name": "audit",
+            "mode": mode,
+            "actor": {"num_actors": actors, "envs_per_actor": envs},
+        }
+    )
+
+
+def _steps(n: int = 10, step_s: float = 0.5, episodes: int = 16) -> list[dict]:
+    """Learner step records: the first one compiled (slow), the rest take `step_s`."""
+    return [
+        {
+            "time": T0 + 10 * i,
+            "process": "learner",
+            "step": i,
+            "loss": 0.1,
+            "step_s": 30.0 if i == 1 else step_s,
+            "episodes": episodes,
+            "real_tokens": 1000,
+            "compile_count": 1,
+            "duty_cycle": 0.05,
+        }
+        for i in range(1, n + 1)
+    ]
+
+
+def _actor(name: str, rate: float, *, n: int = 6, env_p50: float = 1.0) -> list[dict]:
+    """Actor records every 5 s; the first one, before any episode, has no rate yet."""
+    return [
+        {
+            "time": T0 + 5 * i,
+            "process": f"actor/{name}",
+            "episodes": int(rate * 5 * i),
+            "episodes_per_s": None if i == 0 else rate,
+            "env_step_p50_s": env_p50,
+            "env_step_p99_s": 2 * env_p50,
+            "policy_latency_p50_s": 0.01,
+        }
+        for i in range(n)
+    ]
+
+
+def test_actor_bound_run_suggests_the_fleet_that_keeps_the_learner_busy():
+    # Learner: 16 episodes per 0.5 s step = 32 eps/s. Actors: 2 x 4 eps/s = 8 eps/s.
+    audit = latency_audit(_steps(), _actor("a0", 4.0) + _actor("a1", 4.0), _cfg())
+    assert audit["learner_step_s"] == pytest.approx(0.5)  # the compiling first step left out
+    assert audit["learner_capacity_eps_per_s"] == pytest.approx(32.0)
+    assert audit["learner_capacity_tokens_per_s"] == pytest.approx(2000.0)
+    assert audit["actor_supply_eps_per_s"] == pytest.approx(8.0)
+    assert audit["supply_over_capacity"] == pytest.approx(0.25)
+    assert audit["bottleneck"] == "actors"
+    # 4x the supply: 16 envs per actor (add 12), or 8 actors (add 6).
+    assert (audit["suggest_envs_per_actor"], audit["suggest_num_actors"]) == (16, 8)
+    assert "actor-bound" in audit["advice"]
+    assert "add ~12 envs per actor or 6 actors" in audit["advice"]
+    assert (audit["env_step_p50_s"], audit["env_step_p99_s"]) == (1.0, 2.0)
+    assert audit["policy_latency_p50_s"] == pytest.approx(0.01)
+    assert audit_line(audit).startswith("actor-bound, supply 8 / capacity 32 eps/s")
+    assert "add ~12 envs/actor or 6 actors" in audit_line(audit)
+
+
+def test_learner_bound_run_says_fewer_actors_would_do():
+    # Learner: 16 episodes per 2 s = 8 eps/s. Actors: 4 x 6 eps/s = 24 eps/s.
+    actors = [r for i in range(4) for r in _actor(f"a{i}", 6.0)]
+    audit = latency_audit(_steps(step_s=2.0), actors, _cfg(actors=4))
+    assert audit["bottleneck"] == "learner"
+    assert audit["supply_over_capacity"] == pytest.approx(3.0)
+    assert audit["suggest_num_actors"] == 2  # ceil(4 / 3)
+    assert "learner-bound" in audit["advice"] and "~2 actors" in audit["advice"]
+
+
+def test_balanced_sync_and_empty_cases():
+    balanced = latency_audit(_steps(), _actor("a0", 31.0), _cfg(actors=1))
+    assert balanced["bottleneck"] == "balanced"
+    sync = latency_audit(_steps(), _actor("a0", 4.0), _cfg(mode="sync", actors=1))
+    assert sync["bottleneck"] == "sync" and "by design" in sync["advice"]
+    empty = latency_audit([], [], _cfg())
+    assert empty["bottleneck"] == "unknown" and empty["supply_over_capacity"] is None
+    assert audit_line(empty).startswith("audit: waiting")
+
+
+def test_policy_bound_actors_get_more_actors_not_envs():
+    actors = _actor("a0", 4.0, env_p50=0.001)  # env steps cost nothing: the sampler is slow
+    audit = latency_audit(_steps(), actors, _cfg(actors=1))
+    assert audit["bottleneck"] == "actors"
+    assert audit["policy_bound"] is True
+    assert audit["advice"].endswith("policy latency dominates: add ~7 actors")
+    assert "(policy latency)" in audit_line(audit) and "envs/actor" not in audit_line(audit)
+
+
+def test_duty_cycle_is_explained_with_the_audit():
+    audit = latency_audit(_steps(), _actor("a0", 4.0), _cfg(actors=1))
+    text = explain_duty(0.25, audit)
+    assert "trained 25% of its wall time" in text and "waited for data 75%" in text
+    assert "actor-bound" in text
+    assert "waited" not in explain_duty(0.97, audit)
+    assert display_line(0.25, audit).startswith("duty = train time / wall time (0.25); ")
+    assert display_line(0.25, None) == ""
+
+
+def test_live_status_shows_one_audit_line():
+    status = LiveStatus(10, actors_total=1, cfg=_cfg(actors=1))
+    status.update(_steps() + _actor("a0", 4.0), now=T0 + 100)
+    line = status.line(now=T0 + 100)
+    assert "| duty = train time / wall time" in line and "actor-bound" in line
+    assert status.audit()["bottleneck"] == "actors"
+    assert LiveStatus(10).audit() is None  # without a config: no audit, no line
+    assert "|" not in LiveStatus(10).line()
+
+
+def test_rounded_keeps_ints_and_rounds_floats_to_significant_digits():
+    got = rounded({"a": 0.123456789, "b": [1234567.891, 3], "c": True, "d": None, "e": 0.0})
+    assert got == {"a": 0.1235, "b": [1234568.0, 3], "c": True, "d": None, "e": 0.0}
+    assert rounded(1.0e-7 / 3) == pytest.approx(3.333e-8)
+
+
+def test_compare_runs_side_by_side():
+    run = {"duty_cycle_steady": 0.9, "learner_wall_s": 10.0, "reward_last": 0.5}
+    base = {"duty_cycle_steady": 0.1, "learner_wall_s": 70.0, "reward_last": None}
+    rows = {r["metric"]: r for r in compare_runs(run, base)}
+    assert rows["learner duty cycle (steady)"]["run_over_baseline"] == pytest.approx(9.0)
+    assert rows["learner wall time (s)"]["baseline"] == 70.0
+    assert rows["reward, last 10% of steps"]["run_over_baseline"] is None

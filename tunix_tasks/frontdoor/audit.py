@@ -1,0 +1,297 @@
+"""Latency audit: is the learner or the actor fleet the bottleneck, and by how much?
+
+A pure function of the metrics records (no store, no clock), shown by the live display of
+`tunix-tasks train` (one line), in its end-of-run summary and in the run report:
+
+    audit = latency_audit(learner_records, actor_records, cfg)
+    audit["bottleneck"], audit["advice"]   # "actors", "actor-bound: add ~3 envs per actor ..."
+
+- learner capacity: episodes/s (and real tokens/s) it could train if it never waited for
+  data = episodes per step / median train-step time (steps that compiled excluded);
+- actor supply: the sum over actors of their median episodes/s (each actor's metrics
+  record carries the rate over its last ~5 s), with env step latency p50/p99 and the
+  policy (sampler) latency p50;
+- the ratio supply / capacity says which side waits. Below 1 the learner idles for data
+  (its duty cycle is at most about that ratio): the fleet that keeps it busy is suggested
+  both ways, more environments per actor (hides env latency while the sampler keeps up)
+  or more actors. Above 1 the surplus becomes backlog, staleness and dropped episodes.
+
+In sync mode the learner waits for each batch by design, so a low duty cycle there is the
+cost of synchrony, not a fleet that is too small.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+BALANCED = 0.1  # supply within ±10% of capacity: neither side is the bottleneck
+STOPPED_EARLY_S = 30.0  # a process whose last record is this much older than the run's
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    vals = [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
+    return float(np.median(vals)) if vals else None
+
+
+def learner_capacity(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Episodes/s and tokens/s the learner could train if never waiting, from its step
+    records (`step_s`, `episodes`, `real_tokens`). The first step and any step that
+    compiled a new bucket are left out: they are start-up, not the steady rate."""
+    steady, prev_compiles = [], None
+    for i, r in enumerate(steps):
+        compiles = r.get("compile_count")
+        compiled = prev_compiles is not None and compiles is not None and compiles > prev_compiles
+        if i > 0 and not compiled and r.get("step_s"):
+            steady.append(r)
+        prev_compiles = compiles
+    if not steady:  # one or two steps only: better a start-up figure than none
+        steady = [r for r in steps if r.get("step_s")]
+    step_s = _median(r["step_s"] for r in steady)
+    if not step_s:
+        return {"step_s": None, "episodes_per_step": None, "eps_per_s": None, "tokens_per_s": None}
+    eps = float(np.mean([r.get("episodes", 0) for r in steady]))
+    tokens = float(np.mean([r.get("real_tokens", 0) for r in steady]))
+    return {
+        "step_s": step_s,
+        "episodes_per_step": eps,
+        "eps_per_s": eps / step_s,
+        "tokens_per_s": tokens / step_s,
+    }
+
+
+def actor_supply(actor_records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Episodes/s the actors produce (sum of per-actor medians of `episodes_per_s` over
+    records after their first episode) and their latencies (medians over actors of each
+    actor's latest p50/p99)."""
+    by_actor: dict[str, list[dict[str, Any]]] = {}
+    for r in actor_records:
+        by_actor.setdefault(str(r.get("process", r.get("actor_id", "?"))), []).append(r)
+    rates, latest = [], []
+    for rs in by_actor.values():
+        rs = sorted(rs, key=lambda r: r.get("time", 0.0))
+        rate = _median(r.get("episodes_per_s") for r in rs if (r.get("episodes") or 0) > 0)
+        if rate is not None:
+            rates.append(rate)
+        latest.append(rs[-1])
+    return {
+        "actors_reporting": len(by_actor),
+        "eps_per_s": float(sum(rates)) if rates else None,
+        "per_actor_eps_per_s": float(np.mean(rates)) if rates else None,
+        "env_step_p50_s": _median(r.get("env_step_p50_s") for r in latest),
+        "env_step_p99_s": _median(r.get("env_step_p99_s") for r in latest),
+        "policy_latency_p50_s": _median(r.get("policy_latency_p50_s") for r in latest),
+    }
+
+
+def latency_audit(
+    learner_records: Sequence[dict[str, Any]], actor_records: Sequence[dict[str, Any]], cfg: Any
+) -> dict[str, Any]:
+    """Learner capacity vs actor supply, the bottleneck, and the fleet that would keep the
+    learner busy. `learner_records`: the learner's step records (one per step, in order);
+    `actor_records`: the actors' metrics records; `cfg`: the run's `RunConfig`."""
+    steps = [r for r in learner_records if "step" in r and "loss" in r]
+    cap, sup = learner_capacity(steps), actor_supply(actor_records)
+    actors, envs = cfg.actor.num_actors, cfg.actor.envs_per_actor
+    out: dict[str, Any] = {
+        "mode": cfg.mode,
+        "learner_step_s": cap["step_s"],
+        "episodes_per_step": cap["episodes_per_step"],
+        "learner_capacity_eps_per_s": cap["eps_per_s"],
+        "learner_capacity_tokens_per_s": cap["tokens_per_s"],
+        "actors": actors,
+        "envs_per_actor": envs,
+        "actor_supply_eps_per_s": sup["eps_per_s"],
+        "per_actor_eps_per_s": sup["per_actor_eps_per_s"],
+        "env_step_p50_s": sup["env_step_p50_s"],
+        "env_step_p99_s": sup["env_step_p99_s"],
+        "policy_latency_p50_s": sup["policy_latency_p50_s"],
+        "supply_over_capacity": None,
+        "bottleneck": "unknown",
+        "suggest_envs_per_actor": None,
+        "suggest_num_actors": None,
+        "policy_bound": None,
+        "advice": "not enough metrics yet (learner steps and actor records)",
+    }
+    capacity, supply = cap["eps_per_s"], sup["eps_per_s"]
+    if not capacity or not supply:
+        return out
+    ratio = supply / capacity
+    out["supply_over_capacity"] = ratio
+    out["suggest_envs_per_actor"] = max(1, math.ceil(envs / ratio))
+    out["suggest_num_actors"] = max(1, math.ceil(actors / ratio))
+    rates = f"actors supply {supply:.3g} eps/s, learner trains up to {capacity:.3g} eps/s"
+    if cfg.mode == "sync":
+        out["bottleneck"] = "sync"
+        out["advice"] = (
+            f"sync: the learner waits for every batch by design ({rates}); "
+            "async mode overlaps generation with training"
+        )
+    elif ratio < 1 - BALANCED:
+        out["bottleneck"] = "actors"
+        out["policy_bound"] = (sup["env_step_p50_s"] or 0.0) < (sup["policy_latency_p50_s"] or 0.0)
+        add_envs = out["suggest_envs_per_actor"] - envs
+        add_actors = out["suggest_num_actors"] - actors
+        out["advice"] = f"actor-bound ({rates}): " + (
+            f"policy latency dominates: add ~{add_actors} actors"
+            if out["policy_bound"]
+            else f"add ~{add_envs} envs per actor or {add_actors} actors"
+        )
+    elif ratio > 1 + BALANCED:
+        out["bottleneck"] = "learner"
+        out["advice"] = (
+            f"learner-bound ({rates}): the surplus becomes backlog and staleness; "
+            f"~{out['suggest_num_actors']} actors would do"
+        )
+    else:
+        out["bottleneck"] = "balanced"
+        out["advice"] = f"balanced ({rates})"
+    return out
+
+
+def audit_line(audit: dict[str, Any]) -> str:
+    """One short line for the live display."""
+    b, ratio = audit.get("bottleneck"), audit.get("supply_over_capacity")
+    if b in (None, "unknown") or ratio is None:
+        return "audit: waiting for learner steps and actor records"
+    rates = (
+        f"supply {audit['actor_supply_eps_per_s']:.3g} / capacity "
+        f"{audit['learner_capacity_eps_per_s']:.3g} eps/s"
+    )
+    if b == "actors":
+        add_envs = audit["suggest_envs_per_actor"] - audit["envs_per_actor"]
+        add_actors = audit["suggest_num_actors"] - audit["actors"]
+        if audit.get("policy_bound"):
+            return f"actor-bound (policy latency), {rates}: add ~{add_actors} actors"
+        return f"actor-bound, {rates}: add ~{add_envs} envs/actor or {add_actors} actors"
+    if b == "learner":
+        return f"learner-bound, {rates}: ~{audit['suggest_num_actors']} actors would do"
+    return f"{b}, {rates}"
+
+
+def display_line(duty: float | None, audit: dict[str, Any] | None) -> str:
+    """The live display's audit line: what the duty cycle is, and who is the bottleneck."""
+    if audit is None:
+        return ""
+    head = f"duty = train time / wall time ({duty:.2f}); " if duty is not None else ""
+    return head + audit_line(audit)
+
+
+def explain_duty(duty: float | None, audit: dict[str, Any] | None) -> str:
+    """What a duty cycle means, with the audit's reason when the learner waited."""
+    if duty is None:
+        return "duty cycle: not measured yet"
+    text = f"duty cycle {duty:.2f}: the learner trained {duty:.0%} of its wall time"
+    if duty < 0.9:
+        text += f" and waited for data {1 - duty:.0%}"
+        if audit and audit.get("bottleneck") not in (None, "unknown"):
+            text += f"; {audit['advice']}"
+    return text
+
+
+def utc(t: float | None) -> str | None:
+    """Seconds since the epoch as ISO 8601 UTC (to the second)."""
+    if t is None:
+        return None
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="seconds")
+
+
+def rounded(value: Any, digits: int = 4) -> Any:
+    """`value` with every float rounded to `digits` significant digits (dicts and lists
+    too): what the summary and the report show."""
+    if isinstance(value, bool) or not isinstance(value, float | dict | list | tuple):
+        return value
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [rounded(v, digits) for v in value]
+    if value == 0 or not math.isfinite(value):
+        return value
+    return round(value, max(0, digits - 1 - math.floor(math.log10(abs(value)))))
+
+
+COMPARED = (
+    ("duty_cycle_steady", "learner duty cycle (steady)"),
+    ("learner_wall_s", "learner wall time (s)"),
+    ("trained_tokens_per_s", "real tokens trained / s"),
+    ("reward_first", "reward, first 10% of steps"),
+    ("reward_last", "reward, last 10% of steps"),
+    ("steps", "learner steps"),
+)
+
+
+def compare_runs(summary: dict[str, Any], baseline: dict[str, Any]) -> list[dict[str, Any]]:
+    """Side-by-side rows of two run summaries (e.g. async vs its sync baseline): the
+    metric, both values and run / baseline."""
+    rows = []
+    for key, label in COMPARED:
+        a, b = summary.get(key), baseline.get(key)
+        ratio = a / b if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+        rows.append({"metric": label, "run": a, "baseline": b, "run_over_baseline": ratio})
+    return rows
+
+
+def _log_dirs(store_uri: str, run_name: str) -> list[str]:
+    """Where the local launcher may have written this run's process logs."""
+    path = store_uri.removeprefix("file://")
+    if "://" in path:
+        return [os.path.join(os.getcwd(), "runs", "_logs", run_name)]
+    root = os.path.dirname(path.rstrip("/"))
+    return [os.path.join(root, "_logs", run_name), os.path.join("runs", "_logs", run_name)]
+
+
+def _last_lines(path: str, n: int = 3) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 8192))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [ln.strip()[:300] for ln in lines if ln.strip()][-n:]
+
+
+def health(
+    store_uri: str, records: list[dict[str, Any]], done: dict[str, Any] | None, run_name: str
+) -> dict[str, Any]:
+    """Which processes stopped and why: per process its first/last record (seconds since
+    the run's first record) and whether it logged a final record (actors do when they stop
+    cleanly); processes whose records stopped early; the learner's DONE reason; and the
+    last lines of the local logs of the processes that look dead."""
+    t0 = min((r["time"] for r in records), default=0.0)
+    t_end = max((r["time"] for r in records), default=0.0)
+    procs: dict[str, dict[str, Any]] = {}
+    for r in records:
+        p = procs.setdefault(str(r.get("process", "?")), {"first_s": r["time"] - t0, "records": 0})
+        p["last_s"], p["records"] = r["time"] - t0, p["records"] + 1
+        if "final" in r:
+            p["final"] = bool(r["final"])
+    reason = str((done or {}).get("reason", ""))  # learner's, launcher's or an Airflow DAG's
+    finished = any(
+        w in reason for w in ("learner max_steps", "learner deadline", "learner success")
+    )
+    # A finished run: what stopped well before the learner's end (actors flush after it).
+    end = procs["learner"]["last_s"] if finished and "learner" in procs else t_end - t0
+    early = [n for n, p in procs.items() if end - p["last_s"] > STOPPED_EARLY_S]
+    unclean = [n for n, p in procs.items() if n.startswith("actor/") and p.get("final") is False]
+    suspects = sorted(set(early + ([] if finished else [*unclean, "learner"])))
+    logs: dict[str, list[str]] = {}
+    for d in _log_dirs(store_uri, run_name):
+        for path in sorted(glob.glob(os.path.join(d, "*.log"))):
+            name = os.path.basename(path)[: -len(".log")]
+            key = "learner" if name == "learner" else f"actor/{name}"
+            if key in suspects and key not in logs:
+                logs[key] = _last_lines(path)
+    return {
+        "done_reason": reason or None,
+        "finished": finished,
+        "processes": procs,
+        "stopped_early": sorted(early),
+        "actors_without_final_record": sorted(unclean),
+        "log_tails": logs,
+    }
