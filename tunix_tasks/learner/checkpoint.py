@@ -43,8 +43,10 @@ def _directory(store: ObjectStore) -> Any:
         # Orbax writes gs:// through tensorstore and gcsfs, which ignore
         # STORAGE_EMULATOR_HOST; point them at the same emulator (and skip gcsfs's
         # hierarchical-namespace probe, ~60 s of gRPC retries per bucket).
-        os.environ.setdefault(
-            "TENSORSTORE_GCS_HTTP_URL", emulator if "://" in emulator else f"http://{emulator}"
+        # Always follow the emulator: a value left by an earlier one would send the
+        # checkpoint to a server that does not have this bucket (404 on every write).
+        os.environ["TENSORSTORE_GCS_HTTP_URL"] = (
+            emulator if "://" in emulator else f"http://{emulator}"
         )
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     return uri
