@@ -20,6 +20,7 @@ from typing import Any
 
 from airflow.sdk import task
 from tunix_launchers import entrypoints, launch_actor, launch_learner
+from tunix_params import check_conf_keys
 from tunix_weights import LearnerProgressLog, WeightsEventPublisher, WeightsWatcher
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,20 @@ POOL_COMMANDS = {
     CPU_POOL: f'airflow pools set {CPU_POOL} 16 "tunix actors (one slot per actor)"',
     TPU_POOL: f'airflow pools set {TPU_POOL} 1 "tunix learners (one slot per accelerator slice)"',
 }
+
+
+def preflight() -> None:
+    """What `prepare`/`resume` check before touching the run: every trigger-conf key is a
+    declared param (a typo fails, no retry) and the fleet's pools exist."""
+    from airflow.sdk import get_current_context
+    from airflow.sdk.exceptions import AirflowFailException
+
+    try:
+        ctx = get_current_context()  # `params` has the conf merged in: use the DAG's
+        check_conf_keys(getattr(ctx["dag_run"], "conf", None), ctx["dag"].params.keys())
+    except ValueError as err:
+        raise AirflowFailException(str(err)) from err  # no retry
+    check_pools()
 
 
 def check_pools(pools: tuple[str, ...] = (CPU_POOL, TPU_POOL), client: Any = None) -> None:

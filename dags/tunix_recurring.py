@@ -21,9 +21,9 @@ import os
 from datetime import datetime, timedelta
 
 from airflow.sdk import Param, dag, task
-from tunix_fleet import check_pools, fleet, publish_run_info
+from tunix_fleet import fleet, preflight, publish_run_info
 from tunix_launchers import entrypoints
-from tunix_params import check_conf_keys, run_config_from_params, training_params
+from tunix_params import run_config_from_params, training_params
 
 SCHEDULE = os.environ.get("TUNIX_RECURRING_SCHEDULE", "@daily")
 
@@ -55,15 +55,9 @@ def _params() -> dict[str, Param]:
 @task(retries=1, retry_delay=timedelta(seconds=5))
 def resume(params: dict | None = None) -> list[dict]:
     """Reopen (or create) the run; return run_uri, actor ids and the learner's target step."""
-    from airflow.sdk import get_current_context
     from airflow.sdk.exceptions import AirflowFailException
 
-    try:
-        ctx = get_current_context()  # `params` has the conf merged in: use the DAG's
-        check_conf_keys(getattr(ctx["dag_run"], "conf", None), ctx["dag"].params.keys())
-    except ValueError as err:
-        raise AirflowFailException(str(err)) from err  # no retry
-    check_pools()
+    preflight()
     ep = entrypoints()
     from tunix_tasks.config import ConfigError, config_from_dict
     from tunix_tasks.storage.layout import RunLayout

@@ -26,10 +26,9 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from airflow.sdk import dag, task
-from tunix_fleet import check_pools, fleet, publish_run_info
+from tunix_fleet import fleet, preflight, publish_run_info
 from tunix_launchers import entrypoints
 from tunix_params import (
-    check_conf_keys,
     run_config_from_params,
     sanitize_run_name,
     training_params,
@@ -39,16 +38,10 @@ from tunix_params import (
 @task(retries=1, retry_delay=timedelta(seconds=5))
 def prepare(params: dict | None = None, run_id: str | None = None) -> list[dict]:
     """Validate the params, write the run's config; return the actors' kwargs."""
-    from airflow.sdk import get_current_context
     from airflow.sdk.exceptions import AirflowFailException
 
     params = dict(params or {})
-    try:
-        ctx = get_current_context()  # `params` has the conf merged in: use the DAG's
-        check_conf_keys(getattr(ctx["dag_run"], "conf", None), ctx["dag"].params.keys())
-    except ValueError as err:
-        raise AirflowFailException(str(err)) from err  # no retry
-    check_pools()
+    preflight()
     ep = entrypoints()
     from tunix_tasks.config import ConfigError, config_from_dict
 

@@ -61,3 +61,13 @@ def dagbag():
     from airflow.dag_processing.dagbag import DagBag
 
     return DagBag(dag_folder=str(DAGS))
+
+
+#: Overrides that keep a run triggered through a real Airflow small and quick.
+SMALL_RUN_OVERRIDES = [
+    "learner.batch_rows=8",
+    "learner.min_episodes_per_step=8",
+    "learner.data_timeout_s=120",
+    "actor.episodes_per_shard=8",
+    "actor.shard_interval_s=3",
+]

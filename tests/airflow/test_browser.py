@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import SMALL_RUN_OVERRIDES
+
 pytestmark = [pytest.mark.airflow, pytest.mark.slow, pytest.mark.timeout(300)]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -41,13 +43,7 @@ FORM = {
     "max_steps": "2",
     "deadline_s": "240",
 }
-OVERRIDES = [
-    "learner.batch_rows=8",
-    "learner.min_episodes_per_step=8",
-    "learner.data_timeout_s=120",
-    "actor.episodes_per_shard=8",
-    "actor.shard_interval_s=3",
-]
+OVERRIDES = SMALL_RUN_OVERRIDES
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,8 @@ import pytest
 
 from tunix_tasks.storage.layout import RunLayout
 
+from .conftest import SMALL_RUN_OVERRIDES
+
 pytestmark = [pytest.mark.airflow, pytest.mark.slow, pytest.mark.timeout(600)]
 
 RUN = "sched-e2e"
@@ -35,13 +37,7 @@ CONF = {
     "publish_every": 2,
     "max_staleness": 4,
     "deadline_s": 240,
-    "overrides": [
-        "learner.batch_rows=8",
-        "learner.min_episodes_per_step=8",
-        "learner.data_timeout_s=120",
-        "actor.episodes_per_shard=8",
-        "actor.shard_interval_s=3",
-    ],
+    "overrides": SMALL_RUN_OVERRIDES,
 }
 
 
