@@ -35,8 +35,8 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from tunix_tasks.actor.actor import Actor
 from tunix_tasks.config import ModelConfig, config_from_dict
-from tunix_tasks.policy.build import build_policy, model_meta
-from tunix_tasks.policy.model import flat_params
+from tunix_tasks.policy.build import build_policy, build_sampler, model_meta
+from tunix_tasks.policy.params import flat_params
 from tunix_tasks.policy.sampling import Sampler
 from tunix_tasks.storage.runs import mark_done, write_config
 from tunix_tasks.storage.weights import WeightsPublisher
@@ -82,7 +82,7 @@ def measure_actor(root: str, envs: int, warmup_s: float, window_s: float) -> dic
     store = write_config(cfg)
     _, model = build_policy(cfg.model, seed=1)
     WeightsPublisher(store).publish(
-        flat_params(model), version=0, step=0, model=model_meta(cfg.model)
+        flat_params(model), version=0, step=0, model=model_meta(cfg.model, model)
     )
     actor = Actor(cfg, store, actor_id=f"bench-{envs}")
     _warm(actor.sampler, envs, cfg.actor.max_episode_tokens, cfg.actor.max_new_tokens)
@@ -116,8 +116,8 @@ def measure_actor(root: str, envs: int, warmup_s: float, window_s: float) -> dic
 
 
 def measure_sampler(batches: list[int], prompt: int, new_tokens: int, repeats: int) -> list:
-    tok, model = build_policy(ModelConfig(preset="small"), seed=0)
-    sampler = Sampler(model, tok)
+    chat, sampler = build_sampler(ModelConfig(preset="small"), seed=0)
+    tok = chat.tokenizer
     rng = np.random.default_rng(0)
     rows = []
     for b in batches:

@@ -63,6 +63,7 @@ TITLES = {
     "run_name": "Run name (empty: from the Airflow run_id)",
     "env": "Environment",
     "model_preset": "Model preset",
+    "model_checkpoint": "Hugging Face checkpoint (path or gs://; empty: the preset)",
     "num_actors": "Number of actors (mapped tasks in pool 'cpu')",
     "envs_per_actor": "Envs per actor",
     "max_steps": "Max learner steps",

@@ -33,11 +33,12 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from tunix_tasks.actor.actor import Actor
 from tunix_tasks.config import RunConfig, config_from_dict
-from tunix_tasks.envs import StepResult, register_env
+from tunix_tasks.envs import Action, StepResult, function_tool, register_env
 from tunix_tasks.episode import Episode
 from tunix_tasks.learner.source import EpisodeSource
-from tunix_tasks.policy.build import build_policy, model_meta
-from tunix_tasks.policy.model import flat_params, load_flat_params, token_logprobs
+from tunix_tasks.policy.build import build_policy
+from tunix_tasks.policy.model import token_logprobs
+from tunix_tasks.policy.params import flat_params, load_flat_params
 from tunix_tasks.policy.tokenizer import Tokenizer
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import read_metrics
@@ -65,6 +66,8 @@ class _QuickEnv:
     steps. Raises in `step` on seeds where `seed % fail_mod == 0` (fail_mod > 0)."""
 
     name = "quick"
+    # One tool, so every sampled action reaches `step` (no parse errors from the char format).
+    tools = (function_tool("note", "Write a note.", {"text": "the note"}),)
 
     def __init__(self, turns: int = 2, fail_mod: int = 0) -> None:
         self.turns, self.fail_mod = turns, fail_mod
@@ -74,15 +77,17 @@ class _QuickEnv:
         self._seed, self._n = seed, 0
         return f"q{seed % 10}"
 
-    async def step(self, action: str) -> StepResult:
+    async def step(self, action: Action) -> StepResult:
         self._n += 1
         if self.fail_mod and self._seed % self.fail_mod == 0:
             raise RuntimeError(f"tool crashed on seed {self._seed}")
         done = self._n >= self.turns
-        return StepResult(f"r{self._n}", float(done and bool(action)), done)
+        return StepResult(
+            f"r{self._n}", float(done and bool(action.content or action.tool_calls)), done
+        )
 
-    def demonstration(self, seed: int) -> list[str]:
-        return ["a"] * self.turns
+    def demonstration(self, seed: int) -> list[Action]:
+        return [Action(content="a")] * self.turns
 
 
 QUICK = f"test_actor_quick_{uuid.uuid4().hex[:6]}"
@@ -143,7 +148,7 @@ def _peaky(seed: int, cfg: RunConfig) -> dict[str, np.ndarray]:
 
 def _publish(store: ObjectStore, cfg: RunConfig, flat, version: int) -> WeightsPublisher:
     pub = WeightsPublisher(store)
-    pub.publish(flat, version=version, step=version, model=model_meta(cfg.model))
+    pub.publish(flat, version=version, step=version, model=cfg.model.model_dump())
     return pub
 
 
@@ -151,7 +156,7 @@ def _publish_corrupt(store: ObjectStore, cfg: RunConfig, flat, version: int) -> 
     """A snapshot whose params were damaged in transit: the manifest's sha256 is of the
     good bytes, one byte of the stored params is flipped; LATEST is moved to it last."""
     blob, manifest = encode_snapshot(
-        flat, version=version, step=version, model=model_meta(cfg.model)
+        flat, version=version, step=version, model=cfg.model.model_dump()
     )
     bad = bytearray(blob)
     bad[len(bad) // 2] ^= 0xFF

@@ -11,22 +11,18 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tunix_tasks.config import ModelConfig
-from tunix_tasks.policy.model import (
-    Transformer,
-    flat_params,
-    load_flat_params,
-    param_count,
-    sampling_log_probs,
-    token_logprobs,
-)
+from tunix_tasks.policy.model import Transformer, sampling_log_probs, token_logprobs
+from tunix_tasks.policy.params import flat_params, load_flat_params, param_count
+from tunix_tasks.policy.spec import spec_from_preset
 
 VOCAB = 103
 CFG = ModelConfig(preset="custom", d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64)
+SPEC = spec_from_preset(CFG, vocab_size=VOCAB)
 ATOL = 1e-5  # float32: packed vs alone, cached vs full forward
 
 
 def _model(seed: int = 0, dtype=jnp.float32) -> Transformer:
-    return Transformer(CFG, VOCAB, rngs=nnx.Rngs(seed), compute_dtype=dtype)
+    return Transformer(SPEC, rngs=nnx.Rngs(seed), compute_dtype=dtype)
 
 
 def _seqs(seed: int, lengths: list[int]) -> list[np.ndarray]:
@@ -160,7 +156,8 @@ def test_load_flat_params_errors_name_the_keys():
 
 
 def test_small_preset_size():
-    model = Transformer(ModelConfig(preset="small"), VOCAB, rngs=nnx.Rngs(0))
+    spec = spec_from_preset(ModelConfig(preset="small"), vocab_size=VOCAB)
+    model = Transformer(spec, rngs=nnx.Rngs(0))
     assert 0.9e6 < param_count(model) < 1.2e6
 
 

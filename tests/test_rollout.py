@@ -14,10 +14,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from tunix_tasks.actor.rollout import EpisodeLimits, ScriptedPolicy, play_episode
-from tunix_tasks.envs import StepResult, make_env, register_env
-from tunix_tasks.policy.tokenizer import Tokenizer
+from tunix_tasks.envs import Action, StepResult, make_env, register_env
+from tunix_tasks.policy.tokenizer import CharChat, CharTokenizer
 
-TOK = Tokenizer()
+TOK = CharTokenizer()
+CHAT = CharChat(TOK)
 
 
 def _unique(prefix: str) -> str:
@@ -28,6 +29,7 @@ class _CountdownEnv:
     """Observation 'n=<k>'; done (reward 1) after `turns` steps; optional slow/raising steps."""
 
     name = "countdown"
+    tools = ()
 
     def __init__(
         self,
@@ -57,17 +59,17 @@ class _CountdownEnv:
         self.actions = []
         return self._obs()
 
-    async def step(self, action: str) -> StepResult:
+    async def step(self, action: Action) -> StepResult:
         if self.step_sleep_s:
             await asyncio.sleep(self.step_sleep_s)
-        self.actions.append(action)
+        self.actions.append(action.content)
         if self.raise_on_step is not None and len(self.actions) == self.raise_on_step:
             raise ValueError("step exploded")
         done = len(self.actions) >= self.turns
         return StepResult(self._obs(), 1.0 if done else 0.0, done)
 
-    def demonstration(self, seed: int) -> list[str]:
-        return ["a"] * self.turns
+    def demonstration(self, seed: int) -> list[Action]:
+        return [Action(content="a")] * self.turns
 
 
 ENV = _unique("countdown")
@@ -83,7 +85,9 @@ class _Scripted:
         self.version = version
         self.contexts: list[list[int]] = []
 
-    async def __call__(self, context: Sequence[int]) -> tuple[list[int], list[float], int]:
+    async def __call__(
+        self, context: Sequence[int], **_conversation
+    ) -> tuple[list[int], list[float], int]:
         self.contexts.append(list(context))
         text = (
             self.actions[len(self.contexts) - 1] if len(self.contexts) <= len(self.actions) else ""
@@ -104,7 +108,7 @@ def _play(env, policy, *, step_times: list[float] | None = None, **limits):
             policy,
             seed=11,
             limits=_limits(**limits),
-            tok=TOK,
+            chat=CHAT,
             on_env_step=None if step_times is None else step_times.append,
         )
     )
@@ -158,7 +162,7 @@ def test_layout_mask_and_logprobs_exact():
 
 def test_scripted_policy_demonstration():
     env = make_env(ENV, turns=3)
-    rec = _play(env, ScriptedPolicy(env.demonstration(0), TOK))
+    rec = _play(env, ScriptedPolicy(env.demonstration(0), CHAT))
     assert rec.status == "ok" and rec.reward == 1.0 and rec.num_turns == 3
     _check_invariants(rec)
 
@@ -202,7 +206,7 @@ async def _timed(env, **limits):
         _Scripted(["a"] * 8),
         seed=1,
         limits=_limits(**limits),
-        tok=TOK,
+        chat=CHAT,
         on_env_step=times.append,
     )
     return rec, loop.time() - t0, times
@@ -221,7 +225,7 @@ def test_token_budget_is_truncated():
 def test_action_cut_to_remaining_budget():
     # Room for the prompt and 3 action tokens only: the action is cut, log-probs too.
     env = make_env(ENV, turns=1, obs_chars=3)
-    budget = 1 + 5 + 3 + 1  # BOS + prompt + room for 3 tokens + EOS
+    budget = 1 + 5 + 3 + 2  # BOS + prompt + room for 3 tokens + END (closes the turn) + EOS
     rec = _play(env, _Scripted(["abcdefgh"]), max_episode_tokens=budget)
     tokens, mask, lp = rec.tokens, rec.loss_mask, rec.behavior_logprobs
     assert len(tokens) == budget
@@ -248,3 +252,15 @@ def test_done_on_last_allowed_turn_is_ok():
     env = make_env(ENV, turns=3)
     rec = _play(env, _Scripted(["a"] * 3), max_turns=3)
     assert rec.status == "ok" and rec.reward == 1.0
+
+
+def test_unparsable_tool_call_is_answered_without_the_env():
+    """`<|tool|>` with no tool on offer is a parse error: the rollout answers it, the env
+    never sees it, the episode goes on."""
+    env = make_env(ENV, turns=1)
+    policy = _Scripted(["<|tool|>x", "done"])
+    rec = _play(env, policy)
+    assert env.actions == ["done"] and rec.num_turns == 2 and rec.status == "ok"
+    second_prompt = policy.contexts[1][len(policy.contexts[0]) :]
+    assert TOK.decode(second_prompt).startswith("<|tool|>x<|end|><|user|>error: no tool available")
+    _check_invariants(rec)

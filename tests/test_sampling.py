@@ -9,12 +9,15 @@ import pytest
 from flax import nnx
 
 from tunix_tasks.config import ModelConfig
-from tunix_tasks.policy.model import Transformer, flat_params, token_logprobs
+from tunix_tasks.policy.model import Transformer, token_logprobs
+from tunix_tasks.policy.params import flat_params
 from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.policy.spec import spec_from_preset
 from tunix_tasks.policy.tokenizer import Tokenizer
 
 TOK = Tokenizer()
 CFG = ModelConfig(preset="custom", d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=48)
+SPEC = spec_from_preset(CFG, vocab_size=TOK.vocab_size)
 LOGPROB_ATOL = 1e-4  # float32: sampler's logprobs vs token_logprobs of a full forward
 
 
@@ -25,8 +28,14 @@ def _peaky(flat: dict[str, np.ndarray], scale: float) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def sampler() -> Sampler:
-    model = Transformer(CFG, TOK.vocab_size, rngs=nnx.Rngs(0))
-    s = Sampler(model, TOK, batch_buckets=(1, 2, 4), prompt_buckets=(16, 32))
+    model = Transformer(SPEC, rngs=nnx.Rngs(0))
+    s = Sampler(
+        model,
+        pad_id=TOK.pad_id,
+        stop_ids=(TOK.end_id, TOK.eos_id),
+        batch_buckets=(1, 2, 4),
+        prompt_buckets=(16, 32),
+    )
     s.update_params(_peaky(flat_params(model), 300.0))
     return s
 
@@ -115,9 +124,15 @@ def test_stop_conditions(sampler):
 
 
 def test_compile_count_bounded_and_reload_does_not_recompile():
-    model = Transformer(CFG, TOK.vocab_size, rngs=nnx.Rngs(5))
+    model = Transformer(SPEC, rngs=nnx.Rngs(5))
     # Length buckets (16, 48): (prompt, cache) in {(16,16), (16,48), (48,48)}; x 2 batch buckets.
-    s = Sampler(model, TOK, batch_buckets=(2, 4), prompt_buckets=(16,))
+    s = Sampler(
+        model,
+        pad_id=TOK.pad_id,
+        stop_ids=(TOK.end_id, TOK.eos_id),
+        batch_buckets=(2, 4),
+        prompt_buckets=(16,),
+    )
     rng = np.random.default_rng(0)
     for i in range(16):
         n = int(rng.integers(1, 5))

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from tunix_tasks.config_model import ModelConfig, _Frozen
 
 __all__ = [
     "ActorConfig",
@@ -40,61 +42,6 @@ BUILTIN_ENVS = ("calculator", "guess_number", "python_exec")
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the valid values."""
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
-
-
-MODEL_PRESETS: dict[str, dict[str, int]] = {
-    # Tests: compiles in seconds on one CPU core.
-    "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 128, "max_seq_len": 256},
-    # Demo: ~1M parameters, learns the built-in tasks on 2 CPU cores in minutes.
-    "small": {"d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512, "max_seq_len": 512},
-    # A model shaped like a real (small) LM, for accelerator throughput checks.
-    "base": {"d_model": 768, "n_layers": 12, "n_heads": 12, "d_ff": 3072, "max_seq_len": 2048},
-}
-
-
-class ModelConfig(_Frozen):
-    """Decoder-only transformer shape. `preset` fills any dimension not given explicitly."""
-
-    preset: Literal["tiny", "small", "base", "custom"] = Field(
-        "tiny",
-        description="tiny: tests (seconds); small: ~1M params demo; base: accelerator-sized; "
-        "custom: set every dimension",
-    )
-    d_model: int = Field(0, ge=0)
-    n_layers: int = Field(0, ge=0)
-    n_heads: int = Field(0, ge=0)
-    d_ff: int = Field(0, ge=0)
-    max_seq_len: int = Field(0, ge=0)
-    dtype: Literal["float32", "bfloat16"] = "float32"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _fill_preset(cls, data: Any) -> Any:
-        if not isinstance(data, Mapping):
-            return data
-        data = dict(data)
-        preset = data.get("preset", "tiny")
-        for key, value in MODEL_PRESETS.get(preset, {}).items():
-            if not data.get(key):
-                data[key] = value
-        return data
-
-    @model_validator(mode="after")
-    def _check(self) -> ModelConfig:
-        for name in ("d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(
-                    f"model.{name} must be > 0 (or choose a preset: tiny, small, base)"
-                )
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}"
-            )
-        return self
 
 
 def known_env_names() -> list[str]:

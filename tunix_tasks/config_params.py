@@ -36,6 +36,7 @@ FORM_KEYS: dict[str, str] = {
     "run_name": "run_name",
     "env": "env.name",
     "model_preset": "model.preset",
+    "model_checkpoint": "model.checkpoint",
     "num_actors": "actor.num_actors",
     "envs_per_actor": "actor.envs_per_actor",
     "max_steps": "learner.max_steps",

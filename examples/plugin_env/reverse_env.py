@@ -1,19 +1,21 @@
 """``reverse``: a plug-in environment for tunix-tasks (see docs/environments.md).
 
-Task: ``reverse cab`` (a word of ``length`` letters from ``letters``). Action:
-``<|answer|>bac``. Reward: the fraction of letters in the right place (1.0 when the
-whole word is reversed), 0 without the answer marker. One turn: done after any action.
+Task: ``reverse cab`` (a word of ``length`` letters from ``letters``). No tools: the
+answer is the content of the policy's turn, ``bac``. Reward: the fraction of letters in
+the right place (1.0 when the whole word is reversed), 0 for a tool call. One turn: done
+after any action.
 """
 
 from __future__ import annotations
 
 import random
 
-from tunix_tasks.envs.base import ANSWER, StepResult
+from tunix_tasks.envs import Action, StepResult
 
 
 class ReverseEnv:
     name = "reverse"
+    tools = ()  # OpenAI-style function schemas offered to the model; none here
 
     def __init__(self, length: int = 3, letters: str = "abcdef") -> None:
         if length < 1 or not letters:
@@ -29,18 +31,19 @@ class ReverseEnv:
         self._word = self._word_for(seed)
         return f"reverse {self._word}"
 
-    async def step(self, action: str) -> StepResult:
+    async def step(self, action: Action) -> StepResult:
         if self._word is None:
             raise RuntimeError("step() called on a finished episode; call reset() first")
         target, self._word = self._word[::-1], None
-        text = action.strip()
-        if not text.startswith(ANSWER):
-            return StepResult("invalid: answer with <|answer|>WORD", 0.0, True, {"valid": False})
-        guess = text[len(ANSWER) :].strip()
+        if action.tool_calls:  # a chat model may call a tool we do not offer
+            return StepResult(
+                "invalid: no tools; answer with the word", 0.0, True, {"valid": False}
+            )
+        guess = action.content.strip()
         right = sum(a == b for a, b in zip(guess, target, strict=False))
         reward = right / len(target) if len(guess) == len(target) else 0.0
         return StepResult(target, reward, True, {"valid": True, "correct": guess == target})
 
-    def demonstration(self, seed: int) -> list[str]:
+    def demonstration(self, seed: int) -> list[Action]:
         """Expert actions for ``seed``: what the warm start imitates."""
-        return [ANSWER + self._word_for(seed)[::-1]]
+        return [Action(content=self._word_for(seed)[::-1])]

@@ -180,6 +180,8 @@ def _schema_leaf(schema: dict, dotted: str) -> dict:
         node = node["properties"][part]
         if "$ref" in node:
             node = {**defs[node["$ref"].split("/")[-1]], **node}
+    if "anyOf" in node:  # Optional[X]: the form's type is [X, "null"]
+        node = {**node, "type": [t["type"] for t in node["anyOf"]]}
     return node
 
 
@@ -208,7 +210,8 @@ def test_form_equals_run_config_schema(dagbag):
             if "pattern" in leaf:  # the train form also takes an empty run name
                 assert form["pattern"] in (leaf["pattern"], f"^$|{leaf['pattern']}")
     # the values the form offers are the library's
-    from tunix_tasks.config import BUILTIN_ENVS, MODEL_PRESETS
+    from tunix_tasks.config import BUILTIN_ENVS
+    from tunix_tasks.config_model import MODEL_PRESETS
 
     params = dagbag.dags["tunix_train"].params
     from tunix_tasks.config import known_env_names
@@ -277,7 +280,7 @@ for path in sys.argv[2:]:
     spec = importlib.util.spec_from_file_location("probe_" + path.rsplit("/", 1)[-1][:-3], path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     out[path] = time.perf_counter() - t0
-light = {"tunix_tasks", "tunix_tasks.config", "tunix_tasks.config_params"}
+light = {"tunix_tasks", "tunix_tasks.config", "tunix_tasks.config_model", "tunix_tasks.config_params"}
 heavy = sorted(m for m in sys.modules if m not in light and m.split(".")[0] in ("jax", "jaxlib",
         "flax", "optax", "tunix_tasks", "pyarrow", "orbax", "numpy", "airflow_client"))
 print(json.dumps({"times": out, "heavy": heavy}))

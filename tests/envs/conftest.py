@@ -1,4 +1,4 @@
-"""Helpers shared by the environment tests."""
+"""Helpers shared by the environment tests: play episodes of `Action`s, random policies."""
 
 from __future__ import annotations
 
@@ -9,24 +9,20 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from tunix_tasks.envs import ANSWER, TOOL, Environment
-from tunix_tasks.policy.tokenizer import Tokenizer
+from tunix_tasks.envs import Action, Environment, ToolCall
+from tunix_tasks.messages import tool_argument_names
 
-_TOK = Tokenizer()
-# What a policy can emit before END: the two action markers and every character.
-_ACTION_IDS = [_TOK.tool_id, _TOK.answer_id] + [
-    i for i in range(_TOK.vocab_size) if not _TOK.is_special(i)
-]
-assert _TOK.decode([_TOK.tool_id, _TOK.answer_id]) == TOOL + ANSWER
+# What a text policy can write: printable ASCII and newline (the tokenizer is not involved).
+_CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
 
-PolicyFn = Callable[[str], str | Awaitable[str]]
+PolicyFn = Callable[[str], Action | Awaitable[Action]]
 
 
 async def rollout(
     env: Environment, policy_fn: PolicyFn, seed: int, max_turns: int
-) -> tuple[float, int, list[str]]:
-    """Play one episode in text; returns (total_reward, turns, actions). ``policy_fn``
-    maps the latest observation to an action and may be sync or async."""
+) -> tuple[float, int, list[Action]]:
+    """Play one episode; returns (total_reward, turns, actions). ``policy_fn`` maps the
+    latest observation to an `Action` and may be sync or async."""
     obs = await env.reset(seed)
     total, actions = 0.0, []
     for _ in range(max_turns):
@@ -42,23 +38,44 @@ async def rollout(
     return total, len(actions), actions
 
 
+async def play(env: Environment, seed: int, actions: list[Action]):
+    """(first observation, [StepResult per action]) of a scripted episode."""
+    first = await env.reset(seed)
+    return first, [await env.step(a) for a in actions]
+
+
 def demo_policy(env: Environment, seed: int) -> PolicyFn:
     """A policy that replays ``env.demonstration(seed)``."""
     actions = iter(env.demonstration(seed))
-    return lambda _obs: next(actions, "")
+    return lambda _obs: next(actions, Action())
 
 
-def random_action(rng: random.Random, max_tokens: int = 16) -> str:
-    return _TOK.decode(rng.choices(_ACTION_IDS, k=rng.randint(1, max_tokens)))
+def call(tool: str, **arguments: object) -> Action:
+    """An action of one tool call."""
+    return Action(tool_calls=(ToolCall(tool, arguments),))
+
+
+def random_action(rng: random.Random, tools, max_chars: int = 16) -> Action:
+    """Random text as the content, or (half the time, when there are tools) as the first
+    argument of a call of a random tool."""
+    text = "".join(rng.choices(_CHARS, k=rng.randint(1, max_chars)))
+    if tools and rng.random() < 0.5:
+        tool = rng.choice(list(tools))
+        name, params = tool["function"]["name"], tool_argument_names(tool)
+        return call(name, **{params[0]: text})
+    return Action(content=text)
 
 
 def random_baseline(make: Callable[[], Environment], seeds: range, max_turns: int) -> float:
-    """Mean reward of a uniformly random token policy, episodes run concurrently."""
+    """Mean reward of a uniformly random text policy, episodes run concurrently."""
 
     async def run() -> list[float]:
         async def one(seed: int) -> float:
             rng = random.Random(10_000 + seed)
-            total, _, _ = await rollout(make(), lambda _o: random_action(rng), seed, max_turns)
+            env = make()
+            total, _, _ = await rollout(
+                env, lambda _o: random_action(rng, env.tools), seed, max_turns
+            )
             return total
 
         return await asyncio.gather(*(one(s) for s in seeds))

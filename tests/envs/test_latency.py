@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from tunix_tasks.envs import LatencyWrapper, make_env
+from tunix_tasks.envs import Action, LatencyWrapper, make_env
 
 
 def test_jitter_range_and_fixed():
@@ -13,6 +13,10 @@ def test_jitter_range_and_fixed():
     assert 0.1 <= min(samples) < 0.12 and 0.28 < max(samples) <= 0.3
     assert LatencyWrapper(make_env("guess_number"), 0.2).sample_delay() == 0.2
     assert w.max_turns == 6  # attributes pass through
+    assert w.tools == () and w.name == "guess_number"
+    calc = make_env("calculator", latency_s=0.01)
+    assert isinstance(calc, LatencyWrapper) and calc.tools == calc.env.tools
+    assert calc.tools[0]["function"]["name"] == "calculate"
     with pytest.raises(ValueError):
         LatencyWrapper(make_env("guess_number"), 0.1, 1.5)
 
@@ -23,7 +27,7 @@ def test_concurrent_steps_overlap():
     async def run() -> float:
         await asyncio.gather(*(e.reset(i) for i, e in enumerate(envs)))
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(e.step("8") for e in envs))
+        results = await asyncio.gather(*(e.step(Action(content="8")) for e in envs))
         assert len(results) == 16
         return time.perf_counter() - t0
 

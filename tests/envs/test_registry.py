@@ -3,11 +3,22 @@ import importlib.metadata
 import pytest
 
 import tunix_tasks.envs as envs
-from tunix_tasks.envs import LatencyWrapper, StepResult, available_envs, make_env, register_env
+from tunix_tasks.envs import (
+    Action,
+    LatencyWrapper,
+    StepResult,
+    available_envs,
+    function_tool,
+    make_env,
+    register_env,
+)
 
 
 class _EchoEnv:
+    """Echoes the content, or the first call's text; also the plug-in of tests/test_config.py."""
+
     name = "echo"
+    tools = (function_tool("shout", "Echo the text in capitals.", {"text": "what to echo"}),)
 
     def __init__(self, reward: float = 1.0) -> None:
         self.reward = reward
@@ -15,11 +26,13 @@ class _EchoEnv:
     async def reset(self, seed: int) -> str:
         return f"say {seed}"
 
-    async def step(self, action: str) -> StepResult:
-        return StepResult(action, self.reward, True, {})
+    async def step(self, action: Action) -> StepResult:
+        if action.tool_calls:
+            return StepResult(str(action.tool_calls[0].arguments["text"]).upper(), 0.0, False)
+        return StepResult(action.content, self.reward, True, {})
 
-    def demonstration(self, seed: int) -> list[str]:
-        return [str(seed)]
+    def demonstration(self, seed: int) -> list[Action]:
+        return [Action(content=str(seed))]
 
 
 @pytest.fixture(autouse=True)
@@ -62,15 +75,60 @@ def test_entry_point_plugin(monkeypatch):
     assert "echo_plugin" in available_envs()
     env = make_env("echo_plugin", latency_s=0.01)
     assert isinstance(env, LatencyWrapper) and isinstance(env.env, _EchoEnv)
-    assert env.name == "echo" and env.demonstration(3) == ["3"]
+    assert env.name == "echo" and env.demonstration(3) == [Action(content="3")]
+    assert env.tools == _EchoEnv.tools
 
 
-def test_every_action_marker_is_one_token_of_the_character_tokenizer():
-    """The env protocol owns its markers; the tokenizer must encode each as one token."""
-    from tunix_tasks.envs import ACTION_MARKERS
-    from tunix_tasks.policy.tokenizer import Tokenizer
+class _OldEnv:
+    """An environment of the old text protocol: no `tools`."""
 
-    tok = Tokenizer()
-    for marker in ACTION_MARKERS:
-        (token,) = tok.encode(marker)
-        assert tok.is_special(token) and tok.decode([token]) == marker
+    name = "old"
+
+    async def reset(self, seed: int) -> str:
+        return ""
+
+    async def step(self, action: str) -> StepResult:
+        return StepResult("", 0.0, True)
+
+    def demonstration(self, seed: int) -> list[str]:
+        return []
+
+
+def test_make_env_checks_the_protocol():
+    register_env("old_test")(_OldEnv)
+    with pytest.raises(TypeError, match=r"environment 'old_test' \(.*_OldEnv\) has no `tools`"):
+        make_env("old_test")
+
+    def bad_tools(tools):
+        env = _EchoEnv()
+        env.tools = tools
+        return env
+
+    register_env("bad_tools_test")(bad_tools)
+    for tools, why in [
+        ({"type": "function"}, "must be a sequence"),
+        (["calculate"], r"tools\[0\] is not"),
+        ([{"type": "function", "function": {"name": "f"}}], "parameters"),
+        ([{"type": "function", "function": {"parameters": {"type": "object"}}}], "name"),
+        (_EchoEnv.tools * 2, "duplicate tool name"),
+    ]:
+        with pytest.raises(TypeError, match="environment 'bad_tools_test'") as err:
+            make_env("bad_tools_test", tools=tools)
+        assert err.match(why)
+    assert make_env("bad_tools_test", tools=()).tools == ()
+
+    class NoStep(_EchoEnv):
+        step = None
+
+    register_env("no_step_test")(NoStep)
+    with pytest.raises(TypeError, match=r"'no_step_test'.* lacks step"):
+        make_env("no_step_test")
+
+
+def test_plugin_authors_import_from_the_package():
+    """`tunix_tasks.envs` speaks messages: it re-exports them and no tokenizer marker."""
+    from tunix_tasks import messages
+
+    assert envs.Action is messages.Action and envs.ToolCall is messages.ToolCall
+    assert not {"TOOL", "ANSWER", "ACTION_MARKERS"} & set(dir(envs))
+    assert not {"TOOL", "ANSWER", "ACTION_MARKERS"} & set(dir(envs.base))

@@ -42,8 +42,7 @@ from tunix_tasks.actor.rollout import EpisodeLimits, play_episode
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.episode import Episode
-from tunix_tasks.policy.build import build_policy
-from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.policy.build import build_sampler
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsWriter
 from tunix_tasks.storage.outage import StoreOutage
@@ -101,8 +100,7 @@ class Actor:
         self._weights_timeout_s = weights_timeout_s
         self._stop = threading.Event()
         self._stop_reason = ""
-        self.tok, model = build_policy(cfg.model, seed=cfg.seed)
-        self.sampler = Sampler(model, self.tok, max_seq_len=cfg.model.max_seq_len)
+        self.chat, self.sampler = build_sampler(cfg.model, seed=cfg.seed)
         self.weights = WeightsClient(store)
         self.version = -1
         self._last_poll = 0.0
@@ -251,7 +249,7 @@ class Actor:
                     self.policy,
                     seed=seed,
                     limits=self.limits,
-                    tok=self.tok,
+                    chat=self.chat,
                     env_name=self.cfg.env.name,
                     actor_id=self.actor_id,
                     group_id=group_id,

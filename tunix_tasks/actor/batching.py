@@ -65,7 +65,9 @@ class BatchingPolicy:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    async def __call__(self, context: Sequence[int]) -> tuple[list[int], list[float], int]:
+    async def __call__(
+        self, context: Sequence[int], **_conversation: object
+    ) -> tuple[list[int], list[float], int]:
         if self._queue is None:
             raise RuntimeError("use `async with BatchingPolicy(...)` before calling it")
         fut = asyncio.get_running_loop().create_future()

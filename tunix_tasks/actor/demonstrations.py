@@ -19,7 +19,7 @@ from tunix_tasks.actor.rollout import EpisodeLimits, ScriptedPolicy, play_episod
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.episode import Episode
-from tunix_tasks.policy.tokenizer import Tokenizer
+from tunix_tasks.policy.build import build_chat
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.shards import episodes_to_table, table_to_parquet_bytes
 from tunix_tasks.storage.store import ObjectStore
@@ -38,16 +38,16 @@ def demonstration_count(cfg: RunConfig) -> int:
 
 
 async def _play(cfg: RunConfig, n: int) -> list[Episode]:
-    tok = Tokenizer()
+    chat = build_chat(cfg.model)
     limits = EpisodeLimits.from_config(cfg)
     out = []
     for i in range(n):
         seed = DEMO_SEED_BASE + cfg.seed * 100_003 + i
         env = make_env(cfg.env.name, **cfg.env.kwargs)
-        policy = ScriptedPolicy(env.demonstration(seed), tok)
+        policy = ScriptedPolicy(env.demonstration(seed), chat)
         out.append(
             await play_episode(
-                env, policy, seed=seed, limits=limits, tok=tok, episode_id=f"demo-{i:06d}"
+                env, policy, seed=seed, limits=limits, chat=chat, episode_id=f"demo-{i:06d}"
             )
         )
     return out

@@ -1,13 +1,21 @@
 """One episode, token by token: the layout shared by actors, evaluation and warm start.
 
-    BOS  USER obs ASSISTANT  action END  USER obs ASSISTANT  action END ...  EOS
-    mask: 0 on everything the environment or the layout wrote, 1 on policy tokens
+The policy's `ChatFormat` (policy/chat.py) lays the conversation out as tokens; the
+environment speaks messages and tool calls (envs/base.py). Token-in / token-out: the ids a
+policy sampled go into the episode exactly as sampled, and each environment reply is
+appended as the chat format's own ids for that message, never decoded and re-tokenized:
+
+    start(first user message) | sampled turn [close] | reply(tool/user message) | ... | end
+    mask: 0 on everything the environment or the template wrote, 1 on sampled tokens
 
 `play_episode` drives one environment with any `Policy` (the actor's batched sampler, a
 greedy evaluator, or a scripted demonstration) and returns the `Episode`: tokens, loss
 mask, behaviour log-probs, reward, turns, status and the oldest weights version used:
 
-    ep = await play_episode(env, policy, seed=7, limits=EpisodeLimits(...), tok=tok)
+    ep = await play_episode(env, policy, seed=7, limits=EpisodeLimits(...), chat=chat)
+
+A turn whose tool call cannot be parsed is answered with `error: <why>` (role tool) without
+calling the environment; it still counts as a turn.
 """
 
 from __future__ import annotations
@@ -17,21 +25,31 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tunix_tasks.config import RunConfig
-from tunix_tasks.envs.base import Environment
+from tunix_tasks.envs.base import Environment, StepResult
 from tunix_tasks.episode import Episode
-from tunix_tasks.policy.tokenizer import Tokenizer
+from tunix_tasks.messages import Action, Message
+from tunix_tasks.policy.chat import ChatFormat
 
 log = logging.getLogger(__name__)
 
 
 class Policy(Protocol):
-    """Continues a token context by one action (ending with END when it stops itself)."""
+    """Continues a token context by one turn (ending with a stop id when it stops itself).
 
-    async def __call__(self, context: Sequence[int]) -> tuple[list[int], list[float], int]:
-        """Returns (action tokens, their behaviour log-probs, weights version used)."""
+    `messages` and `tools` are the conversation the context encodes (a sampler ignores
+    them; a scripted policy renders its next action after them)."""
+
+    async def __call__(
+        self,
+        context: Sequence[int],
+        *,
+        messages: Sequence[Message] = (),
+        tools: Sequence[dict[str, Any]] = (),
+    ) -> tuple[list[int], list[float], int]:
+        """Returns (turn tokens, their behaviour log-probs, weights version used)."""
         ...
 
 
@@ -78,7 +96,7 @@ async def play_episode(
     *,
     seed: int,
     limits: EpisodeLimits,
-    tok: Tokenizer,
+    chat: ChatFormat,
     episode_id: str | None = None,
     env_name: str | None = None,
     actor_id: str = "",
@@ -92,9 +110,12 @@ async def play_episode(
     episode's policy version when no policy call was made; `on_env_step(seconds)` sees
     every step's duration."""
     rec = _Transcript()
+    tools = list(getattr(env, "tools", ()))
 
     def episode() -> Episode:
-        rec.extend([tok.eos_id], policy=False)  # every episode ends with EOS
+        if not rec.tokens:  # the env never started: an empty first prompt keeps it non-empty
+            rec.extend(chat.start([{"role": "user", "content": ""}], tools), policy=False)
+        rec.extend(chat.end_ids, policy=False)
         return Episode(
             episode_id or uuid.uuid4().hex,
             rec.tokens,
@@ -110,10 +131,9 @@ async def play_episode(
             status=rec.status,
         )
 
-    rec.extend([tok.bos_id], policy=False)
     loop = asyncio.get_running_loop()
     try:
-        obs = await asyncio.wait_for(env.reset(seed), limits.step_timeout_s)
+        first = await asyncio.wait_for(env.reset(seed), limits.step_timeout_s)
     except TimeoutError:
         rec.status = "truncated"
         return episode()
@@ -121,25 +141,28 @@ async def play_episode(
         log.warning("env %s reset(seed=%d) failed: %r", getattr(env, "name", "?"), seed, err)
         rec.status = "env_error"
         return episode()
+    history: list[Message] = [{"role": "user", "content": first}]
+    prompt = chat.start(history, tools)
+    # Room kept for closing the turn and the episode's end ids.
+    reserve = len(chat.end_ids) + 1
     for _ in range(limits.max_turns):
-        prompt = [tok.user_id, *tok.encode(obs), tok.assistant_id]
-        room = limits.max_episode_tokens - len(rec.tokens) - len(prompt) - 1  # keep EOS slot
+        room = limits.max_episode_tokens - len(rec.tokens) - len(prompt) - reserve
         if room < 2:
             rec.status = "truncated"
             break
         rec.extend(prompt, policy=False)
-        tokens, logprobs, version = await policy(rec.tokens)
-        tokens, logprobs = (
-            tokens[: min(room, limits.max_new_tokens)],
-            logprobs[: min(room, limits.max_new_tokens)],
-        )
+        tokens, logprobs, version = await policy(rec.tokens, messages=history, tools=tools)
+        keep = min(room, limits.max_new_tokens)
+        tokens, logprobs = tokens[:keep], logprobs[:keep]
         rec.versions.add(version)
         rec.extend(tokens, policy=True, logprobs=logprobs)
+        rec.extend(chat.close_turn(tokens), policy=False)
         rec.turns += 1
-        action = tok.decode(t for t in tokens if t not in (tok.end_id, tok.eos_id))
+        action = chat.parse(tokens, tools)
+        history.append(action.message())
         t0 = loop.time()
         try:
-            result = await asyncio.wait_for(env.step(action), limits.step_timeout_s)
+            result = await _answer(env, action, limits.step_timeout_s)
         except TimeoutError:
             rec.status = "truncated"
             break
@@ -151,22 +174,38 @@ async def play_episode(
             if on_env_step is not None:
                 on_env_step(loop.time() - t0)
         rec.reward += float(result.reward)
-        obs = result.observation
         if result.done:
             break
+        reply = {"role": action.reply_role, "content": result.observation}
+        prompt = chat.reply(history, [reply], tools)
+        history.append(reply)
     else:
         rec.status = "truncated"  # ran out of turns without the env finishing
     return episode()
 
 
+async def _answer(env: Environment, action: Action, timeout_s: float) -> StepResult:
+    """The environment's answer, or the parse error of an action it cannot receive."""
+    if action.error is not None:
+        return StepResult(f"error: {action.error}", 0.0, False, {"parse_error": action.error})
+    return await asyncio.wait_for(env.step(action), timeout_s)
+
+
 class ScriptedPolicy:
-    """Replays fixed action strings (demonstrations for the supervised warm start)."""
+    """Replays fixed actions (demonstrations for the supervised warm start), each rendered
+    the way the chat format's model writes it after the conversation so far."""
 
-    def __init__(self, actions: Sequence[str], tok: Tokenizer) -> None:
+    def __init__(self, actions: Sequence[Action], chat: ChatFormat) -> None:
         self._actions = list(actions)
-        self._tok = tok
+        self._chat = chat
 
-    async def __call__(self, context: Sequence[int]) -> tuple[list[int], list[float], int]:
-        text = self._actions.pop(0) if self._actions else ""
-        tokens = [*self._tok.encode(text), self._tok.end_id]
+    async def __call__(
+        self,
+        context: Sequence[int],
+        *,
+        messages: Sequence[Message] = (),
+        tools: Sequence[dict[str, Any]] = (),
+    ) -> tuple[list[int], list[float], int]:
+        action = self._actions.pop(0) if self._actions else Action()
+        tokens = self._chat.render_action(messages, action, tools)
         return tokens, [0.0] * len(tokens), 0

@@ -12,7 +12,12 @@ pyproject.toml:
     my_env = "my_pkg.envs:MyEnv"
 
 Entry points are discovered on demand (by ``make_env`` on an unknown name and by
-``available_envs``), so the actor can run any installed environment by name.
+``available_envs``), so the actor can run any installed environment by name. ``make_env``
+checks what a factory returns against the protocol (``name``, valid ``tools``, ``reset``,
+``step``, ``demonstration``) and raises ``TypeError`` naming the environment otherwise.
+
+Plug-in authors import everything they need from here: ``Action``, ``ToolCall``,
+``StepResult``, ``Environment``, ``function_tool`` and ``register_env``.
 """
 
 from __future__ import annotations
@@ -23,24 +28,34 @@ import random
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tunix_tasks.envs.base import ACTION_MARKERS, ANSWER, TOOL, Environment, StepResult
+from tunix_tasks.envs.base import (
+    Action,
+    Environment,
+    StepResult,
+    ToolCall,
+    check_environment,
+    check_tools,
+)
 from tunix_tasks.envs.calculator import CalculatorEnv
 from tunix_tasks.envs.guess_number import GuessNumberEnv
 from tunix_tasks.envs.latency import LatencyWrapper
 from tunix_tasks.envs.python_exec import PythonExecEnv
+from tunix_tasks.messages import function_tool
 
 __all__ = [
-    "ACTION_MARKERS",
-    "ANSWER",
     "ENTRY_POINT_GROUP",
-    "TOOL",
+    "Action",
     "CalculatorEnv",
     "Environment",
     "GuessNumberEnv",
     "LatencyWrapper",
     "PythonExecEnv",
     "StepResult",
+    "ToolCall",
     "available_envs",
+    "check_environment",
+    "check_tools",
+    "function_tool",
     "make_env",
     "register_env",
 ]
@@ -104,8 +119,10 @@ def make_env(
 ) -> Environment:
     """Build environment ``name`` with ``kwargs``; with ``latency_s > 0`` wrap it in a
     ``LatencyWrapper`` (jitter fraction ``latency_jitter``, RNG seeded by ``latency_seed``).
-    Raises ``KeyError`` listing the valid names when ``name`` is unknown."""
+    Raises ``KeyError`` listing the valid names when ``name`` is unknown, ``TypeError``
+    naming it when the object built does not have the protocol's members."""
     env = _factory(name)(**kwargs)
+    check_environment(env, name)
     if latency_s > 0:
         env = LatencyWrapper(env, latency_s, latency_jitter, random.Random(latency_seed))
     return env

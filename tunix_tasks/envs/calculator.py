@@ -1,13 +1,15 @@
 """``calculator``: answer an arithmetic question, optionally after calling a calculator tool.
 
 Task: ``23+45=?`` (operands with ``difficulty`` digits, operators from ``ops``).
-Actions:
+Tool: ``calculate(expression)``. Actions:
 
-* ``<|tool|>23+45`` -> observation is the result (``68``) or ``error: ...``; the episode
-  continues. Tool expressions are parsed with ``ast`` and only integer literals, unary
-  +/-, and binary ``+ - * //`` are evaluated (never ``eval``).
-* ``<|answer|>68`` -> reward 1.0 if it equals the true result, else 0; done.
-* anything else (or an answer that is not an integer) -> ``invalid: ...``; continues.
+* a tool call ``calculate({"expression": "23+45"})`` -> observation is the result
+  (``68``) or ``error: ...`` (also for an unknown tool or a missing or non-string
+  ``expression``); the episode continues. Only the first call of a turn is evaluated.
+  Expressions are parsed with ``ast`` and only integer literals, unary +/-, and binary
+  ``+ - * //`` are evaluated (never ``eval``).
+* no tool call: the content is the answer. An integer (``68``) -> reward 1.0 if it
+  equals the true result, else 0; done. Anything else -> ``invalid: ...``; continues.
 
 Done after an answer or ``max_turns`` (default 3). Demonstration: tool call, then answer.
 """
@@ -19,8 +21,9 @@ import operator
 import random
 from collections.abc import Callable
 
-from tunix_tasks.envs.base import ANSWER, TOOL, StepResult
+from tunix_tasks.envs.base import StepResult, string_argument
 from tunix_tasks.envs.guess_number import parse_int
+from tunix_tasks.messages import Action, ToolCall, function_tool
 
 _BINOPS: dict[type[ast.operator], Callable[[int, int], int]] = {
     ast.Add: operator.add,
@@ -72,6 +75,13 @@ def safe_eval(expr: str) -> int:
 
 class CalculatorEnv:
     name = "calculator"
+    tools = (
+        function_tool(
+            "calculate",
+            "Evaluate an integer arithmetic expression (+ - * //).",
+            {"expression": "the expression, e.g. 23+45"},
+        ),
+    )
 
     def __init__(self, difficulty: int = 2, ops: str = "+-*", max_turns: int = 3) -> None:
         if difficulty < 1 or not ops or set(ops) - set("+-*") or max_turns < 1:
@@ -96,29 +106,29 @@ class CalculatorEnv:
         self._turns, self._done = 0, False
         return f"{self._question}=?"
 
-    async def step(self, action: str) -> StepResult:
+    async def step(self, action: Action) -> StepResult:
         if self._done:
             raise RuntimeError("step() called on a finished episode; call reset() first")
         self._turns += 1
-        text = action.strip()
         reward, answered, info = 0.0, False, {"turns": self._turns}
-        if text.startswith(TOOL):
+        if action.tool_calls:
             info["kind"] = "tool"
             try:
-                obs = str(safe_eval(text[len(TOOL) :]))
-            except ToolError as e:
+                obs = str(safe_eval(string_argument(action.tool_calls[0], self.tools)))
+            except ValueError as e:  # ToolError too
                 obs = f"error: {e}"
-        elif text.startswith(ANSWER) and (value := parse_int(text)) is not None:
+        elif (value := parse_int(action.content)) is not None:
             info["kind"] = "answer"
             answered = True
             reward = 1.0 if value == self._answer else 0.0
             obs = "correct" if reward else "wrong"
         else:
             info["kind"] = "invalid"
-            obs = f"invalid: use {TOOL}expression or {ANSWER}number"
+            obs = "invalid: call calculate or answer with an integer"
         self._done = answered or self._turns >= self.max_turns
         return StepResult(obs, reward, self._done, info)
 
-    def demonstration(self, seed: int) -> list[str]:
+    def demonstration(self, seed: int) -> list[Action]:
         question, answer = self._question_for(seed)
-        return [f"{TOOL}{question}", f"{ANSWER}{answer}"]
+        call = ToolCall("calculate", {"expression": question})
+        return [Action(tool_calls=(call,)), Action(content=str(answer))]

@@ -1,5 +1,6 @@
 """``LatencyWrapper``: adds simulated remote-API latency to any environment.
 
+It forwards ``name`` and ``tools`` (and any other attribute) to the wrapped environment.
 Each ``reset`` and ``step`` first awaits ``asyncio.sleep(d)`` with ``d = latency_s`` or,
 with ``jitter = j > 0``, ``d ~ Uniform[latency_s * (1 - j), latency_s * (1 + j)]``.
 Sleeping (not blocking) is the point: many wrapped environments overlap their waits
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Sequence
 from typing import Any
 
 from tunix_tasks.envs.base import Environment, StepResult
+from tunix_tasks.messages import Action
 
 
 class LatencyWrapper:
@@ -28,6 +31,7 @@ class LatencyWrapper:
         self.env, self.latency_s, self.jitter = env, latency_s, jitter
         self.rng = rng or random.Random()
         self.name = env.name
+        self.tools: Sequence[dict] = env.tools
 
     def sample_delay(self) -> float:
         if self.jitter == 0.0:
@@ -43,11 +47,11 @@ class LatencyWrapper:
         await self._delay()
         return await self.env.reset(seed)
 
-    async def step(self, action: str) -> StepResult:
+    async def step(self, action: Action) -> StepResult:
         await self._delay()
         return await self.env.step(action)
 
-    def demonstration(self, seed: int) -> list[str]:
+    def demonstration(self, seed: int) -> list[Action]:
         return self.env.demonstration(seed)
 
     def __getattr__(self, attr: str) -> Any:

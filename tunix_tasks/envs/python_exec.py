@@ -1,13 +1,16 @@
 """``python_exec``: write a tiny Python program whose output is the target; runs in the sandbox.
 
 Task (from the seed): ``print the sum of 3 and 4``, ``print the product of 3 and 4``,
-``print 5*6``, ``print 5+6``, ``print 9-2``. Action: Python source, e.g. ``print(3+4)``;
-a single bare expression is run REPL-style, so ``3+4`` prints ``7`` too. The program
-runs in :mod:`tunix_tasks.envs.sandbox` (off the event loop); text that does not parse is
-answered without starting a process. Reward 1.0 when the run succeeds and its stripped
+``print 5*6``, ``print 5+6``, ``print 9-2``. Tool: ``run_python(code)``. The program
+is the first tool call's ``code`` (a chat model calling the tool) or, without a tool call,
+the action's content with a surrounding markdown ``` fence removed (a plain-text policy),
+e.g. ``print(3+4)``; an unknown tool or a missing or non-string ``code`` is answered
+``error: ...``. A single bare expression is run REPL-style, so ``3+4`` prints ``7`` too.
+The program runs in :mod:`tunix_tasks.envs.sandbox` (off the event loop); text that does
+not parse is answered without starting a process. Reward 1.0 when the run succeeds and its stripped
 stdout equals the target, else 0. Observation: the (truncated) stdout, or the last line
 of the error, or ``timeout``. Done when correct or after ``max_turns`` (default 2).
-Demonstration: ``print(a+b)`` (or ``-``/``*``).
+Demonstration: one ``run_python`` call of ``print(a+b)`` (or ``-``/``*``).
 
 Isolation: ``sandbox`` (``env.kwargs.sandbox`` in a run config) is the sandbox mode:
 ``auto`` (default: bubblewrap, else kernel namespaces as root), ``bwrap``, or
@@ -21,14 +24,16 @@ from __future__ import annotations
 import ast
 import dataclasses
 import random
+import re
 
-from tunix_tasks.envs.base import StepResult
+from tunix_tasks.envs.base import StepResult, string_argument
 from tunix_tasks.envs.sandbox import (
     SandboxLimits,
     SandboxResult,
     check_isolation,
     run_python_async,
 )
+from tunix_tasks.messages import Action, ToolCall, function_tool
 
 _TEMPLATES: tuple[tuple[str, str], ...] = (
     ("print the sum of {a} and {b}", "+"),
@@ -40,25 +45,44 @@ _TEMPLATES: tuple[tuple[str, str], ...] = (
 _MAX_SOURCE_CHARS = 1000
 _MAX_OBS_CHARS = 120
 DEFAULT_LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1, max_output_bytes=4096)
+_FENCE = re.compile(r"```[\w+.-]*[ \t]*\n(.*?)\n?[ \t]*```", re.S)
+TOOLS = (
+    function_tool(
+        "run_python",
+        "Run a Python program in a sandbox and see its output.",
+        {"code": "Python source"},
+    ),
+)
 
 
-def prepare_source(action: str) -> str:
+def program_of(action: Action) -> str:
+    """The program an action submits: the first tool call's ``code``, else the content
+    without a surrounding ``` fence. Raises ValueError for a bad call (unknown tool,
+    missing or non-string ``code``)."""
+    if action.tool_calls:
+        return string_argument(action.tool_calls[0], TOOLS)
+    fenced = _FENCE.fullmatch(action.content.strip())
+    return fenced.group(1) if fenced else action.content
+
+
+def prepare_source(program: str) -> str:
     """Source to run; raises SyntaxError (checked here, in-process, without executing)."""
-    if len(action) > _MAX_SOURCE_CHARS:
+    if len(program) > _MAX_SOURCE_CHARS:
         raise SyntaxError("program too long")
     try:
-        tree = ast.parse(action)
+        tree = ast.parse(program)
     except (ValueError, RecursionError, MemoryError) as e:
         raise SyntaxError(str(e)) from e
     if len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr):
         # REPL semantics for a bare expression; print(...) itself returns None.
         expr = ast.unparse(tree.body[0].value)
         return f"_r = ({expr})\nif _r is not None:\n    print(_r)\n"
-    return action
+    return program
 
 
 class PythonExecEnv:
     name = "python_exec"
+    tools = TOOLS
 
     def __init__(
         self,
@@ -90,13 +114,15 @@ class PythonExecEnv:
         self._turns, self._done = 0, False
         return task
 
-    async def step(self, action: str) -> StepResult:
+    async def step(self, action: Action) -> StepResult:
         if self._done:
             raise RuntimeError("step() called on a finished episode; call reset() first")
         self._turns += 1
         info: dict[str, object] = {"turns": self._turns, "ran": False}
         try:
-            source = prepare_source(action)
+            source = prepare_source(program_of(action))
+        except ValueError as e:  # a bad tool call
+            obs, reward = f"error: {e}"[:_MAX_OBS_CHARS], 0.0
         except SyntaxError as e:
             obs, reward = f"SyntaxError: {e.msg}"[:_MAX_OBS_CHARS], 0.0
         else:
@@ -108,8 +134,9 @@ class PythonExecEnv:
         info["correct"] = reward > 0
         return StepResult(obs, reward, self._done, info)
 
-    def demonstration(self, seed: int) -> list[str]:
-        return [self._task_for(seed)[2]]
+    def demonstration(self, seed: int) -> list[Action]:
+        call = ToolCall("run_python", {"code": self._task_for(seed)[2]})
+        return [Action(tool_calls=(call,))]
 
 
 def _observe(result: SandboxResult) -> str:

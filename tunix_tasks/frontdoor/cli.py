@@ -117,7 +117,7 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = _config(args, train_overrides(args))
     print(
-        f"run {cfg.run_uri}  mode={cfg.mode}  env={cfg.env.name}  model={cfg.model.preset}  "
+        f"run {cfg.run_uri}  mode={cfg.mode}  env={cfg.env.name}  model={cfg.model.checkpoint or cfg.model.preset}  "
         f"actors={cfg.actor.num_actors}x{cfg.actor.envs_per_actor} envs  steps={cfg.learner.max_steps}"
     )
     summary = train_local(cfg, quiet=args.quiet)

@@ -37,6 +37,13 @@ def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None =
         if run_name is not None:
             data["run_name"] = run_name
         cfg = config_from_dict(data)
+    if cfg.model.checkpoint:  # a bad checkpoint fails here, not in every process
+        from tunix_tasks.policy.build import PolicyError, check_policy
+
+        try:
+            check_policy(cfg.model)
+        except PolicyError as err:
+            raise ConfigError(f"model.checkpoint: {err}") from None
     store = write_config(cfg)
     if cfg.warm_start_steps:
         from tunix_tasks.actor.demonstrations import write_demonstrations

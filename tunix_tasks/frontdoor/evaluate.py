@@ -21,7 +21,8 @@ from tunix_tasks.actor.batching import BatchingPolicy
 from tunix_tasks.actor.rollout import EpisodeLimits, play_episode
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
-from tunix_tasks.policy.build import build_policy
+from tunix_tasks.policy.build import build_sampler
+from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.sampling import Sampler
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.runs import read_config
@@ -36,7 +37,7 @@ def held_out_seeds(n: int = DEFAULT_EPISODES) -> list[int]:
 
 
 async def _evaluate(
-    cfg: RunConfig, sampler: Sampler, seeds: list[int], *, greedy: bool
+    cfg: RunConfig, chat: ChatFormat, sampler: Sampler, seeds: list[int], *, greedy: bool
 ) -> list[tuple[float, int, str]]:
     limits = EpisodeLimits.from_config(cfg)
     policy = BatchingPolicy(
@@ -54,7 +55,7 @@ async def _evaluate(
                     policy,
                     seed=s,
                     limits=limits,
-                    tok=sampler.tokenizer,
+                    chat=chat,
                 )
                 for s in seeds
             )
@@ -66,12 +67,11 @@ def evaluate_params(
     cfg: RunConfig, flat: dict[str, np.ndarray] | None, seeds: list[int], *, greedy: bool = True
 ) -> dict[str, Any]:
     """Evaluate given params (None: the initial random weights) on `seeds`."""
-    tok, model = build_policy(cfg.model, seed=cfg.seed)
-    sampler = Sampler(model, tok, max_seq_len=cfg.model.max_seq_len)
+    chat, sampler = build_sampler(cfg.model, seed=cfg.seed)
     if flat is not None:
         sampler.update_params(flat)
     t0 = time.perf_counter()
-    results = asyncio.run(_evaluate(cfg, sampler, seeds, greedy=greedy))
+    results = asyncio.run(_evaluate(cfg, chat, sampler, seeds, greedy=greedy))
     rewards = np.asarray([r for r, _, _ in results], np.float64)
     statuses: dict[str, int] = {}
     for _, _, st in results:

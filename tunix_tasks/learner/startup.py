@@ -22,7 +22,7 @@ from tunix_tasks.config import RunConfig
 from tunix_tasks.learner.checkpoint import Checkpointer
 from tunix_tasks.learner.publishing import SnapshotPublisher
 from tunix_tasks.learner.source import EpisodeSource, PrefetchingSource
-from tunix_tasks.learner.train_step import Trainer
+from tunix_tasks.learner.train_step import Trainer, make_mesh
 from tunix_tasks.learner.warm_start import warm_start
 from tunix_tasks.policy.build import build_policy, model_meta
 from tunix_tasks.storage.lease import Lease
@@ -77,13 +77,17 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
     p.lease = Lease(store, ttl_s=cfg.learner.lease_ttl_s)
     p.lease.acquire()  # LeaseHeldError if another learner runs on this run
     p.lease.start_renewing()
-    tok, model = build_policy(cfg.model, seed=cfg.seed, compute_dtype=cfg.learner.compute_dtype)
-    p.trainer = Trainer(cfg, model)
+    # A checkpoint's tensors go straight into their shards on this mesh (policy/hf_checkpoint).
+    mesh = make_mesh(cfg.learner.mesh)
+    _, model = build_policy(
+        cfg.model, seed=cfg.seed, compute_dtype=cfg.learner.compute_dtype, mesh=mesh
+    )
+    p.trainer = Trainer(cfg, model, mesh=mesh)
     p.ckpt = Checkpointer(store)
     p.source = PrefetchingSource(
         EpisodeSource(
             store,
-            vocab_size=tok.vocab_size,
+            vocab_size=model.vocab_size,
             advantage=cfg.learner.advantage,
             max_length=cfg.actor.max_episode_tokens,  # <= model.max_seq_len (validated)
             dedup_window=cfg.learner.dedup_window,
@@ -98,7 +102,7 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
         store, keep_last=cfg.learner.keep_snapshots, keep_every=cfg.learner.keep_every
     )
     p.publisher = SnapshotPublisher(
-        store, p.lease, model=model_meta(cfg.model), retention=retention
+        store, p.lease, model=model_meta(cfg.model, model), retention=retention
     )
     published = p.publisher.latest_version  # -1: no weights out there
     restored = p.ckpt.restore(p.trainer.state())
@@ -122,7 +126,7 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
         # No checkpoint: all training so far is lost, so the warm start is redone too
         # (also when an attempt that crashed before its first checkpoint published).
         if cfg.warm_start_steps:
-            warm_start(p.trainer, cfg, store, vocab_size=tok.vocab_size, metrics=p.metrics)
+            warm_start(p.trainer, cfg, store, vocab_size=model.vocab_size, metrics=p.metrics)
     p.version = max(p.version, published + 1)
     p.publisher.publish(p.trainer.flat_params(), version=p.version, step=p.step)
     p.publisher.wait()  # actors need the first snapshot before anything else

@@ -28,12 +28,8 @@ from jax.sharding import PartitionSpec as P
 from tunix_tasks.config import LearnerConfig, MeshConfig, RunConfig
 from tunix_tasks.learner.packing import PackedBatch
 from tunix_tasks.learner.rl_math import policy_loss, truncated_importance_weights
-from tunix_tasks.policy.model import (
-    Transformer,
-    flat_params,
-    load_flat_params,
-    sampling_log_probs,
-)
+from tunix_tasks.policy.model import Transformer, sampling_log_probs
+from tunix_tasks.policy.params import flat_params, load_flat_params
 
 log = logging.getLogger(__name__)
 

@@ -1,31 +1,95 @@
-"""Builds the policy (tokenizer + transformer) a run's config describes.
+"""Builds the policy (chat format + transformer) a run's `ModelConfig` describes.
 
-Actors, learner and evaluation all call `build_policy`, so they agree on the vocabulary
-and shapes; `model_meta` is what a weight manifest records about the model.
+Actors, learner and evaluation all call `build_policy`, so they agree on the vocabulary,
+the chat template and the shapes. A char preset gets the character tokenizer and random
+weights from `seed`; a `model.checkpoint` gets the checkpoint's tokenizer, chat template
+and weights (every process loads the same base). `model_meta` is what a weight manifest
+records about the model.
 
-    tok, model = build_policy(cfg.model, seed=cfg.seed)
+    chat, sampler = build_sampler(cfg.model, seed=cfg.seed)           # actors, evaluation
+    chat, model = build_policy(cfg.model, compute_dtype="bfloat16", mesh=mesh)   # learner
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from tunix_tasks.config import ModelConfig
+from tunix_tasks.policy.chat import ChatFormat
+from tunix_tasks.policy.chat_template import load_template_chat
+from tunix_tasks.policy.hf_checkpoint import CheckpointError, HFCheckpoint
 from tunix_tasks.policy.model import Transformer
-from tunix_tasks.policy.tokenizer import Tokenizer
+from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.policy.spec import spec_from_preset
+from tunix_tasks.policy.tokenizer import CharChat, CharTokenizer
+
+__all__ = [
+    "PolicyError",
+    "build_chat",
+    "build_policy",
+    "build_sampler",
+    "check_policy",
+    "model_meta",
+]
+
+
+class PolicyError(ValueError):
+    """The configured policy cannot be built (a bad checkpoint); names file and tensor."""
+
+
+def build_chat(cfg: ModelConfig) -> ChatFormat:
+    """Only the chat format (tokenizer + template): what the rollout needs to render."""
+    if cfg.checkpoint is None:
+        return CharChat(CharTokenizer())
+    try:
+        return load_template_chat(HFCheckpoint(cfg.checkpoint).read, tool_format=cfg.tool_format)
+    except (FileNotFoundError, ValueError) as err:  # messages name the file
+        raise PolicyError(f"{cfg.checkpoint}: {err}") from None
+
+
+def check_policy(cfg: ModelConfig) -> None:
+    """Fail fast, before any process starts: a checkpoint's tokenizer, chat template,
+    config.json and every safetensors header (names, shapes) must load. Reads no weights."""
+    if cfg.checkpoint is None:
+        return
+    build_chat(cfg)
+    try:
+        HFCheckpoint(cfg.checkpoint).verify(max_seq_len=cfg.max_seq_len)
+    except CheckpointError as err:
+        raise PolicyError(str(err)) from None
 
 
 def build_policy(
-    cfg: ModelConfig, *, seed: int = 0, compute_dtype: str | None = None
-) -> tuple[Tokenizer, Transformer]:
-    tok = Tokenizer()
+    cfg: ModelConfig,
+    *,
+    seed: int = 0,
+    compute_dtype: str | None = None,
+    mesh: Mesh | None = None,
+) -> tuple[ChatFormat, Transformer]:
     dtype = jnp.dtype(compute_dtype or cfg.dtype)
-    model = Transformer(cfg, tok.vocab_size, rngs=nnx.Rngs(seed), compute_dtype=dtype)
-    return tok, model
+    chat = build_chat(cfg)
+    if cfg.checkpoint is None:
+        spec = spec_from_preset(cfg, vocab_size=chat.tokenizer.vocab_size)
+        return chat, Transformer(spec, rngs=nnx.Rngs(seed), compute_dtype=dtype)
+    ckpt = HFCheckpoint(cfg.checkpoint)
+    model = ckpt.load_model(ckpt.spec(max_seq_len=cfg.max_seq_len), mesh=mesh, compute_dtype=dtype)
+    return chat, model
 
 
-def model_meta(cfg: ModelConfig) -> dict[str, Any]:
-    return {**cfg.model_dump(), "vocab_size": Tokenizer().vocab_size}
+def build_sampler(cfg: ModelConfig, *, seed: int = 0) -> tuple[ChatFormat, Sampler]:
+    """The chat format and a sampler over the policy, stopping at the format's stop ids."""
+    chat, model = build_policy(cfg, seed=seed)
+    stop = chat.stop_ids
+    sampler = Sampler(
+        model, pad_id=chat.tokenizer.pad_id, stop_ids=stop, max_seq_len=cfg.max_seq_len
+    )
+    return chat, sampler
+
+
+def model_meta(cfg: ModelConfig, model: Transformer) -> dict[str, Any]:
+    return {**cfg.model_dump(), **dataclasses.asdict(model.spec)}

@@ -1,53 +1,44 @@
-"""The policy network: a decoder-only transformer in Flax NNX, and the maths shared with it.
+"""The policy network: one decoder-only transformer in Flax NNX for every family.
 
 This module owns:
 
-- `Transformer`: token embedding, pre-norm blocks (RMSNorm, causal multi-head attention
-  with RoPE, SwiGLU MLP), final norm, untied output projection. Params are float32;
+- `Transformer(spec)`: token embedding, pre-norm blocks (RMSNorm; causal grouped-query
+  attention with RoPE, optional per-head q/k RMSNorm (Qwen3) and q/k/v bias (Qwen2);
+  SwiGLU MLP), final norm, output projection (tied to the embedding or not). The
+  `DecoderSpec` (`policy/spec.py`) says which options a family uses. Params are float32;
   `compute_dtype` (float32 / bfloat16) is what matmuls run in; logits are float32.
 - Packed training forward: `model(tokens, positions, segment_ids)`. Attention is causal and
   never crosses a segment; segment 0 is padding. Positions restart at 0 per segment.
-- KV-cache decoding for the sampler: `init_cache` + `forward_with_cache` with static shapes.
+- KV-cache decoding for the sampler: `init_cache` + `forward_with_cache` with static shapes;
+  the cache holds the key/value heads only (n_kv_heads, not n_heads).
 - Sharding annotations: every param carries a PartitionSpec over the mesh axis `"fsdp"` on
   its d_model dimension (None elsewhere), read with `nnx.get_partition_spec(nnx.state(m))`.
-- Weight I/O helpers for safetensors snapshots (`flat_params` / `check_flat_params` /
-  `load_flat_params`),
-  `param_count`, and the sampling distribution (`sampling_log_probs`, `token_logprobs`)
-  that the sampler and the learner must both use so behaviour logprobs match.
+- The sampling distribution (`sampling_log_probs`, `token_logprobs`) that the sampler and
+  the learner must both use so behaviour log-probs match.
+
+Param names follow the NNX paths (`embed`, `blocks/0/attn/wq`, ..., `unembed`), the names
+snapshots store (`policy/params.py`); `policy/hf_checkpoint.py` maps Hugging Face names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from tunix_tasks.config import ModelConfig
+from tunix_tasks.policy.spec import DecoderSpec, rope_inv_freq
 
-__all__ = [
-    "FSDP",
-    "KVCache",
-    "Transformer",
-    "check_flat_params",
-    "flat_params",
-    "load_flat_params",
-    "param_count",
-    "sampling_log_probs",
-    "token_logprobs",
-]
+__all__ = ["FSDP", "KVCache", "Transformer", "sampling_log_probs", "token_logprobs"]
 
 FSDP = "fsdp"  # mesh axis that shards the d_model dimension of every weight
-_ROPE_THETA = 10_000.0
 # Finite (not -inf) so that a fully-masked attention row gives a uniform softmax, not NaN.
 _MASK_VALUE = -1e30
 
 
 class KVCache(NamedTuple):
-    """Per-layer keys/values, each [batch, n_heads, max_len, head_dim]; slot index == position.
+    """Per-layer keys/values, each [batch, n_kv_heads, max_len, head_dim]; slot == position.
 
     Heads before slots: the attention matmuls read the cache in place (no per-step transpose).
     """
@@ -64,11 +55,10 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], spec: tuple[str | None,
     return nnx.Param(value, eager_sharding=eager)
 
 
-def _rope(x: jax.Array, positions: jax.Array) -> jax.Array:
+def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding (rotate-half form) of x [B,H,T,hd] at integer positions [B,T]."""
     half = x.shape[-1] // 2
-    freq = 1.0 / (_ROPE_THETA ** (jnp.arange(half, dtype=jnp.float32) / half))
-    angle = positions.astype(jnp.float32)[..., None] * freq  # [B,T,half]
+    angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,half]
     sin, cos = jnp.sin(angle)[:, None], jnp.cos(angle)[:, None]
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half:]
@@ -77,12 +67,17 @@ def _rope(x: jax.Array, positions: jax.Array) -> jax.Array:
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """q [B,H,T,hd], k/v [B,H,S,hd], mask [B,T,S] bool -> [B,H,T,hd]. Softmax in float32."""
-    scale = q.shape[-1] ** -0.5
-    scores = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None], scores, _MASK_VALUE)
+    """q [B,H,T,hd], k/v [B,KV,S,hd], mask [B,T,S] bool -> [B,H,T,hd]. Softmax in float32.
+
+    Query head h reads key/value head h // (H // KV), as Hugging Face's `repeat_kv` does.
+    """
+    b, h, t, hd = q.shape
+    kv = k.shape[1]
+    qg = q.reshape(b, kv, h // kv, t, hd)
+    scores = jnp.einsum("bkgtd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores * hd**-0.5, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhts,bhsd->bhtd", probs, v)
+    return jnp.einsum("bkgts,bksd->bkgtd", probs, v).reshape(b, h, t, hd)
 
 
 class RMSNorm(nnx.Module):
@@ -97,24 +92,38 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, d_model: int, n_heads: int, *, rngs: nnx.Rngs, dtype: jnp.dtype):
-        hd = d_model // n_heads
-        if hd % 2:
-            raise ValueError(f"head_dim={hd} must be even for RoPE")
+    def __init__(self, spec: DecoderSpec, *, rngs: nnx.Rngs, dtype: jnp.dtype):
+        d, h, kv, hd = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
         init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=0)
         out_init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=(0, 1))
-        self.wq = _param(rngs, init, (d_model, n_heads, hd), (FSDP, None, None))
-        self.wk = _param(rngs, init, (d_model, n_heads, hd), (FSDP, None, None))
-        self.wv = _param(rngs, init, (d_model, n_heads, hd), (FSDP, None, None))
-        self.wo = _param(rngs, out_init, (n_heads, hd, d_model), (None, None, FSDP))
+        self.wq = _param(rngs, init, (d, h, hd), (FSDP, None, None))
+        self.wk = _param(rngs, init, (d, kv, hd), (FSDP, None, None))
+        self.wv = _param(rngs, init, (d, kv, hd), (FSDP, None, None))
+        self.wo = _param(rngs, out_init, (h, hd, d), (None, None, FSDP))
+        zeros = nnx.initializers.zeros
+        if spec.qkv_bias:
+            self.bq = _param(rngs, zeros, (h, hd), (None, None))
+            self.bk = _param(rngs, zeros, (kv, hd), (None, None))
+            self.bv = _param(rngs, zeros, (kv, hd), (None, None))
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(hd, rngs=rngs, eps=spec.norm_eps)
+            self.k_norm = RMSNorm(hd, rngs=rngs, eps=spec.norm_eps)
+        self.spec = spec
         self.dtype = dtype
 
+    def _project(self, x: jax.Array, name: str) -> jax.Array:
+        w = getattr(self, f"w{name}")[...].astype(self.dtype)
+        y = jnp.einsum("btd,dhk->bhtk", x, w)
+        if self.spec.qkv_bias:
+            y = y + getattr(self, f"b{name}")[...].astype(self.dtype)[None, :, None, :]
+        return y
+
     def _qkv(self, x: jax.Array, positions: jax.Array):
-        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
-        q = _rope(jnp.einsum("btd,dhk->bhtk", x, w(self.wq)), positions)
-        k = _rope(jnp.einsum("btd,dhk->bhtk", x, w(self.wk)), positions)
-        v = jnp.einsum("btd,dhk->bhtk", x, w(self.wv))
-        return q, k, v
+        q, k, v = self._project(x, "q"), self._project(x, "k"), self._project(x, "v")
+        if self.spec.qk_norm:  # Qwen3: per-head RMSNorm before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = jnp.asarray(rope_inv_freq(self.spec))
+        return _rope(q, positions, inv_freq), _rope(k, positions, inv_freq), v
 
     def _out(self, o: jax.Array) -> jax.Array:
         return jnp.einsum("bhtk,hkd->btd", o, self.wo[...].astype(self.dtype))
@@ -153,11 +162,11 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype):
-        self.attn_norm = RMSNorm(cfg.d_model, rngs=rngs)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, rngs=rngs, dtype=dtype)
-        self.mlp_norm = RMSNorm(cfg.d_model, rngs=rngs)
-        self.mlp = MLP(cfg.d_model, cfg.d_ff, rngs=rngs, dtype=dtype)
+    def __init__(self, spec: DecoderSpec, *, rngs: nnx.Rngs, dtype: jnp.dtype):
+        self.attn_norm = RMSNorm(spec.d_model, rngs=rngs, eps=spec.norm_eps)
+        self.attn = Attention(spec, rngs=rngs, dtype=dtype)
+        self.mlp_norm = RMSNorm(spec.d_model, rngs=rngs, eps=spec.norm_eps)
+        self.mlp = MLP(spec.d_model, spec.d_ff, rngs=rngs, dtype=dtype)
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
         x = x + self.attn(self.attn_norm(x), positions, mask)
@@ -173,40 +182,36 @@ class Transformer(nnx.Module):
     """Decoder-only LM. Params float32 (sharding-annotated); logits float32."""
 
     def __init__(
-        self,
-        cfg: ModelConfig,
-        vocab_size: int,
-        *,
-        rngs: nnx.Rngs,
-        compute_dtype: jnp.dtype = jnp.float32,
+        self, spec: DecoderSpec, *, rngs: nnx.Rngs, compute_dtype: jnp.dtype = jnp.float32
     ):
-        self.cfg = cfg
-        self.vocab_size = vocab_size
+        self.spec = spec
+        self.vocab_size = spec.vocab_size
         self.compute_dtype = jnp.dtype(compute_dtype)
-        self.embed = _param(
-            rngs, nnx.initializers.normal(1.0), (vocab_size, cfg.d_model), (None, FSDP)
-        )
+        d, v = spec.d_model, spec.vocab_size
+        self.embed = _param(rngs, nnx.initializers.normal(1.0), (v, d), (None, FSDP))
         self.blocks = nnx.List(
-            [Block(cfg, rngs=rngs, dtype=self.compute_dtype) for _ in range(cfg.n_layers)]
+            [Block(spec, rngs=rngs, dtype=self.compute_dtype) for _ in range(spec.n_layers)]
         )
-        self.final_norm = RMSNorm(cfg.d_model, rngs=rngs)
-        # Small init keeps the initial policy close to uniform (sane early RL exploration).
-        self.unembed = _param(
-            rngs,
-            nnx.initializers.normal(0.02 / cfg.d_model**0.5),
-            (cfg.d_model, vocab_size),
-            (FSDP, None),
-        )
+        self.final_norm = RMSNorm(d, rngs=rngs, eps=spec.norm_eps)
+        if not spec.tie_embeddings:
+            # Small init keeps the initial policy close to uniform (sane early exploration).
+            init = nnx.initializers.normal(0.02 / d**0.5)
+            self.unembed = _param(rngs, init, (d, v), (FSDP, None))
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.spec.max_seq_len
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0).astype(self.compute_dtype)
 
     def _logits(self, x: jax.Array) -> jax.Array:
         x = self.final_norm(x)
-        w = self.unembed[...].astype(self.compute_dtype)
-        return jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32).astype(
-            jnp.float32
-        )
+        if self.spec.tie_embeddings:
+            w, eq = self.embed[...].astype(self.compute_dtype), "btd,vd->btv"
+        else:
+            w, eq = self.unembed[...].astype(self.compute_dtype), "btd,dv->btv"
+        return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(jnp.float32)
 
     def __call__(
         self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
@@ -228,8 +233,7 @@ class Transformer(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> KVCache:
         """An empty cache of static shape; `max_len` bounds the positions that can be written."""
-        hd = self.cfg.d_model // self.cfg.n_heads
-        shape = (batch, self.cfg.n_heads, max_len, hd)
+        shape = (batch, self.spec.n_kv_heads, max_len, self.spec.head_dim)
         dt = dtype or self.compute_dtype
         zeros = tuple(jnp.zeros(shape, dt) for _ in self.blocks)
         return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dt) for _ in self.blocks))
@@ -287,76 +291,3 @@ def token_logprobs(
     """
     logp = sampling_log_probs(logits[:, :-1], temperature, top_k)
     return jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
-
-
-# ---------------------------------------------------------------- weight I/O helpers
-
-
-def _flat_vars(model: nnx.Module) -> dict[str, nnx.Variable]:
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    return {"/".join(str(p) for p in path): var for path, var in flat}
-
-
-def param_count(model: nnx.Module) -> int:
-    """Number of scalar parameters."""
-    return sum(int(np.prod(v.shape)) for v in _flat_vars(model).values())
-
-
-def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
-    """{'blocks/0/attn/wq': float32 ndarray, ...}: stable names, ready for safetensors."""
-    return {
-        name: np.asarray(jax.device_get(var[...]), dtype=np.float32)
-        for name, var in sorted(_flat_vars(model).items())
-    }
-
-
-def check_flat_params(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
-    """Raise ValueError unless `flat` has exactly `model`'s tensors, each of its shape and
-    float32 (the snapshot format); the message names every missing / unexpected key and
-    every shape or dtype mismatch. Reads only shapes and dtypes."""
-    current = _flat_vars(model)
-    missing = sorted(set(current) - set(flat))
-    unexpected = sorted(set(flat) - set(current))
-    common = sorted(set(current) & set(flat))
-    bad_shape = [
-        f"{n}: expected {tuple(current[n].shape)}, got {tuple(np.shape(flat[n]))}"
-        for n in common
-        if tuple(np.shape(flat[n])) != tuple(current[n].shape)
-    ]
-    bad_dtype = [
-        f"{n}: expected float32, got {np.asarray(flat[n]).dtype}"
-        for n in common
-        if np.asarray(flat[n]).dtype != np.float32
-    ]
-    if missing or unexpected or bad_shape or bad_dtype:
-        parts = []
-        if missing:
-            parts.append(f"missing keys {missing}")
-        if unexpected:
-            parts.append(f"unexpected keys {unexpected}")
-        if bad_shape:
-            parts.append(f"shape mismatches [{'; '.join(bad_shape)}]")
-        if bad_dtype:
-            parts.append(f"dtype mismatches [{'; '.join(bad_dtype)}]")
-        raise ValueError("load_flat_params: " + ", ".join(parts))
-
-
-def load_flat_params(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
-    """Load `flat_params`-style arrays into `model` in place (keeps each param's sharding).
-
-    Checks first (`check_flat_params`: names, shapes, float32) and raises ValueError naming
-    every problem; nothing is modified when it raises.
-    """
-    check_flat_params(model, flat)
-    current = _flat_vars(model)
-    state = nnx.state(model, nnx.Param)
-    new_values = {}
-    for name, var in current.items():
-        old = var[...]
-        value = jnp.asarray(np.asarray(flat[name], dtype=np.float32))
-        if isinstance(getattr(old, "sharding", None), jax.sharding.NamedSharding):
-            value = jax.device_put(value, old.sharding)
-        new_values[name] = value
-    for path, var in nnx.to_flat_state(state):
-        var.set_value(new_values["/".join(str(p) for p in path)])
-    nnx.update(model, state)

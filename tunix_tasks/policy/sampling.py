@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_tasks.policy.model import Transformer, load_flat_params, sampling_log_probs
-from tunix_tasks.policy.tokenizer import Tokenizer
+from tunix_tasks.policy.model import Transformer, sampling_log_probs
+from tunix_tasks.policy.params import load_flat_params
 
 __all__ = ["DEFAULT_BATCH_BUCKETS", "DEFAULT_PROMPT_BUCKETS", "Sample", "Sampler"]
 
@@ -68,7 +68,7 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 class Sampler:
     """Samples continuations of many contexts at once from a `Transformer`.
 
-    sampler = Sampler(model, tokenizer, max_seq_len=256)
+    sampler = Sampler(model, pad_id=chat.tokenizer.pad_id, stop_ids=chat.stop_ids)
     out = sampler.sample(contexts, max_new_tokens=16, temperature=1.0, rng=key)
     sampler.update_params(flat)  # new weights, same compiled programs
     """
@@ -76,13 +76,14 @@ class Sampler:
     def __init__(
         self,
         model: Transformer,
-        tokenizer: Tokenizer,
         *,
+        pad_id: int,
+        stop_ids: Sequence[int],
         max_seq_len: int | None = None,
         batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
         prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
     ):
-        self.max_seq_len = int(max_seq_len or model.cfg.max_seq_len)
+        self.max_seq_len = int(max_seq_len or model.max_seq_len)
         if self.max_seq_len <= 1:
             raise ValueError(f"max_seq_len must be > 1, got {self.max_seq_len}")
         if not batch_buckets or min(batch_buckets) < 1:
@@ -91,8 +92,10 @@ class Sampler:
         # Clip prompt buckets to max_seq_len and make max_seq_len itself the last bucket.
         clipped = {b for b in prompt_buckets if 0 < b < self.max_seq_len}
         self.prompt_buckets = (*sorted(clipped), self.max_seq_len)
-        self.tokenizer = tokenizer
-        self.default_stop_ids = (tokenizer.end_id, tokenizer.eos_id)
+        if not 0 < len(stop_ids) <= _MAX_STOP_IDS:
+            raise ValueError(f"need 1..{_MAX_STOP_IDS} stop ids, got {list(stop_ids)}")
+        self.pad_id = int(pad_id)
+        self.default_stop_ids = tuple(int(i) for i in stop_ids)
         self._model = model
         self._graphdef, self._state = nnx.split(model)
         self._traces = 0
@@ -132,7 +135,7 @@ class Sampler:
     ) -> list[Sample]:
         """Sample a continuation of every context (order preserved).
 
-        `stop_ids` defaults to (end_id, eos_id). Greedy decoding: `top_k=1`. A context
+        `stop_ids` defaults to the constructor's. Greedy decoding: `top_k=1`. A context
         must be non-empty and at most `max_seq_len` tokens long.
         """
         if temperature <= 0:
@@ -170,7 +173,7 @@ class Sampler:
         batch = _bucket(n, self.batch_buckets)
         width = _bucket(max(len(c) for c in contexts), self.prompt_buckets)
         cache_len = _bucket(min(width + max_new, self.max_seq_len), self.prompt_buckets)
-        tokens = np.full((batch, width), self.tokenizer.pad_id, np.int32)
+        tokens = np.full((batch, width), self.pad_id, np.int32)
         lengths = np.ones((batch,), np.int32)  # padding rows: one pad token, inactive
         active = np.zeros((batch,), bool)
         for i, ctx in enumerate(contexts):

@@ -1,23 +1,30 @@
-"""Character-level tokenizer with the special tokens the agentic environments speak.
+"""Character-level tokenizer and its chat format (`CharChat`), with built-in turn markers.
 
 Small on purpose: the built-in tasks (arithmetic, number guessing, tiny Python programs)
 are written in printable ASCII, and a ~110-token vocabulary lets a ~1M-parameter policy
-learn them on CPU. Special tokens appear in text as their marker strings, so
-environments read and write plain text:
+learn them on CPU. Special tokens appear in text as their marker strings:
 
-    tok = Tokenizer()
+    tok = CharTokenizer()
     ids = tok.encode("<|tool|>12+7")        # [TOOL, '1', '2', '+', '7']
     tok.decode(ids) == "<|tool|>12+7"
 
-Layout of one episode (the actor builds it, the learner trains on it):
+`CharChat` is the `ChatFormat` (policy/chat.py) of this tokenizer. Layout of one episode:
 
     BOS USER <observation> ASSISTANT <action> END USER <observation> ASSISTANT ... EOS
+
+An action is `TOOL <argument>` (a call of the environment's first tool with its first
+parameter) or `ANSWER <text>`; unmarked text is an answer too.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+from tunix_tasks.messages import Action, Message, ToolCall, tool_argument_names
+from tunix_tasks.policy.chat import Tools
+
+__all__ = ["ANSWER", "TOOL", "CharChat", "CharTokenizer", "Tokenizer"]
 
 PAD = "<|pad|>"
 BOS = "<|bos|>"
@@ -34,7 +41,7 @@ _SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + 
 _UNKNOWN = "?"
 
 
-class Tokenizer:
+class CharTokenizer:
     """Maps text <-> token ids. Ids 0..7 are the special tokens; PAD is 0."""
 
     def __init__(self) -> None:
@@ -87,3 +94,73 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return 0 <= token_id < len(SPECIAL_TOKENS)
+
+
+Tokenizer = CharTokenizer  # the old name, until its users move to `CharTokenizer`
+
+
+class CharChat:
+    """The `ChatFormat` of the character tokenizer (layout in the module docstring).
+
+    Every message, whatever its role, is `USER <content>`; tool schemas are not rendered
+    (the environments' observations say how to act).
+    """
+
+    def __init__(self, tokenizer: CharTokenizer | None = None) -> None:
+        self.tokenizer = tokenizer or CharTokenizer()
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.tokenizer.end_id, self.tokenizer.eos_id)
+
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        return (self.tokenizer.eos_id,)
+
+    def _turns(self, messages: Sequence[Message]) -> list[int]:
+        """`USER <content>` per message, then the generation prompt."""
+        tok = self.tokenizer
+        ids: list[int] = []
+        for msg in messages:
+            ids += [tok.user_id, *tok.encode(str(msg.get("content") or ""))]
+        return [*ids, tok.assistant_id]
+
+    def start(self, messages: Sequence[Message], tools: Tools = ()) -> list[int]:
+        return [self.tokenizer.bos_id, *self._turns(messages)]
+
+    def reply(
+        self, history: Sequence[Message], new_messages: Sequence[Message], tools: Tools = ()
+    ) -> list[int]:
+        return self._turns(new_messages)
+
+    def close_turn(self, sampled: Sequence[int]) -> list[int]:
+        return [] if sampled and sampled[-1] in self.stop_ids else [self.tokenizer.end_id]
+
+    def parse(self, sampled: Sequence[int], tools: Tools = ()) -> Action:
+        text = self.tokenizer.decode(t for t in sampled if t not in self.stop_ids).strip()
+        if text.startswith(TOOL):
+            return _tool_action(text[len(TOOL) :].strip(), tools)
+        if text.startswith(ANSWER):
+            return Action(content=text[len(ANSWER) :].strip())
+        return Action(content=text)
+
+    def render_action(
+        self, history: Sequence[Message], action: Action, tools: Tools = ()
+    ) -> list[int]:
+        if action.tool_calls:
+            args = list(action.tool_calls[0].arguments.values())
+            text = TOOL + (str(args[0]) if args else "")
+        else:
+            text = ANSWER + action.content
+        return [*self.tokenizer.encode(text), self.tokenizer.end_id]
+
+
+def _tool_action(argument: str, tools: Tools) -> Action:
+    """`TOOL <argument>`: a call of the first tool with `argument` as its first parameter."""
+    if not tools:
+        return Action(error="no tool available")
+    name = tools[0]["function"]["name"]
+    params = tool_argument_names(tools[0])
+    if not params:
+        return Action(error=f"tool {name!r} takes no argument")
+    return Action(tool_calls=(ToolCall(name=name, arguments={params[0]: argument}),))

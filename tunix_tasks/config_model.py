@@ -1,0 +1,104 @@
+"""`ModelConfig`: which policy a run trains, a char preset or a Hugging Face checkpoint.
+
+Part of the run configuration (`tunix_tasks.config`, which re-exports it); split out so
+each module stays small. `_Frozen` is the base of every config model: frozen, no unknown
+fields, validated on construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["CHECKPOINT_MAX_SEQ_LEN", "MODEL_PRESETS", "ModelConfig"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    # Tests: compiles in seconds on one CPU core.
+    "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 128, "max_seq_len": 256},
+    # Demo: ~1M parameters, learns the built-in tasks on 2 CPU cores in minutes.
+    "small": {"d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512, "max_seq_len": 512},
+    # A model shaped like a real (small) LM, for accelerator throughput checks.
+    "base": {"d_model": 768, "n_layers": 12, "n_heads": 12, "d_ff": 3072, "max_seq_len": 2048},
+}
+
+
+_SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "d_ff", "max_seq_len")
+CHECKPOINT_MAX_SEQ_LEN = 2048  # context budget of a checkpoint run unless set
+
+
+class ModelConfig(_Frozen):
+    """The policy: a char preset (demo, tests) or a Hugging Face checkpoint (`checkpoint`).
+
+    With `checkpoint` the architecture, tokenizer and chat template come from the
+    checkpoint directory (docs/models.md); only `max_seq_len`, `dtype` and `tool_format`
+    apply. Otherwise `preset` fills any dimension not given explicitly.
+    """
+
+    preset: Literal["tiny", "small", "base", "custom"] = Field(
+        "tiny",
+        description="tiny: tests (seconds); small: ~1M params demo; base: accelerator-sized; "
+        "custom: set every dimension",
+    )
+    checkpoint: str | None = Field(
+        None,
+        description="Hugging Face checkpoint directory (path, file:// or gs://) of a Llama 3, "
+        "Qwen3 or Qwen2 model; replaces the preset",
+    )
+    d_model: int = Field(0, ge=0)
+    n_layers: int = Field(0, ge=0)
+    n_heads: int = Field(0, ge=0)
+    d_ff: int = Field(0, ge=0)
+    max_seq_len: int = Field(0, ge=0)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    tool_format: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto",
+        description="how the checkpoint's model writes tool calls; auto: read its chat template",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_preset(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        if data.get("checkpoint"):
+            shaped = [k for k in ("d_model", "n_layers", "n_heads", "d_ff") if data.get(k)]
+            if shaped:
+                raise ValueError(
+                    f"model.checkpoint sets the architecture; remove model.{', model.'.join(shaped)}"
+                )
+            data.setdefault("max_seq_len", CHECKPOINT_MAX_SEQ_LEN)
+            return data
+        preset = data.get("preset", "tiny")
+        for key, value in MODEL_PRESETS.get(preset, {}).items():
+            if not data.get(key):
+                data[key] = value
+        return data
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _checkpoint(cls, value: str | None) -> str | None:
+        from tunix_tasks.storage.store import normalize_uri  # local: keeps config import-light
+
+        return normalize_uri(value) if value else None
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        names = ("max_seq_len",) if self.checkpoint else _SHAPE_FIELDS
+        for name in names:
+            if getattr(self, name) <= 0:
+                raise ValueError(
+                    f"model.{name} must be > 0 (or choose a preset: tiny, small, base)"
+                )
+        if not self.checkpoint and self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}"
+            )
+        return self

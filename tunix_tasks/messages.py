@@ -1,0 +1,89 @@
+"""The conversation vocabulary environments and policies share, independent of any tokenizer.
+
+An environment offers `tools` (OpenAI-style function schemas), receives the policy's turn
+as an `Action` (its text `content` and parsed `tool_calls`) and answers in text; the
+policy's chat format turns messages into tokens and sampled tokens back into an `Action`:
+
+    tools = env.tools                                   # [{"type": "function", "function": {...}}]
+    action = chat.parse(sampled_ids)                    # Action(content, tool_calls, error)
+    action.message()                                    # {"role": "assistant", ...} for the template
+    reply = {"role": action.reply_role, "content": result.observation}
+
+`Action.error` is set when the policy's text could not be parsed (a malformed tool call);
+the rollout then answers with the error instead of calling the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["Action", "Message", "ToolCall", "function_tool", "tool_argument_names"]
+
+Message = dict[str, Any]  # {"role": "system"|"user"|"assistant"|"tool", "content": str, ...}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One call of a tool the environment offers; `arguments` is the decoded JSON object."""
+
+    name: str
+    arguments: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def as_openai(self) -> dict[str, Any]:
+        """The OpenAI / Hugging Face chat-message form of the call."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "arguments": dict(self.arguments)},
+        }
+
+    def __str__(self) -> str:
+        return f"{self.name}({json.dumps(dict(self.arguments), ensure_ascii=False)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One policy turn: free text (the answer when there is no tool call) and tool calls."""
+
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    error: str | None = None  # why the text could not be parsed; None when it could
+
+    @property
+    def reply_role(self) -> str:
+        """Role of the message that answers this action: tool results or the user."""
+        return "tool" if self.tool_calls else "user"
+
+    def message(self) -> Message:
+        """The assistant message a chat template renders for this action."""
+        msg: Message = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            msg["tool_calls"] = [c.as_openai() for c in self.tool_calls]
+        return msg
+
+
+def function_tool(
+    name: str, description: str, parameters: Mapping[str, str], *, required: Sequence[str] = ()
+) -> dict[str, Any]:
+    """An OpenAI-style tool schema with string parameters ({name: description})."""
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    p: {"type": "string", "description": d} for p, d in parameters.items()
+                },
+                "required": list(required or parameters),
+            },
+        },
+    }
+
+
+def tool_argument_names(tool: Mapping[str, Any]) -> list[str]:
+    """Parameter names of an OpenAI-style tool schema, in declaration order."""
+    return list(tool.get("function", {}).get("parameters", {}).get("properties", {}))

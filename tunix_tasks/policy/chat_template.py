@@ -1,0 +1,311 @@
+"""`TemplateChat`: the `ChatFormat` of a Hugging Face checkpoint, from its jinja chat template.
+
+Renders the checkpoint's template with the same jinja environment, filters, globals and
+variables as transformers' `apply_chat_template`, and tokenizes the rendered text with
+the checkpoint's `tokenizer.json` (policy/hf_tokenizer.py), so a prompt is token for token
+what transformers would build. Multi-turn episodes stay token-in / token-out
+(policy/chat.py): `reply` returns only the template's text that follows the closed
+assistant turn, found by rendering the conversation with and without the new messages.
+
+    chat = load_template_chat(lambda name: read_bytes_or_none(ckpt_dir / name))
+    ids = chat.start([{"role": "user", "content": "2+2?"}], tools)
+    action = chat.parse(sampled, tools)        # tool calls in the family's format
+
+The end-of-turn token (`<|im_end|>`, `<|eot_id|>`, ...) is discovered by rendering a probe
+conversation; tool calls are parsed as Hermes (`<tool_call>` JSON, Qwen) or Llama 3.1 JSON.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+
+from tunix_tasks.messages import Action, Message
+from tunix_tasks.policy.chat import Tools
+from tunix_tasks.policy.hf_tokenizer import HFTokenizer
+from tunix_tasks.policy.toolcalls import parse_hermes, parse_llama3_json
+
+__all__ = [
+    "ChatTemplateError",
+    "TemplateChat",
+    "ToolFormat",
+    "compile_template",
+    "detect_tool_format",
+    "load_template_chat",
+    "select_template",
+]
+
+ToolFormat = Literal["auto", "hermes", "llama3_json"]
+_PARSERS: dict[str, Callable[[str], Action]] = {
+    "hermes": parse_hermes,
+    "llama3_json": parse_llama3_json,
+}
+_PROBE = [{"role": "user", "content": "PROBE_U"}, {"role": "assistant", "content": "PROBE_A"}]
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that cannot be used here, or that raised while rendering."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"chat template raised: {message}")
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' filter: jinja's own `tojson` HTML-escapes and takes no json.dumps options.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def compile_template(source: str) -> jinja2.Template:
+    """`source` compiled in the environment transformers renders chat templates in."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template: syntax error on line {e.lineno}: {e}") from e
+
+
+def select_template(config: Mapping[str, Any], chat_template: str | None) -> str:
+    """The template text: chat_template.jinja if given, else tokenizer_config's."""
+    if chat_template is not None:
+        return chat_template
+    value = config.get("chat_template")
+    if isinstance(value, str):
+        return value
+    if value is None:
+        raise ChatTemplateError(
+            'no chat template: neither chat_template.jinja nor "chat_template" in '
+            "tokenizer_config.json"
+        )
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+        raise ChatTemplateError(
+            'tokenizer_config.json: "chat_template" list has no template named "default" '
+            f"(names: {sorted(map(str, named))})"
+        )
+    raise ChatTemplateError(
+        'tokenizer_config.json: "chat_template" is neither a string nor a list of {name, template}'
+    )
+
+
+def detect_tool_format(template: str) -> Literal["hermes", "llama3_json"]:
+    """The tool-call format a template's assistant turns use."""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "ipython" in template or "<|python_tag|>" in template:
+        return "llama3_json"
+    return "hermes"
+
+
+class TemplateChat:
+    """A checkpoint's chat template as a `ChatFormat` (policy/chat.py)."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        template: str,
+        *,
+        eos_ids: Iterable[int] = (),
+        tool_format: ToolFormat = "auto",
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """`eos_ids`: generation_config's eos_token_id(s), stop ids besides the config's
+        eos token; `template_kwargs`: extra template variables (e.g. `enable_thinking`)."""
+        self.tokenizer = tokenizer
+        self.template = template
+        self._compiled = compile_template(template)
+        self._variables = {**tokenizer.special_tokens, **(template_kwargs or {})}
+        if tool_format == "auto":
+            tool_format = detect_tool_format(template)
+        if tool_format not in _PARSERS:
+            raise ValueError(
+                f"tool_format {tool_format!r} is not one of {sorted(_PARSERS)} or auto"
+            )
+        self.tool_format = tool_format
+        self._parse_text = _PARSERS[tool_format]
+        eos = tokenizer.special_tokens.get("eos_token")
+        eos_id = [tokenizer.token_id(eos)] if isinstance(eos, str) else []
+        stops = list(dict.fromkeys([*eos_id, *eos_ids]))  # deduplicated, in order
+        self.eot_text, self.eot_id = self._discover_eot(stops)
+        self._stop_ids = tuple(dict.fromkeys([*stops, self.eot_id]))
+
+    @classmethod
+    def from_files(
+        cls,
+        tokenizer_json: str | bytes,
+        tokenizer_config: Mapping[str, Any],
+        chat_template: str | None = None,
+        generation_config: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> TemplateChat:
+        """From the checkpoint's file contents; `kwargs` as in the constructor."""
+        template = select_template(tokenizer_config, chat_template)
+        eos = (generation_config or {}).get("eos_token_id")
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+        if not isinstance(eos_ids, list) or not all(isinstance(i, int) for i in eos_ids):
+            raise ValueError(
+                f"generation_config.json: eos_token_id {eos!r} is neither an int nor a list of ints"
+            )
+        tokenizer = HFTokenizer(tokenizer_json, tokenizer_config)
+        return cls(tokenizer, template, eos_ids=eos_ids, **kwargs)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stop_ids
+
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        return ()  # the template closed the last turn already
+
+    def render(
+        self, messages: Sequence[Message], tools: Tools = (), add_generation_prompt: bool = False
+    ) -> str:
+        """The template's text for `messages`, exactly as `apply_chat_template` renders it."""
+        try:
+            return self._compiled.render(
+                messages=list(messages),
+                tools=list(tools) or None,
+                documents=None,  # transformers always passes it
+                add_generation_prompt=add_generation_prompt,
+                **self._variables,
+            )
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed to render: {e}") from e
+
+    def start(self, messages: Sequence[Message], tools: Tools = ()) -> list[int]:
+        return self.tokenizer.encode(self.render(messages, tools, add_generation_prompt=True))
+
+    def reply(
+        self, history: Sequence[Message], new_messages: Sequence[Message], tools: Tools = ()
+    ) -> list[int]:
+        prefix = self.render(history, tools)
+        full = self.render([*history, *new_messages], tools, add_generation_prompt=True)
+        return self.tokenizer.encode(full[self._after_last_turn(prefix, full) :])
+
+    def close_turn(self, sampled: Sequence[int]) -> list[int]:
+        return [] if sampled and sampled[-1] in self._stop_ids else [self.eot_id]
+
+    def parse(self, sampled: Sequence[int], tools: Tools = ()) -> Action:
+        ids = list(sampled)
+        if ids and ids[-1] in self._stop_ids:
+            ids.pop()
+        return self._parse_text(self.tokenizer.decode(ids))
+
+    def render_action(
+        self, history: Sequence[Message], action: Action, tools: Tools = ()
+    ) -> list[int]:
+        prompt = self.render(history, tools, add_generation_prompt=True)
+        full = self.render([*history, action.message()], tools)
+        if not full.startswith(prompt):
+            raise self._not_prefix_stable(prompt, full)
+        end = full.find(self.eot_text, len(prompt))
+        if end < 0:
+            raise ChatTemplateError(f"chat template wrote no {self.eot_text!r} after the action")
+        return self.tokenizer.encode(full[len(prompt) : end + len(self.eot_text)])
+
+    def _after_last_turn(self, prefix: str, full: str) -> int:
+        """Where `full` continues after the turn that closes `prefix` (its last end-of-turn).
+
+        Everything before that turn must render identically with more messages. The turn
+        itself may not: Qwen3 writes an empty `<think></think>` only into the last assistant
+        turn; its tokens in the episode are the sampled ones either way.
+        """
+        eot = self.eot_text
+        last = prefix.rfind(eot)
+        if last < 0:
+            raise ChatTemplateError(f"history renders no {eot!r}: no closed turn to reply to")
+        before = prefix.rfind(eot, 0, last)
+        turn_start = 0 if before < 0 else before + len(eot)
+        if not full.startswith(prefix[:turn_start]):
+            raise self._not_prefix_stable(prefix[:turn_start], full)
+        end = full.find(eot, turn_start)
+        if end < 0:
+            raise self._not_prefix_stable(prefix, full)
+        return end + len(eot)
+
+    @staticmethod
+    def _not_prefix_stable(prefix: str, full: str) -> ChatTemplateError:
+        at = next((i for i, (a, b) in enumerate(zip(prefix, full, strict=False)) if a != b), None)
+        at = min(len(prefix), len(full)) if at is None else at
+        return ChatTemplateError(
+            "chat template is not prefix-stable: adding messages changed the text of earlier "
+            f"turns at char {at}: {prefix[at : at + 40]!r} became {full[at : at + 40]!r}"
+        )
+
+    def _discover_eot(self, stop_ids: Sequence[int]) -> tuple[str, int]:
+        """The token that closes an assistant turn: the first stop token after the probe's
+        assistant content, else the first special token there (base checkpoints whose eos
+        is not the template's end of turn)."""
+        probe = self.render(_PROBE)
+        after = probe.find("PROBE_A")
+        if after < 0:
+            raise ChatTemplateError("chat template does not render assistant content")
+        for candidates in (
+            {self.tokenizer.token_text(i): i for i in stop_ids},
+            self.tokenizer.special_added_tokens(),
+        ):
+            found = [(probe.find(t, after), -len(t), t, i) for t, i in candidates.items()]
+            found = [f for f in found if f[0] >= 0]
+            if found:  # the earliest; at one position, the longest
+                *_, text, token = min(found)
+                return text, token
+        raise ChatTemplateError(
+            f"chat template closes assistant turns with no special token: {probe[after:]!r}"
+        )
+
+
+def _read_json(read: Callable[[str], bytes | None], name: str) -> dict[str, Any] | None:
+    raw = read(name)
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{name}: not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: not a JSON object")
+    return value
+
+
+def load_template_chat(read: Callable[[str], bytes | None], **kwargs: Any) -> TemplateChat:
+    """A checkpoint's `TemplateChat` from its files, read by name (`read` returns None for
+    a missing file): tokenizer.json, tokenizer_config.json, chat_template.jinja (optional),
+    generation_config.json (optional). `kwargs` as in the `TemplateChat` constructor."""
+    tokenizer_json = read("tokenizer.json")
+    if tokenizer_json is None:
+        raise FileNotFoundError("tokenizer.json: not found")
+    config = _read_json(read, "tokenizer_config.json")
+    if config is None:
+        raise FileNotFoundError("tokenizer_config.json: not found")
+    template = read("chat_template.jinja")
+    try:
+        template_text = None if template is None else template.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"chat_template.jinja: not UTF-8: {e}") from e
+    generation = _read_json(read, "generation_config.json")
+    return TemplateChat.from_files(tokenizer_json, config, template_text, generation, **kwargs)

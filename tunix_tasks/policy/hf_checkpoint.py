@@ -1,0 +1,286 @@
+"""Import a Hugging Face checkpoint directory (local or gs://) into a `Transformer`.
+
+A checkpoint is `config.json`, `model.safetensors` (or `model-0000N-of-0000M.safetensors`
+plus `model.safetensors.index.json`) and the tokenizer files. This module owns reading the
+weights: safetensors headers are parsed here (so a corrupt one is reported with its file
+name), tensors are read one at a time by byte range from a random-access file (a memory
+map locally, ranged reads on GCS), converted to the model's layout and placed straight into
+their final sharding: host memory holds one tensor at a time, never a second model.
+
+    ckpt = HFCheckpoint("gs://team/models/qwen3-1.7b")
+    spec = ckpt.spec(max_seq_len=4096)               # DecoderSpec from config.json
+    model = ckpt.load_model(spec, mesh=mesh)         # params sharded over mesh's "fsdp"
+
+Errors (`CheckpointError`) name the file and the tensor: a missing tensor, a shape that does
+not match config.json, an unknown dtype, a corrupt header, a truncated file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+import pyarrow as pa
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from tunix_tasks.policy.model import Transformer
+from tunix_tasks.policy.spec import DecoderSpec, UnsupportedCheckpoint, spec_from_hf_config
+from tunix_tasks.storage.store import NotFound, ObjectStore, StoreError, open_store
+
+__all__ = ["CheckpointError", "HFCheckpoint", "hf_tensor_shapes"]
+
+_DTYPES: dict[str, Any] = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+}
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be loaded; the message names the file (and tensor)."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: str
+    dtype: Any
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets in the file
+    end: int
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One of our params and the Hugging Face tensor it is made of."""
+
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    to_ours: Callable[[np.ndarray], np.ndarray]
+
+
+def _targets(spec: DecoderSpec) -> dict[str, _Target]:
+    """Our param name -> the HF tensor, its expected shape and the layout transform."""
+    d, h, kv, hd, ff = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.d_ff
+    same = lambda w: w  # noqa: E731
+    t = lambda w: w.T  # noqa: E731
+
+    def heads_in(n: int) -> Callable[[np.ndarray], np.ndarray]:  # [n*hd, d] -> [d, n, hd]
+        return lambda w: w.T.reshape(d, n, hd)
+
+    out: dict[str, _Target] = {
+        "embed": _Target("model.embed_tokens.weight", (spec.vocab_size, d), same)
+    }
+    for i in range(spec.n_layers):
+        hf, ours = f"model.layers.{i}", f"blocks/{i}"
+        layer = {
+            "attn_norm/scale": ("input_layernorm.weight", (d,), same),
+            "mlp_norm/scale": ("post_attention_layernorm.weight", (d,), same),
+            "attn/wq": ("self_attn.q_proj.weight", (h * hd, d), heads_in(h)),
+            "attn/wk": ("self_attn.k_proj.weight", (kv * hd, d), heads_in(kv)),
+            "attn/wv": ("self_attn.v_proj.weight", (kv * hd, d), heads_in(kv)),
+            "attn/wo": ("self_attn.o_proj.weight", (d, h * hd), lambda w: w.T.reshape(h, hd, d)),
+            "mlp/gate": ("mlp.gate_proj.weight", (ff, d), t),
+            "mlp/up": ("mlp.up_proj.weight", (ff, d), t),
+            "mlp/down": ("mlp.down_proj.weight", (d, ff), t),
+        }
+        if spec.qkv_bias:
+            for name, n in (("q", h), ("k", kv), ("v", kv)):
+                layer[f"attn/b{name}"] = (
+                    f"self_attn.{name}_proj.bias",
+                    (n * hd,),
+                    lambda w, n=n: w.reshape(n, hd),
+                )
+        if spec.qk_norm:
+            layer["attn/q_norm/scale"] = ("self_attn.q_norm.weight", (hd,), same)
+            layer["attn/k_norm/scale"] = ("self_attn.k_norm.weight", (hd,), same)
+        for name, (hf_name, shape, fn) in layer.items():
+            out[f"{ours}/{name}"] = _Target(f"{hf}.{hf_name}", shape, fn)
+    out["final_norm/scale"] = _Target("model.norm.weight", (d,), same)
+    if not spec.tie_embeddings:
+        out["unembed"] = _Target("lm_head.weight", (spec.vocab_size, d), t)
+    return out
+
+
+def hf_tensor_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face tensors (name -> shape) a checkpoint of this spec must hold."""
+    return {t.hf_name: t.hf_shape for t in _targets(spec).values()}
+
+
+def _parse_header(raw: bytes, file: str, size: int) -> dict[str, _Entry]:
+    if len(raw) < 8:
+        raise CheckpointError(f"{file}: corrupt safetensors header: file has {size} bytes")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > _MAX_HEADER_BYTES or 8 + n > size:
+        raise CheckpointError(
+            f"{file}: corrupt safetensors header: header length {n} exceeds the file ({size} B)"
+        )
+    try:
+        header = json.loads(raw[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{file}: corrupt safetensors header: {err}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupt safetensors header: not a JSON object")
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{file}: tensor {name}: malformed header entry") from None
+        if dtype not in _DTYPES:
+            raise CheckpointError(
+                f"{file}: tensor {name}: dtype {dtype} not supported ({', '.join(_DTYPES)})"
+            )
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize
+        if end - begin != nbytes or begin < 0 or 8 + n + end > size:
+            raise CheckpointError(
+                f"{file}: tensor {name}: data offsets [{begin}, {end}) do not fit shape "
+                f"{list(shape)} {dtype} in a file of {size} bytes (truncated or corrupt)"
+            )
+        entries[name] = _Entry(file, _DTYPES[dtype], shape, 8 + n + begin, 8 + n + end)
+    return entries
+
+
+class HFCheckpoint:
+    """A Hugging Face checkpoint directory, read through the run's object stores."""
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri.rstrip("/")
+        self.store: ObjectStore = open_store(self.uri)
+
+    def read(self, name: str) -> bytes | None:
+        """A file of the checkpoint, or None when it does not exist."""
+        try:
+            return self.store.read_bytes(name)
+        except NotFound:
+            return None
+
+    def read_json(self, name: str) -> dict[str, Any]:
+        raw = self.read(name)
+        if raw is None:
+            raise CheckpointError(f"{self.uri}/{name}: missing")
+        try:
+            value = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CheckpointError(f"{self.uri}/{name}: not valid JSON: {err}") from None
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{self.uri}/{name}: expected a JSON object")
+        return value
+
+    def spec(self, *, max_seq_len: int) -> DecoderSpec:
+        try:
+            return spec_from_hf_config(self.read_json("config.json"), max_seq_len=max_seq_len)
+        except UnsupportedCheckpoint as err:
+            raise CheckpointError(f"{self.uri}/{err}") from None
+
+    def _files(self) -> list[str]:
+        index = self.read(INDEX)
+        if index is None:
+            if not self.store.exists(SINGLE):
+                raise CheckpointError(f"{self.uri}: neither {SINGLE} nor {INDEX} exists")
+            return [SINGLE]
+        weight_map = self.read_json(INDEX).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{self.uri}/{INDEX}: no weight_map")
+        files = sorted(set(weight_map.values()))
+        for f in files:  # names from a manifest stay inside the checkpoint directory
+            if (
+                not isinstance(f, str)
+                or "/" in f
+                or f.startswith(".")
+                or not f.endswith(".safetensors")
+            ):
+                raise CheckpointError(f"{self.uri}/{INDEX}: bad file name {f!r} in weight_map")
+        return files
+
+    def _open(self, file: str) -> pa.NativeFile:
+        fs, base = self.store.arrow_filesystem()
+        try:
+            return fs.open_input_file(f"{base}/{file}")
+        except (FileNotFoundError, OSError, StoreError) as err:
+            raise CheckpointError(f"{self.uri}/{file}: cannot open: {err}") from None
+
+    def _entries(self, files: list[str]) -> dict[str, _Entry]:
+        entries: dict[str, _Entry] = {}
+        for file in files:
+            with self._open(file) as f:
+                size = f.size()
+                head = f.read(min(size, 8))
+                if len(head) == 8:
+                    (n,) = struct.unpack("<Q", head)
+                    head += f.read(min(n, _MAX_HEADER_BYTES + 1, size - 8))
+                entries.update(_parse_header(head, f"{self.uri}/{file}", size))
+        return entries
+
+    def _plan(self, spec: DecoderSpec) -> dict[str, list[tuple[str, _Target, _Entry]]]:
+        """Every param's tensor, checked (present, shape) from the headers, by file."""
+        targets = _targets(spec)
+        files = self._files()
+        entries = self._entries(files)
+        where = INDEX if files != [SINGLE] else SINGLE
+        missing = [t.hf_name for t in targets.values() if t.hf_name not in entries]
+        if missing:
+            raise CheckpointError(f"{self.uri}/{where}: missing tensor(s) {', '.join(missing)}")
+        by_file: dict[str, list[tuple[str, _Target, _Entry]]] = {}
+        for ours, target in targets.items():
+            e = entries[target.hf_name]
+            if e.shape != target.hf_shape:
+                raise CheckpointError(
+                    f"{e.file}: tensor {target.hf_name} has shape {list(e.shape)}, config.json "
+                    f"implies {list(target.hf_shape)}"
+                )
+            by_file.setdefault(e.file, []).append((ours, target, e))
+        return by_file
+
+    def verify(self, *, max_seq_len: int) -> DecoderSpec:
+        """Check config.json, every safetensors header, tensor names and shapes (reads no
+        tensor data); returns the spec. Raises `CheckpointError` naming file and tensor."""
+        spec = self.spec(max_seq_len=max_seq_len)
+        self._plan(spec)
+        return spec
+
+    def _tensors(self, spec: DecoderSpec) -> Iterator[tuple[str, np.ndarray]]:
+        """(our name, float32 array in our layout), one at a time, file by file."""
+        by_file = self._plan(spec)
+        for file in sorted(by_file):
+            with self._open(file.rsplit("/", 1)[-1]) as f:
+                for ours, target, e in sorted(by_file[file], key=lambda x: x[2].begin):
+                    f.seek(e.begin)
+                    raw = f.read(e.end - e.begin)
+                    if len(raw) != e.end - e.begin:
+                        raise CheckpointError(f"{file}: tensor {target.hf_name}: file truncated")
+                    host = np.frombuffer(raw, dtype=e.dtype).reshape(e.shape)
+                    yield ours, np.ascontiguousarray(target.to_ours(host), dtype=np.float32)
+
+    def load_model(
+        self, spec: DecoderSpec, *, mesh: Mesh | None = None, compute_dtype: Any = np.float32
+    ) -> Transformer:
+        """A `Transformer` holding this checkpoint's weights, each param device_put straight
+        into its sharding over `mesh` (its "fsdp" annotations) or onto the default device."""
+        abstract = nnx.eval_shape(
+            lambda: Transformer(spec, rngs=nnx.Rngs(0), compute_dtype=compute_dtype)
+        )
+        graphdef, state = nnx.split(abstract)
+        specs = nnx.get_partition_spec(state)
+        flat_specs = {"/".join(map(str, p)): s for p, s in nnx.to_flat_state(specs)}
+        values = {}
+        for name, array in self._tensors(spec):
+            spec_ = flat_specs[name]
+            pspec = spec_.get_value() if hasattr(spec_, "get_value") else spec_
+            sharding = NamedSharding(mesh, pspec) if mesh is not None else None
+            values[name] = jax.device_put(array, sharding)
+        for path, var in nnx.to_flat_state(state):
+            var.set_value(values["/".join(map(str, path))])
+        return nnx.merge(graphdef, state)

@@ -1,0 +1,90 @@
+"""Flat, named weights of a model: what snapshots store and what loads back into a model.
+
+Names are the model's NNX paths joined by "/" (`blocks/0/attn/wq`), stable across runs;
+values are float32 numpy arrays, ready for safetensors. Loading checks every name, shape
+and dtype before it swaps anything, and keeps each param's sharding.
+
+    flat = flat_params(model)             # {"embed": ndarray, "blocks/0/attn/wq": ...}
+    load_flat_params(model, flat)         # ValueError naming every mismatch; model unchanged
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+__all__ = ["check_flat_params", "flat_params", "load_flat_params", "param_count"]
+
+
+def _flat_vars(model: nnx.Module) -> dict[str, nnx.Variable]:
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {"/".join(str(p) for p in path): var for path, var in flat}
+
+
+def param_count(model: nnx.Module) -> int:
+    """Number of scalar parameters."""
+    return sum(int(np.prod(v.shape)) for v in _flat_vars(model).values())
+
+
+def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
+    """{'blocks/0/attn/wq': float32 ndarray, ...}: stable names, ready for safetensors."""
+    return {
+        name: np.asarray(jax.device_get(var[...]), dtype=np.float32)
+        for name, var in sorted(_flat_vars(model).items())
+    }
+
+
+def check_flat_params(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
+    """Raise ValueError unless `flat` has exactly `model`'s tensors, each of its shape and
+    float32 (the snapshot format); the message names every missing / unexpected key and
+    every shape or dtype mismatch. Reads only shapes and dtypes."""
+    current = _flat_vars(model)
+    missing = sorted(set(current) - set(flat))
+    unexpected = sorted(set(flat) - set(current))
+    common = sorted(set(current) & set(flat))
+    bad_shape = [
+        f"{n}: expected {tuple(current[n].shape)}, got {tuple(np.shape(flat[n]))}"
+        for n in common
+        if tuple(np.shape(flat[n])) != tuple(current[n].shape)
+    ]
+    bad_dtype = [
+        f"{n}: expected float32, got {np.asarray(flat[n]).dtype}"
+        for n in common
+        if np.asarray(flat[n]).dtype != np.float32
+    ]
+    if missing or unexpected or bad_shape or bad_dtype:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing}")
+        if unexpected:
+            parts.append(f"unexpected keys {unexpected}")
+        if bad_shape:
+            parts.append(f"shape mismatches [{'; '.join(bad_shape)}]")
+        if bad_dtype:
+            parts.append(f"dtype mismatches [{'; '.join(bad_dtype)}]")
+        raise ValueError("load_flat_params: " + ", ".join(parts))
+
+
+def load_flat_params(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
+    """Load `flat_params`-style arrays into `model` in place (keeps each param's sharding).
+
+    Checks first (`check_flat_params`: names, shapes, float32) and raises ValueError naming
+    every problem; nothing is modified when it raises.
+    """
+    check_flat_params(model, flat)
+    current = _flat_vars(model)
+    state = nnx.state(model, nnx.Param)
+    new_values = {}
+    for name, var in current.items():
+        old = var[...]
+        value = jnp.asarray(np.asarray(flat[name], dtype=np.float32))
+        if isinstance(getattr(old, "sharding", None), jax.sharding.NamedSharding):
+            value = jax.device_put(value, old.sharding)
+        new_values[name] = value
+    for path, var in nnx.to_flat_state(state):
+        var.set_value(new_values["/".join(str(p) for p in path)])
+    nnx.update(model, state)

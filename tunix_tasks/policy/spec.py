@@ -1,0 +1,211 @@
+"""`DecoderSpec`: the exact architecture of a decoder, for every family the model builds.
+
+One decoder (`policy/model.py`) covers the families by options: Llama 3.x (GQA, RoPE with
+llama3 frequency scaling, tied or untied embeddings), Qwen3 (GQA, RMSNorm on q and k per
+head, head_dim independent of d_model), Qwen2/2.5 (bias on q/k/v), and the built-in char
+presets (multi-head attention, untied). A spec comes from a preset or from a Hugging Face
+`config.json` (both the older top-level `rope_theta`/`rope_scaling` form most published
+checkpoints use and the newer `rope_parameters` form):
+
+    spec = spec_from_preset(cfg.model, vocab_size=tok.vocab_size)
+    spec = spec_from_hf_config(json.loads(config_json), max_seq_len=4096)
+    inv_freq = rope_inv_freq(spec)                   # float32 [head_dim // 2]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import numpy as np
+
+from tunix_tasks.config import ModelConfig
+
+__all__ = [
+    "HF_ARCHITECTURES",
+    "DecoderSpec",
+    "Llama3Scaling",
+    "UnsupportedCheckpoint",
+    "rope_inv_freq",
+    "spec_from_hf_config",
+    "spec_from_preset",
+]
+
+Family = Literal["char", "llama", "qwen2", "qwen3"]
+#: Hugging Face `architectures[0]` / `model_type` -> family.
+HF_ARCHITECTURES: dict[str, Family] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_MODEL_TYPES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+class UnsupportedCheckpoint(ValueError):
+    """A checkpoint's config.json describes something this decoder cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3Scaling:
+    """`rope_type: llama3` frequency scaling (Llama 3.1+)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+    family: Family
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    max_seq_len: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    rope_scaling: Llama3Scaling | None = None
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise UnsupportedCheckpoint(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise UnsupportedCheckpoint(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (1 = multi-head attention)."""
+        return self.n_heads // self.n_kv_heads
+
+
+def spec_from_preset(cfg: ModelConfig, *, vocab_size: int) -> DecoderSpec:
+    """The char presets' architecture: multi-head attention, untied, RoPE theta 1e4."""
+    return DecoderSpec(
+        family="char",
+        vocab_size=vocab_size,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_heads,
+        head_dim=cfg.d_model // cfg.n_heads,
+        d_ff=cfg.d_ff,
+        max_seq_len=cfg.max_seq_len,
+    )
+
+
+def _family(config: Mapping[str, Any]) -> Family:
+    for arch in config.get("architectures") or ():
+        if arch in HF_ARCHITECTURES:
+            return HF_ARCHITECTURES[arch]
+    model_type = config.get("model_type")
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    raise UnsupportedCheckpoint(
+        f"config.json: unsupported architecture {config.get('architectures')} "
+        f"(model_type {model_type!r}); supported: {', '.join(HF_ARCHITECTURES)}"
+    )
+
+
+def _rope(config: Mapping[str, Any]) -> tuple[float, Llama3Scaling | None]:
+    """(theta, llama3 scaling) from either config form."""
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and "default" not in params:
+        scaling, theta = params, params.get("rope_theta", config.get("rope_theta"))
+    else:  # older form (or per-layer-type parameters, which these families do not use)
+        scaling, theta = config.get("rope_scaling") or {}, config.get("rope_theta")
+    if theta is None:
+        raise UnsupportedCheckpoint("config.json: no rope_theta (nor rope_parameters.rope_theta)")
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise UnsupportedCheckpoint(
+            f"config.json: rope scaling {kind!r} is not supported (supported: default, llama3)"
+        )
+    try:
+        return float(theta), Llama3Scaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    except KeyError as missing:
+        raise UnsupportedCheckpoint(f"config.json: llama3 rope scaling lacks {missing}") from None
+
+
+def spec_from_hf_config(config: Mapping[str, Any], *, max_seq_len: int) -> DecoderSpec:
+    """The spec of a Hugging Face Llama / Qwen2 / Qwen3 `config.json` (a dict)."""
+    family = _family(config)
+
+    def need(key: str) -> int:
+        if not isinstance(config.get(key), int) or config[key] <= 0:
+            raise UnsupportedCheckpoint(f"config.json: {key} must be a positive integer")
+        return int(config[key])
+
+    if config.get("mlp_bias"):
+        raise UnsupportedCheckpoint("config.json: mlp_bias=true is not supported")
+    if family == "llama" and config.get("attention_bias"):
+        raise UnsupportedCheckpoint("config.json: attention_bias=true is not supported for llama")
+    if config.get("hidden_act", "silu") != "silu":
+        raise UnsupportedCheckpoint(
+            f"config.json: hidden_act {config['hidden_act']!r} is not supported (silu)"
+        )
+    if config.get("use_sliding_window"):
+        raise UnsupportedCheckpoint("config.json: sliding-window attention is not supported")
+    d_model, n_heads = need("hidden_size"), need("num_attention_heads")
+    theta, scaling = _rope(config)
+    return DecoderSpec(
+        family=family,
+        vocab_size=need("vocab_size"),
+        d_model=d_model,
+        n_layers=need("num_hidden_layers"),
+        n_heads=n_heads,
+        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+        head_dim=int(config.get("head_dim") or d_model // n_heads),
+        d_ff=need("intermediate_size"),
+        max_seq_len=max_seq_len,
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qk_norm=family == "qwen3",
+        qkv_bias=family == "qwen2" or bool(config.get("attention_bias")),
+        # Hugging Face's default is tied when the key is absent.
+        tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _inv_freq(head_dim: int, theta: float, scaling: Llama3Scaling | None) -> np.ndarray:
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is not None:  # transformers' _compute_llama3_parameters, in float64
+        old = scaling.original_max_position_embeddings
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+        smooth = (old / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    out = inv.astype(np.float32)
+    out.setflags(write=False)
+    return out
+
+
+def rope_inv_freq(spec: DecoderSpec) -> np.ndarray:
+    """RoPE inverse frequencies, float32 [head_dim // 2] (rotate-half pairing)."""
+    return _inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)

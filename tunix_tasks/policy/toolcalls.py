@@ -1,0 +1,133 @@
+"""Tool-call parsers: a sampled assistant turn's text -> `Action`, per model family.
+
+Pure functions of the decoded text (special tokens kept as their text, stop token removed).
+They never raise: text that looks like a tool call but cannot be read becomes
+`Action(content=<the text>, error="malformed tool call: <reason>")`, which the rollout
+answers with the error instead of calling the environment.
+
+    parse_hermes('<tool_call>\\n{"name": "calc", "arguments": {"x": "1+2"}}\\n</tool_call>')
+    # Action(tool_calls=(ToolCall("calc", {"x": "1+2"}),))
+    parse_llama3_json('{"name": "calc", "parameters": {"x": "1+2"}}')   # the same action
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tunix_tasks.messages import Action, ToolCall
+
+__all__ = ["parse_hermes", "parse_llama3_json", "strip_think"]
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+
+class _Malformed(ValueError):
+    """A tool call that cannot be read; its message is the short reason."""
+
+
+def strip_think(text: str) -> str:
+    """`text` without its leading reasoning block.
+
+    Reasoning is `<think>...</think>` at the start, or everything up to a `</think>` with no
+    opening tag (templates that write `<think>` into the generation prompt). An unclosed
+    `<think>` means the turn was all reasoning.
+    """
+    stripped = text.lstrip()
+    if stripped.startswith(THINK_OPEN):
+        end = stripped.find(THINK_CLOSE)
+        return "" if end < 0 else stripped[end + len(THINK_CLOSE) :]
+    end = text.find(THINK_CLOSE)
+    if end >= 0 and THINK_OPEN not in text[:end]:
+        return text[end + len(THINK_CLOSE) :]
+    return text
+
+
+def _call(obj: Any, args_keys: tuple[str, ...]) -> ToolCall:
+    """A ToolCall from a decoded {"name": ..., <one of args_keys>: {...}} object."""
+    if not isinstance(obj, dict):
+        raise _Malformed("not a JSON object")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        raise _Malformed('missing "name"')
+    key = next((k for k in args_keys if k in obj), args_keys[0])
+    args = obj.get(key, {})
+    if isinstance(args, str):  # some models write the arguments as a JSON-encoded string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            raise _Malformed(f'"{key}" string is not JSON: {e.msg}') from None
+    if not isinstance(args, dict):
+        raise _Malformed(f'"{key}" is not an object')
+    return ToolCall(name=name, arguments=args)
+
+
+def _hermes_calls(text: str) -> tuple[list[ToolCall], str]:
+    """(calls, text outside the call blocks); raises _Malformed."""
+    calls: list[ToolCall] = []
+    outside: list[str] = []
+    pos = 0
+    while True:
+        start = text.find(CALL_OPEN, pos)
+        outside.append(text[pos:] if start < 0 else text[pos:start])
+        if CALL_CLOSE in outside[-1]:
+            raise _Malformed(f"{CALL_CLOSE} without {CALL_OPEN}")
+        if start < 0:
+            return calls, "".join(outside)
+        end = text.find(CALL_CLOSE, start)
+        if end < 0:
+            raise _Malformed(f"unclosed {CALL_OPEN}")
+        try:
+            obj = json.loads(text[start + len(CALL_OPEN) : end])
+        except json.JSONDecodeError as e:
+            raise _Malformed(f"bad JSON: {e.msg}") from None
+        calls.append(_call(obj, ("arguments",)))
+        pos = end + len(CALL_CLOSE)
+
+
+def parse_hermes(text: str) -> Action:
+    """Hermes / Qwen: each `<tool_call>{"name", "arguments"}</tool_call>` block is a call;
+    the text outside the blocks (reasoning removed) is the content."""
+    text = strip_think(text)
+    try:
+        calls, outside = _hermes_calls(text)
+    except _Malformed as e:
+        return Action(content=text.strip(), error=f"malformed tool call: {e}")
+    return Action(content=outside.strip(), tool_calls=tuple(calls))
+
+
+def _llama3_calls(body: str) -> list[ToolCall]:
+    """Calls from `{...}[; {...}]*`; raises _Malformed."""
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    pos = 0
+    while True:
+        try:
+            obj, pos = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError as e:
+            raise _Malformed(f"bad JSON: {e.msg}") from None
+        calls.append(_call(obj, ("parameters", "arguments")))
+        rest = body[pos:].lstrip()
+        if not rest:
+            return calls
+        if not rest.startswith(";"):
+            raise _Malformed("text after the tool call")
+        next_call = rest[1:].lstrip()  # raw_decode does not skip leading whitespace
+        pos = len(body) - len(next_call)
+
+
+def parse_llama3_json(text: str) -> Action:
+    """Llama 3.1 JSON tool calls: `[<|python_tag|>]{"name", "parameters"}[; {...}]*`.
+
+    Text that does not start with `{` (after the optional tag) is plain content.
+    """
+    text = text.strip()
+    body = text.removeprefix(PYTHON_TAG).lstrip()
+    if not body.startswith("{"):
+        return Action(content=text)
+    try:
+        return Action(tool_calls=tuple(_llama3_calls(body)))
+    except _Malformed as e:
+        return Action(content=text, error=f"malformed tool call: {e}")
