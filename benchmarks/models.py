@@ -6,34 +6,42 @@ weights, in one run:
 
   1. write    a random-weight Hugging Face checkpoint (config.json + safetensors in
               `--ckpt-dtype`, split into `model-0000i-of-0000n.safetensors` + index once it
-              exceeds `--shard-mb`), one shard in memory at a time.
+              exceeds `--shard-mb`), one shard's tensors in memory at a time.
   2. import   `HFCheckpoint(dir).load_model(spec)` in a FRESH subprocess (clean RSS): wall
               time (median of `--repeats` loads in that process) and the peak RSS of the
-              first load over the RSS just before it (the high-water mark is reset with
+              first load over the RSS just before it (high-water mark reset through
               /proc/self/clear_refs), divided by the model's float32 bytes. Ideal: 1.0 (the
-              model itself: on CPU the params live in host memory) plus about one tensor.
-              Baseline, same run, also a fresh subprocess: the naive import, every file
-              through `safetensors.numpy.load_file` into one dict, all converted to float32
-              in our layout, then device_put (about 2.5x for bf16). Throughput = checkpoint
-              bytes / import time, against plain `open().read()` of the same files (page-
-              cached: the practical limit of reading them at all).
+              model itself: on CPU the params live in host memory) plus one tensor, the
+              largest ("model + largest tensor"). Baseline, same run, also a fresh
+              subprocess: the naive import, every file through `safetensors.numpy.load_file`
+              into one dict, all converted to float32 in our layout, then device_put.
+              Throughput = checkpoint bytes / import time, against plain `open().read()` of
+              the same files (page-cached: the practical limit of reading them at all);
+              "read+convert" is the import's own host work without any device_put.
   3. compute  the packed training forward `model(tokens, positions, segment_ids)` jitted at
               [--fwd-batch, --seq] (two segments per row), and `Sampler.sample` at each
               batch of `--sample-batches` with `--prompt`-token prompts and exactly
-              `--new-tokens` new tokens (no stop id can end a row), compile excluded (one
-              warm-up call per shape). Decode tokens/s = batch * new tokens / wall time of
-              the call (prefill included: a short prompt makes it decode-dominated).
+              `--new-tokens` new tokens (no stop id can end a row), compile excluded (a
+              warm-up call per shape; the compile count is checked). Decode tokens/s =
+              batch * new tokens / wall time of the call (prefill included: a short prompt
+              keeps it decode-dominated). "vocab sort share" = new tokens x the time of one
+              jitted `sampling_log_probs` over [batch, vocab] (top_k=0, measured alone) /
+              the call: the distribution work each decode step does besides the model.
   4. reload   `WeightsPublisher.publish(flat_params(model))` to a file:// store (gs:// with
               `--gcs`), then the actor's reload path (`Actor._load` via `WeightsClient.poll`):
-              `load_snapshot` + `sampler.update_params(flat)`; seconds, MB/s, bytes written,
-              and the peak RSS of the reload over the RSS before it / model bytes (measured
-              in this process, high-water mark reset first). References: plain
-              `open().write()` + fsync of as many bytes (publish) and `open().read()` (reload).
+              `load_snapshot` + `sampler.update_params(flat)`, medians of `--repeats`
+              versions; seconds, MB/s, snapshot bytes, a breakdown by step, and (in the
+              fresh import subprocess, old weights resident as in an actor) the reload's
+              peak RSS over the RSS before it / model bytes. References: plain
+              `open().write()` + fsync of as many bytes right before each publish (a shared
+              disk's rate drifts) and `open().read()` of the checkpoint (reload).
 
 Roofline, measured in the same run on the same device: matmul FLOP/s (a jitted 2048^3
-matmul in the compute dtype) and memory read bandwidth (a jitted sum over 256 MB of f32).
-With L layers, d d_model, h / kv heads of size hd, f d_ff, V vocab, P_mm the matmul params
-per token = L*(2*d*h*hd + 2*d*kv*hd + 3*d*f) + d*V (the output projection, tied or not):
+matmul in the compute dtype) and memory read bandwidth (a jitted sum over 256 MB of f32),
+each the best of its measurements at the start, before each family and at the end (on a
+shared machine a slower one is contention). With L layers, d d_model, h / kv heads of size
+hd, f d_ff, V vocab, P_mm the matmul params per token = L*(2*d*h*hd + 2*d*kv*hd + 3*d*f)
++ d*V (the output projection, tied or not):
   forward FLOPs/token       = 2*P_mm + 4*L*h*hd*T   (T = --seq: the masked T x T attention
                               is computed in full); limit = FLOP/s / that
   decode step, batch B      FLOPs = B*(2*P_mm + 4*L*h*hd*S), S = the sampler's cache length
@@ -41,33 +49,38 @@ per token = L*(2*d*h*hd + 2*d*kv*hd + 3*d*f) + d*V (the output projection, tied 
                                     embedding table, of which B rows) + the K/V cache read,
                                     2*L*B*kv*S*hd*itemsize(compute dtype)
                             time >= max(FLOPs / FLOP/s, bytes / bandwidth)
-  sampling call             limit = prefill (B*prompt tokens, FLOP- or weight-read-bound)
-                                    + new_tokens decode steps; tokens/s limit = B*new / that
-Ratios "x of limit" are achieved / limit (1.0 = at the roofline; sort/softmax over the
-vocabulary, RoPE, norms and the Python loop between calls are not in the limit).
+  sampling call             limit = prefill (B*prompt-bucket tokens, FLOP- or weight-read-
+                                    bound) + new_tokens decode steps; tokens/s = B*new / that
+"ratio" against a roofline is achieved / limit (1.0 = at the roofline; the sort/softmax over
+the vocabulary, RoPE, norms and the host loop between calls are not in the limit).
 
-    python benchmarks/models.py                      # toy shape (make bench), ~1-2 min
-    python benchmarks/models.py --shape cpu          # ~185M / ~218M params, a few minutes
+    python benchmarks/models.py                      # toy shape (make bench), ~2 min
+    python benchmarks/models.py --shape cpu          # 184M / 217M params, ~4 min on 2 cores
     python benchmarks/models.py --shape qwen3-0.6b   # the real Qwen3-0.6B shape (accelerator)
     python benchmarks/models.py --gcs --json         # + gs:// (fake-gcs-server); raw numbers
 
-Reading the figures: "import peak RSS" should sit near 1.0x model bytes (import streams
-tensor by tensor); the naive baseline shows what it saves. "import throughput" / disk
-read is the fraction of the plain read rate the import keeps (conversion to float32 and
-the layout transposes cost the rest). Forward and sampling "x of limit" say how far the
-implementation is from what the device allows; "reload" is what an actor pauses for at
-each new weight version.
+Reading the figures: "import peak RSS" should sit near "model + largest tensor" (import
+streams tensor by tensor); the naive baseline shows what that saves. "import throughput"
+against open().read() is the fraction of the plain read rate the import keeps (conversion
+to float32, layout transposes and device_put cost the rest). Forward and sampling ratios
+say how far the implementation is from what the device allows; "reload" is what an actor
+pauses for at each new weight version, and its peak RSS what it must have free for it.
+The progress log (stderr) carries elapsed seconds; the tables go to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import gc
+import hashlib
+import inspect
 import json
 import math
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,14 +95,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from safetensors.numpy import load as st_load
 from safetensors.numpy import save_file
 
 from tunix_tasks.policy.hf_checkpoint import HFCheckpoint, hf_tensor_shapes
+from tunix_tasks.policy.model import sampling_log_probs
 from tunix_tasks.policy.params import flat_params
-from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.policy.sampling import DEFAULT_PROMPT_BUCKETS, Sampler
 from tunix_tasks.policy.spec import DecoderSpec, spec_from_hf_config
 from tunix_tasks.storage.store import open_store
-from tunix_tasks.storage.weights import WeightsPublisher, load_snapshot
+from tunix_tasks.storage.weights import WeightsPublisher, encode_snapshot, load_snapshot
 
 MB = 1e6
 FAMILIES = ("qwen3", "llama3")
@@ -127,7 +142,7 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 # Per-shape defaults of the run flags (a flag given on the command line wins).
 RUN_DEFAULTS: dict[str, dict[str, Any]] = {
-    "toy": {"fwd_batch": 4, "seq": 256, "sample_batches": [1, 16, 64], "new_tokens": 32},
+    "toy": {"fwd_batch": 4, "seq": 256, "sample_batches": [1, 16, 64], "new_tokens": 16},
     # 2-core CPUs: batch 64 of a ~200M model takes minutes per call; fewer new tokens.
     "cpu": {"fwd_batch": 2, "seq": 256, "sample_batches": [1, 16], "new_tokens": 16},
     "qwen3-0.6b": {"fwd_batch": 8, "seq": 1024, "sample_batches": [1, 16, 64], "new_tokens": 64},
@@ -141,19 +156,27 @@ def _median(xs: list[float]) -> float:
     return float(np.median(xs))
 
 
-def _timed(fn, repeats: int) -> float:
-    """Median wall seconds of `fn()` (its result blocked on) over `repeats` calls."""
+def _timed(fn, repeats: int, *, best: bool = False) -> float:
+    """Median (or best) wall seconds of `fn()` (result blocked on) over `repeats` calls."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
-    return _median(times)
+    return min(times) if best else _median(times)
 
 
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _trim() -> None:
+    """Collect, and hand freed heap back to the OS (glibc keeps freed blocks under 32 MB
+    mapped: a later allocation would reuse them and not show in RSS)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _reset_peak() -> bool:
@@ -284,23 +307,7 @@ def read_bandwidth(paths: list[Path], repeats: int) -> float:
                 n += len(f.read())
         return n
 
-    return total / MB / _timed(read, repeats)
-
-
-def write_bandwidth(directory: Path, nbytes: int, repeats: int) -> float:
-    """MB/s of plain `open().write()` + fsync of `nbytes` (what a file:// publish does)."""
-    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
-    path = directory / "write-probe.bin"
-
-    def write() -> None:
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-
-    mbs = nbytes / MB / _timed(write, repeats)
-    path.unlink()
-    return mbs
+    return total / MB / _timed(read, repeats, best=True)
 
 
 # ------------------------------------------------------------------------------ import (child)
@@ -327,7 +334,11 @@ def _naive_load(directory: str, spec: DecoderSpec) -> Any:
 
 
 def child_import(mode: str, uri: str, repeats: int) -> dict[str, Any]:
-    """Runs in a fresh process: import `uri` `repeats` times; RSS figures of the first."""
+    """Runs in a fresh process: import `uri` `repeats` times; RSS figures of the first.
+
+    "ours" then also measures the actor's reload in this clean process: publish the model's
+    params to a file:// store, then peak RSS of `load_snapshot` + `Sampler.update_params`
+    over the RSS before it (old weights resident, as in an actor)."""
     ckpt = HFCheckpoint(uri)
     spec = ckpt.spec(max_seq_len=4096)
     jax.block_until_ready(jax.device_put(np.zeros(8, np.float32)))  # runtime up before baseline
@@ -339,7 +350,8 @@ def child_import(mode: str, uri: str, repeats: int) -> dict[str, Any]:
 
     times, out = [], {}
     for i in range(repeats):
-        gc.collect()
+        model = None
+        _trim()
         base = _rss()
         reset = _reset_peak()
         t0 = time.perf_counter()
@@ -348,8 +360,23 @@ def child_import(mode: str, uri: str, repeats: int) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
         if i == 0:
             out = {"base_rss": base, "peak_rss": _peak(), "after_rss": _rss(), "reset": reset}
-        del model
-    return {**out, "load_s": _median(times), "load_s_all": times}
+    out.update(load_s=_median(times), load_s_all=times)
+    if mode == "ours":
+        sampler = make_sampler(model, 64, 1)
+        with tempfile.TemporaryDirectory(prefix="bench-models-reload-") as tmp:
+            store = open_store(f"file://{tmp}")
+            flat = flat_params(model)
+            WeightsPublisher(store).publish(flat, version=0, step=0, model={})
+            del flat
+            _trim()
+            base = _rss()
+            _reset_peak()
+            got, _ = load_snapshot(store, 0)
+            sampler.update_params(got)
+            del got
+            jax.block_until_ready(nnx.state(sampler.model))
+            out.update(reload_base_rss=base, reload_peak_rss=_peak())
+    return out
 
 
 def urlpath(uri: str) -> str:
@@ -372,11 +399,11 @@ def machine_limits(compute_dtype: str, repeats: int) -> dict[str, float]:
     a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32), compute_dtype)
     mm = jax.jit(lambda x, y: x @ y)
     jax.block_until_ready(mm(a, a))
-    flops = 2 * n**3 / _timed(lambda: mm(a, a), max(repeats, 5))
+    flops = 2 * n**3 / _timed(lambda: mm(a, a), max(repeats, 5), best=True)
     x = jnp.ones((64 << 20,), jnp.float32)  # 256 MB: far beyond any cache
     total = jax.jit(jnp.sum)
     jax.block_until_ready(total(x))
-    bandwidth = x.nbytes / _timed(lambda: total(x), max(repeats, 5))
+    bandwidth = x.nbytes / _timed(lambda: total(x), max(repeats, 5), best=True)
     return {"matmul_flops": flops, "mem_bw": bandwidth}
 
 
@@ -398,6 +425,25 @@ def param_counts(spec: DecoderSpec) -> dict[str, int]:
 def forward_flops_per_token(spec: DecoderSpec, seq: int) -> float:
     pc = param_counts(spec)
     return 2 * pc["matmul"] + 4 * spec.n_layers * spec.n_heads * spec.head_dim * seq
+
+
+def raise_limits(lim: dict[str, float], new: dict[str, float]) -> None:
+    """Keep the best of every measurement: on a shared machine a slow one is contention."""
+    for k, v in new.items():
+        lim[k] = max(lim.get(k, 0.0), v)
+
+
+def apply_limits(r: dict[str, Any], lim: dict[str, float]) -> None:
+    """The roofline figures of one family's results, from the run's final limits."""
+    spec = DecoderSpec(**r["spec"])
+    r["read_ref"] = lim["read_MBps"]
+    r["forward"]["limit_tokens_per_s"] = lim["matmul_flops"] / r["forward"]["flops_per_token"]
+    for s in r["sampling"]:
+        t = sampling_limit_s(
+            spec, lim, s["batch"], s["prompt_bucket"], s["new_tokens"], s["cache_len"],
+            s["kv_itemsize"],
+        )  # fmt: skip
+        s["limit_tokens_per_s"] = s["batch"] * s["new_tokens"] / t
 
 
 def sampling_limit_s(
@@ -451,23 +497,62 @@ def measure_sampling(sampler: Sampler, batch: int, prompt: int, new: int, repeat
         assert n == batch * new, (n, batch * new)
         return n
 
-    call()  # compile (and warm up) this (batch, prompt, cache) shape
+    call()  # compiles every program this call shape uses
     compiles = sampler.compile_count
     wall = _timed(call, repeats)
-    assert sampler.compile_count == compiles, "sampling recompiled during the measurement"
-    return batch * new / wall, wall
+    return batch * new / wall, wall, sampler.compile_count - compiles
+
+
+def make_sampler(model, max_seq_len: int, max_batch: int) -> Sampler:
+    """A sampler whose KV cache fits this run (not the spec's 4096 positions): the slot
+    sampler allocates max_sequences x max_seq_len up front."""
+    kwargs: dict[str, Any] = {"max_seq_len": max_seq_len}
+    if "max_sequences" in inspect.signature(Sampler).parameters:
+        kwargs["max_sequences"] = max_batch
+    return Sampler(model, pad_id=0, stop_ids=[model.vocab_size - 1], **kwargs)
+
+
+def measure_logprobs_step(batch: int, vocab: int, repeats: int) -> float:
+    """Seconds of one `sampling_log_probs` over [batch, vocab] logits (top_k=0, as sampled
+    here): the per-token distribution work each decode step does besides the model."""
+    f = jax.jit(sampling_log_probs)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, vocab), np.float32))
+    jax.block_until_ready(f(x, jnp.float32(1.0), jnp.int32(0)))
+    return _timed(lambda: f(x, jnp.float32(1.0), jnp.int32(0)), max(repeats, 3), best=True)
 
 
 # ------------------------------------------------------------------------------ reload
 
 
-def measure_reload(store_uri: str, model, sampler: Sampler, repeats: int) -> dict[str, float]:
-    """Publish `repeats` versions, reload each the actor's way; medians."""
+def _plain_write(path: Path, data: bytes) -> float:
+    """Seconds of `open().write()` + fsync of `data` to a new file (then removed)."""
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return dt
+
+
+def measure_reload(
+    store_uri: str, model, sampler: Sampler, repeats: int, probe_dir: Path | None
+) -> dict[str, Any]:
+    """Publish `repeats` versions, reload each the actor's way; medians. With `probe_dir`,
+    a plain write + fsync of as many bytes right before each publish (the disk's rate at
+    that moment: a shared disk's rate drifts by several times within a minute)."""
     store = open_store(store_uri)
     publisher = WeightsPublisher(store)
     meta = {"family": model.spec.family}
-    pub, flat_s, reload, peak, nbytes = [], [], [], [], 0
+    pub, flat_s, reload, plain, nbytes = [], [], [], [], 0
+    data = b""
+    if probe_dir is not None:
+        size = sum(v.nbytes for v in flat_params(model).values())
+        data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8).tobytes()
     for version in range(repeats):
+        if data:
+            plain.append(len(data) / MB / _plain_write(probe_dir / "write-probe.bin", data))
         t0 = time.perf_counter()
         flat = flat_params(model)
         t1 = time.perf_counter()
@@ -477,21 +562,47 @@ def measure_reload(store_uri: str, model, sampler: Sampler, repeats: int) -> dic
         nbytes = manifest.num_bytes
         del flat
         gc.collect()
-        base = _rss()
-        _reset_peak()
         t0 = time.perf_counter()
         got, _ = load_snapshot(store, version)  # WeightsClient.poll -> Actor._load
         sampler.update_params(got)
         jax.block_until_ready(nnx.state(sampler.model))
         reload.append(time.perf_counter() - t0)
         del got
-        peak.append(_peak() - base)
+    # Where the time goes: the same steps once more, one at a time.
+    key = f"weights/v{repeats - 1:08d}/params.safetensors"
+    t = [time.perf_counter()]
+    flat = flat_params(model)
+    blob, _ = encode_snapshot(flat, version=repeats, step=0, model=meta)  # st_save + sha256
+    t.append(time.perf_counter())
+    store.write_bytes("probe/params.safetensors", blob)
+    t.append(time.perf_counter())
+    del blob, flat
+    t.append(time.perf_counter())
+    blob = store.read_bytes(key)
+    t.append(time.perf_counter())
+    hashlib.sha256(blob).hexdigest()
+    t.append(time.perf_counter())
+    got = st_load(blob)
+    t.append(time.perf_counter())
+    del blob
+    sampler.update_params(got)
+    jax.block_until_ready(nnx.state(sampler.model))
+    t.append(time.perf_counter())
+    d = np.diff(t)
     return {
         "flat_params_s": _median(flat_s),
         "publish_s": _median(pub),
         "reload_s": _median(reload),
-        "reload_peak_extra": peak[0],
         "snapshot_bytes": nbytes,
+        "plain_write_MBps": _median(plain) if plain else None,
+        "breakdown_s": {
+            "publish: flat_params+st_save+sha": d[0],
+            "publish: write_bytes (fsync)": d[1],
+            "reload: read_bytes": d[3],
+            "reload: sha256": d[4],
+            "reload: safetensors.load": d[5],
+            "reload: update_params": d[6],
+        },
     }
 
 
@@ -512,6 +623,7 @@ def run_family(family: str, args, root: Path, lim: dict, gcs) -> dict[str, Any]:
         "model_bytes_fp32": model_bytes,
         "largest_tensor_fp32": 4 * max(math.prod(s) for s in hf_tensor_shapes(spec).values()),
     }
+    r["import_ideal_ratio"] = 1 + r["largest_tensor_fp32"] / model_bytes
     r.update(write_checkpoint(ckdir, config, spec, args.ckpt_dtype, args.shard_mb, seed=1))
     paths = [ckdir / f for f in r["files"]]
     r["read_MBps"] = read_bandwidth(paths, args.repeats)
@@ -523,35 +635,48 @@ def run_family(family: str, args, root: Path, lim: dict, gcs) -> dict[str, Any]:
         r[f"import_{mode}_peak_ratio"] = (c["peak_rss"] - c["base_rss"]) / model_bytes
         r[f"import_{mode}_resident_ratio"] = (c["after_rss"] - c["base_rss"]) / model_bytes
         r[f"import_{mode}_MBps"] = r["ckpt_bytes"] / MB / c["load_s"]
+        if "reload_peak_rss" in c:
+            r["reload_peak_ratio"] = (c["reload_peak_rss"] - c["reload_base_rss"]) / model_bytes
         log(f"[{family}] import {mode}: {c['load_s']:.2f} s")
+    # again after the imports: right after writing, reads can be slow (dirty pages, reclaim)
+    r["read_MBps"] = max(r["read_MBps"], read_bandwidth(paths, args.repeats))
+    raise_limits(lim, {"read_MBps": r["read_MBps"]})  # the page-cache read rate: run-wide
     if gcs is not None:
         uri = gcs.new_bucket_uri(f"ckpt-{family}")
         store = open_store(uri)
         for p in [ckdir / "config.json", *paths, ckdir / "model.safetensors.index.json"]:
             if p.exists():
                 store.write_bytes(p.name, p.read_bytes())
-        t0 = time.perf_counter()
-        for p in paths:
-            store.read_bytes(p.name)
-        r["gcs_read_MBps"] = r["ckpt_bytes"] / MB / (time.perf_counter() - t0)
+        read_all = lambda: sum(len(store.read_bytes(p.name)) for p in paths)  # noqa: E731
+        r["gcs_read_MBps"] = r["ckpt_bytes"] / MB / _timed(read_all, args.repeats, best=True)
         c = run_child("ours", uri, args.repeats)
         r["import_gcs"] = c
         r["import_gcs_MBps"] = r["ckpt_bytes"] / MB / c["load_s"]
         log(f"[{family}] import gs://: {c['load_s']:.2f} s")
 
-    model = HFCheckpoint(f"file://{ckdir}").load_model(spec, compute_dtype=args.compute_dtype)
+    ckpt = HFCheckpoint(f"file://{ckdir}")
+    with contextlib.suppress(AttributeError):  # a private generator: skipped if it changes
+        t0 = time.perf_counter()
+        for _ in ckpt._tensors(spec):  # read + convert to float32 in our layout, no device
+            pass
+        r["import_read_convert_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    model = ckpt.load_model(spec, compute_dtype=args.compute_dtype)
+    jax.block_until_ready(nnx.state(model))
+    r["import_parent_s"] = time.perf_counter() - t0
+    raise_limits(lim, machine_limits(args.compute_dtype, args.repeats))
     tps = measure_forward(model, args.fwd_batch, args.seq, args.repeats)
-    fpt = forward_flops_per_token(spec, args.seq)
     r["forward"] = {
         "batch": args.fwd_batch,
         "seq": args.seq,
         "tokens_per_s": tps,
-        "flops_per_token": fpt,
-        "limit_tokens_per_s": lim["matmul_flops"] / fpt,
+        "flops_per_token": forward_flops_per_token(spec, args.seq),
     }
     log(f"[{family}] forward {tps:.0f} tokens/s")
 
-    sampler = Sampler(model, pad_id=0, stop_ids=[spec.vocab_size - 1])
+    need = args.prompt + args.new_tokens + 1
+    seq = next((b for b in DEFAULT_PROMPT_BUCKETS if b >= need), need)
+    sampler = make_sampler(model, seq, max(args.sample_batches))
     itemsize = jnp.dtype(args.compute_dtype).itemsize
     width = next(b for b in sampler.prompt_buckets if b >= args.prompt)
     cache = next(
@@ -559,69 +684,81 @@ def run_family(family: str, args, root: Path, lim: dict, gcs) -> dict[str, Any]:
     )
     r["sampling"] = []
     for b in args.sample_batches:
-        tps, wall = measure_sampling(sampler, b, args.prompt, args.new_tokens, args.repeats)
-        limit = sampling_limit_s(spec, lim, b, width, args.new_tokens, cache, itemsize)
+        tps, wall, recompiles = measure_sampling(
+            sampler, b, args.prompt, args.new_tokens, args.repeats
+        )
+        lp = measure_logprobs_step(b, spec.vocab_size, args.repeats)
         r["sampling"].append(
             {
                 "batch": b,
                 "prompt": args.prompt,
                 "new_tokens": args.new_tokens,
+                "prompt_bucket": width,
                 "cache_len": cache,
+                "kv_itemsize": itemsize,
                 "tokens_per_s": tps,
                 "call_s": wall,
-                "limit_tokens_per_s": b * args.new_tokens / limit,
+                "compiles_in_measurement": recompiles,
+                "logprobs_step_s": lp,
+                "logprobs_share": args.new_tokens * lp / wall,
             }
         )
         log(f"[{family}] sampling batch {b}: {tps:.0f} tokens/s")
 
-    r["reload_file"] = measure_reload(f"file://{root}/run-{family}", model, sampler, args.repeats)
-    r["write_MBps"] = write_bandwidth(root, r["reload_file"]["snapshot_bytes"], args.repeats)
+    r["reload_file"] = measure_reload(
+        f"file://{root}/run-{family}", model, sampler, args.repeats, probe_dir=root
+    )
     if gcs is not None:
-        r["reload_gcs"] = measure_reload(gcs.new_bucket_uri(), model, sampler, args.repeats)
+        r["reload_gcs"] = measure_reload(gcs.new_bucket_uri(), model, sampler, args.repeats, None)
     # the reloaded weights still sample, with the programs compiled before the reload
     compiles = sampler.compile_count
     measure_sampling(sampler, args.sample_batches[0], args.prompt, args.new_tokens, 1)
     r["recompiles_after_reload"] = sampler.compile_count - compiles
-    shutil_rmtree(ckdir)
+    shutil.rmtree(ckdir, ignore_errors=True)
     return r
 
 
-def shutil_rmtree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+_T0 = time.perf_counter()
 
 
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    print(f"{time.perf_counter() - _T0:7.1f}s {msg}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------ printing
 
 
-def rows(r: dict[str, Any], lim: dict[str, float]) -> list[tuple]:
+def rows(r: dict[str, Any]) -> list[tuple]:
     """(figure, value, unit, reference, reference value, ratio) rows of one family."""
-    mb = r["ckpt_bytes"] / MB
+    ours, naive = r["import_ours"], r["import_naive"]
     out: list[tuple] = [
         ("checkpoint write", r["write_s"], "s", "", None, None),
-        ("import (load_model) file://", r["import_ours"]["load_s"], "s", "naive load_file",
-         r["import_naive"]["load_s"], r["import_ours"]["load_s"] / r["import_naive"]["load_s"]),
-        ("import throughput", r["import_ours_MBps"], "MB/s", "open().read()", r["read_MBps"],
-         r["import_ours_MBps"] / r["read_MBps"]),
+        ("import load_model file://", ours["load_s"], "s", "naive load_file",
+         naive["load_s"], ours["load_s"] / naive["load_s"]),
+        ("import throughput", r["import_ours_MBps"], "MB/s", "open().read()", r["read_ref"],
+         r["import_ours_MBps"] / r["read_ref"]),
         ("import peak RSS", r["import_ours_peak_ratio"], "x model", "naive load_file",
          r["import_naive_peak_ratio"], r["import_ours_peak_ratio"] / r["import_naive_peak_ratio"]),
-        ("import resident after", r["import_ours_resident_ratio"], "x model", "naive load_file",
+        ("import peak RSS", r["import_ours_peak_ratio"], "x model", "model + largest tensor",
+         r["import_ideal_ratio"], r["import_ours_peak_ratio"] / r["import_ideal_ratio"]),
+        ("import RSS after", r["import_ours_resident_ratio"], "x model", "naive load_file",
          r["import_naive_resident_ratio"], None),
     ]  # fmt: skip
+    if "import_read_convert_s" in r:
+        out.append(
+            ("  import: read+convert (no device)", r["import_read_convert_s"], "s",
+             "whole load_model", r["import_parent_s"],
+             r["import_read_convert_s"] / r["import_parent_s"])
+        )  # fmt: skip
     if "import_gcs" in r:
         out.append(
-            ("import gs:// throughput", r["import_gcs_MBps"], "MB/s", "gs read_bytes",
+            ("import gs:// throughput", r["import_gcs_MBps"], "MB/s", "gs:// read_bytes",
              r["gcs_read_MBps"], r["import_gcs_MBps"] / r["gcs_read_MBps"])
         )  # fmt: skip
     f = r["forward"]
     out.append(
-        (f"forward {f['batch']}x{f['seq']} packed", f["tokens_per_s"], "tokens/s", "FLOP roofline",
-         f["limit_tokens_per_s"], f["tokens_per_s"] / f["limit_tokens_per_s"])
+        (f"forward {f['batch']}x{f['seq']} packed", f["tokens_per_s"], "tokens/s",
+         "FLOP roofline", f["limit_tokens_per_s"], f["tokens_per_s"] / f["limit_tokens_per_s"])
     )  # fmt: skip
     for s in r["sampling"]:
         out.append(
@@ -629,34 +766,50 @@ def rows(r: dict[str, Any], lim: dict[str, float]) -> list[tuple]:
              "tokens/s", "roofline", s["limit_tokens_per_s"],
              s["tokens_per_s"] / s["limit_tokens_per_s"])
         )  # fmt: skip
+    for s in r["sampling"]:
+        out.append(
+            (f"  b={s['batch']}: vocab sort share", s["logprobs_share"], "of call",
+             "sampling_log_probs ms", 1000 * s["logprobs_step_s"], None)
+        )  # fmt: skip
     for where in ("file", "gcs"):
         if f"reload_{where}" not in r:
             continue
-        rl, snap = r[f"reload_{where}"], r[f"reload_{where}"]["snapshot_bytes"] / MB
-        ref_w = ("open().write()+fsync", r["write_MBps"]) if where == "file" else ("", None)
-        ref_r = ("open().read()", r["read_MBps"]) if where == "file" else ("", None)
+        rl = r[f"reload_{where}"]
+        snap = rl["snapshot_bytes"] / MB
+        w_ref, r_ref = rl["plain_write_MBps"], r["read_ref"] if where == "file" else None
         out += [
-            (f"snapshot bytes {where}", snap, "MB", "", None, None),
-            ("flat_params", rl["flat_params_s"], "s", "", None, None),
-            (f"publish {where}", snap / rl["publish_s"], "MB/s", *ref_w,
-             snap / rl["publish_s"] / ref_w[1] if ref_w[1] else None),
+            (f"snapshot {where}", snap, "MB", "", None, None),
             (f"publish {where} time", rl["publish_s"], "s", "", None, None),
-            (f"reload {where} (load+update)", snap / rl["reload_s"], "MB/s", *ref_r,
-             snap / rl["reload_s"] / ref_r[1] if ref_r[1] else None),
-            (f"reload {where} time", rl["reload_s"], "s", "", None, None),
-            (f"reload {where} peak RSS", rl["reload_peak_extra"] / r["model_bytes_fp32"],
-             "x model", "", None, None),
+            (f"publish {where}", snap / rl["publish_s"], "MB/s", "open().write()+fsync" if w_ref
+             else "", w_ref, snap / rl["publish_s"] / w_ref if w_ref else None),
+            (f"reload {where} time (load+update)", rl["reload_s"], "s", "", None, None),
+            (f"reload {where}", snap / rl["reload_s"], "MB/s", "open().read()" if r_ref else "",
+             r_ref, snap / rl["reload_s"] / r_ref if r_ref else None),
         ]  # fmt: skip
-    del mb, lim
+        if where == "file" and "reload_peak_ratio" in r:
+            out.append(
+                ("reload file peak RSS (fresh process)", r["reload_peak_ratio"], "x model",
+                 "new weights + 1 tensor", r["import_ideal_ratio"],
+                 r["reload_peak_ratio"] / r["import_ideal_ratio"])
+            )  # fmt: skip
+        out += [(f"  {k}", v, "s", "", None, None) for k, v in rl["breakdown_s"].items()]
     return out
 
 
 def print_tables(results: list[dict], lim: dict[str, float], args) -> None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(
-        f"\nMachine ({jax.default_backend()}, {jax.devices()[0].device_kind}, "
-        f"{len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()}"
-        f" cores): matmul {lim['matmul_flops'] / 1e9:.1f} GFLOP/s ({args.compute_dtype}, "
-        f"2048^3), memory read {lim['mem_bw'] / 1e9:.1f} GB/s (sum over 256 MB)"
+        f"\nMachine: {jax.default_backend()} ({jax.devices()[0].device_kind}, {cores} cores): "
+        f"matmul {lim['matmul_flops'] / 1e9:.1f} GFLOP/s ({args.compute_dtype}, 2048^3), "
+        f"memory read {lim['mem_bw'] / 1e9:.1f} GB/s (jitted sum over 256 MB), page-cache "
+        f"read {lim['read_MBps']:.0f} MB/s (open().read() of the checkpoints); best of the "
+        f"measurements at the start, before each family and at the end; load average "
+        f"{args.load[0][0]:.1f} at the start, {args.load[1][0]:.1f} at the end"
+    )
+    print(
+        f"Run: --shape {args.shape}, forward {args.fwd_batch}x{args.seq}, sampling batches "
+        f"{args.sample_batches} x {args.prompt}-token prompts + {args.new_tokens} new tokens, "
+        f"median of {args.repeats}" + (f"; {args.note}" if args.note else "")
     )
     for r in results:
         s = r["spec"]
@@ -669,16 +822,16 @@ def print_tables(results: list[dict], lim: dict[str, float], args) -> None:
             f"file(s); compute {args.compute_dtype}"
         )
         print(
-            f"{'figure':<34}{'value':>12} {'unit':<9}{'reference':<22}{'ref value':>12}{'ratio':>8}"
+            f"{'figure':<40}{'value':>11} {'unit':<9}{'reference':<23}{'ref value':>11}{'ratio':>8}"
         )
-        for name, value, unit, ref, ref_value, ratio in rows(r, lim):
-            rv = f"{ref_value:>12.2f}" if ref_value is not None else " " * 12
+        for name, value, unit, ref, ref_value, ratio in rows(r):
+            rv = f"{ref_value:>11.2f}" if ref_value is not None else " " * 11
             ra = f"{ratio:>8.3f}" if ratio is not None else ""
-            print(f"{name:<34}{value:>12.2f} {unit:<9}{ref:<22}{rv}{ra}")
-        ideal = 1 + r["largest_tensor_fp32"] / r["model_bytes_fp32"]
+            print(f"{name:<40}{value:>11.3f} {unit:<9}{ref:<23}{rv}{ra}".rstrip())
+        timed = sum(x["compiles_in_measurement"] for x in r["sampling"])
         print(
-            f"(import peak ideal ~{ideal:.2f}x = model + its largest tensor; "
-            f"recompiles after reload: {r['recompiles_after_reload']})"
+            f"(sampling compiles after a reload: {r['recompiles_after_reload']}; during the "
+            f"timed sampling calls, after their warm-up: {timed})"
         )
 
 
@@ -692,29 +845,33 @@ def main() -> None:
     parser.add_argument("--ckpt-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--shard-mb", type=float, default=200.0)
-    parser.add_argument("--fwd-batch", type=int, default=None)
-    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--fwd-batch", type=int, default=None, help="default: per shape")
+    parser.add_argument("--seq", type=int, default=None, help="default: per shape")
     parser.add_argument("--sample-batches", type=int, nargs="+", default=None)
     parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None, help="default: per shape")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gcs", action="store_true", help="also gs:// (fake-gcs-server)")
-    parser.add_argument("--json", action="store_true", help="print the raw numbers as JSON")
+    parser.add_argument("--json", action="store_true", help="also print the raw numbers (JSON)")
     parser.add_argument("--child", choices=["ours", "naive"], help=argparse.SUPPRESS)
     parser.add_argument("--child-uri", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child_import(args.child, args.child_uri, args.repeats)))
         return
-    for key, value in RUN_DEFAULTS[args.shape].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.shape == "cpu" and jax.default_backend() == "cpu":
-        log(
-            f"cpu shape on a CPU: sampling batches {args.sample_batches}, "
-            f"{args.new_tokens} new tokens, forward {args.fwd_batch}x{args.seq}"
+    defaults = RUN_DEFAULTS[args.shape]
+    reduced = [k for k, v in defaults.items() if getattr(args, k) is None]
+    for key in reduced:
+        setattr(args, key, defaults[key])
+    args.note = ""
+    if args.shape == "cpu" and {"sample_batches", "new_tokens"} & set(reduced):
+        args.note = (
+            "cpu shape: sampling reduced (batches 1 and 16, 16 new tokens) to keep a 2-core "
+            "run to minutes"
         )
+    load = os.getloadavg()
     lim = machine_limits(args.compute_dtype, args.repeats)
+    log(f"matmul {lim['matmul_flops'] / 1e9:.0f} GFLOP/s, read {lim['mem_bw'] / 1e9:.1f} GB/s")
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-models-") as tmp, contextlib.ExitStack() as st:
         gcs = None
@@ -725,6 +882,10 @@ def main() -> None:
         for family in args.families:
             results.append(run_family(family, args, Path(tmp), lim, gcs))
             gc.collect()
+    raise_limits(lim, machine_limits(args.compute_dtype, args.repeats))
+    for r in results:
+        apply_limits(r, lim)
+    args.load = (load, os.getloadavg())
     print_tables(results, lim, args)
     if args.json:
         print(json.dumps({"machine": lim, "args": vars(args), "results": results}, indent=1))

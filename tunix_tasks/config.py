@@ -110,9 +110,21 @@ class ActorConfig(_Frozen):
     max_new_tokens: int = Field(16, ge=1, description="tokens the policy may generate per turn")
     max_episode_tokens: int = Field(192, ge=8)
     weight_poll_s: float = Field(1.0, gt=0.0)
+    kv_cache_slots: int = Field(
+        0,
+        ge=0,
+        le=65536,
+        description="conversations whose KV cache the sampler keeps between turns (0: "
+        "envs_per_actor, at most 256); fewer slots re-prefill evicted episodes",
+    )
     batch_wait_s: float = Field(
         0.02, ge=0.0, le=1.0, description="gather policy calls this long into one sampler batch"
     )
+
+    @property
+    def cache_slots(self) -> int:
+        """`kv_cache_slots`, or by default one per environment (at most 256)."""
+        return self.kv_cache_slots or min(self.envs_per_actor, 256)
 
 
 class MeshConfig(_Frozen):
@@ -179,6 +191,15 @@ class LearnerConfig(_Frozen):
     )
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: bool = Field(
+        False, description="recompute each layer in the backward pass (activations of one layer)"
+    )
+    logits_chunk: int = Field(
+        256,
+        ge=0,
+        description="positions per chunk of the loss's logits (never [rows, T, V] at once); "
+        "0: all at once",
+    )
 
     @field_validator("buckets")
     @classmethod

@@ -100,7 +100,9 @@ class Actor:
         self._weights_timeout_s = weights_timeout_s
         self._stop = threading.Event()
         self._stop_reason = ""
-        self.chat, self.sampler = build_sampler(cfg.model, seed=cfg.seed)
+        self.chat, self.sampler = build_sampler(
+            cfg.model, seed=cfg.seed, max_sequences=cfg.actor.cache_slots
+        )
         self.weights = WeightsClient(store)
         self.version = -1
         self._last_poll = 0.0
@@ -195,7 +197,7 @@ class Actor:
         """`WeightsClient.poll`'s apply: swap in a checksum-verified snapshot. The sampler
         checks names, shapes and dtypes before swapping; its ValueError makes the client
         refuse (and remember) the version while the actor keeps its current weights."""
-        self.sampler.update_params(flat)
+        self.sampler.update_params(flat, version=manifest.version)
         self.version = manifest.version
         self.stats.reloads += 1
         log.info("actor %s loaded weights v%d", self.actor_id, manifest.version)

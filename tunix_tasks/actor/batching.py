@@ -1,31 +1,30 @@
-"""Gathers policy calls from many concurrent episodes into one batched sampler call.
+"""Serves the policy calls of many concurrent episodes from one continuously batched sampler.
 
-Each episode coroutine awaits `policy(context)`; a single batcher task collects every
-request pending at that moment, runs `Sampler.sample` once in a worker thread (so
-environments keep stepping on the event loop while the model computes), and resolves
-each request with its action tokens, log-probs and the weights version used.
+Each episode coroutine awaits `policy(context, session=episode_id)`. The request goes to
+the `Sampler`'s queue; one engine thread keeps stepping the sampler while there is work
+(admit waiting requests, decode a segment for every active row), so environments keep
+stepping on the event loop while the model computes, a request that arrives mid-batch joins
+at the next segment, and a finished row answers at once instead of waiting for the batch.
+Between steps the engine thread runs `before_batch` (the actor's weights reload).
 
     policy = BatchingPolicy(sampler, max_new_tokens=16, temperature=1.0, top_k=0, seed=0)
-    async with policy:                       # starts / stops the batcher task
-        record = await play_episode(env, policy, ...)
+    async with policy:                       # starts / stops the engine thread
+        episode = await play_episode(env, policy, ...)
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
 
 import jax
 
-from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.policy.sampling import Sample, Sampler
 
-
-@dataclass
-class _Request:
-    context: list[int]
-    future: asyncio.Future
+__all__ = ["BatchingPolicy"]
 
 
 class BatchingPolicy:
@@ -45,64 +44,100 @@ class BatchingPolicy:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_k = top_k
-        self._rng = jax.random.PRNGKey(seed)
         self._version = version
         self._before_batch = before_batch
         self._gather_s = gather_s
-        self._queue: asyncio.Queue[_Request] | None = None
-        self._task: asyncio.Task | None = None
-        self.calls = 0
-        self.latency_s: list[float] = []
-        self.batch_sizes: list[int] = []
+        self._seed = seed
+        self._requests = itertools.count()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
+        self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self.calls = 0  # engine steps
+        self.latency_s: list[float] = []  # per request, submit -> sample
+        self.batch_sizes: list[int] = []  # active rows per engine step
 
     async def __aenter__(self) -> BatchingPolicy:
-        self._queue = asyncio.Queue()
-        self._task = asyncio.create_task(self._run())
+        self.sampler.seed(jax.random.key(self._seed))
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._engine, name="sampler-engine", daemon=True)
+        self._thread.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
 
     async def __call__(
-        self, context: Sequence[int], **_conversation: object
+        self,
+        context: Sequence[int],
+        *,
+        session: Hashable | None = None,
+        **_conversation: object,
     ) -> tuple[list[int], list[float], int]:
-        if self._queue is None:
+        if self._thread is None:
             raise RuntimeError("use `async with BatchingPolicy(...)` before calling it")
-        fut = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Request(list(context), fut))
-        return await fut
+        if self._failed is not None:
+            raise self._failed
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        n = next(self._requests)
+        self._pending[n] = (loop, fut)
+        t0 = time.perf_counter()
 
-    async def _run(self) -> None:
-        assert self._queue is not None
-        while True:
-            first = await self._queue.get()
-            await asyncio.sleep(self._gather_s)  # let episodes about to ask join this batch
-            batch = [first]
-            while not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+        def on_done(sample: Sample) -> None:  # on the engine thread
+            self._pending.pop(n, None)
+            self.latency_s.append(time.perf_counter() - t0)
+            loop.call_soon_threadsafe(_resolve, fut, sample)
+
+        self.sampler.submit(
+            context,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            session=session,
+            seed=self._seed * 1_000_003 + n,
+            on_done=on_done,
+        )
+        self._wake.set()
+        sample: Sample = await fut
+        version = sample.version if sample.version >= 0 else self._version()
+        return sample.tokens, sample.logprobs, version
+
+    def _engine(self) -> None:
+        while not self._stopping.is_set():
+            if not self.sampler.busy:
+                self._wake.wait(timeout=0.1)
+                self._wake.clear()
+                # Requests that arrive together (e.g. a group's first turns) share a prefill.
+                time.sleep(self._gather_s)
+                continue
             try:
                 if self._before_batch is not None:
-                    await asyncio.to_thread(self._before_batch)  # e.g. reload weights
-                version = self._version()
-                self.calls += 1
-                t0 = time.perf_counter()
-                samples = await asyncio.to_thread(
-                    self.sampler.sample,
-                    [r.context for r in batch],
-                    max_new_tokens=self.max_new_tokens,
-                    temperature=self.temperature,
-                    top_k=self.top_k,
-                    rng=jax.random.fold_in(self._rng, self.calls),
-                )
-                self.latency_s.append(time.perf_counter() - t0)
-                self.batch_sizes.append(len(batch))
-                del self.latency_s[:-10000], self.batch_sizes[:-10000]
-                for req, s in zip(batch, samples, strict=True):
-                    if not req.future.done():
-                        req.future.set_result((s.tokens, s.logprobs, version))
+                    self._before_batch()  # e.g. reload weights
+                rows = self.sampler.step()
             except Exception as err:  # surface to the episodes; never leave them hanging
-                for req in batch:
-                    if not req.future.done():
-                        req.future.set_exception(err)
+                self._fail(err)
+                return
+            self.calls += 1
+            self.batch_sizes.append(rows)
+            del self.latency_s[:-10000], self.batch_sizes[:-10000]
+
+    def _fail(self, err: BaseException) -> None:
+        self._failed = err
+        for loop, fut in list(self._pending.values()):
+            loop.call_soon_threadsafe(_reject, fut, err)
+        self._pending.clear()
+
+
+def _resolve(fut: asyncio.Future, sample: Sample) -> None:
+    if not fut.done():
+        fut.set_result(sample)
+
+
+def _reject(fut: asyncio.Future, err: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(err)

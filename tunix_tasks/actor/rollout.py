@@ -40,7 +40,8 @@ class Policy(Protocol):
     """Continues a token context by one turn (ending with a stop id when it stops itself).
 
     `messages` and `tools` are the conversation the context encodes (a sampler ignores
-    them; a scripted policy renders its next action after them)."""
+    them; a scripted policy renders its next action after them); `session` is the
+    episode's id, the same on every turn (a sampler keeps that episode's KV cache)."""
 
     async def __call__(
         self,
@@ -48,6 +49,7 @@ class Policy(Protocol):
         *,
         messages: Sequence[Message] = (),
         tools: Sequence[dict[str, Any]] = (),
+        session: str | None = None,
     ) -> tuple[list[int], list[float], int]:
         """Returns (turn tokens, their behaviour log-probs, weights version used)."""
         ...
@@ -111,13 +113,14 @@ async def play_episode(
     every step's duration."""
     rec = _Transcript()
     tools = list(getattr(env, "tools", ()))
+    episode_id = episode_id or uuid.uuid4().hex
 
     def episode() -> Episode:
         if not rec.tokens:  # the env never started: an empty first prompt keeps it non-empty
             rec.extend(chat.start([{"role": "user", "content": ""}], tools), policy=False)
         rec.extend(chat.end_ids, policy=False)
         return Episode(
-            episode_id or uuid.uuid4().hex,
+            episode_id,
             rec.tokens,
             rec.loss_mask,
             rec.logprobs,
@@ -151,7 +154,9 @@ async def play_episode(
             rec.status = "truncated"
             break
         rec.extend(prompt, policy=False)
-        tokens, logprobs, version = await policy(rec.tokens, messages=history, tools=tools)
+        tokens, logprobs, version = await policy(
+            rec.tokens, messages=history, tools=tools, session=episode_id
+        )
         keep = min(room, limits.max_new_tokens)
         tokens, logprobs = tokens[:keep], logprobs[:keep]
         rec.versions.add(version)
@@ -205,6 +210,7 @@ class ScriptedPolicy:
         *,
         messages: Sequence[Message] = (),
         tools: Sequence[dict[str, Any]] = (),
+        session: str | None = None,
     ) -> tuple[list[int], list[float], int]:
         action = self._actions.pop(0) if self._actions else Action()
         tokens = self._chat.render_action(messages, action, tools)

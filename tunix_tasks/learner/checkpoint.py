@@ -13,7 +13,13 @@ exact, duplicate-free account of every episode, across any number of crashes.
 
     ckpt = Checkpointer(store)
     restored = ckpt.restore(abstract_state)     # None on a fresh run
-    ckpt.save(step, state, meta, ledger_entry)
+    ckpt.save(step, state, meta, ledger_entry)   # returns once the state is off the device
+    ckpt.wait()                                   # committed (raises if the write failed)
+
+Saves are asynchronous: `save` blocks only while the state is copied to host memory, then
+orbax writes it in the background while training goes on. A save first waits for the
+previous one, so at most one is in flight; what depends on a checkpoint being durable (the
+deletion of consumed shards) waits for `wait()`.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -55,12 +62,13 @@ def _directory(store: ObjectStore) -> Any:
 class Checkpointer:
     def __init__(self, store: ObjectStore, *, max_to_keep: int = 3) -> None:
         self._store = store
+        self._on_durable: Callable[[], None] | None = None
         self._manager = ocp.CheckpointManager(
             _directory(store),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep,
                 create=True,
-                enable_async_checkpointing=False,
+                enable_async_checkpointing=True,
                 # A save cut off by a crash or a store outage leaves an uncommitted step
                 # behind; saving that step again on resume must not trip over it.
                 cleanup_tmp_directories=True,
@@ -72,8 +80,18 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def save(
-        self, step: int, state: nnx.State | dict, meta: dict[str, Any], ledger: dict[str, Any]
+        self,
+        step: int,
+        state: nnx.State | dict,
+        meta: dict[str, Any],
+        ledger: dict[str, Any],
+        *,
+        on_durable: Callable[[], None] | None = None,
+        wait: bool = False,
     ) -> None:
+        """Start saving `step`; `on_durable()` runs in `wait()` once it is committed
+        (with `wait`, before returning)."""
+        self.wait()
         self._store.write_bytes(RunLayout.ledger(step), json.dumps(ledger).encode())
         self._clear_uncommitted(step)
         pure = nnx.to_pure_dict(state) if isinstance(state, nnx.State) else _pure(state)
@@ -84,7 +102,17 @@ class Checkpointer:
             ),
             force=True,
         )
+        self._on_durable = on_durable
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Until the last save is committed (then its `on_durable`); raises what its
+        background write raised."""
         self._manager.wait_until_finished()
+        callback, self._on_durable = self._on_durable, None
+        if callback is not None:
+            callback()
 
     def _clear_uncommitted(self, step: int) -> None:
         """Delete what an earlier save of `step`, cut off by a crash or a store outage,

@@ -75,12 +75,12 @@ class Learner:
             try:
                 self._loop()
             except DataTimeout:
-                self._checkpoint()  # nothing is wrong with the state: keep the progress
+                self._checkpoint(final=True)  # nothing is wrong with the state: keep it
                 raise
             reached = self.step >= self.max_steps
             if reached:
                 self.request_stop("max_steps")
-            self._checkpoint()
+            self._checkpoint(final=True)
             if self.flow.publish_at_end(self.step):
                 self._publish()
             p.publisher.wait()
@@ -170,8 +170,9 @@ class Learner:
             self.parts.trainer.flat_params(), version=self.version, step=self.step
         )
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, *, final: bool = False) -> None:
         self.parts.publisher.wait()
+        self.parts.ckpt.wait()  # the save in flight is durable before the next get_state
         if self.step == self._last_checkpoint:
             return
         self.parts.lease.ensure()  # LeaseLost: a learner without the lease never checkpoints
@@ -182,6 +183,7 @@ class Learner:
             "stream": self.parts.source.get_state(),
             "time": time.time(),
         }
-        self.parts.ckpt.save(self.step, self.parts.trainer.state(), meta, self.acct.take_ledger())
-        self.parts.source.committed()  # may delete the shards this checkpoint holds consumed
+        state, ledger = self.parts.trainer.state(), self.acct.take_ledger()
+        on_durable = self.parts.source.committed  # async save: consumed shards go once durable
+        self.parts.ckpt.save(self.step, state, meta, ledger, on_durable=on_durable, wait=final)
         self._last_checkpoint = self.step

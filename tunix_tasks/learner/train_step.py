@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from tunix_tasks.config import LearnerConfig, MeshConfig, RunConfig
 from tunix_tasks.learner.packing import PackedBatch
 from tunix_tasks.learner.rl_math import policy_loss, truncated_importance_weights
-from tunix_tasks.policy.model import Transformer, sampling_log_probs
+from tunix_tasks.policy.model import Transformer, chunked_target_logprobs
 from tunix_tasks.policy.params import flat_params, load_flat_params
 
 log = logging.getLogger(__name__)
@@ -85,9 +85,19 @@ def make_optimizer(
 
 
 def _loss(model: Transformer, batch: dict[str, jax.Array], hp: dict[str, Any], supervised: bool):
-    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
-    logp_all = sampling_log_probs(logits, hp["temperature"])
-    logp = jnp.take_along_axis(logp_all, batch["targets"][..., None], axis=-1)[..., 0]
+    hidden = model.final_hidden(
+        batch["tokens"], batch["positions"], batch["segment_ids"], remat=hp["remat"]
+    )
+    # The distribution the actors sampled from (same temperature AND top-k), a chunk of
+    # positions at a time: [rows, T, V] logits never exist at once.
+    logp = chunked_target_logprobs(
+        hidden,
+        model.output_matrix(),
+        batch["targets"],
+        hp["temperature"],
+        hp["top_k"],
+        chunk=hp["logits_chunk"],
+    )
     mask = batch["loss_mask"]
     if supervised:
         # Demonstrations: maximum likelihood on the policy tokens (REINFORCE with A=1, w=1).
@@ -125,6 +135,9 @@ class Trainer:
             )
         self._hp = {
             "temperature": float(cfg.actor.temperature),
+            "top_k": int(cfg.actor.top_k),
+            "remat": bool(cfg.learner.remat),
+            "logits_chunk": int(cfg.learner.logits_chunk),
             "rho_max": float(cfg.learner.rho_max),
             "is_level": cfg.learner.is_level,
             "ppo_clip": float(cfg.learner.ppo_clip),

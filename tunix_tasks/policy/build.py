@@ -81,12 +81,18 @@ def build_policy(
     return chat, model
 
 
-def build_sampler(cfg: ModelConfig, *, seed: int = 0) -> tuple[ChatFormat, Sampler]:
-    """The chat format and a sampler over the policy, stopping at the format's stop ids."""
+def build_sampler(
+    cfg: ModelConfig, *, seed: int = 0, max_sequences: int = 64
+) -> tuple[ChatFormat, Sampler]:
+    """The chat format and a sampler over the policy, stopping at the format's stop ids,
+    with `max_sequences` KV-cache slots (conversations whose cache it keeps)."""
     chat, model = build_policy(cfg, seed=seed)
-    stop = chat.stop_ids
     sampler = Sampler(
-        model, pad_id=chat.tokenizer.pad_id, stop_ids=stop, max_seq_len=cfg.max_seq_len
+        model,
+        pad_id=chat.tokenizer.pad_id,
+        stop_ids=chat.stop_ids,
+        max_seq_len=cfg.max_seq_len,
+        max_sequences=max_sequences,
     )
     return chat, sampler
 

@@ -178,6 +178,10 @@ class Block(nnx.Module):
         return x + self.mlp(self.mlp_norm(x)), k_cache, v_cache
 
 
+def _run_block(block: Block, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+    return block(x, positions, mask)
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM. Params float32 (sharding-annotated); logits float32."""
 
@@ -205,21 +209,29 @@ class Transformer(nnx.Module):
     def _embed(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0).astype(self.compute_dtype)
 
-    def _logits(self, x: jax.Array) -> jax.Array:
-        x = self.final_norm(x)
+    def output_matrix(self) -> jax.Array:
+        """[d_model, V] in the compute dtype: the unembedding (the embedding's transpose
+        when tied). Logits = final_hidden @ output_matrix, accumulated in float32."""
         if self.spec.tie_embeddings:
-            w, eq = self.embed[...].astype(self.compute_dtype), "btd,vd->btv"
-        else:
-            w, eq = self.unembed[...].astype(self.compute_dtype), "btd,dv->btv"
-        return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(jnp.float32)
+            return self.embed[...].astype(self.compute_dtype).T
+        return self.unembed[...].astype(self.compute_dtype)
 
-    def __call__(
-        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
+    def _logits(self, x: jax.Array) -> jax.Array:
+        return output_logits(self.final_norm(x), self.output_matrix())
+
+    def final_hidden(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        remat: bool = False,
     ) -> jax.Array:
-        """tokens/positions/segment_ids [B,T] int32 -> logits [B,T,V] float32.
+        """The packed training forward up to the final norm: [B,T,d_model].
 
         A query attends to earlier-or-same indices of the same non-zero segment; padding
-        (segment 0) attends nothing (finite, meaningless output).
+        (segment 0) attends nothing (finite, meaningless output). With `remat`, each block
+        is rematerialised in the backward pass: activations of one layer at a time.
         """
         t = tokens.shape[1]
         idx = jnp.arange(t)
@@ -227,9 +239,18 @@ class Transformer(nnx.Module):
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
         mask = causal[None] & same & (segment_ids != 0)[:, :, None]
         x = self._embed(tokens)
+        run = nnx.remat(_run_block) if remat else _run_block
         for block in self.blocks:
-            x = block(x, positions, mask)
-        return self._logits(x)
+            x = run(block, x, positions, mask)
+        return self.final_norm(x)
+
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
+    ) -> jax.Array:
+        """tokens/positions/segment_ids [B,T] int32 -> logits [B,T,V] float32."""
+        return output_logits(
+            self.final_hidden(tokens, positions, segment_ids), self.output_matrix()
+        )
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> KVCache:
         """An empty cache of static shape; `max_len` bounds the positions that can be written."""
@@ -239,15 +260,22 @@ class Transformer(nnx.Module):
         return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dt) for _ in self.blocks))
 
     def forward_with_cache(
-        self, tokens: jax.Array, positions: jax.Array, cache: KVCache
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        last: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """Process a chunk tokens [B,C] at positions [B,C]; return (logits [B,C,V], cache).
+        """Process a chunk tokens [B,C] at positions [B,C]; return (logits, cache).
 
         Each row's positions must be contiguous (`positions[b] = start_b + arange(C)`), and
-        slots < start_b must already hold that row's earlier tokens. Prefill = a chunk of the
-        prompt at start 0; decode = C=1 at each row's own length. With right padding, the
-        pad tokens' k/v land in slots beyond the row's length, which causality hides until
-        a real token overwrites them. Positions must stay < max_len.
+        slots < start_b must already hold that row's earlier tokens. Prefill = a chunk of new
+        tokens at each row's start; decode = C=1 at each row's own length. With right
+        padding, the pad tokens' k/v land in slots beyond the row's length, which causality
+        hides until a real token overwrites them. Positions must stay < the cache length.
+
+        Logits are [B,C,V]; with `last` ([B] chunk indices) only row b's logits at
+        `last[b]` are computed, [B,1,V]: a prefill never materialises [B,C,V].
         """
         x = self._embed(tokens)
         ks, vs = [], []
@@ -255,10 +283,19 @@ class Transformer(nnx.Module):
             x, kc, vc = block.cached(x, positions, kc, vc)
             ks.append(kc)
             vs.append(vc)
+        if last is not None:
+            x = jnp.take_along_axis(x, last[:, None, None], axis=1)
         return self._logits(x), KVCache(k=tuple(ks), v=tuple(vs))
 
 
 # ---------------------------------------------------------------- the sampling distribution
+
+
+def output_logits(hidden: jax.Array, w_out: jax.Array) -> jax.Array:
+    """Final hidden states [..., d] x output matrix [d, V] -> float32 logits [..., V]."""
+    return jnp.einsum("...d,dv->...v", hidden, w_out, preferred_element_type=jnp.float32).astype(
+        jnp.float32
+    )
 
 
 def sampling_log_probs(
@@ -267,15 +304,57 @@ def sampling_log_probs(
     """Log-probs [..., V] of the distribution tokens are sampled from.
 
     log_softmax(logits / temperature) restricted to the top_k largest logits when top_k > 0
-    (ties at the k-th value are all kept). `top_k` may be a traced scalar. float32.
+    (ties at the k-th value are all kept). `temperature` and `top_k` are scalars or arrays
+    broadcastable to `logits[..., 0]` (per row), possibly traced. The vocabulary is sorted
+    only when some top_k > 0 (a runtime branch when traced). float32.
     """
-    x = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
-    top_k = jnp.asarray(top_k, jnp.int32)
-    vocab = x.shape[-1]
-    descending = -jnp.sort(-x, axis=-1)
-    kth = jnp.take(descending, jnp.clip(top_k, 1, vocab) - 1, axis=-1)[..., None]
-    keep = (top_k <= 0) | (x >= kth)
-    return jax.nn.log_softmax(jnp.where(keep, x, -jnp.inf), axis=-1)
+    x = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)[..., None]
+    if isinstance(top_k, int) and top_k <= 0:
+        return jax.nn.log_softmax(x, axis=-1)
+    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), x.shape[:-1])
+
+    def restricted(x: jax.Array) -> jax.Array:
+        k = jnp.clip(top_k, 1, x.shape[-1]) - 1
+        # kth largest = the (V-1-k)-th smallest; a sort is what XLA does well for any k.
+        kth = jnp.take_along_axis(jnp.sort(x, axis=-1), (x.shape[-1] - 1 - k)[..., None], -1)
+        return jnp.where((top_k[..., None] <= 0) | (x >= kth), x, -jnp.inf)
+
+    x = jax.lax.cond(jnp.any(top_k > 0), restricted, lambda x: x, x)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def chunked_target_logprobs(
+    hidden: jax.Array,
+    w_out: jax.Array,
+    targets: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    top_k: int | jax.Array = 0,
+    *,
+    chunk: int = 256,
+) -> jax.Array:
+    """log p(targets[:, t]) under `sampling_log_probs(hidden[:, t] @ w_out)`: [B,T] float32.
+
+    The learner's log-probs without materialising [B,T,V] logits: `chunk` positions at a
+    time, each chunk rematerialised in the backward pass, so the working set is one chunk's
+    logits, log-probs and their gradients (~4 x [B,chunk,V] float32) instead of ~2 x
+    [B,T,V] (tests/test_learner_memory.py). Equal to the unchunked computation.
+    """
+    b, t, d = hidden.shape
+    if chunk <= 0 or chunk >= t:
+        chunk = t
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d).swapaxes(0, 1)
+    y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(hy):
+        hc, yc = hy
+        logp = sampling_log_probs(output_logits(hc, w_out), temperature, top_k)
+        return jnp.take_along_axis(logp, yc[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+    out = jax.lax.map(one, (h, y))  # [n, B, chunk]
+    return out.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
 
 
 def token_logprobs(

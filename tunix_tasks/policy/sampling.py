@@ -1,61 +1,67 @@
-"""Batched policy sampling for the CPU actors, on the model's KV cache.
+"""The sampler: continuous batching over a slot KV cache with multi-turn prefix reuse.
 
-This module owns `Sampler` (and its `Sample` result): turning a list of token contexts of
-different lengths into sampled continuations with the behaviour log-prob of every sampled
-token, compiling only a bounded set of shapes.
+This module owns `Sampler` (and `Sample`): turning token contexts into sampled
+continuations with the behaviour log-prob of every sampled token.
 
-Shapes. A call's batch is padded up to a batch bucket (extra rows are inert) and every
-context is RIGHT-padded to one prompt-length bucket P; the KV cache (slot index ==
-position) is the smallest length bucket >= min(P + max_new_tokens, max_seq_len), because
-decode cost grows with cache length. So the compiled shapes are (batch bucket, prompt
-bucket, cache bucket >= prompt bucket): at most |B| x |L|(|L|+1)/2, and about |B| x |L| for
-a fixed `max_new_tokens`, whatever the contexts. Temperature, top_k, max_new_tokens and
-stop ids are traced arguments; so are the weights: `update_params` never recompiles.
+    sampler = Sampler(model, pad_id=chat.tokenizer.pad_id, stop_ids=chat.stop_ids)
+    out = sampler.sample(contexts, max_new_tokens=16, temperature=1.0, rng=key)   # blocking
+    sampler.submit(context, max_new_tokens=16, session="ep-7", on_done=callback)  # engine
+    while sampler.busy:
+        sampler.step()               # admit waiting requests, decode one segment
+    sampler.update_params(flat, version=3)   # new weights, same compiled programs
 
-Each call is one jitted program: a prefill over the padded contexts, then a
-`lax.while_loop` decoding one token per step for every row until all rows stopped (stop
-token, `max_new_tokens`, or the next position would reach `max_seq_len`). The cache is a
-loop carry, so XLA updates it in place without a Python round trip per token.
+Slots and prefix reuse. The KV cache has `max_sequences` slots. A request may name a
+`session` (the actor passes its episode id): the slot that served the session's previous
+turn still holds its keys and values, so the next turn prefills only what is new (the
+environment's reply) instead of the whole episode. Idle slots are reused least recently
+used first; a new weights version invalidates every slot, since keys and values computed
+with old weights would condition new tokens on the old policy.
 
-Log-probs come from `model.sampling_log_probs`, the same function the learner uses via
-`token_logprobs`, so they match a full forward pass over the sampled sequence.
+Continuous batching. `step()` first admits waiting requests into free slots (one prefill
+call for all of them, which also draws their first token), then runs one decode segment of
+at most `segment_steps` tokens for every active row. A row that finishes hands back its
+`Sample` at the end of the segment and its slot takes the next request; nobody waits for
+the slowest row of a batch. Rows in flight when the weights change are re-admitted: their
+context so far is prefilled again under the new weights and generation continues, so each
+token's log-prob is exact under the version that drew it (`Sample.version` is the oldest).
+
+Shapes. Batches are padded to a batch bucket; a prefill chunk to a chunk bucket (the
+`prompt_buckets`); attention reads a window of the cache: the smallest bucket holding every
+position the call can touch (decode attends over the live positions' bucket, not the whole
+cache). Compiles are bounded by |batch buckets| x |buckets|^2; weights, temperature, top-k,
+budgets and stop ids are traced, so `update_params` never recompiles.
+
+Log-probs come from `model.sampling_log_probs`, the function the learner scores with.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Literal
+import collections
+import threading
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_tasks.policy.model import Transformer, sampling_log_probs
+from tunix_tasks.policy import decoding
+from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.params import load_flat_params
+from tunix_tasks.policy.requests import (
+    Request,
+    Sample,
+    SamplerStats,
+    check_request,
+    row_params,
+)
+from tunix_tasks.policy.slots import SlotTable
 
 __all__ = ["DEFAULT_BATCH_BUCKETS", "DEFAULT_PROMPT_BUCKETS", "Sample", "Sampler"]
 
 DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_PROMPT_BUCKETS: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 _MAX_STOP_IDS = 8  # stop ids are padded to this fixed size so they stay a traced argument
-
-FinishReason = Literal["stop", "length", "max_seq_len"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    """One continuation. `tokens` includes the stop token when one was sampled.
-
-    `logprobs[i]` is the log-prob of `tokens[i]` under the distribution it was drawn from
-    (temperature-scaled, top-k filtered). `finish_reason`: "stop" (stop token), "length"
-    (`max_new_tokens` reached) or "max_seq_len" (the context is full).
-    """
-
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -66,12 +72,7 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 
 
 class Sampler:
-    """Samples continuations of many contexts at once from a `Transformer`.
-
-    sampler = Sampler(model, pad_id=chat.tokenizer.pad_id, stop_ids=chat.stop_ids)
-    out = sampler.sample(contexts, max_new_tokens=16, temperature=1.0, rng=key)
-    sampler.update_params(flat)  # new weights, same compiled programs
-    """
+    """Samples continuations of many contexts from a `Transformer` (module docstring)."""
 
     def __init__(
         self,
@@ -80,37 +81,66 @@ class Sampler:
         pad_id: int,
         stop_ids: Sequence[int],
         max_seq_len: int | None = None,
+        max_sequences: int = 64,
         batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
         prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+        segment_steps: int = 16,
+        kv_dtype: jnp.dtype | None = None,
     ):
         self.max_seq_len = int(max_seq_len or model.max_seq_len)
         if self.max_seq_len <= 1:
             raise ValueError(f"max_seq_len must be > 1, got {self.max_seq_len}")
         if not batch_buckets or min(batch_buckets) < 1:
             raise ValueError(f"batch_buckets must be positive, got {list(batch_buckets)}")
-        self.batch_buckets = tuple(sorted(set(batch_buckets)))
-        # Clip prompt buckets to max_seq_len and make max_seq_len itself the last bucket.
-        clipped = {b for b in prompt_buckets if 0 < b < self.max_seq_len}
-        self.prompt_buckets = (*sorted(clipped), self.max_seq_len)
         if not 0 < len(stop_ids) <= _MAX_STOP_IDS:
             raise ValueError(f"need 1..{_MAX_STOP_IDS} stop ids, got {list(stop_ids)}")
+        if segment_steps < 1 or max_sequences < 1:
+            raise ValueError("segment_steps and max_sequences must be >= 1")
+        self.batch_buckets = tuple(sorted(set(batch_buckets)))
+        # Length buckets up to max_seq_len, which is always the last one.
+        clipped = {b for b in prompt_buckets if 0 < b < self.max_seq_len}
+        self.prompt_buckets = (*sorted(clipped), self.max_seq_len)
         self.pad_id = int(pad_id)
         self.default_stop_ids = tuple(int(i) for i in stop_ids)
+        self.segment_steps = int(segment_steps)
+        self.max_batch = min(self.batch_buckets[-1], max_sequences)
+        self.stats = SamplerStats()
+        self.version = -1
         self._model = model
         self._graphdef, self._state = nnx.split(model)
+        # The last cache row is scratch: padding rows of a batch read and write there.
+        self._cache = model.init_cache(max_sequences + 1, self.max_seq_len, kv_dtype)
+        self._slots = SlotTable(max_sequences)
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._active: list[Request] = []
+        self._decode_state: dict[int, tuple[int, int]] = {}  # id(row) -> (last token, pos)
+        self._lock = threading.Lock()  # `submit` may come from another thread than `step`
+        self._key = jax.random.key(0)
         self._traces = 0
-        self._generate = jax.jit(self._generate_impl, static_argnames=("cache_len",))
+        static = ("window", "max_seq_len")
+        self._prefill = jax.jit(self._prefill_impl, static_argnames=static, donate_argnums=1)
+        self._decode = jax.jit(
+            self._decode_impl, static_argnames=(*static, "steps"), donate_argnums=1
+        )
 
     # ------------------------------------------------------------------ weights
 
-    def update_params(self, flat: Mapping[str, np.ndarray]) -> None:
+    def update_params(self, flat: Mapping[str, np.ndarray], *, version: int = -1) -> None:
         """Load `flat_params`-style weights (e.g. from a safetensors snapshot); no recompile.
 
         Names, shapes and dtypes (float32) are checked against the model BEFORE anything is
         swapped: a ValueError naming every mismatch leaves the sampler on its old weights.
+        Every cached slot is invalidated and rows in flight are re-admitted (module doc).
         """
         load_flat_params(self._model, flat)  # checks everything first, then swaps
         self._state = nnx.state(self._model)
+        self.version = version
+        self._slots.invalidate()
+        with self._lock:
+            for row in reversed(self._active):
+                self._release(row)
+                self._waiting.appendleft(row)
+            self._active = []
 
     @property
     def model(self) -> Transformer:
@@ -118,10 +148,55 @@ class Sampler:
 
     @property
     def compile_count(self) -> int:
-        """How many times the sampling program was traced (== XLA compilations it caused)."""
+        """How many times a sampling program was traced (== XLA compilations it caused)."""
         return self._traces
 
-    # ------------------------------------------------------------------ sampling
+    # ------------------------------------------------------------------ requests
+
+    def submit(
+        self,
+        context: Sequence[int],
+        *,
+        max_new_tokens: int,
+        on_done: Callable[[Sample], None],
+        temperature: float = 1.0,
+        top_k: int = 0,
+        stop_ids: Sequence[int] | None = None,
+        session: Hashable | None = None,
+        seed: int = 0,
+    ) -> None:
+        """Queue one request; `on_done(Sample)` is called from `step()` when it finishes.
+
+        `seed` picks the row's random stream; `session` names a conversation whose next
+        turn should reuse this one's cache (module docstring). Greedy: `top_k=1`.
+        """
+        check_request(context, max_new_tokens, temperature, top_k, self.max_seq_len)
+        stops = tuple(self.default_stop_ids if stop_ids is None else stop_ids)
+        if len(stops) > _MAX_STOP_IDS:
+            raise ValueError(f"at most {_MAX_STOP_IDS} stop ids, got {len(stops)}")
+        row = Request(
+            list(context),
+            session,
+            seed=int(seed) & 0x7FFFFFFF,
+            temperature=float(temperature),
+            top_k=int(top_k),
+            max_new=int(max_new_tokens),
+            stop_ids=stops,
+            on_done=on_done,
+        )
+        if len(row.context) >= self.max_seq_len:  # no room for a single token
+            row.finish()
+            return
+        with self._lock:
+            self._waiting.append(row)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._active)
+
+    @property
+    def active_rows(self) -> int:
+        return len(self._active)
 
     def sample(
         self,
@@ -133,129 +208,159 @@ class Sampler:
         stop_ids: Sequence[int] | None = None,
         rng: jax.Array,
     ) -> list[Sample]:
-        """Sample a continuation of every context (order preserved).
-
-        `stop_ids` defaults to the constructor's. Greedy decoding: `top_k=1`. A context
-        must be non-empty and at most `max_seq_len` tokens long.
-        """
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (use top_k=1 for greedy), got {temperature}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        stops = tuple(self.default_stop_ids if stop_ids is None else stop_ids)
-        if len(stops) > _MAX_STOP_IDS:
-            raise ValueError(f"at most {_MAX_STOP_IDS} stop ids, got {len(stops)}")
+        """Sample a continuation of every context (order preserved); blocks until done.
+        Row i draws from the stream `(rng, i)`: its output does not depend on the others."""
+        for ctx in contexts:
+            check_request(ctx, max_new_tokens, temperature, top_k, self.max_seq_len)
+        if self.busy:
+            raise RuntimeError("sample() needs an idle sampler; use submit()/step() instead")
+        self._key = rng
+        out: list[Sample | None] = [None] * len(contexts)
         for i, ctx in enumerate(contexts):
-            if not 0 < len(ctx) <= self.max_seq_len:
-                raise ValueError(
-                    f"context {i} has {len(ctx)} tokens; need 1..max_seq_len={self.max_seq_len}"
-                )
-        stop_arr = np.full((_MAX_STOP_IDS,), -1, np.int32)
-        stop_arr[: len(stops)] = stops
-        args = (
-            jnp.float32(temperature),
-            jnp.int32(top_k),
-            jnp.int32(max_new_tokens),
-            jnp.asarray(stop_arr),
-        )
-        out: list[Sample] = []
-        chunk = self.batch_buckets[-1]
-        for c, start in enumerate(range(0, len(contexts), chunk)):
-            part = contexts[start : start + chunk]
-            out.extend(self._sample_chunk(part, jax.random.fold_in(rng, c), args, set(stops)))
-        return out
+            self.submit(
+                ctx,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                stop_ids=stop_ids,
+                seed=i,
+                on_done=lambda s, i=i: out.__setitem__(i, s),
+            )
+        while self.busy:
+            self.step()
+        return [s for s in out if s is not None]
 
-    def _sample_chunk(self, contexts, rng, args, stops: set[int]) -> list[Sample]:
-        n = len(contexts)
-        max_new = int(args[2])
-        batch = _bucket(n, self.batch_buckets)
-        width = _bucket(max(len(c) for c in contexts), self.prompt_buckets)
-        cache_len = _bucket(min(width + max_new, self.max_seq_len), self.prompt_buckets)
+    def seed(self, rng: jax.Array) -> None:
+        """The key every row's random stream derives from (with the row's seed)."""
+        self._key = rng
+
+    # ------------------------------------------------------------------ the engine
+
+    def step(self) -> int:
+        """Admit waiting requests (one prefill), then decode one segment for active rows.
+        Returns how many rows this step computed for."""
+        admitted = self._admit()
+        decoded = len(self._active)
+        if decoded:
+            self._decode_active()
+        return max(admitted, decoded)
+
+    def _release(self, row: Request) -> None:
+        if row.slot >= 0:
+            self._slots.release(row.slot, row.session)
+            self._decode_state.pop(id(row), None)
+            row.slot = -1
+
+    def _admit(self) -> int:
+        rows: list[Request] = []
+        with self._lock:
+            while self._waiting and len(self._active) + len(rows) < self.max_batch:
+                slot = self._slots.acquire(self._waiting[0].session)
+                if slot is None:
+                    break
+                row = self._waiting.popleft()
+                row.slot = slot
+                rows.append(row)
+        if rows:
+            self._prefill_rows(rows)
+        return len(rows)
+
+    def _prefill_rows(self, rows: list[Request]) -> None:
+        seqs = [r.sequence for r in rows]
+        # Feed at least each row's last token: its logits draw the next one.
+        reuse = [
+            min(self._slots.reusable(r.slot, q), len(q) - 1)
+            for r, q in zip(rows, seqs, strict=True)
+        ]
+        width = _bucket(
+            max(len(s) - n for s, n in zip(seqs, reuse, strict=True)), self.prompt_buckets
+        )
+        window = _bucket(max(width, *map(len, seqs)), self.prompt_buckets)
+        batch = _bucket(len(rows), self.batch_buckets)
         tokens = np.full((batch, width), self.pad_id, np.int32)
-        lengths = np.ones((batch,), np.int32)  # padding rows: one pad token, inactive
-        active = np.zeros((batch,), bool)
-        for i, ctx in enumerate(contexts):
-            tokens[i, : len(ctx)] = ctx
-            lengths[i] = len(ctx)
-            active[i] = True
-        out_tok, out_lp, n_gen = jax.device_get(
-            self._generate(self._state, tokens, lengths, active, rng, *args, cache_len=cache_len)
-        )
-        samples = []
-        for i in range(n):
-            k = int(n_gen[i])
-            toks = out_tok[i, :k].tolist()
-            if toks and toks[-1] in stops:
-                reason: FinishReason = "stop"
-            elif k >= max_new:
-                reason = "length"
+        starts, last = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
+        for i, seq in enumerate(seqs):
+            # The chunk ends at the sequence's end; it re-feeds cached tokens before the new
+            # ones when it is wider (identical keys/values), so no position past the end is
+            # written for rows whose context is long enough.
+            start = max(0, len(seq) - width)
+            chunk = seq[start : start + width]
+            tokens[i, : len(chunk)] = chunk
+            starts[i], last[i] = start, len(seq) - 1 - start
+            self.stats.prefill_tokens += len(seq) - reuse[i]
+            self.stats.reused_tokens += reuse[i]
+        slots = self._slot_array(rows, batch)
+        params = row_params(rows, batch, _MAX_STOP_IDS)
+        n_gen = np.zeros(batch, np.int32)
+        n_gen[: len(rows)] = [len(r.generated) for r in rows]
+        self._cache, tok, lp, done = self._prefill(
+            self._state, self._cache, slots, tokens, starts, last, n_gen, self._key, params,
+            window=window, max_seq_len=self.max_seq_len,
+        )  # fmt: skip
+        tok, lp, done = jax.device_get((tok, lp, done))
+        for i, (r, seq) in enumerate(zip(rows, seqs, strict=True)):
+            self._slots.hold(r.slot, seq)
+            r.record([int(tok[i])], [float(lp[i])], self.version)
+            if done[i]:
+                self._finish(r)
             else:
-                reason = "max_seq_len"
-            samples.append(Sample(toks, out_lp[i, :k].tolist(), reason))
-        return samples
+                self._decode_state[id(r)] = (int(tok[i]), len(seq))
+                self._active.append(r)
 
-    def _generate_impl(
-        self,
-        state,
-        tokens,
-        lengths,
-        active,
-        rng,
-        temperature,
-        top_k,
-        max_new,
-        stop_ids,
-        *,
-        cache_len: int,
-    ):
-        """Prefill + while_loop decode. Traced once per (batch, prompt, cache) bucket.
+    def _decode_active(self) -> None:
+        rows = self._active
+        batch = _bucket(len(rows), self.batch_buckets)
+        state = [self._decode_state[id(r)] for r in rows]
+        steps = self.segment_steps
+        window = _bucket(
+            min(max(p for _, p in state) + steps + 1, self.max_seq_len), self.prompt_buckets
+        )
+        last_tok, pos = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
+        n_gen, done = np.zeros(batch, np.int32), np.ones(batch, bool)
+        for i, (r, (t, p)) in enumerate(zip(rows, state, strict=True)):
+            last_tok[i], pos[i], n_gen[i], done[i] = t, p, len(r.generated), False
+        self._cache, out_tok, out_lp, _, done, last_tok, pos = self._decode(
+            self._state, self._cache, self._slot_array(rows, batch), last_tok, pos, n_gen, done,
+            self._key, row_params(rows, batch, _MAX_STOP_IDS),
+            window=window, steps=steps, max_seq_len=self.max_seq_len,
+        )  # fmt: skip
+        out_tok, out_lp, done, last_tok, pos = jax.device_get(
+            (out_tok, out_lp, done, last_tok, pos)
+        )
+        self.stats.segments += 1
+        self.stats.decode_steps += int((out_tok[: len(rows)] >= 0).any(axis=0).sum())
+        still = []
+        for i, r in enumerate(rows):
+            keep = out_tok[i] >= 0
+            r.record(out_tok[i][keep].tolist(), out_lp[i][keep].tolist(), self.version)
+            # Cached for this slot: every position before the last drawn token.
+            self._slots.hold(r.slot, r.sequence[: int(pos[i])])
+            if done[i]:
+                self._finish(r)
+            else:
+                self._decode_state[id(r)] = (int(last_tok[i]), int(pos[i]))
+                still.append(r)
+        self._active = still
 
-        `cache_len` >= every position this call feeds back (see `_sample_chunk`).
-        """
+    def _finish(self, row: Request) -> None:
+        self._release(row)
+        row.finish()
+
+    def _slot_array(self, rows: list[Request], batch: int) -> np.ndarray:
+        slots = np.full(batch, self._slots.slots, np.int32)  # padding rows: the scratch slot
+        slots[: len(rows)] = [r.slot for r in rows]
+        return slots
+
+    # ------------------------------------------------------------------ jitted programs
+
+    def _prefill_impl(self, state, cache, *args, window: int, max_seq_len: int):
         self._traces += 1  # runs only while tracing: counts compilations
         model = nnx.merge(self._graphdef, state)
-        batch, width = tokens.shape
-        seq = self.max_seq_len
-        rows = jnp.arange(batch)
+        return decoding.prefill(model, cache, *args, window=window, max_seq_len=max_seq_len)
 
-        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-        cache = model.init_cache(batch, cache_len)
-        logits, cache = model.forward_with_cache(tokens, positions, cache)
-        last = logits[rows, lengths - 1]  # logits that score each row's next token
-
-        # Output buffers are cache_len wide: a static bound on any row's generation.
-        init = (
-            jnp.int32(0),
-            cache,
-            last,
-            jnp.zeros((batch, cache_len), jnp.int32),
-            jnp.zeros((batch, cache_len), jnp.float32),
-            jnp.zeros((batch,), jnp.int32),
-            ~active | (lengths >= seq),  # done: padding rows, and rows with no room left
+    def _decode_impl(self, state, cache, *args, window: int, steps: int, max_seq_len: int):
+        self._traces += 1
+        model = nnx.merge(self._graphdef, state)
+        return decoding.decode_segment(
+            model, cache, *args, window=window, steps=steps, max_seq_len=max_seq_len
         )
-
-        def cond(carry):
-            step, *_, done = carry
-            return (step < max_new) & ~jnp.all(done)
-
-        def body(carry):
-            step, cache, last, out_tok, out_lp, n_gen, done = carry
-            logp = sampling_log_probs(last, temperature, top_k)
-            tok = jax.random.categorical(jax.random.fold_in(rng, step), logp).astype(jnp.int32)
-            lp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
-            slot = jnp.where(done, cache_len, n_gen)  # out of range for done rows: dropped
-            out_tok = out_tok.at[rows, slot].set(tok, mode="drop")
-            out_lp = out_lp.at[rows, slot].set(lp, mode="drop")
-            n_gen = n_gen + (~done).astype(jnp.int32)
-            pos = lengths + n_gen - 1  # position of the token just sampled
-            hit_stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-            done = done | hit_stop | (n_gen >= max_new) | (pos + 1 >= seq)
-            # Feed the token back (finished rows feed junk that is never read).
-            feed_pos = jnp.minimum(pos, cache_len - 1)[:, None]
-            logits, cache = model.forward_with_cache(tok[:, None], feed_pos, cache)
-            return step + 1, cache, logits[:, 0], out_tok, out_lp, n_gen, done
-
-        _, _, _, out_tok, out_lp, n_gen, _ = jax.lax.while_loop(cond, body, init)
-        return out_tok, out_lp, n_gen

@@ -1,0 +1,144 @@
+"""The sampler's device programs: prefill new tokens into cache slots, decode a segment.
+
+The sampler (policy/sampling.py) keeps one KV cache of `slots + 1` rows (the last row is
+scratch, where padding rows of a batch read and write). Both programs take the rows'
+slot ids, gather those rows' first `window` cache positions ([B, KV, window, head_dim],
+a bucket just large enough for the call: attention never reads past the live positions'
+bucket), run, and scatter the rows back. Temperature, top-k, budgets, stop ids, the rows'
+seeds and the weights are traced arguments; `window`, the chunk width and `steps` are
+static, so compiles are bounded by the bucket combinations.
+
+Randomness is per row: the token a row draws at its n-th generated position uses
+`fold_in(fold_in(key, seed), n)`, so a row's output does not depend on which other rows
+share its batch or on how its generation is split into segments.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from tunix_tasks.policy.model import KVCache, Transformer, sampling_log_probs
+
+__all__ = ["RowParams", "decode_segment", "draw", "prefill"]
+
+
+class RowParams(NamedTuple):
+    """Per-row sampling settings, [B] each (stop_ids [B, S], -1 = unused)."""
+
+    seed: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    max_new: jax.Array
+    stop_ids: jax.Array
+
+
+def _gather(cache: KVCache, slots: jax.Array, window: int) -> KVCache:
+    return KVCache(
+        k=tuple(k[slots, :, :window] for k in cache.k),
+        v=tuple(v[slots, :, :window] for v in cache.v),
+    )
+
+
+def _scatter(cache: KVCache, slots: jax.Array, part: KVCache) -> KVCache:
+    w = part.k[0].shape[2]
+    return KVCache(
+        k=tuple(c.at[slots, :, :w].set(p) for c, p in zip(cache.k, part.k, strict=True)),
+        v=tuple(c.at[slots, :, :w].set(p) for c, p in zip(cache.v, part.v, strict=True)),
+    )
+
+
+def draw(
+    logits: jax.Array, key: jax.Array, rows: RowParams, n_gen: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One token per row from logits [B, V]: (token [B], its log-prob [B])."""
+    logp = sampling_log_probs(logits, rows.temperature, rows.top_k)
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.fold_in(key, s), n))(
+        rows.seed, n_gen
+    )
+    tok = jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+
+def _finished(tok, n_gen, pos, rows: RowParams, max_seq_len: int) -> jax.Array:
+    """A row is done after a stop id, its budget, or when the next position is past the end."""
+    hit_stop = jnp.any(tok[:, None] == rows.stop_ids, axis=-1)
+    return hit_stop | (n_gen >= rows.max_new) | (pos + 1 >= max_seq_len)
+
+
+def prefill(
+    model: Transformer,
+    cache: KVCache,
+    slots: jax.Array,
+    tokens: jax.Array,
+    starts: jax.Array,
+    last: jax.Array,
+    n_gen: jax.Array,
+    key: jax.Array,
+    rows: RowParams,
+    *,
+    window: int,
+    max_seq_len: int,
+):
+    """Write tokens [B, C] at positions starts[b] + arange(C) into the rows' slots and draw
+    each row's next token from the logits at chunk index `last[b]` (its final real token).
+
+    Returns (cache, token [B], log-prob [B], done [B]); the drawn token is not cached yet.
+    """
+    part = _gather(cache, slots, window)
+    positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    logits, part = model.forward_with_cache(tokens, positions, part, last=last)
+    tok, lp = draw(logits[:, 0], key, rows, n_gen)
+    pos = starts + last + 1  # where the drawn token sits
+    done = _finished(tok, n_gen + 1, pos, rows, max_seq_len)
+    return _scatter(cache, slots, part), tok, lp, done
+
+
+def decode_segment(
+    model: Transformer,
+    cache: KVCache,
+    slots: jax.Array,
+    last_tok: jax.Array,
+    pos: jax.Array,
+    n_gen: jax.Array,
+    done: jax.Array,
+    key: jax.Array,
+    rows: RowParams,
+    *,
+    window: int,
+    steps: int,
+    max_seq_len: int,
+):
+    """Up to `steps` decode steps for rows [B]: feed `last_tok` at `pos`, draw the next.
+
+    The caller picks `window` > max(pos) + steps, so no row writes past it. Finished rows
+    keep re-feeding their last token at its own position (beyond what is cached for
+    them), which changes nothing they own. Returns (cache, tokens [B, steps], log-probs
+    [B, steps], n_gen, done, last_tok, pos); unused entries of tokens are -1.
+    """
+    b = slots.shape[0]
+    part = _gather(cache, slots, window)
+    out_tok = jnp.full((b, steps), -1, jnp.int32)
+    out_lp = jnp.zeros((b, steps), jnp.float32)
+
+    def cond(carry):
+        step, *_, done = carry
+        return (step < steps) & ~jnp.all(done)
+
+    def body(carry):
+        step, part, out_tok, out_lp, last_tok, pos, n_gen, done = carry
+        logits, part = model.forward_with_cache(last_tok[:, None], pos[:, None], part)
+        tok, lp = draw(logits[:, 0], key, rows, n_gen)
+        live = ~done
+        out_tok = out_tok.at[:, step].set(jnp.where(live, tok, -1))
+        out_lp = out_lp.at[:, step].set(jnp.where(live, lp, 0.0))
+        n_gen = n_gen + live.astype(jnp.int32)
+        new_pos = jnp.where(live, pos + 1, pos)
+        done = done | (live & _finished(tok, n_gen, new_pos, rows, max_seq_len))
+        return step + 1, part, out_tok, out_lp, jnp.where(live, tok, last_tok), new_pos, n_gen, done
+
+    init = (jnp.int32(0), part, out_tok, out_lp, last_tok, pos, n_gen, done)
+    _, part, out_tok, out_lp, last_tok, pos, n_gen, done = jax.lax.while_loop(cond, body, init)
+    return _scatter(cache, slots, part), out_tok, out_lp, n_gen, done, last_tok, pos

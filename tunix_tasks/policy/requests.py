@@ -1,0 +1,109 @@
+"""What the sampler is asked and what it answers: `Request`, `Sample`, and their stats.
+
+A `Request` is one context to continue, with its sampling settings and where it stands
+(tokens generated so far, its cache slot); the sampler calls `on_done(Sample)` when it
+finishes. `row_params` lays a batch of requests' settings out as the device programs'
+traced arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+from typing import Literal
+
+import numpy as np
+
+from tunix_tasks.policy.decoding import RowParams
+
+__all__ = ["FinishReason", "Request", "Sample", "SamplerStats", "check_request", "row_params"]
+
+FinishReason = Literal["stop", "length", "max_seq_len"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One continuation. `tokens` includes the stop token when one was sampled.
+
+    `logprobs[i]` is the log-prob of `tokens[i]` under the distribution it was drawn from
+    (temperature-scaled, top-k filtered). `finish_reason`: "stop" (stop token), "length"
+    (`max_new_tokens` reached) or "max_seq_len" (the context is full). `version`: the
+    oldest weights version (`Sampler.update_params(version=)`) that drew any of its
+    tokens, -1 when no version was given.
+    """
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    version: int = -1
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request in the sampler, from `submit` to its `Sample`."""
+
+    context: list[int]
+    session: Hashable | None
+    seed: int
+    temperature: float
+    top_k: int
+    max_new: int
+    stop_ids: tuple[int, ...]
+    on_done: Callable[[Sample], None]
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    version: int = -1
+    slot: int = -1
+
+    @property
+    def sequence(self) -> list[int]:
+        """The context and what was generated so far (what a re-admission prefills)."""
+        return self.context + self.generated
+
+    def record(self, tokens: list[int], logprobs: list[float], version: int) -> None:
+        self.generated.extend(tokens)
+        self.logprobs.extend(logprobs)
+        self.version = version if self.version < 0 else min(self.version, version)
+
+    def finish(self) -> None:
+        if self.generated and self.generated[-1] in self.stop_ids:
+            reason: FinishReason = "stop"
+        elif len(self.generated) >= self.max_new:
+            reason = "length"
+        else:
+            reason = "max_seq_len"
+        self.on_done(Sample(self.generated, self.logprobs, reason, self.version))
+
+
+@dataclasses.dataclass
+class SamplerStats:
+    prefill_tokens: int = 0  # new tokens fed by prefills (cached and padding ones excluded)
+    reused_tokens: int = 0  # context tokens whose keys/values a session's slot already held
+    decode_steps: int = 0  # decode steps (one token for every active row)
+    segments: int = 0
+
+
+def row_params(rows: Sequence[Request], batch: int, max_stops: int) -> RowParams:
+    """The rows' sampling settings as [batch] arrays (padding rows: inert defaults)."""
+    seed = np.zeros(batch, np.int32)
+    temperature, top_k = np.ones(batch, np.float32), np.zeros(batch, np.int32)
+    max_new = np.ones(batch, np.int32)
+    stops = np.full((batch, max_stops), -1, np.int32)
+    for i, r in enumerate(rows):
+        seed[i], temperature[i], top_k[i], max_new[i] = r.seed, r.temperature, r.top_k, r.max_new
+        stops[i, : len(r.stop_ids)] = r.stop_ids
+    return RowParams(seed, temperature, top_k, max_new, stops)
+
+
+def check_request(
+    context: Sequence[int], max_new_tokens: int, temperature: float, top_k: int, max_seq_len: int
+) -> None:
+    """ValueError naming the bad setting of a request."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (use top_k=1 for greedy), got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not 0 < len(context) <= max_seq_len:
+        raise ValueError(f"a context has {len(context)} tokens; need 1..max_seq_len={max_seq_len}")
