@@ -98,8 +98,8 @@ from flax import nnx
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save_file
 
+from tunix_tasks.policy.distribution import sampling_log_probs
 from tunix_tasks.policy.hf_checkpoint import HFCheckpoint, hf_tensor_shapes
-from tunix_tasks.policy.model import sampling_log_probs
 from tunix_tasks.policy.params import flat_params
 from tunix_tasks.policy.sampling import DEFAULT_PROMPT_BUCKETS, Sampler
 from tunix_tasks.policy.spec import DecoderSpec, spec_from_hf_config

@@ -18,7 +18,9 @@ processes hits all of them alike; "iqr" is the interquartile range / median):
               `Sampler._decode_active` picks: the smallest prompt bucket >= the live
               positions + segment_steps + 1). Two tables: tokens/s against the batch at a
               fixed window (`--batches`, `--window`), and against the window at a fixed
-              batch (`--windows`, `--window-batch`).
+              batch (`--windows`, `--window-batch`). "draw ms" is one `decoding.draw` over
+              [B, V] logits alone (log-softmax + categorical, as a segment runs them, in a
+              loop in one program), "draw %" its share of the measured step.
   2. prefill  `step()` on B requests of P tokens with `max_new_tokens=1` (each row is done
               at its prefill, so the step is the one admission prefill call): prompt
               tokens/s = B x P / wall (`--prefill-batches` x `--prefill-lens`).
@@ -27,11 +29,14 @@ processes hits all of them alike; "iqr" is the interquartile range / median):
               slot's cache is reused) or without (every turn re-prefills everything). Per
               turn: prefill tokens (`sampler.stats.prefill_tokens` delta), prefill time
               (the admission alone: `Sampler._admit()`) and the whole turn's time.
-  4. train    one `Trainer.step` on a fully packed [--train-rows, --train-len] batch:
-              tokens/s, the compiled step's memory analysis (XLA's temp / argument sizes)
-              and, in a fresh subprocess, the peak RSS growth of one step (high-water mark
-              reset after the compile), next to the size of a [rows, T, V] float32 logits
-              tensor (the loss materialises it, and its gradient, in full).
+  4. train    one `Trainer.step` on a fully packed [--train-rows, --train-len] batch (four
+              episodes per row): tokens/s, the compiled step's memory analysis (XLA's temp /
+              argument sizes) and, in a fresh subprocess, the peak RSS growth of one step
+              (high-water mark reset after the compile). For scale, next to them: what a
+              [rows, T, V] float32 logits tensor would take (the learner scores
+              `learner.logits_chunk` positions at a time, so it never holds one) and one
+              layer's [rows, H, T, T] float32 attention scores (dense attention keeps them,
+              per layer, for the backward pass unless `--remat`).
 
 Rooflines (L layers, d d_model, H / KV heads of size hd, f d_ff, V vocab, B rows, W the
 attended window; P_mm = L*(2*d*H*hd + 2*d*KV*hd + 3*d*f) + d*V the matmul params per token):
@@ -95,6 +100,7 @@ from tunix_tasks.config import ModelConfig, config_from_dict
 from tunix_tasks.episode import Episode
 from tunix_tasks.learner.packing import pack
 from tunix_tasks.learner.train_step import Trainer
+from tunix_tasks.policy import decoding
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.sampling import DEFAULT_BATCH_BUCKETS, DEFAULT_PROMPT_BUCKETS, Sampler
 from tunix_tasks.policy.spec import DecoderSpec, spec_from_preset
@@ -304,6 +310,37 @@ def _context(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
     return rng.integers(8, vocab, n).tolist()
 
 
+def measure_draw(batch: int, vocab: int, steps: int, repeats: int) -> float:
+    """Seconds per decode step of `decoding.draw` alone over [batch, vocab] logits (the
+    log-softmax and the categorical draw each step does besides the model), as a decode
+    segment runs it: `steps` draws in one program (temperature 1, no top-k)."""
+    rows = decoding.RowParams(
+        jnp.arange(batch, dtype=jnp.int32),
+        jnp.ones(batch, jnp.float32),
+        jnp.zeros(batch, jnp.int32),
+        jnp.full(batch, 1 << 20, jnp.int32),
+        jnp.full((batch, 8), -1, jnp.int32),
+    )
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((batch, vocab), np.float32))
+
+    @jax.jit
+    def draws(logits, key, rows):
+        def body(i, acc):  # acc feeds back so no draw can be hoisted out of the loop
+            tok, lp = decoding.draw(logits + 1e-9 * acc[:, None], key, rows, rows.seed * 0 + i)
+            return acc + lp + tok.astype(jnp.float32)
+
+        return jax.lax.fori_loop(0, steps, body, jnp.zeros(batch, jnp.float32))
+
+    key = jax.random.key(0)
+    jax.block_until_ready(draws(logits, key, rows))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(draws(logits, key, rows))
+        times.append(time.perf_counter() - t0)
+    return med(times) / steps
+
+
 @dataclasses.dataclass
 class DecodeCase:
     """B rows decoding with every timed segment attending over window W."""
@@ -314,6 +351,7 @@ class DecodeCase:
     segments: int  # timed segments per sample (K)
     prompt: int  # P
     times: list[float] = dataclasses.field(default_factory=list)
+    draw_s: float = 0.0  # `measure_draw` at this batch (per step)
 
     @classmethod
     def plan(cls, sampler: Sampler, batch: int, window: int, segments: int) -> DecodeCase:
@@ -374,9 +412,11 @@ class DecodeCase:
             "iqr": iqr(tps),
             "ms_per_step": 1e3 * med(self.times) / (self.segments * self.sampler.segment_steps),
             "samples_tokens_per_s": tps,
+            "draw_ms": 1e3 * self.draw_s,
             **costs.decode(self.batch, self.window, lim),
         }
         r["of_limit"] = r["tokens_per_s"] / r["limit"]
+        r["draw_share"] = r["draw_ms"] / r["ms_per_step"]
         return r
 
 
@@ -391,6 +431,10 @@ def run_decode(cases: list[DecodeCase], repeats: int, seed: int) -> int:
         for c in cases:
             c.run(rng)
     after = sum(s.compile_count for s in {id(c.sampler): c.sampler for c in cases}.values())
+    for c in cases:
+        c.draw_s = measure_draw(
+            c.batch, c.sampler.model.vocab_size, c.sampler.segment_steps, repeats
+        )
     return after - before
 
 
@@ -517,26 +561,27 @@ def train_setup(args):
                 "buckets": [args.train_len],
                 "batch_rows": args.train_rows,
                 "compute_dtype": args.compute_dtype,
+                **({"remat": True} if args.remat else {}),
+                **({"logits_chunk": args.logits_chunk} if args.logits_chunk >= 0 else {}),
             },
         }
     )
     trainer = Trainer(cfg, model)
     rng = np.random.default_rng(0)
     episodes = []
-    for r in range(args.train_rows):  # each row: three episodes filling it exactly
-        cuts = np.sort(rng.choice(np.arange(16, args.train_len - 16), 2, replace=False))
-        for j, n in enumerate(np.diff(np.r_[0, cuts, args.train_len])):
-            mask = np.zeros(n, np.int8)
-            mask[n // 2 :] = 1  # the second half is the policy's
-            episodes.append(
-                Episode(
-                    f"e{r}-{j}",
-                    rng.integers(8, spec.vocab_size, n).astype(np.int32),
-                    mask,
-                    np.where(mask == 1, -math.log(spec.vocab_size), 0.0).astype(np.float32),
-                    advantage=float(rng.normal()),
-                )
+    quarter = args.train_len // 4
+    for r in range(4 * args.train_rows):  # four episodes of T/4 fill each row exactly
+        mask = np.zeros(quarter, np.int8)
+        mask[quarter // 2 :] = 1  # the second half is the policy's
+        episodes.append(
+            Episode(
+                f"e{r}",
+                rng.integers(8, spec.vocab_size, quarter).astype(np.int32),
+                mask,
+                np.where(mask == 1, -math.log(spec.vocab_size), 0.0).astype(np.float32),
+                advantage=float(rng.normal()),
             )
+        )
     batch = pack(
         episodes, buckets=(args.train_len,), batch_rows=args.train_rows, flush=True
     ).batches[0]
@@ -572,6 +617,9 @@ def run_train(args) -> dict[str, Any]:
         "samples_tokens_per_s": tps,
         "compiles_during_timing": trainer.compile_count - compiles,
         "logits_bytes": 4.0 * n * spec.vocab_size,
+        "scores_bytes": 4.0 * args.train_rows * spec.n_heads * args.train_len**2,
+        "remat": trainer.cfg.learner.remat,
+        "logits_chunk": trainer.cfg.learner.logits_chunk,
         "param_bytes": 4.0 * params,
     }
     try:  # XLA's own accounting of the compiled step (lowering traces it once more)
@@ -635,7 +683,7 @@ def print_decode(title: str, rows: list[dict], base_label: str) -> None:
     head = (
         f"{'batch':>6}{'window':>7}{'tok/s':>9}{'iqr':>6}{'ms/step':>9}{base_label:>9}"
         f"{'ideal':>8}{'MB/step':>9}{'lim tok/s':>11}{'bound':>7}{'of limit':>10}"
-        f"{'of DRAM lim':>13}"
+        f"{'of DRAM lim':>13}{'draw ms':>9}{'draw %':>8}"
     )
     print(head)
     print("-" * len(head))
@@ -647,6 +695,7 @@ def print_decode(title: str, rows: list[dict], base_label: str) -> None:
             f"{r['limit'] / base['limit']:>7.2f}x{r['bytes_per_step'] / 1e6:>9.1f}"
             f"{_fmt(r['limit']):>11}{r['bound']:>7}{r['of_limit']:>10.3f}"
             f"{r['tokens_per_s'] / min(r['limit_dram'], r['limit_flops']):>13.3f}"
+            f"{r['draw_ms']:>9.3f}{r['draw_share']:>8.0%}"
         )
 
 
@@ -755,9 +804,13 @@ def print_tables(res: dict[str, Any], args) -> None:
         elif rss:
             mem.append(f"RSS child failed: {rss.get('error')}")
         print("  memory: " + "; ".join(mem))
+        temp = r.get("xla_temp_bytes", float("nan"))
         print(
-            f"  a full [rows, T, V] float32 logits tensor: {_mb(r['logits_bytes'])} "
-            f"(temp / logits = {r.get('xla_temp_bytes', float('nan')) / r['logits_bytes']:.1f}x)"
+            f"  for scale: a full [rows, T, V] float32 logits tensor {_mb(r['logits_bytes'])} "
+            f"(XLA temp = {temp / r['logits_bytes']:.1f}x it); one layer's [rows, H, T, T] "
+            f"float32 attention scores {_mb(r['scores_bytes'])} (temp = "
+            f"{temp / r['scores_bytes']:.1f}x); remat {r['remat']}, logits_chunk "
+            f"{r['logits_chunk']}"
         )
     print(f"\ncompiles during timing (must be 0): {res['compiles_during_timing']}")
 
@@ -786,6 +839,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reuse-reply", type=int, default=16)
     p.add_argument("--train-len", type=int, default=512, help="0 skips the train step")
     p.add_argument("--train-rows", type=int, default=4)
+    p.add_argument("--remat", action="store_true", help="learner.remat=true")
+    p.add_argument(
+        "--logits-chunk", type=int, default=-1, help="learner.logits_chunk (-1: default)"
+    )
     p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocess")
     p.add_argument("--json", action="store_true", help="also print the raw numbers as JSON")
     p.add_argument("--train-child", action="store_true", help=argparse.SUPPRESS)

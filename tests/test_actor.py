@@ -37,7 +37,7 @@ from tunix_tasks.envs import Action, StepResult, function_tool, register_env
 from tunix_tasks.episode import Episode
 from tunix_tasks.learner.source import EpisodeSource
 from tunix_tasks.policy.build import build_policy
-from tunix_tasks.policy.model import token_logprobs
+from tunix_tasks.policy.distribution import token_logprobs
 from tunix_tasks.policy.params import flat_params, load_flat_params
 from tunix_tasks.policy.tokenizer import Tokenizer
 from tunix_tasks.storage.layout import RunLayout

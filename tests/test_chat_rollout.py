@@ -23,7 +23,7 @@ from tunix_tasks.config import ModelConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.envs.calculator import safe_eval
 from tunix_tasks.policy.build import build_sampler
-from tunix_tasks.policy.model import token_logprobs
+from tunix_tasks.policy.distribution import token_logprobs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 TEMPERATURE = 0.7

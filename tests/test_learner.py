@@ -31,7 +31,7 @@ from tunix_tasks.frontdoor.entrypoints import prepare_run, run_learner
 from tunix_tasks.learner.checkpoint import read_ledger
 from tunix_tasks.learner.learner import Learner
 from tunix_tasks.policy.build import build_policy
-from tunix_tasks.policy.model import token_logprobs
+from tunix_tasks.policy.distribution import token_logprobs
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.lease import LeaseHeldError, LeaseLost
 from tunix_tasks.storage.metrics import read_metrics

@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from tunix_tasks.config import ModelConfig
-from tunix_tasks.policy.model import Transformer, chunked_target_logprobs, token_logprobs
+from tunix_tasks.policy.distribution import chunked_target_logprobs, token_logprobs
+from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.spec import spec_from_preset
 
 

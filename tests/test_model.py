@@ -11,7 +11,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tunix_tasks.config import ModelConfig
-from tunix_tasks.policy.model import Transformer, sampling_log_probs, token_logprobs
+from tunix_tasks.policy.distribution import sampling_log_probs, token_logprobs
+from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.params import flat_params, load_flat_params, param_count
 from tunix_tasks.policy.spec import spec_from_preset
 

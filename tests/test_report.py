@@ -164,12 +164,12 @@ def test_summary_has_the_latency_audit_and_the_version_latest_names(tmp_path):
 
 
 def test_report_html_and_summary_json_are_readable(tmp_path, monkeypatch):
-    from tunix_tasks.frontdoor import report
+    from tunix_tasks.frontdoor import plots
 
     ylabels: list[str] = []
-    real_png = report._figure_png
+    real_png = plots._figure_png
     monkeypatch.setattr(
-        report, "_figure_png", lambda fig: ylabels.append(fig.axes[0].get_ylabel()) or real_png(fig)
+        plots, "_figure_png", lambda fig: ylabels.append(fig.axes[0].get_ylabel()) or real_png(fig)
     )
     store = _run(tmp_path, "ok")
     write_report(store.uri)

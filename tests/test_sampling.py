@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from tunix_tasks.config import ModelConfig
-from tunix_tasks.policy.model import Transformer, token_logprobs
+from tunix_tasks.policy.distribution import token_logprobs
+from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.params import flat_params
 from tunix_tasks.policy.sampling import Sampler
 from tunix_tasks.policy.spec import spec_from_preset

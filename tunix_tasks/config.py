@@ -191,6 +191,13 @@ class LearnerConfig(_Frozen):
     )
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    full_snapshot_every: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="publish a full weight snapshot every K versions and compressed deltas "
+        "against it in between (1: always full); not used with LoRA (adapters only)",
+    )
     remat: bool = Field(
         False, description="recompute each layer in the backward pass (activations of one layer)"
     )

@@ -57,6 +57,19 @@ class ModelConfig(_Frozen):
     d_ff: int = Field(0, ge=0)
     max_seq_len: int = Field(0, ge=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="rank of LoRA adapters on the target projections; 0: full fine-tuning. "
+        "With LoRA only adapters train, snapshots hold only them and actors reload only them",
+    )
+    lora_alpha: float = Field(16.0, gt=0.0, description="LoRA scale numerator (alpha / rank)")
+    lora_targets: tuple[Literal["q", "k", "v", "o", "gate", "up", "down"], ...] = Field(
+        ("q", "k", "v", "o", "gate", "up", "down"),
+        min_length=1,
+        description="projections that get adapters",
+    )
     tool_format: Literal["auto", "hermes", "llama3_json"] = Field(
         "auto",
         description="how the checkpoint's model writes tool calls; auto: read its chat template",

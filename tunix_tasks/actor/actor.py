@@ -36,13 +36,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
 from tunix_tasks.actor.batching import BatchingPolicy
 from tunix_tasks.actor.rollout import EpisodeLimits, play_episode
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.episode import Episode
-from tunix_tasks.policy.build import build_sampler
+from tunix_tasks.policy.build import base_fingerprint, build_sampler
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsWriter
 from tunix_tasks.storage.outage import StoreOutage
@@ -73,6 +74,8 @@ class ActorStats:
     status: dict[str, int] = field(default_factory=dict)
     env_step_s: list[float] = field(default_factory=list)
     reloads: int = 0
+    reload_bytes: int = 0  # read from the store for the last version loaded
+    publish_to_reload_s: float = 0.0  # from the learner's publish to this actor sampling it
 
 
 class Actor:
@@ -103,6 +106,7 @@ class Actor:
         self.chat, self.sampler = build_sampler(
             cfg.model, seed=cfg.seed, max_sequences=cfg.actor.cache_slots
         )
+        self.base_fingerprint = base_fingerprint(cfg.model, cfg.seed)
         self.weights = WeightsClient(store)
         self.version = -1
         self._last_poll = 0.0
@@ -197,7 +201,20 @@ class Actor:
         """`WeightsClient.poll`'s apply: swap in a checksum-verified snapshot. The sampler
         checks names, shapes and dtypes before swapping; its ValueError makes the client
         refuse (and remember) the version while the actor keeps its current weights."""
-        self.sampler.update_params(flat, version=manifest.version)
+        if manifest.kind == "adapter":
+            # Adapters only mean something on the base they were trained on.
+            base = (manifest.base or {}).get("fingerprint")
+            if base != self.base_fingerprint:
+                raise ValueError(
+                    f"v{manifest.version} holds adapters for base {str(base)[:12]}... "
+                    f"({(manifest.base or {}).get('uri', '?')}), this actor runs base "
+                    f"{self.base_fingerprint[:12]}... ({self.cfg.model.checkpoint or 'preset'})"
+                )
+            self.sampler.update_params(flat, version=manifest.version, only=nnx.LoRAParam)
+        else:
+            self.sampler.update_params(flat, version=manifest.version)
+        self.stats.reload_bytes = self.weights.last_reload_bytes
+        self.stats.publish_to_reload_s = max(0.0, time.time() - manifest.created_at)
         self.version = manifest.version
         self.stats.reloads += 1
         log.info("actor %s loaded weights v%d", self.actor_id, manifest.version)
@@ -341,6 +358,8 @@ class Actor:
             policy_batch_mean=float(np.mean(self.policy.batch_sizes[-500:] or [0])),
             weights_version=self.version,
             reload_s=self.weights.last_reload_s,
+            reload_bytes=s.reload_bytes,
+            publish_to_reload_s=s.publish_to_reload_s,
             reloads=s.reloads,
             compile_count=self.sampler.compile_count,
             shards=len(self.writer.shards_written),

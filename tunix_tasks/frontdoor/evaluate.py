@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
 from tunix_tasks.actor.batching import BatchingPolicy
 from tunix_tasks.actor.rollout import EpisodeLimits, play_episode
@@ -64,12 +65,18 @@ async def _evaluate(
 
 
 def evaluate_params(
-    cfg: RunConfig, flat: dict[str, np.ndarray] | None, seeds: list[int], *, greedy: bool = True
+    cfg: RunConfig,
+    flat: dict[str, np.ndarray] | None,
+    seeds: list[int],
+    *,
+    greedy: bool = True,
+    adapters: bool = False,
 ) -> dict[str, Any]:
-    """Evaluate given params (None: the initial random weights) on `seeds`."""
+    """Evaluate given params (None: the initial random weights; `adapters`: LoRA adapters
+    on the configured base) on `seeds`."""
     chat, sampler = build_sampler(cfg.model, seed=cfg.seed)
     if flat is not None:
-        sampler.update_params(flat)
+        sampler.update_params(flat, only=nnx.LoRAParam if adapters else nnx.Param)
     t0 = time.perf_counter()
     results = asyncio.run(_evaluate(cfg, chat, sampler, seeds, greedy=greedy))
     rewards = np.asarray([r for r, _, _ in results], np.float64)
@@ -98,11 +105,12 @@ def evaluate_snapshot(
             raise WeightsError(f"{run_uri} has no published weights to evaluate")
         version = latest[0]
     flat, manifest = load_snapshot(store, version)
+    adapters = manifest.kind == "adapter"  # on the base the config names
     result = {
         "run_uri": run_uri,
         "version": version,
         "step": manifest.step,
-        **evaluate_params(cfg, flat, seeds or held_out_seeds(), greedy=greedy),
+        **evaluate_params(cfg, flat, seeds or held_out_seeds(), greedy=greedy, adapters=adapters),
         "time": time.time(),
     }
     store.write_bytes(RunLayout.eval_result(version), json.dumps(result, indent=2).encode())

@@ -40,8 +40,13 @@ class SnapshotPublisher:
         model: dict[str, Any],
         retention: SnapshotRetention | None = None,
         outage: StoreOutage | None = None,
+        adapter_base: dict[str, str] | None = None,
+        full_every: int = 1,
     ) -> None:
-        self._weights = WeightsPublisher(store)
+        """`adapter_base` ({"fingerprint", "uri"}): snapshots hold LoRA adapters for that
+        base; else full params, as deltas between full snapshots every `full_every`."""
+        self._weights = WeightsPublisher(store, full_every=1 if adapter_base else full_every)
+        self._adapter_base = adapter_base
         self._lease = lease
         self._model = model
         self.retention = retention
@@ -62,7 +67,15 @@ class SnapshotPublisher:
 
     def _publish(self, flat: dict[str, np.ndarray], version: int, step: int) -> None:
         def publish() -> None:
-            self._weights.publish(flat, version=version, step=step, model=self._model)
+            kind = "adapter" if self._adapter_base else "full"  # "full": deltas when due
+            self._weights.publish(
+                flat,
+                version=version,
+                step=step,
+                model=self._model,
+                kind=kind,
+                base=self._adapter_base,
+            )
 
         self._outage.call(f"publishing weights v{version}", publish)
         log.info("published weights v%d at step %d", version, step)

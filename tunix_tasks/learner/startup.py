@@ -24,7 +24,7 @@ from tunix_tasks.learner.publishing import SnapshotPublisher
 from tunix_tasks.learner.source import EpisodeSource, PrefetchingSource
 from tunix_tasks.learner.train_step import Trainer, make_mesh
 from tunix_tasks.learner.warm_start import warm_start
-from tunix_tasks.policy.build import build_policy, model_meta
+from tunix_tasks.policy.build import base_fingerprint, build_policy, model_meta
 from tunix_tasks.storage.lease import Lease
 from tunix_tasks.storage.metrics import MetricsWriter
 from tunix_tasks.storage.retention import SnapshotRetention
@@ -101,8 +101,17 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
     retention = SnapshotRetention(
         store, keep_last=cfg.learner.keep_snapshots, keep_every=cfg.learner.keep_every
     )
+    adapter_base = None
+    if model.lora is not None:
+        uri = cfg.model.checkpoint or f"preset {cfg.model.preset}, seed {cfg.seed}"
+        adapter_base = {"fingerprint": base_fingerprint(cfg.model, cfg.seed), "uri": uri}
     p.publisher = SnapshotPublisher(
-        store, p.lease, model=model_meta(cfg.model, model), retention=retention
+        store,
+        p.lease,
+        model=model_meta(cfg.model, model),
+        retention=retention,
+        adapter_base=adapter_base,
+        full_every=cfg.learner.full_snapshot_every,
     )
     published = p.publisher.latest_version  # -1: no weights out there
     restored = p.ckpt.restore(p.trainer.state())

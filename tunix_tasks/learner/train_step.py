@@ -28,8 +28,9 @@ from jax.sharding import PartitionSpec as P
 from tunix_tasks.config import LearnerConfig, MeshConfig, RunConfig
 from tunix_tasks.learner.packing import PackedBatch
 from tunix_tasks.learner.rl_math import policy_loss, truncated_importance_weights
-from tunix_tasks.policy.model import Transformer, chunked_target_logprobs
-from tunix_tasks.policy.params import flat_params, load_flat_params
+from tunix_tasks.policy.distribution import chunked_target_logprobs
+from tunix_tasks.policy.model import Transformer
+from tunix_tasks.policy.params import flat_params
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +144,13 @@ class Trainer:
             "ppo_clip": float(cfg.learner.ppo_clip),
         }
         self.model = model
+        # With LoRA only the adapters train: gradients, optimizer state and snapshots are
+        # theirs alone, and the base stays as loaded.
+        self.trained = nnx.LoRAParam if model.lora is not None else nnx.Param
         self.optimizer = nnx.Optimizer(
             self.model,
             make_optimizer(cfg.learner, warm_start_steps=cfg.warm_start_steps),
-            wrt=nnx.Param,
+            wrt=self.trained,
         )
         # Lay out params and optimizer state once, as the jitted step returns them: inputs
         # whose sharding differs from the outputs would force a second compilation.
@@ -171,7 +175,11 @@ class Trainer:
 
         def step(model: Transformer, optimizer: nnx.Optimizer, batch: dict[str, jax.Array]):
             self.traces[kind] = self.traces.get(kind, 0) + 1  # runs only while tracing
-            grad_fn = nnx.value_and_grad(lambda m: _loss(m, batch, hp, supervised), has_aux=True)
+            grad_fn = nnx.value_and_grad(
+                lambda m: _loss(m, batch, hp, supervised),
+                argnums=nnx.DiffState(0, self.trained),
+                has_aux=True,
+            )
             (loss, metrics), grads = grad_fn(model)
             optimizer.update(model, grads)
             metrics["grad_norm"] = optax.global_norm(grads)
@@ -223,10 +231,8 @@ class Trainer:
         return self.collect(self.dispatch(batch, supervised=supervised))
 
     def flat_params(self) -> dict[str, np.ndarray]:
-        return flat_params(self.model)
-
-    def load_flat_params(self, flat: dict[str, np.ndarray]) -> None:
-        load_flat_params(self.model, flat)
+        """What a snapshot holds: the trained params (with LoRA, the adapters alone)."""
+        return flat_params(self.model, self.trained)
 
     # -- checkpoint state ---------------------------------------------------------
     def state(self) -> dict[str, Any]:

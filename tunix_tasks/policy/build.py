@@ -13,6 +13,8 @@ records about the model.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import Any
 
 import jax.numpy as jnp
@@ -25,15 +27,17 @@ from tunix_tasks.policy.chat_template import load_template_chat
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, HFCheckpoint
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.sampling import Sampler
-from tunix_tasks.policy.spec import spec_from_preset
+from tunix_tasks.policy.spec import LoraSpec, spec_from_preset
 from tunix_tasks.policy.tokenizer import CharChat, CharTokenizer
 
 __all__ = [
     "PolicyError",
+    "base_fingerprint",
     "build_chat",
     "build_policy",
     "build_sampler",
     "check_policy",
+    "lora_spec",
     "model_meta",
 ]
 
@@ -73,12 +77,34 @@ def build_policy(
 ) -> tuple[ChatFormat, Transformer]:
     dtype = jnp.dtype(compute_dtype or cfg.dtype)
     chat = build_chat(cfg)
+    lora = lora_spec(cfg)
     if cfg.checkpoint is None:
         spec = spec_from_preset(cfg, vocab_size=chat.tokenizer.vocab_size)
-        return chat, Transformer(spec, rngs=nnx.Rngs(seed), compute_dtype=dtype)
+        return chat, Transformer(spec, rngs=nnx.Rngs(seed), compute_dtype=dtype, lora=lora)
     ckpt = HFCheckpoint(cfg.checkpoint)
-    model = ckpt.load_model(ckpt.spec(max_seq_len=cfg.max_seq_len), mesh=mesh, compute_dtype=dtype)
+    spec = ckpt.spec(max_seq_len=cfg.max_seq_len)
+    model = ckpt.load_model(spec, mesh=mesh, compute_dtype=dtype, lora=lora, seed=seed)
     return chat, model
+
+
+def lora_spec(cfg: ModelConfig) -> LoraSpec | None:
+    """The adapters a run trains, None for full fine-tuning."""
+    if not cfg.lora_rank:
+        return None
+    return LoraSpec(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets))
+
+
+def base_fingerprint(cfg: ModelConfig, seed: int) -> str:
+    """Identifies the frozen base adapters apply to: a checkpoint's config.json and its
+    safetensors headers (names, shapes, dtypes, offsets) with their sizes; a preset's
+    dimensions and the seed its random weights come from."""
+    h = hashlib.sha256()
+    if cfg.checkpoint is None:
+        shape = cfg.model_dump(include={"preset", "d_model", "n_layers", "n_heads", "d_ff"})
+        h.update(json.dumps({**shape, "seed": seed}, sort_keys=True).encode())
+    else:
+        h.update(HFCheckpoint(cfg.checkpoint).fingerprint())
+    return h.hexdigest()
 
 
 def build_sampler(

@@ -20,7 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tunix_tasks.policy.model import KVCache, Transformer, sampling_log_probs
+from tunix_tasks.policy.distribution import sampling_log_probs
+from tunix_tasks.policy.model import KVCache, Transformer
 
 __all__ = ["RowParams", "decode_segment", "draw", "prefill"]
 

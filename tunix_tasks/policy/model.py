@@ -13,8 +13,6 @@ This module owns:
   the cache holds the key/value heads only (n_kv_heads, not n_heads).
 - Sharding annotations: every param carries a PartitionSpec over the mesh axis `"fsdp"` on
   its d_model dimension (None elsewhere), read with `nnx.get_partition_spec(nnx.state(m))`.
-- The sampling distribution (`sampling_log_probs`, `token_logprobs`) that the sampler and
-  the learner must both use so behaviour log-probs match.
 
 Param names follow the NNX paths (`embed`, `blocks/0/attn/wq`, ..., `unembed`), the names
 snapshots store (`policy/params.py`); `policy/hf_checkpoint.py` maps Hugging Face names.
@@ -28,9 +26,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tunix_tasks.policy.spec import DecoderSpec, rope_inv_freq
+from tunix_tasks.policy.distribution import output_logits
+from tunix_tasks.policy.lora import LowRank
+from tunix_tasks.policy.spec import DecoderSpec, LoraSpec, rope_inv_freq
 
-__all__ = ["FSDP", "KVCache", "Transformer", "sampling_log_probs", "token_logprobs"]
+__all__ = ["FSDP", "KVCache", "Transformer"]
 
 FSDP = "fsdp"  # mesh axis that shards the d_model dimension of every weight
 # Finite (not -inf) so that a fully-masked attention row gives a uniform softmax, not NaN.
@@ -92,7 +92,9 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, spec: DecoderSpec, *, rngs: nnx.Rngs, dtype: jnp.dtype):
+    def __init__(
+        self, spec: DecoderSpec, *, rngs: nnx.Rngs, dtype: jnp.dtype, lora: LoraSpec | None
+    ):
         d, h, kv, hd = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
         init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=0)
         out_init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=(0, 1))
@@ -108,12 +110,26 @@ class Attention(nnx.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(hd, rngs=rngs, eps=spec.norm_eps)
             self.k_norm = RMSNorm(hd, rngs=rngs, eps=spec.norm_eps)
+        for name, n in (("q", h), ("k", kv), ("v", kv)):
+            if lora is not None and name in lora.targets:
+                adapter = LowRank(
+                    (d, lora.rank), (lora.rank, n, hd), "btd,dr->btr", "btr,rhk->bhtk",
+                    lora.scale, rngs=rngs, a_spec=(FSDP, None), b_spec=(None, None, None),
+                )  # fmt: skip
+                setattr(self, f"lora_{name}", adapter)
+        if lora is not None and "o" in lora.targets:
+            self.lora_o = LowRank(
+                (h, hd, lora.rank), (lora.rank, d), "bhtk,hkr->btr", "btr,rd->btd",
+                lora.scale, rngs=rngs, a_spec=(None, None, None), b_spec=(None, FSDP),
+            )  # fmt: skip
         self.spec = spec
         self.dtype = dtype
 
     def _project(self, x: jax.Array, name: str) -> jax.Array:
         w = getattr(self, f"w{name}")[...].astype(self.dtype)
         y = jnp.einsum("btd,dhk->bhtk", x, w)
+        if (adapter := getattr(self, f"lora_{name}", None)) is not None:
+            y = y + adapter(x, self.dtype)
         if self.spec.qkv_bias:
             y = y + getattr(self, f"b{name}")[...].astype(self.dtype)[None, :, None, :]
         return y
@@ -126,7 +142,10 @@ class Attention(nnx.Module):
         return _rope(q, positions, inv_freq), _rope(k, positions, inv_freq), v
 
     def _out(self, o: jax.Array) -> jax.Array:
-        return jnp.einsum("bhtk,hkd->btd", o, self.wo[...].astype(self.dtype))
+        y = jnp.einsum("bhtk,hkd->btd", o, self.wo[...].astype(self.dtype))
+        if (adapter := getattr(self, "lora_o", None)) is not None:
+            y = y + adapter(o, self.dtype)
+        return y
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
         q, k, v = self._qkv(x, positions)
@@ -148,25 +167,41 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs, dtype: jnp.dtype):
+    def __init__(
+        self, d_model: int, d_ff: int, *, rngs: nnx.Rngs, dtype: jnp.dtype, lora: LoraSpec | None
+    ):
         init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal")
-        self.gate = _param(rngs, init, (d_model, d_ff), (FSDP, None))
-        self.up = _param(rngs, init, (d_model, d_ff), (FSDP, None))
-        self.down = _param(rngs, init, (d_ff, d_model), (None, FSDP))
+        shapes = {"gate": (d_model, d_ff), "up": (d_model, d_ff), "down": (d_ff, d_model)}
+        for name, (n_in, n_out) in shapes.items():
+            spec = (None, FSDP) if name == "down" else (FSDP, None)
+            setattr(self, name, _param(rngs, init, (n_in, n_out), spec))
+            if lora is not None and name in lora.targets:
+                adapter = LowRank(
+                    (n_in, lora.rank), (lora.rank, n_out), "...i,ir->...r", "...r,ro->...o",
+                    lora.scale, rngs=rngs, a_spec=(spec[0], None), b_spec=(None, spec[1]),
+                )  # fmt: skip
+                setattr(self, f"lora_{name}", adapter)
         self.dtype = dtype
 
+    def _project(self, x: jax.Array, name: str) -> jax.Array:
+        y = x @ getattr(self, name)[...].astype(self.dtype)
+        if (adapter := getattr(self, f"lora_{name}", None)) is not None:
+            y = y + adapter(x, self.dtype)
+        return y
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
-        h = jax.nn.silu(x @ w(self.gate)) * (x @ w(self.up))
-        return h @ w(self.down)
+        h = jax.nn.silu(self._project(x, "gate")) * self._project(x, "up")
+        return self._project(h, "down")
 
 
 class Block(nnx.Module):
-    def __init__(self, spec: DecoderSpec, *, rngs: nnx.Rngs, dtype: jnp.dtype):
+    def __init__(
+        self, spec: DecoderSpec, *, rngs: nnx.Rngs, dtype: jnp.dtype, lora: LoraSpec | None
+    ):
         self.attn_norm = RMSNorm(spec.d_model, rngs=rngs, eps=spec.norm_eps)
-        self.attn = Attention(spec, rngs=rngs, dtype=dtype)
+        self.attn = Attention(spec, rngs=rngs, dtype=dtype, lora=lora)
         self.mlp_norm = RMSNorm(spec.d_model, rngs=rngs, eps=spec.norm_eps)
-        self.mlp = MLP(spec.d_model, spec.d_ff, rngs=rngs, dtype=dtype)
+        self.mlp = MLP(spec.d_model, spec.d_ff, rngs=rngs, dtype=dtype, lora=lora)
 
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
         x = x + self.attn(self.attn_norm(x), positions, mask)
@@ -186,15 +221,24 @@ class Transformer(nnx.Module):
     """Decoder-only LM. Params float32 (sharding-annotated); logits float32."""
 
     def __init__(
-        self, spec: DecoderSpec, *, rngs: nnx.Rngs, compute_dtype: jnp.dtype = jnp.float32
+        self,
+        spec: DecoderSpec,
+        *,
+        rngs: nnx.Rngs,
+        compute_dtype: jnp.dtype = jnp.float32,
+        lora: LoraSpec | None = None,
     ):
         self.spec = spec
+        self.lora = lora
         self.vocab_size = spec.vocab_size
         self.compute_dtype = jnp.dtype(compute_dtype)
         d, v = spec.d_model, spec.vocab_size
         self.embed = _param(rngs, nnx.initializers.normal(1.0), (v, d), (None, FSDP))
         self.blocks = nnx.List(
-            [Block(spec, rngs=rngs, dtype=self.compute_dtype) for _ in range(spec.n_layers)]
+            [
+                Block(spec, rngs=rngs, dtype=self.compute_dtype, lora=lora)
+                for _ in range(spec.n_layers)
+            ]
         )
         self.final_norm = RMSNorm(d, rngs=rngs, eps=spec.norm_eps)
         if not spec.tie_embeddings:
@@ -286,87 +330,3 @@ class Transformer(nnx.Module):
         if last is not None:
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)
         return self._logits(x), KVCache(k=tuple(ks), v=tuple(vs))
-
-
-# ---------------------------------------------------------------- the sampling distribution
-
-
-def output_logits(hidden: jax.Array, w_out: jax.Array) -> jax.Array:
-    """Final hidden states [..., d] x output matrix [d, V] -> float32 logits [..., V]."""
-    return jnp.einsum("...d,dv->...v", hidden, w_out, preferred_element_type=jnp.float32).astype(
-        jnp.float32
-    )
-
-
-def sampling_log_probs(
-    logits: jax.Array, temperature: float | jax.Array = 1.0, top_k: int | jax.Array = 0
-) -> jax.Array:
-    """Log-probs [..., V] of the distribution tokens are sampled from.
-
-    log_softmax(logits / temperature) restricted to the top_k largest logits when top_k > 0
-    (ties at the k-th value are all kept). `temperature` and `top_k` are scalars or arrays
-    broadcastable to `logits[..., 0]` (per row), possibly traced. The vocabulary is sorted
-    only when some top_k > 0 (a runtime branch when traced). float32.
-    """
-    x = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)[..., None]
-    if isinstance(top_k, int) and top_k <= 0:
-        return jax.nn.log_softmax(x, axis=-1)
-    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), x.shape[:-1])
-
-    def restricted(x: jax.Array) -> jax.Array:
-        k = jnp.clip(top_k, 1, x.shape[-1]) - 1
-        # kth largest = the (V-1-k)-th smallest; a sort is what XLA does well for any k.
-        kth = jnp.take_along_axis(jnp.sort(x, axis=-1), (x.shape[-1] - 1 - k)[..., None], -1)
-        return jnp.where((top_k[..., None] <= 0) | (x >= kth), x, -jnp.inf)
-
-    x = jax.lax.cond(jnp.any(top_k > 0), restricted, lambda x: x, x)
-    return jax.nn.log_softmax(x, axis=-1)
-
-
-def chunked_target_logprobs(
-    hidden: jax.Array,
-    w_out: jax.Array,
-    targets: jax.Array,
-    temperature: float | jax.Array = 1.0,
-    top_k: int | jax.Array = 0,
-    *,
-    chunk: int = 256,
-) -> jax.Array:
-    """log p(targets[:, t]) under `sampling_log_probs(hidden[:, t] @ w_out)`: [B,T] float32.
-
-    The learner's log-probs without materialising [B,T,V] logits: `chunk` positions at a
-    time, each chunk rematerialised in the backward pass, so the working set is one chunk's
-    logits, log-probs and their gradients (~4 x [B,chunk,V] float32) instead of ~2 x
-    [B,T,V] (tests/test_learner_memory.py). Equal to the unchunked computation.
-    """
-    b, t, d = hidden.shape
-    if chunk <= 0 or chunk >= t:
-        chunk = t
-    n = -(-t // chunk)
-    pad = n * chunk - t
-    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d).swapaxes(0, 1)
-    y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)
-
-    @jax.checkpoint
-    def one(hy):
-        hc, yc = hy
-        logp = sampling_log_probs(output_logits(hc, w_out), temperature, top_k)
-        return jnp.take_along_axis(logp, yc[..., None].astype(jnp.int32), axis=-1)[..., 0]
-
-    out = jax.lax.map(one, (h, y))  # [n, B, chunk]
-    return out.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
-
-
-def token_logprobs(
-    logits: jax.Array,
-    tokens: jax.Array,
-    temperature: float | jax.Array = 1.0,
-    top_k: int | jax.Array = 0,
-) -> jax.Array:
-    """Log-prob of each next token: out[:, t] = log p(tokens[:, t+1] | logits[:, t]).
-
-    logits [B,T,V], tokens [B,T] -> [B,T-1] float32, under `sampling_log_probs`, i.e. the
-    exact distribution the sampler draws from (same temperature / top_k).
-    """
-    logp = sampling_log_probs(logits[:, :-1], temperature, top_k)
-    return jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]

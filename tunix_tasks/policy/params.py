@@ -11,17 +11,23 @@ and dtype before it swaps anything, and keeps each param's sharding.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["check_flat_params", "flat_params", "load_flat_params", "param_count"]
+__all__ = ["BASE", "check_flat_params", "flat_params", "load_flat_params", "param_count"]
 
 
-def _flat_vars(model: nnx.Module) -> dict[str, nnx.Variable]:
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+Only = Any  # an NNX filter: a Variable type, or e.g. `BASE`
+#: The base model's params, without LoRA adapters.
+BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+
+
+def _flat_vars(model: nnx.Module, only: Only = nnx.Param) -> dict[str, nnx.Variable]:
+    flat = nnx.to_flat_state(nnx.state(model, only))
     return {"/".join(str(p) for p in path): var for path, var in flat}
 
 
@@ -30,19 +36,22 @@ def param_count(model: nnx.Module) -> int:
     return sum(int(np.prod(v.shape)) for v in _flat_vars(model).values())
 
 
-def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
-    """{'blocks/0/attn/wq': float32 ndarray, ...}: stable names, ready for safetensors."""
+def flat_params(model: nnx.Module, only: Only = nnx.Param) -> dict[str, np.ndarray]:
+    """{'blocks/0/attn/wq': float32 ndarray, ...}: stable names, ready for safetensors.
+    `only=nnx.LoRAParam`: the adapters alone."""
     return {
         name: np.asarray(jax.device_get(var[...]), dtype=np.float32)
-        for name, var in sorted(_flat_vars(model).items())
+        for name, var in sorted(_flat_vars(model, only).items())
     }
 
 
-def check_flat_params(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
-    """Raise ValueError unless `flat` has exactly `model`'s tensors, each of its shape and
-    float32 (the snapshot format); the message names every missing / unexpected key and
-    every shape or dtype mismatch. Reads only shapes and dtypes."""
-    current = _flat_vars(model)
+def check_flat_params(
+    model: nnx.Module, flat: Mapping[str, np.ndarray], only: Only = nnx.Param
+) -> None:
+    """Raise ValueError unless `flat` has exactly `model`'s tensors (of kind `only`), each
+    of its shape and float32 (the snapshot format); the message names every missing /
+    unexpected key and every shape or dtype mismatch. Reads only shapes and dtypes."""
+    current = _flat_vars(model, only)
     missing = sorted(set(current) - set(flat))
     unexpected = sorted(set(flat) - set(current))
     common = sorted(set(current) & set(flat))
@@ -69,22 +78,22 @@ def check_flat_params(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None
         raise ValueError("load_flat_params: " + ", ".join(parts))
 
 
-def load_flat_params(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
-    """Load `flat_params`-style arrays into `model` in place (keeps each param's sharding).
+def load_flat_params(
+    model: nnx.Module, flat: Mapping[str, np.ndarray], only: Only = nnx.Param
+) -> None:
+    """Load `flat_params`-style arrays into `model` in place (keeps each param's sharding);
+    `only=nnx.LoRAParam` loads adapters and leaves the base as it is.
 
     Checks first (`check_flat_params`: names, shapes, float32) and raises ValueError naming
-    every problem; nothing is modified when it raises.
+    every problem; nothing is modified when it raises. Then swaps one tensor at a time, so
+    memory holds the old weights plus one new tensor, not two models.
     """
-    check_flat_params(model, flat)
-    current = _flat_vars(model)
-    state = nnx.state(model, nnx.Param)
-    new_values = {}
-    for name, var in current.items():
+    check_flat_params(model, flat, only)
+    state = nnx.state(model, only)
+    for path, var in nnx.to_flat_state(state):
         old = var[...]
-        value = jnp.asarray(np.asarray(flat[name], dtype=np.float32))
+        value = jnp.asarray(np.asarray(flat["/".join(str(p) for p in path)], dtype=np.float32))
         if isinstance(getattr(old, "sharding", None), jax.sharding.NamedSharding):
             value = jax.device_put(value, old.sharding)
-        new_values[name] = value
-    for path, var in nnx.to_flat_state(state):
-        var.set_value(new_values["/".join(str(p) for p in path)])
+        var.set_value(value)
     nnx.update(model, state)

@@ -125,14 +125,21 @@ class Sampler:
 
     # ------------------------------------------------------------------ weights
 
-    def update_params(self, flat: Mapping[str, np.ndarray], *, version: int = -1) -> None:
+    def update_params(
+        self,
+        flat: Mapping[str, np.ndarray],
+        *,
+        version: int = -1,
+        only: type[nnx.Variable] = nnx.Param,
+    ) -> None:
         """Load `flat_params`-style weights (e.g. from a safetensors snapshot); no recompile.
+        `only=nnx.LoRAParam`: the flat dict holds adapters, the base stays.
 
         Names, shapes and dtypes (float32) are checked against the model BEFORE anything is
         swapped: a ValueError naming every mismatch leaves the sampler on its old weights.
         Every cached slot is invalidated and rows in flight are re-admitted (module doc).
         """
-        load_flat_params(self._model, flat)  # checks everything first, then swaps
+        load_flat_params(self._model, flat, only)  # checks everything first, then swaps
         self._state = nnx.state(self._model)
         self.version = version
         self._slots.invalidate()

@@ -26,8 +26,10 @@ from tunix_tasks.config import ModelConfig
 
 __all__ = [
     "HF_ARCHITECTURES",
+    "LORA_TARGETS",
     "DecoderSpec",
     "Llama3Scaling",
+    "LoraSpec",
     "UnsupportedCheckpoint",
     "rope_inv_freq",
     "spec_from_hf_config",
@@ -88,6 +90,32 @@ class DecoderSpec:
     def groups(self) -> int:
         """Query heads per key/value head (1 = multi-head attention)."""
         return self.n_heads // self.n_kv_heads
+
+
+#: Projections LoRA can adapt: attention q, k, v, o and the MLP's gate, up, down.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """Low-rank adapters: W x + (alpha / rank) * B(A x) on each target projection; A is
+    initialised at random, B at zero, so adapters start as the identity of the base."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.targets) - set(LORA_TARGETS))
+        if self.rank < 1 or bad or not self.targets:
+            raise ValueError(
+                f"LoRA needs rank >= 1 and targets among {', '.join(LORA_TARGETS)}; got "
+                f"rank {self.rank}, targets {list(self.targets)}"
+            )
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
 def spec_from_preset(cfg: ModelConfig, *, vocab_size: int) -> DecoderSpec:

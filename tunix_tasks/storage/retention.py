@@ -3,9 +3,10 @@
 - Weight snapshots: after each publish the learner's background publisher runs
   `SnapshotRetention.prune`, which keeps the newest `keep_last` (>= 2) versions, every
   version that is a multiple of `keep_every` (0: none), the version `weights/LATEST`
-  names, anything newer than it, and anything at or above `protect_from()` when that is
-  given (e.g. the oldest version an actor is known to hold); everything else is deleted,
-  manifest first, so a reader sees a snapshot complete or incomplete, never changed.
+  names, anything newer than it, anything at or above `protect_from()` when that is
+  given (e.g. the oldest version an actor is known to hold), and the base (full)
+  snapshot of every kept delta snapshot; everything else is deleted, manifest first, so
+  a reader sees a snapshot complete or incomplete, never changed.
 - Consumed shards: `learner.delete_consumed_shards` has the source delete a shard once a
   committed checkpoint holds it done (`learner/source.py`); a bucket lifecycle rule on
   `shards/` and `quarantine/` is the alternative (docs/configuration.md).
@@ -26,7 +27,13 @@ from collections.abc import Callable, Iterable
 
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.store import ObjectStore, StoreError
-from tunix_tasks.storage.weights import MANIFEST_FILE, WeightsError, read_latest
+from tunix_tasks.storage.weights import (
+    DELTA_FILE,
+    MANIFEST_FILE,
+    WeightsError,
+    read_latest,
+    read_manifest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +74,22 @@ def snapshot_files(store: ObjectStore) -> dict[int, list[str]]:
     return out
 
 
+def delta_bases(store: ObjectStore, files: dict[int, list[str]], kept: Iterable[int]) -> set[int]:
+    """The base versions of the kept delta snapshots (one manifest read per kept delta).
+    A delta whose manifest cannot be read or is invalid protects nothing: it cannot be
+    loaded anyway."""
+    bases = set()
+    for version in kept:
+        if any(key.endswith(f"/{DELTA_FILE}") for key in files.get(version, [])):
+            try:
+                manifest = read_manifest(store, version)
+            except WeightsError:
+                continue
+            if manifest.kind == "delta":
+                bases.add(manifest.base["version"])
+    return bases
+
+
 class SnapshotRetention:
     """Deletes old weight snapshots by the rule in the module docstring."""
 
@@ -98,6 +121,8 @@ class SnapshotRetention:
                 latest=None if latest is None else latest[0],
                 protect_from=self._protect_from() if self._protect_from else None,
             )
+            bases = delta_bases(self._store, files, set(files) - set(doomed))
+            doomed = [v for v in doomed if v not in bases]
             for version in doomed:
                 # Manifest first: a reader then finds the snapshot incomplete, not torn.
                 for key in sorted(files[version], key=lambda k: not k.endswith(MANIFEST_FILE)):

@@ -1,10 +1,16 @@
 """Weight snapshots: the learner publishes them, actors reload them.
 
-Layout under the run root:
+Layout under the run root (the formats: `weight_delta.py`):
 
     weights/v00000042/params.safetensors   tensors (safetensors: no pickle, safe to load)
-    weights/v00000042/manifest.json        version, step, sha256 of params, created_at, model
+    weights/v00000043/delta.bin            or: a delta against a full snapshot's params
+    weights/v00000042/manifest.json        version, step, sha256 of params, kind, base, model
     weights/LATEST                         {"version": 42, "path": "weights/v00000042", "step": 7}
+
+Kinds: "full" (all params), "adapter" (only adapter tensors; `base` names the frozen base
+model, which the actor checks), "delta" (with `WeightsPublisher(full_every=K)`, versions
+that are not multiples of K: rebuilt by the client from `base`, the last full snapshot,
+and checked against the manifest's sha256 of the full params).
 
 The snapshot is written first, `LATEST` last, with a compare-and-swap on the pointer's
 generation, so a reader that follows `LATEST` always finds a complete snapshot, and a
@@ -13,11 +19,12 @@ instead of overwriting.
 
 Nothing read from the store names a path: a pointer is valid only if its `version` is a
 non-negative JSON integer and its `path` is exactly `RunLayout.snapshot(version)`, and a
-snapshot is always read from `RunLayout.snapshot(version)`. A pointer that is not valid
-(`PointerError`) is refused by actors (once, they keep their weights) and superseded by
-the next learner that starts (`WeightsPublisher` CASes over its generation).
+snapshot (or a delta's base, by its version) is always read from
+`RunLayout.snapshot(version)`. A pointer that is not valid (`PointerError`) is refused by
+actors (once, they keep their weights) and superseded by the next learner that starts
+(`WeightsPublisher` CASes over its generation).
 
-    publisher = WeightsPublisher(store)
+    publisher = WeightsPublisher(store, full_every=10)
     publisher.publish(flat_params, version=3, step=60, model={...})   # learner
     client = WeightsClient(store)
     update = client.poll(apply)  # actor, between episodes: None, or new (flat, manifest)
@@ -31,19 +38,28 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.store import NotFound, ObjectStore, PreconditionFailed, join_uri
+from tunix_tasks.storage.weight_delta import (
+    BlobError,
+    FullBlob,
+    Manifest,
+    apply_delta,
+    decode_safetensors,
+    delta_base,
+    encode_delta,
+    encode_snapshot,
+)
 
 log = logging.getLogger(__name__)
 
 PARAMS_FILE = "params.safetensors"
+DELTA_FILE = "delta.bin"
 MANIFEST_FILE = "manifest.json"
 _SNAPSHOT_DIR = re.compile(re.escape(RunLayout.WEIGHTS) + r"v(\d+)/")
 
@@ -80,40 +96,6 @@ class PublishConflict(RuntimeError):
 
 def _publish_conflict(message: str, theirs: int | None, ours: int) -> PublishConflict:
     return PublishConflict(message, theirs=theirs, ours=ours)
-
-
-@dataclass(frozen=True)
-class Manifest:
-    version: int
-    step: int
-    sha256: str
-    created_at: float
-    num_bytes: int
-    model: dict[str, Any]
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> Manifest:
-        raw = json.loads(data)
-        return cls(**{k: raw[k] for k in cls.__dataclass_fields__})
-
-
-def encode_snapshot(
-    flat: dict[str, np.ndarray], *, version: int, step: int, model: dict[str, Any]
-) -> tuple[bytes, Manifest]:
-    """Serialize params (safetensors) and describe them (manifest with their sha256)."""
-    blob = st_save({k: np.ascontiguousarray(v) for k, v in flat.items()})
-    manifest = Manifest(
-        version=version,
-        step=step,
-        sha256=hashlib.sha256(blob).hexdigest(),
-        created_at=time.time(),
-        num_bytes=len(blob),
-        model=model,
-    )
-    return blob, manifest
 
 
 def _short(value: Any) -> str:
@@ -167,29 +149,76 @@ def snapshot_versions(store: ObjectStore) -> list[int]:
     return sorted(versions)
 
 
-def load_snapshot(store: ObjectStore, version: int) -> tuple[dict[str, np.ndarray], Manifest]:
-    """Read and verify one snapshot; raises WeightsError on any problem."""
-    prefix = RunLayout.snapshot(version)
-    where = join_uri(store.uri, prefix)
+def _where(store: ObjectStore, version: int) -> str:
+    return join_uri(store.uri, RunLayout.snapshot(version))
+
+
+def read_manifest(store: ObjectStore, version: int) -> Manifest:
+    """The manifest of one snapshot; WeightsError if missing, invalid or of another version."""
+    where = _where(store, version)
     try:
-        manifest = Manifest.from_json(store.read_bytes(f"{prefix}/{MANIFEST_FILE}"))
-        blob = store.read_bytes(f"{prefix}/{PARAMS_FILE}")
+        manifest = Manifest.from_json(store.read_bytes(f"{RunLayout.snapshot(version)}/{MANIFEST_FILE}"))  # fmt: skip
     except NotFound as err:
         raise WeightsError(f"snapshot {where} is incomplete: {err}") from None
     except (ValueError, KeyError, TypeError) as err:
         raise WeightsError(f"snapshot {where} has an invalid manifest: {err}") from None
-    digest = hashlib.sha256(blob).hexdigest()
-    if digest != manifest.sha256:
-        raise WeightsError(
-            f"snapshot {where} fails its checksum: sha256 {digest[:12]}… != manifest {str(manifest.sha256)[:12]}…"
-        )
     if manifest.version != version:
         raise WeightsError(f"snapshot {where} manifest says version {_short(manifest.version)}")
+    return manifest
+
+
+def _read(store: ObjectStore, version: int, name: str, sha256: str | None, what: str) -> bytes:
+    """One file of a snapshot, checked against `sha256` (when given) before anything else."""
     try:
-        flat = st_load(blob)
-    except Exception as err:  # safetensors raises its own error types
+        data = store.read_bytes(f"{RunLayout.snapshot(version)}/{name}")
+    except NotFound as err:
+        raise WeightsError(f"{what} {_where(store, version)} is incomplete: {err}") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if sha256 is not None and digest != sha256:
+        raise WeightsError(f"{what} {_where(store, version)} fails its checksum: sha256 {digest[:12]}… != {str(sha256)[:12]}…")  # fmt: skip
+    return data
+
+
+def load_params(
+    store: ObjectStore, manifest: Manifest, held: FullBlob | None = None
+) -> tuple[dict[str, np.ndarray], FullBlob | None, int]:
+    """(the snapshot's tensors: read-only views into its one checksum-verified params
+    blob; the full blob deltas apply to: this one, a delta's base, None for an adapter;
+    the tensor bytes read from the store). A delta is applied to `held` when that is its
+    base, else to the base's params read from `RunLayout.snapshot(base version)`."""
+    version, where = manifest.version, _where(store, manifest.version)
+    if manifest.kind != "delta":
+        blob = _read(store, version, PARAMS_FILE, manifest.sha256, "snapshot")
+        held = FullBlob(version, manifest.sha256, blob) if manifest.kind == "full" else None
+        nbytes = len(blob)
+    else:
+        base_version, base_sha = delta_base(manifest.base, version)
+        nbytes = 0
+        if held is None or (held.version, held.sha256) != (base_version, base_sha):
+            base = _read(store, base_version, PARAMS_FILE, base_sha, f"base v{base_version} of delta")  # fmt: skip
+            held, nbytes = FullBlob(base_version, base_sha, base), len(base)
+        delta = _read(store, version, DELTA_FILE, None, "delta snapshot")
+        nbytes += len(delta)
+        if len(delta) != manifest.num_bytes:
+            raise WeightsError(f"delta {where} has {len(delta)} bytes, its manifest says {_short(manifest.num_bytes)}")  # fmt: skip
+        try:
+            blob = apply_delta(delta, held.data)
+        except BlobError as err:
+            raise WeightsError(f"delta {where} is corrupt: {err}") from None
+        digest = hashlib.sha256(blob).hexdigest()
+        if digest != manifest.sha256:
+            raise WeightsError(f"delta {where} rebuilds params that fail their checksum: sha256 {digest[:12]}… != manifest {str(manifest.sha256)[:12]}…")  # fmt: skip
+    try:
+        return decode_safetensors(blob), held, nbytes
+    except BlobError as err:
         raise WeightsError(f"snapshot {where} is not valid safetensors: {err}") from None
-    return flat, manifest
+
+
+def load_snapshot(store: ObjectStore, version: int) -> tuple[dict[str, np.ndarray], Manifest]:
+    """Read and verify one snapshot (a delta: with its base); raises WeightsError on any
+    problem. The tensors are read-only views into the one params blob."""
+    manifest = read_manifest(store, version)
+    return load_params(store, manifest)[0], manifest
 
 
 class WeightsPublisher:
@@ -201,8 +230,12 @@ class WeightsPublisher:
     actor may hold or have refused is reused), and the first publish CASes over the bad
     pointer's generation."""
 
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: ObjectStore, *, full_every: int = 0) -> None:
+        if full_every < 0:
+            raise ValueError(f"full_every must be >= 0, got {full_every}")
         self._store = store
+        self.full_every = full_every
+        self._base: FullBlob | None = None  # the last full snapshot published, for deltas
         self.pointer_found = True  # a LATEST object existed at start (valid or not)
         try:
             latest = read_latest(store)
@@ -221,13 +254,34 @@ class WeightsPublisher:
             self.latest_version, _, self._generation = latest
 
     def publish(
-        self, flat: dict[str, np.ndarray], *, version: int, step: int, model: dict[str, Any]
+        self,
+        flat: dict[str, np.ndarray],
+        *,
+        version: int,
+        step: int,
+        model: dict[str, Any],
+        kind: str = "full",
+        base: dict[str, str] | None = None,
     ) -> Manifest:
+        """Write the snapshot, then move `LATEST` to it. `kind="adapter"`: `flat` is only
+        the adapter tensors, `base` ({"fingerprint", "uri"}) the frozen base model. Kind
+        "full" with `full_every` K > 1: a version that is not a multiple of K is stored as
+        a delta against the last full snapshot this publisher wrote, when it has one of the
+        same tensor layout (else as a full one, the next base)."""
         if version <= self.latest_version:
             raise ValueError(f"version {version} is not newer than published {self.latest_version}")
-        blob, manifest = encode_snapshot(flat, version=version, step=step, model=model)
+        blob, manifest = encode_snapshot(
+            flat,
+            version=version,
+            step=step,
+            model=model,
+            kind=kind,
+            base=base,
+            full_every=self.full_every,
+        )
+        name, data, manifest = self._as_delta(blob, manifest)
         prefix = RunLayout.snapshot(version)
-        self._store.write_bytes(f"{prefix}/{PARAMS_FILE}", blob)
+        self._store.write_bytes(f"{prefix}/{name}", data)
         self._store.write_bytes(f"{prefix}/{MANIFEST_FILE}", manifest.to_json())
         pointer = json.dumps({"version": version, "path": prefix, "step": step}).encode()
         try:
@@ -242,7 +296,24 @@ class WeightsPublisher:
                 raise self._conflict(version) from err
             self._generation = got[1]
         self.latest_version = version
+        if manifest.kind == "full" and self.full_every > 1:
+            self._base = FullBlob(version, manifest.sha256, blob)
         return manifest
+
+    def _as_delta(self, blob: bytes, manifest: Manifest) -> tuple[str, bytes, Manifest]:
+        """(file name, its bytes, manifest): the full params, or a delta when one is due."""
+        base = self._base
+        if (
+            manifest.kind == "full"
+            and base is not None
+            and self.full_every > 1
+            and manifest.version % self.full_every
+        ):
+            delta = encode_delta(blob, base.data)
+            if delta is not None:
+                based = {"version": base.version, "sha256": base.sha256}
+                return DELTA_FILE, delta, replace(manifest, kind="delta", base=based, num_bytes=len(delta))  # fmt: skip
+        return PARAMS_FILE, blob, manifest
 
     def _conflict(self, ours: int) -> PublishConflict:
         where = join_uri(self._store.uri, RunLayout.LATEST)
@@ -267,7 +338,12 @@ class WeightsClient:
     with a ValueError: a missing / extra tensor, a wrong shape or dtype) is refused with a
     logged error and remembered, so the actor keeps its current weights and does not retry
     the same bad version. `version` only advances once `apply` succeeded. A `LATEST` that
-    is not a valid pointer is refused too, logged once per pointer generation."""
+    is not a valid pointer is refused too, logged once per pointer generation.
+
+    A delta is handed to `apply` rebuilt into full params: on the base full blob the
+    client holds (kept once the run has deltas), else on the base read from its version's
+    folder; a missing or corrupt base or delta, or a result that fails the manifest's
+    sha256, is refused like a corrupt snapshot."""
 
     def __init__(self, store: ObjectStore) -> None:
         self._store = store
@@ -275,7 +351,9 @@ class WeightsClient:
         self.refused: dict[int, str] = {}
         self.refused_pointer: str | None = None  # why the current LATEST is refused
         self._refused_generation: int | None = None
-        self.last_reload_s = 0.0
+        self.last_reload_s = 0.0  # load + apply of the last version taken
+        self.last_reload_bytes = 0  # tensor bytes it read: params, or delta (+ its base)
+        self._full: FullBlob | None = None  # the base for deltas, once the run has them
 
     def poll(
         self, apply: Callable[[dict[str, np.ndarray], Manifest], None] | None = None
@@ -294,7 +372,12 @@ class WeightsClient:
         version = latest[0]
         t0 = time.perf_counter()
         try:
-            flat, manifest = load_snapshot(self._store, version)
+            manifest = read_manifest(self._store, version)
+            if manifest.kind == "full":
+                self._full = None  # it supersedes the base we hold: never hold two
+            flat, full, nbytes = load_params(self._store, manifest, self._full)
+            if full is not None and (manifest.kind == "delta" or manifest.full_every > 1):
+                self._full = full
             if apply is not None:
                 apply(flat, manifest)
         except (WeightsError, ValueError) as err:
@@ -303,6 +386,7 @@ class WeightsClient:
             return None
         self.version = version
         self.last_reload_s = time.perf_counter() - t0
+        self.last_reload_bytes = nbytes
         return flat, manifest
 
     def refusals(self) -> str:
@@ -311,24 +395,3 @@ class WeightsClient:
         if self.refused_pointer:
             reasons.append(self.refused_pointer)
         return "; ".join(reasons)
-
-    def wait(
-        self,
-        timeout_s: float,
-        poll_s: float = 0.5,
-        apply: Callable[[dict[str, np.ndarray], Manifest], None] | None = None,
-    ) -> tuple[dict[str, np.ndarray], Manifest]:
-        """Block until a first snapshot is available (actors start before the learner)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            got = self.poll(apply)
-            if got is not None:
-                return got
-            if time.monotonic() > deadline:
-                refused = self.refusals()
-                raise TimeoutError(
-                    f"no weights published under {join_uri(self._store.uri, RunLayout.LATEST)} "
-                    f"within {timeout_s:.0f}s; is the learner running?"
-                    + (f" (refused: {refused})" if refused else "")
-                )
-            time.sleep(poll_s)

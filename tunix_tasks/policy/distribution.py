@@ -1,0 +1,94 @@
+"""The sampling distribution: what the sampler draws from and the learner scores with.
+
+Both must use these functions so behaviour log-probs match the learner's recomputation:
+`sampling_log_probs` (temperature, top-k), `token_logprobs` over full logits, and
+`chunked_target_logprobs`, the learner's memory-lean form that never holds [B, T, V].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["chunked_target_logprobs", "output_logits", "sampling_log_probs", "token_logprobs"]
+
+
+def output_logits(hidden: jax.Array, w_out: jax.Array) -> jax.Array:
+    """Final hidden states [..., d] x output matrix [d, V] -> float32 logits [..., V]."""
+    return jnp.einsum("...d,dv->...v", hidden, w_out, preferred_element_type=jnp.float32).astype(
+        jnp.float32
+    )
+
+
+def sampling_log_probs(
+    logits: jax.Array, temperature: float | jax.Array = 1.0, top_k: int | jax.Array = 0
+) -> jax.Array:
+    """Log-probs [..., V] of the distribution tokens are sampled from.
+
+    log_softmax(logits / temperature) restricted to the top_k largest logits when top_k > 0
+    (ties at the k-th value are all kept). `temperature` and `top_k` are scalars or arrays
+    broadcastable to `logits[..., 0]` (per row), possibly traced. The vocabulary is sorted
+    only when some top_k > 0 (a runtime branch when traced). float32.
+    """
+    x = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)[..., None]
+    if isinstance(top_k, int) and top_k <= 0:
+        return jax.nn.log_softmax(x, axis=-1)
+    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), x.shape[:-1])
+
+    def restricted(x: jax.Array) -> jax.Array:
+        k = jnp.clip(top_k, 1, x.shape[-1]) - 1
+        # kth largest = the (V-1-k)-th smallest; a sort is what XLA does well for any k.
+        kth = jnp.take_along_axis(jnp.sort(x, axis=-1), (x.shape[-1] - 1 - k)[..., None], -1)
+        return jnp.where((top_k[..., None] <= 0) | (x >= kth), x, -jnp.inf)
+
+    x = jax.lax.cond(jnp.any(top_k > 0), restricted, lambda x: x, x)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def chunked_target_logprobs(
+    hidden: jax.Array,
+    w_out: jax.Array,
+    targets: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    top_k: int | jax.Array = 0,
+    *,
+    chunk: int = 256,
+) -> jax.Array:
+    """log p(targets[:, t]) under `sampling_log_probs(hidden[:, t] @ w_out)`: [B,T] float32.
+
+    The learner's log-probs without materialising [B,T,V] logits: `chunk` positions at a
+    time, each chunk rematerialised in the backward pass, so the working set is one chunk's
+    logits, log-probs and their gradients (~4 x [B,chunk,V] float32) instead of ~2 x
+    [B,T,V] (tests/test_learner_memory.py). Equal to the unchunked computation.
+    """
+    b, t, d = hidden.shape
+    if chunk <= 0 or chunk >= t:
+        chunk = t
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d).swapaxes(0, 1)
+    y = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(hy):
+        hc, yc = hy
+        logp = sampling_log_probs(output_logits(hc, w_out), temperature, top_k)
+        return jnp.take_along_axis(logp, yc[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+    out = jax.lax.map(one, (h, y))  # [n, B, chunk]
+    return out.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+
+
+def token_logprobs(
+    logits: jax.Array,
+    tokens: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    top_k: int | jax.Array = 0,
+) -> jax.Array:
+    """Log-prob of each next token: out[:, t] = log p(tokens[:, t+1] | logits[:, t]).
+
+    logits [B,T,V], tokens [B,T] -> [B,T-1] float32, under `sampling_log_probs`, i.e. the
+    exact distribution the sampler draws from (same temperature / top_k).
+    """
+    logp = sampling_log_probs(logits[:, :-1], temperature, top_k)
+    return jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
