@@ -128,3 +128,33 @@ def test_checkpoint_base_with_fresh_adapters():
     cfg = ModelConfig(checkpoint=str(QWEN3), lora_rank=2)
     assert base_fingerprint(cfg, 0) == base_fingerprint(cfg, 1)  # the checkpoint, not a seed
     assert base_fingerprint(ModelConfig(), 0) != base_fingerprint(ModelConfig(), 1)
+
+
+def test_actor_reloads_adapters_only_and_refuses_another_base(tmp_path):
+    from tunix_tasks.actor.actor import Actor
+    from tunix_tasks.storage.runs import write_config
+    from tunix_tasks.storage.weights import WeightsPublisher
+
+    cfg = config_from_dict(
+        {"store": str(tmp_path), "run_name": "r", "model": {"preset": "tiny", "lora_rank": 2}}
+    )
+    store = write_config(cfg)
+    actor = Actor(cfg, store, actor_id="a", incarnation="x")
+    adapters = {
+        k: np.full_like(v, 0.01) for k, v in flat_params(actor.sampler.model, nnx.LoRAParam).items()
+    }
+    publisher = WeightsPublisher(store)
+    wrong = {"fingerprint": "f" * 64, "uri": "another base"}
+    publisher.publish(adapters, version=0, step=0, model={}, kind="adapter", base=wrong)
+    assert actor.weights.poll(actor._load) is None
+    assert "another base" in actor.weights.refusals() and actor.version == -1
+    right = {"fingerprint": base_fingerprint(cfg.model, cfg.seed), "uri": "preset tiny"}
+    publisher.publish(adapters, version=1, step=1, model={}, kind="adapter", base=right)
+    assert actor.weights.poll(actor._load) is not None and actor.version == 1
+    loaded = flat_params(actor.sampler.model, nnx.LoRAParam)
+    assert all(np.array_equal(loaded[k], adapters[k]) for k in adapters)
+    assert (
+        0
+        < actor.weights.last_reload_bytes
+        < 0.2 * 4 * sum(v.size for v in flat_params(actor.sampler.model).values())
+    )  # the adapters' bytes, not the model's
