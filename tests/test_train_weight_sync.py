@@ -3,13 +3,11 @@ snapshots. Both through `tunix-tasks train` with real actor and learner processe
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.test_train_e2e import _cmd, _run
 from tunix_tasks.config import ModelConfig
 from tunix_tasks.policy.build import build_policy
 from tunix_tasks.policy.params import param_count
@@ -19,32 +17,9 @@ from tunix_tasks.storage.weights import read_latest, read_manifest
 
 pytestmark = pytest.mark.slow
 
-SHORT = [
-    "model.preset=tiny",
-    "env.name=calculator",
-    "env.kwargs.difficulty=1",
-    "actor.num_actors=2",
-    "actor.envs_per_actor=8",
-    "actor.episodes_per_shard=8",
-    "actor.shard_interval_s=2",
-    "actor.max_new_tokens=8",
-    "actor.max_episode_tokens=96",
-    "learner.buckets=[64,128]",
-    "learner.batch_rows=8",
-    "learner.min_episodes_per_step=8",
-    "learner.publish_every=1",
-    "learner.max_steps=10",
-]
 
-
-def _train(tmp_path: Path, run_name: str, *extra: str) -> tuple[dict, object]:
-    cmd = [sys.executable, "-m", "tunix_tasks.frontdoor.cli", "train", "--quiet"]
-    cmd += ["--store", str(tmp_path / "runs"), "--run-name", run_name]
-    for item in (*SHORT, *extra):
-        cmd += ["--set", item]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    summary = json.loads(out.stdout[out.stdout.index("\n{") + 1 :])
+def _train(tmp_path: Path, run_name: str, *extra: str):
+    summary = _run(_cmd(str(tmp_path / "runs"), run_name, "learner.max_steps=10", *extra), tmp_path)
     assert summary["learner_exit_code"] == 0 and summary["actor_exit_codes"] == [0, 0]
     return summary, open_store(summary["run_uri"])
 

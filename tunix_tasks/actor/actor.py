@@ -26,6 +26,7 @@ version, commits it, and waits for the learner to publish the next version.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import signal
@@ -106,7 +107,6 @@ class Actor:
         self.chat, self.sampler = build_sampler(
             cfg.model, seed=cfg.seed, max_sequences=cfg.actor.cache_slots
         )
-        self.base_fingerprint = base_fingerprint(cfg.model, cfg.seed)
         self.weights = WeightsClient(store)
         self.version = -1
         self._last_poll = 0.0
@@ -133,6 +133,12 @@ class Actor:
         )
         self._group_counter = 0
         self.limits = EpisodeLimits.from_config(cfg)
+
+    @functools.cached_property
+    def base_fingerprint(self) -> str:
+        """The base this actor's adapters apply to; read (checkpoint headers) only when an
+        adapter snapshot first arrives, not at every actor's start."""
+        return base_fingerprint(self.cfg.model, self.cfg.seed)
 
     # -- lifecycle -----------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
