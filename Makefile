@@ -4,13 +4,14 @@
 #   make test-fast  the same without the slow end-to-end tests
 #   make bench   run the benchmarks (prints ratios against in-run baselines)
 #   make airflow start Airflow locally with the tunix DAGs
+#   make airflow-cluster  the same with Celery workers, Redis and PostgreSQL
 
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv bwrap browser test test-fast lint format demo bench airflow clean
+.PHONY: venv bwrap browser services test test-fast lint format demo bench airflow clean
 
 # python_exec runs model-written code under bubblewrap (docs/sandbox.md); as root, install it.
 bwrap:
@@ -20,6 +21,11 @@ bwrap:
 # as root, install it (Playwright's own browser download does not work everywhere).
 browser:
 	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { [ "$$(id -u)" != 0 ] && echo "warning: chromium/chromedriver are missing: the Airflow browser test is skipped"; } || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver)
+
+# The Celery cluster (infra/airflow/celery_cluster.py, tests/airflow/test_celery.py) starts its own
+# throwaway Redis broker and PostgreSQL metadata DB; as root, install the Debian servers.
+services:
+	@pkgs=""; command -v redis-server >/dev/null || pkgs="redis-server"; ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || pkgs="$$pkgs postgresql"; [ -z "$$pkgs" ] || { [ "$$(id -u)" != 0 ] && echo "warning:$$pkgs missing: the Airflow Celery test (tests/airflow/test_celery.py) is skipped"; } || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$pkgs)
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,7 +44,7 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: $(STAMP) bwrap browser
+test: $(STAMP) bwrap browser services
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 test-fast: $(STAMP) bwrap
@@ -53,7 +59,7 @@ bench: $(STAMP)
 # --- Airflow (scripts in infra/airflow/) ---------------------------------------------
 AIRFLOW_PORT ?= 8080
 
-.PHONY: airflow-init airflow-clean test-airflow test-airflow-e2e
+.PHONY: airflow-init airflow-clean airflow-cluster test-airflow test-airflow-e2e
 
 airflow: $(STAMP) ## Local Airflow on dags/ (UI + REST at http://127.0.0.1:$(AIRFLOW_PORT), no login); Ctrl-C stops it
 	.venv/bin/python infra/airflow/local_airflow.py start --port $(AIRFLOW_PORT)
@@ -61,13 +67,16 @@ airflow: $(STAMP) ## Local Airflow on dags/ (UI + REST at http://127.0.0.1:$(AIR
 airflow-init: $(STAMP) ## airflow db migrate + pools cpu/tpu in airflow_home/ (start does this too)
 	.venv/bin/python infra/airflow/local_airflow.py init --port $(AIRFLOW_PORT)
 
+airflow-cluster: $(STAMP) services ## CeleryExecutor + Redis + PostgreSQL, workers cpu-a, cpu-b (queue cpu), tpu-a (queue tpu) in airflow_home/cluster/; Ctrl-C stops it
+	.venv/bin/python infra/airflow/celery_cluster.py start --port $(AIRFLOW_PORT)
+
 airflow-clean: ## Delete airflow_home/ (metadata DB, logs)
 	.venv/bin/python infra/airflow/local_airflow.py clean
 
 test-airflow: $(STAMP) ## DAG import/structure/params/parse-time tests (seconds)
 	.venv/bin/python -m pytest tests/airflow -m "not slow" -q
 
-test-airflow-e2e: $(STAMP) browser ## dag.test() of each DAG + a real scheduler run + the browser test (~7 min)
+test-airflow-e2e: $(STAMP) browser services ## dag.test() of each DAG + a real scheduler run + the browser test + the Celery cluster (~10 min)
 	.venv/bin/python -m pytest tests/airflow -m slow -q
 
 clean:

@@ -77,6 +77,7 @@ def measure_actor(root: str, envs: int, warmup_s: float, window_s: float) -> dic
             "model": {"preset": "tiny"},
             "env": {"name": "calculator", "latency_s": LATENCY_S},
             "actor": {"envs_per_actor": envs, "group_size": 1, "episodes_per_shard": 64},
+            "learner": {"advantage": "batch"},  # groups of one: no group baseline
         }
     )
     store = write_config(cfg)

@@ -32,6 +32,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,6 +40,7 @@ from tests.shard_factory import make_episode
 from tunix_tasks.config import load_config
 from tunix_tasks.frontdoor.entrypoints import prepare_run, run_learner
 from tunix_tasks.frontdoor.launcher import train_local
+from tunix_tasks.frontdoor.planning import plan_fleet
 from tunix_tasks.frontdoor.report import _learner_steps, read_records, summarize
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
@@ -175,6 +177,30 @@ def measure(run_uri: str, *, pinned: int = 0) -> dict:
     }
 
 
+def plan_check(run_uri: str, envs_per_actor: int) -> dict:
+    """`planning.plan_fleet` fed with what the run measured (env and policy latency,
+    turns per episode, learner step time, episodes per step), against what the run's
+    actors actually supplied: the planner's error on this machine."""
+    audit = summarize(open_store(run_uri))["latency_audit"]
+    turns = pq.read_table(f"{run_uri.split('://')[-1]}/shards", columns=["num_turns"])
+    plan = plan_fleet(
+        env_latency_s=audit["env_step_p50_s"],
+        policy_latency_s=audit["policy_latency_p50_s"],
+        turns=float(np.mean(turns.column("num_turns").to_numpy())),
+        envs_per_actor=envs_per_actor,
+        learner_step_s=audit["learner_step_s"],
+        episodes_per_step=audit["episodes_per_step"],
+    )
+    measured = audit["per_actor_eps_per_s"]
+    return {
+        "per-actor supply, planned eps/s": plan["actor_supply_eps_per_s"],
+        "per-actor supply, measured eps/s": measured,
+        "planned / measured": plan["actor_supply_eps_per_s"] / measured if measured else None,
+        "actors needed, planned": plan["actors_needed"],
+        "actors needed, audit": audit["suggest_num_actors"],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30)
@@ -196,6 +222,7 @@ def main() -> None:
         )
         results = {m: run(m, ov) for m in ("async", "sync")}
         limit = learner_limit(root, args.steps, results["async"]["run_uri"], ov)
+        plan = plan_check(results["async"]["run_uri"], args.envs)
     for r in results.values():
         r["fraction of limit"] = (
             r["tokens/s steady"] / limit if limit and r["tokens/s steady"] else None
@@ -218,9 +245,16 @@ def main() -> None:
     ratio = results["sync"]["learner wall s"] / results["async"]["learner wall s"]
     print(f"{'sync/async wall':<18}{ratio:>12.2f}   (goal >= 5)")
     print(f"{'async duty':<18}{results['async']['duty cycle']:>12.3f}   (goal >= 0.95)")
+    for k, v in plan.items():  # docs/scaling.md: the fleet planner checked on this run
+        print(f"plan check, {k}: {v if isinstance(v, int) or v is None else round(v, 3)}")
     print(
         json.dumps(
-            {"results": results, "learner_limit_tokens_per_s": limit, "sync_over_async_wall": ratio}
+            {
+                "results": results,
+                "learner_limit_tokens_per_s": limit,
+                "sync_over_async_wall": ratio,
+                "plan_check": plan,
+            }
         )
     )
 

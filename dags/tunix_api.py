@@ -9,8 +9,10 @@ match wins), in the task process:
 2. env `TUNIX_AIRFLOW_API_URL` (+ `TUNIX_AIRFLOW_API_TOKEN`, or
    `TUNIX_AIRFLOW_API_USER` / `TUNIX_AIRFLOW_API_PASSWORD` exchanged at `/auth/token`);
 3. Airflow config `[api] base_url`, else `[core] execution_api_server_url` without its
-   `/execution/` suffix, with no credentials (works when the API server runs with
-   `AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS=True`, i.e. local development only).
+   `/execution/` suffix. Credentials there come from the simple auth manager of a local
+   Airflow (`airflow standalone`): its first configured user and the password Airflow
+   generated into `simple_auth_manager_passwords.json.generated` (read, never logged);
+   none when it runs with `AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS=True`.
 
 Every call is retried by tenacity on connection errors, 429 and 5xx (and once after a
 401 when a password login can fetch a fresh token); what still fails raises
@@ -75,7 +77,7 @@ class AirflowApiClient:
                 password=os.environ.get("TUNIX_AIRFLOW_API_PASSWORD") or None,
                 **kwargs,
             )
-        return cls(_url_from_airflow_config(), **kwargs)
+        return cls(_url_from_airflow_config(), **{**_simple_auth_login(), **kwargs})
 
     # -- plumbing
     def _api_client(self):
@@ -221,3 +223,28 @@ def _url_from_airflow_config() -> str:
         return execution.rstrip("/").removesuffix("/execution")
     port = conf.get("api", "port", fallback="8080")
     return f"http://localhost:{port}"
+
+
+def _simple_auth_login() -> dict[str, str]:
+    """`{"username", "password"}` of a local SimpleAuthManager (`airflow standalone`): the
+    first user of `[core] simple_auth_manager_users` that has a generated password. Empty
+    for another auth manager, with all-admins, or when the file is not on this host."""
+    from airflow.configuration import conf
+
+    manager = conf.get("core", "auth_manager", fallback="") or ""
+    if not manager.endswith("SimpleAuthManager") or conf.getboolean(
+        "core", "simple_auth_manager_all_admins", fallback=False
+    ):
+        return {}
+    from airflow.api_fastapi.auth.managers.simple.simple_auth_manager import SimpleAuthManager
+
+    try:
+        with open(SimpleAuthManager.get_generated_password_file()) as f:
+            passwords = json.load(f)
+        users = [u.split(":")[0] for u in conf.getlist("core", "simple_auth_manager_users")]
+    except (OSError, ValueError):
+        return {}
+    for user in users:
+        if isinstance(passwords, dict) and passwords.get(user):
+            return {"username": user, "password": str(passwords[user])}
+    return {}

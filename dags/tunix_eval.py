@@ -4,7 +4,8 @@ The learner task posts an asset event per new snapshot with `extra={"run_uri", "
 Airflow may fold several queued events into one DAG run: the task evaluates the newest
 version of every run among them (older ones are superseded and only logged).
 `evaluate_snapshot` writes `<run_uri>/eval/v{version}.json`; the results are also
-returned as XCom. Trigger by hand with `run_uri` (and optionally `version`) to evaluate
+returned as XCom. When the evaluated snapshot is the last one of a finished run, the run's
+report is written again so that it shows this result (the fleet's `report` task ran first). Trigger by hand with `run_uri` (and optionally `version`) to evaluate
 any run's snapshot.
 """
 
@@ -52,12 +53,15 @@ def evaluate(triggering_asset_events=None, params: dict | None = None) -> list[d
     todo = latest_per_run(extras)
     log.info("events: %s -> evaluating %s", extras, todo)
 
-    evaluate_snapshot = entrypoints().evaluate_snapshot
+    lib = entrypoints()
     results = []
     for run_uri, version in todo.items():
-        result = dict(evaluate_snapshot(run_uri, version))
+        result = dict(lib.evaluate_snapshot(run_uri, version))
         result.setdefault("run_uri", run_uri)
         log.info("eval %s v%s: %s", run_uri, result.get("version"), result)
+        report = lib.report_after_eval(run_uri, int(result["version"]))
+        if report:
+            log.info("the run is finished: report rewritten with this evaluation: %s", report)
         results.append(result)
     return results
 

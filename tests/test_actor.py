@@ -135,6 +135,8 @@ def _config(store_uri: str, *, env: dict | None = None, **actor) -> RunConfig:
                 "top_k": 20,
                 **actor,
             },
+            # groups of one (some tests) need the batch baseline (config validation)
+            "learner": {"advantage": "group" if actor.get("group_size", 2) > 1 else "batch"},
         }
     )
 

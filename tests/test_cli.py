@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -121,11 +122,15 @@ def test_train_calls_the_launcher_with_the_config(monkeypatch, tmp_path, capsys)
 
     monkeypatch.setattr(launcher, "train_local", fake_train_local)
     argv = ["train", "--store", str(tmp_path), "--run-name", "t", "--mode", "sync", "--quiet"]
-    assert cli.main([*argv, "--set", "learner.max_steps=3"]) == 0
+    assert cli.main([*argv, "--json", "--set", "learner.max_steps=3"]) == 0
     cfg = seen["cfg"]
     assert (cfg.mode, cfg.run_name, cfg.learner.max_steps, seen["quiet"]) == ("sync", "t", 3, True)
     out = capsys.readouterr().out
     assert "mode=sync" in out and json.loads(out[out.index("\n{") + 1 :])["run_uri"] == cfg.run_uri
+    # Without --json: labelled lines for a person, no JSON.
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "{" not in out and re.search(rf"\nrun +{re.escape(cfg.run_uri)} \(None\): finished", out)
     # Exit codes: a failed learner -> 1, an interrupted run -> 130.
     monkeypatch.setattr(
         launcher, "train_local", lambda cfg, quiet: {"learner_exit_code": 3, "interrupted": None}

@@ -33,13 +33,36 @@ def test_defaults_and_presets():
         ("run_name=../x", "run_name must be"),
         ("learner.buckets=[512]", "exceeds model.max_seq_len"),
         ("model.n_heads=5", "divisible by model.n_heads"),
-        ("learner.is_level=episode", "'token' or 'sequence'"),
+        ("learner.correction=sequence", "'none', 'token_tis', 'sequence_tis', 'ppo' or"),
     ],
 )
 def test_invalid_values_are_named(override, needle):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides,needles",
+    [
+        (["learner.correction=ppo", "learner.ppo_clip=0"], ["learner.ppo_clip must be > 0"]),
+        (["learner.correction=decoupled_ppo", "learner.ppo_clip=0"], ["learner.ppo_clip"]),
+        (["actor.group_size=1"], ["actor.group_size=1", "learner.advantage=group", "batch"]),
+    ],
+)
+def test_cross_field_errors_name_the_fields(overrides, needles):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert all(n in str(info.value) for n in needles)
+    load_config(None, [*overrides[:1], "learner.advantage=batch", "learner.ppo_clip=0.1"])
+
+
+def test_sampler_learner_dtype_mismatch_warns():
+    from tunix_tasks.config import ConfigWarning
+
+    with pytest.warns(ConfigWarning, match="model.dtype=float32.*learner.compute_dtype"):
+        cfg = load_config(None, ["learner.compute_dtype=bfloat16"])
+    assert cfg.warnings and not load_config().warnings
 
 
 def test_yaml_json_and_overrides(tmp_path):

@@ -26,6 +26,8 @@ def test_async_flow_semantics():
     assert flow.drop_reason(_ep(8), 10) is None
     assert flow.drop_reason(_ep(7), 10) == "stale"
     assert flow.drop_reason(_ep(10, "env_error"), 10) == "env_error"
+    assert flow.drop_reason(_ep(10, "env_timeout"), 10) == "env_timeout"
+    assert flow.drop_reason(_ep(10, "truncated"), 10) is None  # the token/turn budget
     assert flow.drop_reason(_ep(12), 10) is None  # newer snapshot after a restore: IS handles it
     assert not flow.ready([_ep(10)], 10) and flow.ready([_ep(10), _ep(3)], 10)
     assert [flow.publish_due(s, [], 0) for s in range(1, 7)] == [False, False, True] * 2

@@ -516,3 +516,8 @@ def test_fresh_data_has_unit_importance_weights(tmp_path):
     # single tokens may differ in the last float32 bits: |w - 1| < 1e-5 per token.
     assert r["is_weight_mean"] == pytest.approx(1.0, abs=1e-6)
     assert r["is_weight_max"] == pytest.approx(1.0, abs=1e-5)
+    # The mismatch metrics are in the step record (so in TensorBoard): ratio statistics,
+    # the sampler-vs-learner KL overall and per staleness bucket (only buckets with data).
+    assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and r["ppo_clip_frac"] == 0.0
+    assert abs(r["approx_kl"]) < 1e-6 and abs(r["approx_kl_s0"]) < 1e-6
+    assert r["tokens_s0"] > 0 and "tokens_s1_2" not in r and "kl_ref" not in r

@@ -1,21 +1,35 @@
-"""Learning: on the default task the trained policy beats the random policy (slow).
+"""Learning (slow): the trained policy beats the random one and learns to use the tool.
 
-The random-initialised policy never solves `calculator` (reward 0.0 on held-out seeds,
-measured below in the same test). After the demo's recipe, shortened (140 supervised
-warm-start steps + 30 asynchronous RL steps), greedy decoding on 128 held-out seeds must
-reach a reward of at least 0.30 above it.
+`calculator` (the default task): the random-initialised policy never solves it (reward
+0.0 on held-out seeds, measured below in the same test). After the demo's recipe,
+shortened (140 supervised warm-start steps + 30 asynchronous RL steps), greedy decoding on
+128 held-out seeds must reach a reward of at least 0.30 above it.
+
+`arithmetic` (the harder task, 2-4 digit operands): in under 90 s the tiny policy does not
+learn to copy long numbers reliably (held-out reward 0.00 after this short warm start,
+docs/learning.md), but it does learn the protocol: on
+held-out questions it calls the calculator first and then answers with an integer, which
+the random policy never does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 
 import pytest
+from flax import nnx
 
+from tunix_tasks.actor.batching import BatchingPolicy
+from tunix_tasks.actor.rollout import EpisodeLimits, play_episode
+from tunix_tasks.config import RunConfig
+from tunix_tasks.envs import Action, ArithmeticEnv, StepResult
 from tunix_tasks.frontdoor.evaluate import evaluate_params, evaluate_snapshot, held_out_seeds
+from tunix_tasks.policy.build import build_sampler
 from tunix_tasks.storage.runs import read_config
+from tunix_tasks.storage.weights import load_snapshot, read_latest
 
 pytestmark = pytest.mark.slow
 MARGIN = 0.30
@@ -23,7 +37,7 @@ MARGIN = 0.30
 
 def test_trained_policy_beats_random(tmp_path):
     cmd = [
-        sys.executable, "-m", "tunix_tasks.frontdoor.cli", "train", "--quiet",
+        sys.executable, "-m", "tunix_tasks.frontdoor.cli", "train", "--quiet", "--json",
         "--config", "configs/demo.yaml",
         "--store", str(tmp_path / "runs"), "--run-name", "learn",
         "--set", "learner.max_steps=30", "--set", "env.latency_s=0",
@@ -41,3 +55,76 @@ def test_trained_policy_beats_random(tmp_path):
     trained = evaluate_snapshot(run_uri, seeds=seeds)
     print(f"random {random_reward:.3f}  trained v{trained['version']} {trained['reward_mean']:.3f}")
     assert trained["reward_mean"] >= random_reward + MARGIN
+
+
+class _Recorded(ArithmeticEnv):
+    """`arithmetic`, keeping the kind of each step (tool / answer / invalid)."""
+
+    def __init__(self, log: list[list[str]], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.kinds: list[str] = []
+        log.append(self.kinds)
+
+    async def step(self, action: Action) -> StepResult:
+        result = await super().step(action)
+        self.kinds.append(result.info["kind"])
+        return result
+
+
+def _step_kinds(cfg: RunConfig, flat: dict | None, seeds: list[int]) -> list[list[str]]:
+    """Per held-out episode, the kinds of its steps under greedy decoding."""
+    chat, sampler = build_sampler(cfg.model, seed=cfg.seed)
+    if flat is not None:
+        sampler.update_params(flat, only=nnx.Param)
+    log: list[list[str]] = []
+
+    async def play() -> None:
+        policy = BatchingPolicy(sampler, max_new_tokens=cfg.actor.max_new_tokens, top_k=1)
+        limits = EpisodeLimits.from_config(cfg)
+        async with policy:
+            envs = [_Recorded(log, **cfg.env.kwargs) for _ in seeds]
+            await asyncio.gather(
+                *(
+                    play_episode(e, policy, seed=s, limits=limits, chat=chat)
+                    for e, s in zip(envs, seeds, strict=True)
+                )
+            )
+
+    asyncio.run(play())
+    return log
+
+
+def test_policy_learns_to_use_the_calculator_on_arithmetic(tmp_path):
+    cmd = [
+        sys.executable, "-m", "tunix_tasks.frontdoor.cli", "train", "--quiet", "--json",
+        "--config", "configs/arithmetic.yaml",
+        "--store", str(tmp_path / "runs"), "--run-name", "arith",
+        # configs/arithmetic.yaml's task and RL, with a short warm start on smaller
+        # batches (256 demonstrations, 150 steps) and 5 synchronous RL steps: ~60 s.
+        "--set", "warm_start_steps=150", "--set", "learner.batch_rows=16",
+        "--set", "learner.buckets=[128]", "--set", "learner.min_episodes_per_step=32",
+        "--set", "mode=sync", "--set", "learner.max_steps=5",
+        "--set", "learner.checkpoint_every=5",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    run_uri = json.loads(out.stdout[out.stdout.index("\n{") + 1 :])["run_uri"]
+    cfg, store = read_config(run_uri)
+    seeds = held_out_seeds(64)
+    flat, _ = load_snapshot(store, read_latest(store)[0])
+
+    def rates(kinds: list[list[str]]) -> tuple[float, float]:
+        """Episodes that call the tool first; that call it, then answer with an integer."""
+        first = sum(k[:1] == ["tool"] for k in kinds) / len(kinds)
+        return first, sum(k[:2] == ["tool", "answer"] for k in kinds) / len(kinds)
+
+    random_first, random_both = rates(_step_kinds(cfg, None, seeds))
+    trained_first, trained_both = rates(_step_kinds(cfg, flat, seeds))
+    trained = evaluate_snapshot(run_uri, seeds=held_out_seeds(128))
+    print(
+        f"tool call first: random {random_first:.2f}, trained {trained_first:.2f}; then an "
+        f"integer answer: random {random_both:.2f}, trained {trained_both:.2f}; "
+        f"trained reward {trained['reward_mean']:.3f}"
+    )
+    assert random_first <= 0.05 and random_both <= 0.05
+    assert trained_first >= 0.9 and trained_both >= 0.7

@@ -67,7 +67,7 @@ def test_plugin_env_installs_and_trains(tmp_path):
     )
     assert "'reverse'" in probe.stdout, probe.stdout + probe.stderr
 
-    cmd = [str(python), "-m", "tunix_tasks.frontdoor.cli", "train", "--quiet"]
+    cmd = [str(python), "-m", "tunix_tasks.frontdoor.cli", "train", "--quiet", "--json"]
     cmd += ["--config", str(REPO / "examples" / "plugin_env" / "reverse.yaml")]
     cmd += ["--store", str(tmp_path / "runs"), "--run-name", "plugin"]
     for item in (

@@ -1,4 +1,5 @@
-"""RL maths against hand-computed values, and the staleness-0 == on-policy property."""
+"""RL maths against hand-computed and numpy values, and the staleness-0 == on-policy
+property, for every off-policy correction."""
 
 from __future__ import annotations
 
@@ -11,12 +12,19 @@ import numpy as np
 import pytest
 
 from tunix_tasks.episode import Episode
-from tunix_tasks.learner.packing import pack
-from tunix_tasks.learner.rl_math import (
+from tunix_tasks.learner.advantages import (
     batch_advantages,
     group_advantages,
+    zero_variance_mask,
+)
+from tunix_tasks.learner.packing import pack
+from tunix_tasks.learner.rl_math import (
+    clipped_surrogate,
+    k3,
     masked_mean,
     policy_loss,
+    regularized_loss,
+    staleness_stats,
     truncated_importance_weights,
 )
 
@@ -53,14 +61,30 @@ def test_sequence_level_weights_packed_segments() -> None:
     w, st = truncated_importance_weights(
         logp_new, logp_b, mask, rho_max=2.0, level="sequence", segment_ids=seg
     )
-    s1 = math.exp(0.2 - 0.1)  # masked diffs of segment 1; position 2 (mask 0) ignored
-    # Segment 2: exp(1.0 + 0.5) = 4.48 -> truncated to 2.
+    # Geometric mean of the masked token ratios; position 2 (mask 0) is ignored.
+    s1 = math.exp((0.2 - 0.1) / 2)
+    # Segment 2: exp((1.0 + 0.5) / 2) = 2.12 -> truncated to 2.
     np.testing.assert_allclose(w, [[s1, s1, 0.0, 2.0, 2.0, 0.0]], rtol=1e-6)
     np.testing.assert_allclose(st["is_clipped_frac"], 0.5)
     np.testing.assert_allclose(st["is_weight_mean"], (2 * s1 + 4.0) / 4, rtol=1e-6)
-    # Without segment ids each row is one sequence: exp(0.1 + 1.5) -> 2 everywhere.
+    # Without segment ids each row is one sequence: exp((0.1 + 1.5) / 4) = 1.49.
     w_rows, _ = truncated_importance_weights(logp_new, logp_b, mask, rho_max=2.0, level="sequence")
-    np.testing.assert_allclose(w_rows, [[2.0, 2.0, 0.0, 2.0, 2.0, 0.0]])
+    r = math.exp(1.6 / 4)
+    np.testing.assert_allclose(w_rows, [[r, r, 0.0, r, r, 0.0]], rtol=1e-6)
+
+
+def test_sequence_ratio_is_the_length_normalised_geometric_mean() -> None:
+    """GSPO: exp(mean log-ratio), so a long sequence with a small drift per token is not
+    truncated (the raw product exp(sum) = e^1 = 2.7 would be)."""
+    rng = np.random.default_rng(3)
+    n = 100
+    logp_b = -rng.exponential(1.0, (1, n))
+    logp_new = logp_b + 0.01
+    w, st = truncated_importance_weights(
+        logp_new, logp_b, np.ones((1, n)), rho_max=2.0, level="sequence"
+    )
+    np.testing.assert_allclose(w, np.full((1, n), math.exp(0.01)), rtol=1e-5)
+    assert st["is_clipped_frac"] == 0.0
 
 
 def test_sequence_level_huge_ratio_truncates_without_overflow() -> None:
@@ -77,7 +101,7 @@ def test_weights_are_jittable_and_gradient_free() -> None:
     fn = jax.jit(functools.partial(truncated_importance_weights, rho_max=2.0, level="sequence"))
     lp = jnp.array([[-1.0, -2.0, -0.5]])
     w, _ = fn(lp, lp - 0.1, jnp.ones((1, 3)), segment_ids=jnp.array([[1, 1, 2]]))
-    np.testing.assert_allclose(w, [[math.exp(0.2), math.exp(0.2), math.exp(0.1)]], rtol=1e-6)
+    np.testing.assert_allclose(w, np.full((1, 3), math.exp(0.1)), rtol=1e-6)
     grad = jax.grad(
         lambda x: truncated_importance_weights(x, lp, jnp.ones((1, 3)), rho_max=2.0)[0].sum()
     )
@@ -112,7 +136,7 @@ def test_sequence_weights_on_a_packed_batch_match_per_episode() -> None:
         diff = (new_lp[e.episode_id] - e.behavior_logprobs)[1:][e.loss_mask[1:] == 1]
         ids = np.asarray(batch.episode_ids)[np.maximum(batch.episode_index, 0)]
         sel = (ids == e.episode_id) & (batch.loss_mask > 0)
-        np.testing.assert_allclose(np.asarray(w)[sel], math.exp(float(diff.sum())), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(w)[sel], math.exp(float(diff.mean())), rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- advantages
@@ -145,21 +169,51 @@ def test_batch_advantages() -> None:
     np.testing.assert_array_equal(batch_advantages([2.0, 2.0]), [0.0, 0.0])
 
 
+def test_group_statistics_use_kept_episodes_only() -> None:
+    """An env_error / env_timeout episode (keep False) neither enters its group's mean and
+    std nor gets a signal: the others' advantages are those of the group without it."""
+    rewards = [1.0, 0.0, 0.0, -5.0, 2.0, 2.0, 0.0]
+    groups = ["a", "a", "a", "a", "b", "b", "b"]
+    keep = [True, True, True, False, True, True, False]
+    adv = group_advantages(rewards, groups, keep=keep)
+    np.testing.assert_allclose(adv[:3], group_advantages(rewards[:3], groups[:3]), rtol=1e-6)
+    np.testing.assert_array_equal(adv[[3, 6]], [0.0, 0.0])
+    np.testing.assert_array_equal(adv[4:6], [0.0, 0.0])  # the kept two are equal
+    b = batch_advantages(rewards, keep=keep)
+    kept = np.asarray(rewards)[np.asarray(keep)]
+    np.testing.assert_allclose(b[np.asarray(keep)], (kept - kept.mean()) / kept.std(), rtol=1e-5)
+    assert b[3] == 0.0 and b[6] == 0.0
+
+
+def test_zero_variance_mask() -> None:
+    rewards = [1, 1, 1, 0, 1, 3, 3, 7, 2]
+    groups = ["a", "a", "a", "b", "b", "c", "c", "d", "e"]
+    keep = [True, True, True, True, True, True, False, True, True]
+    # a: all equal; b: signal; c: one kept left; d, e: groups of one.
+    np.testing.assert_array_equal(
+        zero_variance_mask(rewards, groups, keep=keep),
+        [True, True, True, False, False, True, False, True, True],
+    )
+
+
 # --------------------------------------------------------------------------- loss
 
 
 def test_tis_loss_value_and_gradient_hand() -> None:
     logp = jnp.array([[-1.0, -2.0, -0.5]])
+    logp_b = logp + jnp.array([[0.0, math.log(2.0), 0.0]])  # weights 1, 0.5
     adv = jnp.array([[2.0, 2.0, -1.0]])
     mask = jnp.array([[1.0, 1.0, 0.0]])
-    w = jnp.array([[1.0, 0.5, 0.0]])
 
     def loss_fn(x):
-        return policy_loss(x, x, adv, mask, w)[0]
+        return policy_loss(x, logp_b, adv, mask, correction="token_tis")[0]
 
-    # -(1*1*2*(-1) + 1*0.5*2*(-2)) / 2 = 2
-    np.testing.assert_allclose(loss_fn(logp), 2.0)
-    np.testing.assert_allclose(jax.grad(loss_fn)(logp), [[-1.0, -0.5, 0.0]])
+    # -(1*2*(-1) + 0.5*2*(-2)) / 2 = 2
+    np.testing.assert_allclose(loss_fn(logp), 2.0, rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(loss_fn)(logp), [[-1.0, -0.5, 0.0]], rtol=1e-6)
+    # none: plain REINFORCE, no weight: -(2*(-1) + 2*(-2)) / 2 = 3
+    none = policy_loss(logp, logp_b, adv, mask, correction="none")[0]
+    np.testing.assert_allclose(none, 3.0, rtol=1e-6)
 
 
 def test_ppo_loss_hand() -> None:
@@ -169,13 +223,122 @@ def test_ppo_loss_hand() -> None:
     mask = jnp.ones((1, 2))
 
     def loss_fn(x):
-        return policy_loss(x, logp_b, adv, mask, None, ppo_clip=0.2)
+        return policy_loss(x, logp_b, adv, mask, correction="ppo", ppo_clip=0.2)
 
     loss, m = loss_fn(logp_new)
     # ratio e^0.2 = 1.22 -> clip 1.2 (A=+1); ratio e^-0.5 = 0.61 -> clip 0.8 (A=-1).
     np.testing.assert_allclose(loss, -(1.2 - 0.8) / 2, rtol=1e-6)
     np.testing.assert_allclose(m["ppo_clip_frac"], 1.0)
     np.testing.assert_array_equal(jax.grad(lambda x: loss_fn(x)[0])(logp_new), [[0.0, 0.0]])
+
+
+def _np_dual_clip(ratio, adv, eps, c):
+    surrogate = np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps) * adv)
+    return np.where(adv < 0, np.maximum(surrogate, c * adv), surrogate)
+
+
+def test_ppo_negative_advantage_is_dual_clipped() -> None:
+    """A < 0 and a ratio far above 1 + eps: plain PPO's min() keeps ratio * A (a token
+    5x likelier gets 5x the weight); the dual clip bounds its loss at -c * A."""
+    ratio = np.array([[5.0, 2.5, 1.5, 0.5, 5.0]])
+    adv = np.array([[-1.0, -2.0, -1.0, -1.0, 1.0]])
+    logp_b = np.log(np.full((1, 5), 0.1))
+    logp = jnp.asarray(logp_b + np.log(ratio), jnp.float32)
+    mask = np.ones((1, 5))
+
+    def loss_fn(x):
+        return policy_loss(x, logp_b, adv, mask, correction="ppo", ppo_clip=0.2, dual_clip=3.0)
+
+    (loss, m), grad = jax.value_and_grad(loss_fn, has_aux=True)(logp)
+    expected = _np_dual_clip(ratio, adv, 0.2, 3.0)  # [-3, -5, -1.5, -0.8, 1.2]
+    np.testing.assert_allclose(loss, -expected.mean(), rtol=1e-5)
+    np.testing.assert_allclose(loss, (3 + 5 + 1.5 + 0.8 - 1.2) / 5, rtol=1e-5)
+    # Clipped tokens pass no gradient: 0 (dual clip: -5 < -3), 3 and 4 (PPO clip); 1 and
+    # 2 (ratio * A above the floor c * A) pass d(-ratio * A / 5) / dlogp = -ratio * A / 5.
+    np.testing.assert_allclose(grad, [[0.0, 5.0 / 5, 1.5 / 5, 0.0, 0.0]], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(m["ppo_clip_frac"], 3 / 5)
+    s, clipped = clipped_surrogate(jnp.asarray(ratio), adv, clip=0.2, dual_clip=3.0)
+    np.testing.assert_allclose(s, expected, rtol=1e-6)
+    np.testing.assert_array_equal(clipped, [[True, False, False, True, True]])
+
+
+def test_decoupled_ppo_against_numpy() -> None:
+    """AReaL: sg(min(pi_prox/mu, rho_max)) * dual-clipped surrogate of pi/pi_prox."""
+    rng = np.random.default_rng(1)
+    shape = (2, 7)
+    mu = -rng.exponential(1.0, shape)
+    prox = mu + rng.normal(0, 0.6, shape)
+    pi = prox + rng.normal(0, 0.3, shape)
+    adv = np.repeat(rng.normal(size=(2, 1)), 7, axis=1)
+    mask = (rng.random(shape) < 0.8).astype(np.float32)
+
+    def loss_fn(x):
+        return policy_loss(
+            x, mu, adv, mask, correction="decoupled_ppo", rho_max=1.5, ppo_clip=0.2,
+            dual_clip=3.0, logp_prox=prox,
+        )  # fmt: skip
+
+    (loss, m), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(pi, jnp.float32))
+    w = np.minimum(np.exp(prox - mu), 1.5)
+    r = np.exp(pi - prox)
+    s = _np_dual_clip(r, adv, 0.2, 3.0)
+    np.testing.assert_allclose(loss, -(mask * w * s).sum() / mask.sum(), rtol=1e-5)
+    # d/dlogp of r*A is r*A where the unclipped branch is active, else 0.
+    active = np.isclose(s, r * adv) & ~np.isclose(np.clip(r, 0.8, 1.2), r)
+    active |= np.abs(r - 1) < 0.2
+    expected_grad = -mask * w * np.where(active, r * adv, 0.0) / mask.sum()
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-4, atol=1e-7)
+    assert 0 < float(m["ppo_clip_frac"]) < 1
+
+
+def test_k3_and_regularized_loss_against_numpy() -> None:
+    rng = np.random.default_rng(2)
+    shape = (3, 5)
+    logp = -rng.exponential(1.0, shape)
+    ref = logp + rng.normal(0, 0.5, shape)
+    ent = rng.exponential(1.0, shape)
+    mask = (rng.random(shape) < 0.7).astype(np.float32)
+    np.testing.assert_allclose(k3(ref - logp), np.expm1(ref - logp) - (ref - logp), rtol=2e-5)
+
+    def loss_fn(x, h):
+        return regularized_loss(
+            0.5, x, mask, logp_ref=ref, entropy=h, kl_coef=0.1, entropy_coef=0.01
+        )
+
+    (loss, m), (g_logp, g_h) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+        jnp.asarray(logp, jnp.float32), jnp.asarray(ent, jnp.float32)
+    )
+    d = ref - logp
+    kl = (mask * (np.exp(d) - 1 - d)).sum() / mask.sum()
+    h = (mask * ent).sum() / mask.sum()
+    np.testing.assert_allclose(loss, 0.5 + 0.1 * kl - 0.01 * h, rtol=1e-5)
+    np.testing.assert_allclose([m["kl_ref"], m["entropy"]], [kl, h], rtol=1e-5)
+    # d k3(ref - x)/dx = 1 - exp(ref - x): pushes logp towards the reference.
+    np.testing.assert_allclose(g_logp, 0.1 * mask * (1 - np.exp(d)) / mask.sum(), rtol=1e-4)
+    np.testing.assert_allclose(g_h, -0.01 * mask / mask.sum(), rtol=1e-5)
+    plain, none = regularized_loss(0.5, logp, mask)
+    assert float(plain) == 0.5 and none == {}
+
+
+def test_staleness_stats_against_numpy() -> None:
+    rng = np.random.default_rng(4)
+    shape = (2, 9)
+    mu = -rng.exponential(1.0, shape)
+    pi = mu + rng.normal(0, 0.8, shape)
+    mask = (rng.random(shape) < 0.8).astype(np.float32)
+    stale = rng.integers(0, 6, shape)
+    got = staleness_stats(pi, mu, mask, stale, rho_max=1.5)
+    for name, sel in (("s0", stale == 0), ("s1_2", (stale >= 1) & (stale <= 2)),
+                      ("s3p", stale >= 3)):  # fmt: skip
+        m = mask * sel
+        d = pi - mu
+        assert got[f"tokens_{name}"] == m.sum()
+        mean = lambda x, m=m: (m * x).sum() / m.sum()  # noqa: E731
+        np.testing.assert_allclose(got[f"approx_kl_{name}"], mean(np.exp(d) - 1 - d), rtol=1e-4)
+        np.testing.assert_allclose(got[f"ratio_mean_{name}"], mean(np.exp(d)), rtol=1e-5)
+        np.testing.assert_allclose(got[f"is_clipped_frac_{name}"], mean(d > np.log(1.5)))
+    empty = staleness_stats(pi, mu, mask, np.zeros(shape, int), rho_max=1.5)
+    assert empty["tokens_s3p"] == 0 and empty["approx_kl_s3p"] == 0
 
 
 def _fresh_problem():
@@ -194,31 +357,29 @@ def _reinforce(logits, targets, mask, adv):
     return -jnp.sum(mask * adv * logp) / jnp.sum(mask)
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_staleness_zero_equals_on_policy_reinforce_exactly(level: str) -> None:
+@pytest.mark.parametrize("correction", ["none", "token_tis", "sequence_tis"])
+def test_staleness_zero_equals_on_policy_reinforce_exactly(correction: str) -> None:
     logits, targets, mask, adv, seg, logp_b = _fresh_problem()
 
-    def tis(lg):
+    def loss(lg):
         logp = target_logprobs(lg, targets)
-        w, _ = truncated_importance_weights(
-            logp, logp_b, mask, rho_max=2.0, level=level, segment_ids=seg
-        )
-        return policy_loss(logp, logp_b, adv, mask, w)[0], w
+        return policy_loss(logp, logp_b, adv, mask, correction=correction, segment_ids=seg)
 
-    (loss, w), grad = jax.value_and_grad(tis, has_aux=True)(logits)
+    (loss, m), grad = jax.value_and_grad(loss, has_aux=True)(logits)
     ref_loss, ref_grad = jax.value_and_grad(_reinforce)(logits, targets, mask, adv)
-    np.testing.assert_array_equal(np.asarray(w)[np.asarray(mask) > 0], 1.0)  # exactly 1
+    assert m["is_weight_max"] == 1.0 and m["is_clipped_frac"] == 0.0  # exactly 1
     np.testing.assert_array_equal(loss, ref_loss)
     np.testing.assert_array_equal(grad, ref_grad)  # bit for bit
     assert np.abs(np.asarray(grad)).max() > 0
 
 
-def test_staleness_zero_ppo_matches_reinforce_gradient() -> None:
+@pytest.mark.parametrize("correction", ["ppo", "decoupled_ppo"])
+def test_staleness_zero_ppo_matches_reinforce_gradient(correction: str) -> None:
     logits, targets, mask, adv, _, logp_b = _fresh_problem()
 
     def ppo(lg):
         logp = target_logprobs(lg, targets)
-        return policy_loss(logp, logp_b, adv, mask, None, ppo_clip=0.2)[0]
+        return policy_loss(logp, logp_b, adv, mask, correction=correction)[0]
 
     np.testing.assert_allclose(
         jax.grad(ppo)(logits),
@@ -231,14 +392,36 @@ def test_staleness_zero_ppo_matches_reinforce_gradient() -> None:
 def test_policy_loss_jit_and_metrics() -> None:
     logits, targets, mask, adv, _, logp_b = _fresh_problem()
     logp = target_logprobs(logits, targets)
-    fn = jax.jit(policy_loss, static_argnames="ppo_clip")
-    loss, m = fn(logp, logp_b, adv, mask, jnp.ones_like(mask))
+    fn = jax.jit(policy_loss, static_argnames=("correction", "ppo_clip"))
+    loss, m = fn(logp, logp_b, adv, mask)
     np.testing.assert_allclose(loss, _reinforce(logits, targets, mask, adv), rtol=1e-6)
-    np.testing.assert_allclose(m["ratio_mean"], 1.0)
+    np.testing.assert_allclose([m["ratio_mean"], m["ratio_max"]], 1.0)
     np.testing.assert_allclose(m["approx_kl"], 0.0, atol=1e-7)
     assert m["num_loss_tokens"] == mask.sum()
-    empty, _ = fn(logp, logp_b, adv, jnp.zeros_like(mask), jnp.ones_like(mask))
+    empty, _ = fn(logp, logp_b, adv, jnp.zeros_like(mask))
     assert empty == 0.0  # no loss tokens: 0, not NaN
+
+
+@pytest.mark.parametrize(
+    "correction", ["none", "token_tis", "sequence_tis", "ppo", "decoupled_ppo"]
+)
+def test_out_of_top_k_logprobs_give_finite_loss_and_gradient(correction: str) -> None:
+    """With top-k the learner's log-prob of a prompt / padding target is -inf (mask 0),
+    and a sampled token may fall outside the learner's top k (mask 1): no NaN."""
+    logp = jnp.array([[-jnp.inf, -1.0, -jnp.inf, -0.5]])
+    logp_b = jnp.array([[0.0, -1.2, -2.0, -0.4]])
+    adv = jnp.array([[1.0, 1.0, -1.0, -1.0]])
+    mask = jnp.array([[0.0, 1.0, 1.0, 1.0]])
+
+    def loss_fn(x):
+        loss, m = policy_loss(x, logp_b, adv, mask, correction=correction)
+        reg, _ = regularized_loss(loss, x, mask, logp_ref=logp_b, kl_coef=0.1)
+        return reg, m
+
+    (loss, m), grad = jax.value_and_grad(loss_fn, has_aux=True)(logp)
+    assert np.isfinite(float(loss)) and np.isfinite(np.asarray(grad)).all()
+    assert np.isfinite([float(v) for v in m.values()]).all()
+    assert grad[0, 0] == 0.0 and grad[0, 2] == 0.0  # no gradient into -inf
 
 
 def test_masked_mean() -> None:

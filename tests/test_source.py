@@ -9,7 +9,7 @@ import pytest
 
 from tests.shard_factory import make_episode
 from tunix_tasks.learner.source import EpisodeSource, PrefetchingSource, ShardPosition
-from tunix_tasks.storage.layout import RunLayout
+from tunix_tasks.storage.layout import SHARD_FOLDER_DIGITS, RunLayout
 from tunix_tasks.storage.shards import ShardWriter, episodes_to_table, table_to_parquet_bytes
 from tunix_tasks.storage.store import open_store
 
@@ -116,8 +116,11 @@ def test_prefetching_source_composes_state(tmp_path):
     assert old.get_state() == state
 
 
-def _key(actor: str, ms: int, i: int) -> str:
-    return f"{RunLayout.SHARDS}{actor}/{ms:013d}-{i:08x}.parquet"
+def _key(actor: str, ms: int, i: int, *, flat: bool = False) -> str:
+    """A shard key as `RunLayout.shard_key` spells it (time folder), or as before #16."""
+    stamp = f"{ms:013d}-{i:08x}"
+    folders = "" if flat else "".join(f"{stamp[:d]}/" for d in SHARD_FOLDER_DIGITS)
+    return f"{RunLayout.SHARDS}{actor}/{folders}{stamp}.parquet"
 
 
 def test_position_stays_bounded_over_10000_shards():
@@ -282,11 +285,11 @@ class _CountingStore:
         return getattr(self._store, name)
 
 
-def test_listing_cost_follows_new_shards_not_history(tmp_path):
+def test_listing_cost_follows_new_shards_not_history(store_uri):
     """#11.11: every poll re-listed the whole `shards/` prefix. Two actors commit a shard a
     second; after 2 x 150 consumed shards, a poll lists the new shards plus the ones
     within the watermark's 10 s grace window, not the history."""
-    inner = open_store(str(tmp_path))
+    inner = open_store(store_uri)
     store = _CountingStore(inner)
     rng = np.random.default_rng(0)
     t0 = 1_700_000_000_000
@@ -306,6 +309,36 @@ def test_listing_cost_follows_new_shards_not_history(tmp_path):
     print(f"keys listed by one poll: {store.listed} (history: {len(inner.list('shards/'))})")
     assert store.listed <= 3 + 2 * 10  # new + grace window of each actor
     assert len(inner.list("shards/")) == 303
+
+
+def test_shards_from_before_time_folders_are_read_exactly_once(tmp_path):
+    """#16 put shards in time folders. A run resumed from a checkpoint whose watermark is
+    a flat key still reads every unacknowledged flat shard and every new one, once."""
+    store = open_store(str(tmp_path))
+    rng = np.random.default_rng(0)
+    t0 = 1_700_000_000_000
+    flat = [_key("actor-0", t0 + 1000 * i, i, flat=True) for i in range(30)]
+    for key in flat:
+        _put(store, key, [make_episode(rng, length=8)])
+    source = EpisodeSource(store, vocab_size=103)
+    seen = []
+    for _ in range(2):  # two rounds acknowledged, then a checkpoint
+        for e in source.poll(max_shards=10):
+            seen.append(e.source.shard)
+            source.ack(e)
+    source.poll(max_shards=0)  # the next sweep folds them into the watermark
+    state = json.loads(json.dumps(source.get_state()))
+    assert state["watermarks"]["actor-0"] == flat[19].rsplit("/", 1)[-1]  # 10 s grace
+    new = [_key("actor-0", t0 + 30_000 + 1000 * i, 100 + i) for i in range(5)]
+    for key in new:
+        _put(store, key, [make_episode(rng, length=8)])
+    resumed = EpisodeSource(store, vocab_size=103)
+    resumed.set_state(state)
+    while got := resumed.poll(max_shards=7):
+        seen += [e.source.shard for e in got]
+        for e in got:
+            resumed.ack(e)
+    assert sorted(seen) == sorted(flat + new) and len(seen) == 35
 
 
 def test_consumed_shards_deleted_only_once_committed(tmp_path):

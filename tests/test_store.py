@@ -170,6 +170,32 @@ def test_list_start_after_and_folders(store_uri):
     assert [i.key for i in store.list("s/", start_after="s/a/3.p")] == ["s/b/1.p", "s/b/deep/x.p"]
 
 
+def test_list_from_a_position_returns_exactly_the_later_keys(store_uri):
+    """Issue #16: the local listing skips folders that hold nothing after the position;
+    on both backends it must return exactly what filtering a full listing returns."""
+    store = open_store(store_uri)
+    keys = [
+        "s/a/1700000/1700000001000-aa.p",
+        "s/a/1700000/1700000999000-bb.p",
+        "s/a/1700001/1700001000000-cc.p",
+        "s/a/1700001000500-flat.p",  # a shard key from before time folders
+        "s/a/17000010/x.p",
+        "s/a/1700002/1700002000000-dd.p",
+        "s/a-b/1.p",
+        "s/b/1700001/1700001000000-ee.p",
+    ]
+    for key in keys:
+        store.write_bytes(key, b"x")
+    full = [i.key for i in store.list("s/")]
+    assert full == sorted(keys)
+    starts = ["s/a/1700001/1700001000000-cc.p", "s/a/1700001/", "s/a/1700001", "s/a/17", "s/a0"]
+    for prefix in ("s/", "s/a/", "s/a/17", "s/a/1700001/"):
+        for after in [None, *keys, *starts]:
+            got = [i.key for i in store.list(prefix, start_after=after)]
+            want = [k for k in full if k.startswith(prefix) and (after is None or k > after)]
+            assert got == want, (prefix, after)
+
+
 def _age(path, seconds: float) -> None:
     t = time.time() - seconds
     os.utime(path, (t, t))

@@ -47,7 +47,7 @@ SHORT = [
 def _cmd(
     store: str, run_name: str, *extra: str, mode: str | None = None, quiet: bool = True
 ) -> list[str]:
-    cmd = [sys.executable, "-m", "tunix_tasks.frontdoor.cli", "train"]
+    cmd = [sys.executable, "-m", "tunix_tasks.frontdoor.cli", "train", "--json"]
     cmd += ["--quiet"] if quiet else []
     cmd += ["--store", store, "--run-name", run_name]
     if mode:

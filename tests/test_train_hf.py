@@ -34,7 +34,7 @@ def _checkpoint_uri(store_uri: str) -> str:
 
 
 def test_train_qwen3_checkpoint_end_to_end(tmp_path, store_uri):
-    cmd = [sys.executable, "-m", "tunix_tasks.frontdoor.cli", "train", "--quiet"]
+    cmd = [sys.executable, "-m", "tunix_tasks.frontdoor.cli", "train", "--quiet", "--json"]
     cmd += ["--config", str(REPO / "configs" / "qwen3-tiny.yaml"), "--store", store_uri]
     cmd += ["--set", f"model.checkpoint={_checkpoint_uri(store_uri)}"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)

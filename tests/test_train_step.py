@@ -7,6 +7,7 @@ Uses the 8 simulated CPU devices from conftest.py. A Trainer is built on an expl
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,16 +17,23 @@ from tunix_tasks.episode import Episode
 from tunix_tasks.learner.packing import pack
 from tunix_tasks.learner.train_step import Trainer, make_mesh
 from tunix_tasks.policy.build import build_policy
+from tunix_tasks.policy.distribution import sampling_log_probs, token_logprobs
 
 BUCKETS = (64, 128)
 ROWS = 8
 
 
-def _cfg():
+def _cfg(actor: dict | None = None, **learner):
     return config_from_dict(
         {
             "model": {"preset": "tiny"},
-            "learner": {"buckets": list(BUCKETS), "batch_rows": ROWS, "learning_rate": 1e-3},
+            "actor": actor or {},
+            "learner": {
+                "buckets": list(BUCKETS),
+                "batch_rows": ROWS,
+                "learning_rate": 1e-3,
+                **learner,
+            },
         }
     )
 
@@ -121,3 +129,65 @@ def test_batch_rows_must_divide_over_the_mesh():
     _, model = build_policy(cfg.model)
     with pytest.raises(ValueError, match="divisible by the 8 devices"):
         Trainer(cfg, model)
+
+
+def _sampled_episodes(model, *, n: int, length: int, temperature: float, top_k: int, seed=0):
+    """Episodes whose policy tokens are drawn from the actors' distribution (temperature,
+    top-k) of `model`, with those behaviour log-probs: fresh, on-policy data."""
+    rng = np.random.default_rng(seed)
+    prompt = 4
+    tokens = jnp.asarray(rng.integers(1, model.vocab_size, (n, length)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(length), tokens.shape)
+    forward = jax.jit(lambda t: model(t, pos, jnp.ones_like(t)))
+    key = jax.random.key(seed)
+    for t in range(prompt, length):  # causal: the logits at t - 1 see tokens < t only
+        logp = sampling_log_probs(forward(tokens)[:, t - 1], temperature, top_k)
+        key, sub = jax.random.split(key)
+        tokens = tokens.at[:, t].set(jax.random.categorical(sub, logp).astype(jnp.int32))
+    logits = forward(tokens)
+    blp = np.asarray(token_logprobs(logits, tokens, temperature, top_k))
+    mask = np.zeros(length, np.int8)
+    mask[prompt:] = 1
+    out = []
+    for i in range(n):
+        lp = np.concatenate([[0.0], np.where(mask[1:] == 1, blp[i], 0.0)])
+        out.append(Episode(f"s{i}", np.asarray(tokens[i]), mask, lp, advantage=1.0 - 2 * (i % 2),
+                           policy_version=2 * (i % 2)))  # fmt: skip
+    # The learner's check below would notice a top-k it ignored: full-softmax log-probs differ.
+    assert np.abs(np.asarray(token_logprobs(logits, tokens, temperature)) - blp).max() > 0.05
+    return out
+
+
+def test_topk_sampled_fresh_data_has_unit_ratios_and_staleness_split():
+    """Actor-side top-k (k=5) at T=0.7: through the real loss path every ratio is 1 (the
+    learner scores with the sampling distribution), and the mismatch metrics split the
+    batch's tokens by staleness (episodes of versions 0 and 2 at learner version 2)."""
+    cfg = _cfg({"temperature": 0.7, "top_k": 5})
+    _, model = build_policy(cfg.model, seed=cfg.seed)
+    eps = _sampled_episodes(model, n=ROWS, length=24, temperature=0.7, top_k=5)
+    (batch,) = pack(eps, buckets=(64,), batch_rows=ROWS, flush=True).batches
+    trainer = Trainer(cfg, model, mesh=make_mesh(MeshConfig(data=1), jax.devices()[:1]))
+    m = trainer.step(batch, version=2)
+    for key in ("is_weight_max", "is_weight_mean", "ratio_max", "ratio_mean"):
+        assert m[key] == pytest.approx(1.0, abs=1e-5), key
+    assert m["is_clipped_frac"] == 0.0 and abs(m["approx_kl"]) < 1e-6
+    assert m["tokens_s0"] == m["tokens_s1_2"] == ROWS // 2 * 20 and m["tokens_s3p"] == 0
+    assert abs(m["approx_kl_s0"]) < 1e-6 and m["ratio_mean_s1_2"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_decoupled_ppo_mini_epochs_kl_reference_and_entropy():
+    """Several updates per batch make the decoupled clip bite; the KL reference is the
+    params as RL starts (0 before any update, > 0 after), re-taken by freeze_reference."""
+    cfg = _cfg(correction="decoupled_ppo", updates_per_batch=2, learning_rate=0.05,
+               kl_coef=0.1, entropy_coef=0.01)  # fmt: skip
+    _, model = build_policy(cfg.model, seed=cfg.seed)
+    trainer = Trainer(cfg, model, mesh=make_mesh(MeshConfig(data=1), jax.devices()[:1]))
+    (batch,) = _batches(2, 1, buckets=(64,))
+    first = trainer.step(batch)
+    assert first["kl_ref"] == 0.0 and first["entropy"] > 0
+    assert first["ppo_clip_frac"] > 0  # update 1 moved pi away from pi_prox: 2 is clipped
+    second = trainer.step(batch)
+    assert second["kl_ref"] > 0
+    assert "reference" in trainer.state()  # checkpointed with the params
+    trainer.freeze_reference()
+    assert trainer.step(batch)["kl_ref"] == 0.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -21,14 +22,17 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from tunix_tasks.config_model import ModelConfig, _Frozen
+from tunix_tasks.config_objective import ObjectiveConfig
 
 __all__ = [
     "ActorConfig",
     "ConfigError",
+    "ConfigWarning",
     "EnvConfig",
     "LearnerConfig",
     "MeshConfig",
     "ModelConfig",
+    "ObjectiveConfig",
     "RunConfig",
     "config_from_dict",
     "load_config",
@@ -37,11 +41,15 @@ __all__ = [
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: The environments shipped with tunix_tasks.envs. `env.name` accepts any registered name
 #: (plug-ins too); the JSON schema (and so the Airflow form) offers these.
-BUILTIN_ENVS = ("calculator", "guess_number", "python_exec")
+BUILTIN_ENVS = ("arithmetic", "calculator", "guess_number", "python_exec")
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the valid values."""
+
+
+class ConfigWarning(UserWarning):
+    """A configuration is valid but probably not what was meant (`RunConfig.warnings`)."""
 
 
 def known_env_names() -> list[str]:
@@ -75,7 +83,7 @@ class EnvConfig(_Frozen):
         0.0, ge=0.0, description="relative jitter of the delay: uniform in [1-j, 1+j]"
     )
     step_timeout_s: float = Field(
-        30.0, gt=0.0, description="an env step slower than this truncates the episode"
+        30.0, gt=0.0, description="an env reset/step slower than this ends the episode (dropped)"
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra env constructor args")
 
@@ -144,8 +152,9 @@ class MeshConfig(_Frozen):
         return self
 
 
-class LearnerConfig(_Frozen):
-    """The accelerator learner: data rules, maths, shapes, optimisation, publishing."""
+class LearnerConfig(ObjectiveConfig):
+    """The accelerator learner: data rules, shapes, optimisation, publishing; the RL
+    objective's fields (`correction`, `kl_coef`, ...) come from `ObjectiveConfig`."""
 
     max_steps: int = Field(
         100, ge=1, description="total optimizer steps of the run; the run is DONE when reached"
@@ -167,10 +176,6 @@ class LearnerConfig(_Frozen):
     max_staleness: int = Field(
         4, ge=0, description="async: drop episodes more than this many versions old"
     )
-    rho_max: float = Field(2.0, gt=0.0, description="truncation of importance ratios")
-    is_level: Literal["token", "sequence"] = "token"
-    ppo_clip: float = Field(0.0, ge=0.0, description="PPO ratio clip epsilon; 0 disables")
-    advantage: Literal["group", "batch"] = "group"
     publish_every: int = Field(2, ge=1, description="async: publish weights every P steps")
     checkpoint_every: int = Field(10, ge=1)
     lease_ttl_s: float = Field(30.0, gt=0.0)
@@ -282,7 +287,25 @@ class RunConfig(_Frozen):
                 "latest publish (most of the data); use mode=sync (on-policy: it ignores "
                 "max_staleness) or learner.max_staleness >= 1"
             )
+        if self.learner.advantage == "group" and self.actor.group_size == 1:
+            raise ValueError(
+                "actor.group_size=1 with learner.advantage=group gives every episode "
+                "advantage 0 (a group of one has no baseline); use actor.group_size >= 2 "
+                "or learner.advantage=batch"
+            )
         return self
+
+    @property
+    def warnings(self) -> list[str]:
+        """Valid but suspicious settings, logged when the config is loaded."""
+        out = []
+        if self.model.dtype != self.learner.compute_dtype:
+            out.append(
+                f"model.dtype={self.model.dtype} (actors) differs from learner.compute_dtype="
+                f"{self.learner.compute_dtype}: fresh importance ratios are not exactly 1 "
+                "(approx_kl_s0 in the learner metrics measures it)"
+            )
+        return out
 
     @property
     def sync_groups_per_actor(self) -> int:
@@ -344,9 +367,12 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[s
 def config_from_dict(data: Mapping[str, Any], overrides: Iterable[str] = ()) -> RunConfig:
     """Validate a plain dict (from YAML, JSON, DAG params) into a RunConfig."""
     try:
-        return RunConfig.model_validate(apply_overrides(data, overrides))
+        cfg = RunConfig.model_validate(apply_overrides(data, overrides))
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
+    for message in cfg.warnings:
+        warnings.warn(message, ConfigWarning, stacklevel=2)
+    return cfg
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:

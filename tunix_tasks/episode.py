@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-STATUSES = ("ok", "truncated", "env_error")
+STATUSES = ("ok", "truncated", "env_error", "env_timeout")
 
 
 class ShardRow(NamedTuple):

@@ -5,8 +5,8 @@
     .venv/bin/python infra/airflow/local_airflow.py env            # print the env (for `airflow ...`)
 
 Starts `airflow scheduler`, `airflow dag-processor`, `airflow api-server` and
-`airflow triggerer` as separate processes, each in its own process group, and stops
-them all (SIGTERM, then SIGKILL) on exit. The UI and REST API are at
+`airflow triggerer` as separate processes, each in its own session, and stops them all,
+their tasks included (SIGTERM, then SIGKILL), on exit. The UI and REST API are at
 http://127.0.0.1:8080 (`--port`). Local only: the API runs with
 `simple_auth_manager_all_admins` (no login). The tests use the same class
 (`LocalAirflow`) with a temporary AIRFLOW_HOME and a free port.
@@ -42,6 +42,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def tree_pids(leaders: set[int]) -> list[int]:
+    """Live processes in the sessions of `leaders` (each component is a session leader),
+    and their descendants.
+
+    By session: Airflow 3.3 puts every task runner in a process group of its own
+    (`os.setpgid(0, 0)`), but it stays in its worker's session. Descendants: PostgreSQL's
+    children start sessions of their own (`setsid`).
+    """
+    procs: dict[int, tuple[int, int]] = {}  # pid -> (ppid, session)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = (entry / "stat").read_text()
+                fields = stat[stat.rindex(")") + 2 :].split()  # state ppid pgrp session ...
+                if fields[0] != "Z":
+                    procs[int(entry.name)] = (int(fields[1]), int(fields[3]))
+    found = {pid for pid, (_, sid) in procs.items() if sid in leaders}
+    while True:
+        more = {pid for pid, (ppid, _) in procs.items() if ppid in found} - found
+        if not more:
+            return sorted(found)
+        found |= more
 
 
 def airflow_env(
@@ -120,14 +144,18 @@ class LocalAirflow:
 
     # -- setup
     def airflow(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run(
+        """Run `airflow ARGS` with the components' environment; fail with its output."""
+        out = subprocess.run(
             [str(VENV_BIN / "airflow"), *args],
             env=self.env,
-            check=True,
             capture_output=True,
             text=True,
             timeout=timeout,
         )
+        if out.returncode:
+            tail = (out.stdout[-2000:] + out.stderr[-4000:]).strip()
+            raise RuntimeError(f"`airflow {' '.join(args)}` exited {out.returncode}:\n{tail}")
+        return out
 
     def init(self) -> None:
         """`airflow db migrate` and the `cpu` / `tpu` pools (idempotent)."""
@@ -137,22 +165,29 @@ class LocalAirflow:
 
     # -- processes
     def start(self) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         for name in self.components:
             args = [str(VENV_BIN / "airflow"), name]
             if name == "api-server":
                 args += ["--host", "127.0.0.1", "--port", str(self.port)]
-            out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives with the proc
-            self.procs[name] = subprocess.Popen(
+            self.procs[name] = self.popen(args, self.env, self.home, name)
+
+    def popen(self, args: list[str], env: dict[str, str], cwd: Path, name: str) -> subprocess.Popen:
+        """Start one component, output to `log_path(name)`, in a session of its own."""
+        path = self.log_path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as out:
+            return subprocess.Popen(
                 args,
-                env=self.env,
+                env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                start_new_session=True,  # own process group: stop() kills tasks too
-                cwd=str(self.home),
+                start_new_session=True,  # own session/process group: stop() kills tasks too
+                cwd=str(cwd),
             )
-            out.close()
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
 
     def check_alive(self) -> None:
         dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
@@ -161,7 +196,7 @@ class LocalAirflow:
             raise RuntimeError(f"Airflow components exited: {dead}\n{json.dumps(tails, indent=1)}")
 
     def log_tail(self, name: str, chars: int = 3000) -> str:
-        path = self.log_dir / f"{name}.log"
+        path = self.log_path(name)
         return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
     def wait_ready(self, timeout: float = 240) -> float:
@@ -202,17 +237,8 @@ class LocalAirflow:
             self.request("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False})
 
     def pids(self) -> list[int]:
-        """Every live process in the components' process groups (tasks included)."""
-        pgids = {p.pid for p in self.procs.values()}
-        out = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    stat = (entry / "stat").read_text()
-                    fields = stat[stat.rindex(")") + 2 :].split()
-                    if fields[0] != "Z" and int(fields[2]) in pgids:
-                        out.append(int(entry.name))
-        return out
+        """Every live process the components started (tasks included)."""
+        return tree_pids({p.pid for p in self.procs.values()})
 
     def stop(self, timeout: float = 30) -> list[int]:
         """SIGTERM each process group, SIGKILL what is left; return pids still alive (none)."""
@@ -224,9 +250,9 @@ class LocalAirflow:
             for proc in self.procs.values():
                 proc.poll()
             time.sleep(0.5)
-        for proc in self.procs.values():
+        for pid in self.pids():  # task runners too: they have process groups of their own
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
         for proc in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)

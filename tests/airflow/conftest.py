@@ -7,13 +7,17 @@ here, at collection time, before any test module imports `airflow`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,3 +75,61 @@ SMALL_RUN_OVERRIDES = [
     "actor.episodes_per_shard=8",
     "actor.shard_interval_s=3",
 ]
+
+
+def small_train_conf(run_name: str, **changes: Any) -> dict[str, Any]:
+    """`tunix_train` trigger conf of a small, fast run (2 actors x 4 envs, tiny model)."""
+    conf = {
+        "run_name": run_name,
+        "env": "calculator",
+        "model_preset": "tiny",
+        "num_actors": 2,
+        "envs_per_actor": 4,
+        "max_steps": 4,
+        "publish_every": 2,
+        "max_staleness": 4,
+        "deadline_s": 240,
+        "overrides": SMALL_RUN_OVERRIDES,
+    }
+    return {**conf, **changes}
+
+
+@contextlib.contextmanager
+def running(af: Any, dags: list[str], unpause: list[str]) -> Iterator[Any]:
+    """Start a `LocalAirflow` (or `CeleryAirflow`), wait until `dags` are parsed, unpause
+    `unpause`, yield it; stop it after and fail if any of its processes is left."""
+    t0 = time.monotonic()
+    af.init()
+    af.start()
+    try:
+        af.startup_s = af.wait_ready() + (time.monotonic() - t0)
+        af.wait_dags(dags)
+        af.unpause(*unpause)
+        if hasattr(af, "wait_workers"):
+            af.wait_workers()
+        print(f"Airflow ready after {time.monotonic() - t0:.0f}s at {af.url}")
+        yield af
+    finally:
+        left = af.stop()
+        if left:
+            pytest.fail(f"Airflow processes still alive after stop(): {left}")
+
+
+@pytest.fixture(scope="module")
+def celery_services(tmp_path_factory):
+    """A throwaway Redis broker and PostgreSQL metadata DB (`infra/airflow/services.py`),
+    stopped at the end; skipped when `make services` has not installed them."""
+    from services import Postgres, Redis, missing_services
+
+    if missing := missing_services():
+        pytest.skip(f"{' '.join(missing)} not installed (as root: make services)")
+    logs = tmp_path_factory.mktemp("services")
+    redis, postgres = Redis(logs), Postgres(logs)
+    try:
+        redis.start()
+        postgres.start()
+        yield redis, postgres
+    finally:
+        left = postgres.stop() + redis.stop()
+        if left:
+            pytest.fail(f"Redis/PostgreSQL processes still alive after stop(): {left}")

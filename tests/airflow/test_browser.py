@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import SMALL_RUN_OVERRIDES
+from .conftest import SMALL_RUN_OVERRIDES, running
 
 pytestmark = [pytest.mark.airflow, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -57,19 +57,8 @@ def airflow(tmp_path_factory):
     af.env["TUNIX_AIRFLOW_ASSET_EVENTS"] = "0"  # tunix_eval stays paused here
     af.env["TUNIX_CHECK_POOLS"] = "1"  # conftest turns it off for dag.test(); check for real
     af.store = store
-    t0 = time.monotonic()
-    af.init()
-    af.start()
-    try:
-        af.wait_ready()
-        af.wait_dags(["tunix_train"])
-        af.unpause("tunix_train")
-        print(f"Airflow ready after {time.monotonic() - t0:.0f}s at {af.url}")
+    with running(af, ["tunix_train"], ["tunix_train"]):
         yield af
-    finally:
-        left = af.stop()
-        if left:
-            pytest.fail(f"Airflow processes still alive after stop(): {left}")
 
 
 @pytest.fixture

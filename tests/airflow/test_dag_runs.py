@@ -65,9 +65,21 @@ def test_train_dag_in_process(airflow_db, dagbag, store):
 
 
 def test_eval_dag_manual_params(airflow_db, dagbag, store):
+    """The run is finished and this is its last snapshot: the report (written by the
+    fleet's `report` task before any evaluation) is rewritten with the result."""
+    import json
+
+    from tunix_tasks.storage.layout import RunLayout
+    from tunix_tasks.storage.store import open_store
+
+    run = open_store(f"{store}/dagtest")
+    assert json.loads(run.read_bytes(RunLayout.SUMMARY))["evaluations"] == []
     dag = dagbag.dags["tunix_eval"]
     dr = dag.test(run_conf={"run_uri": f"{store}/dagtest"})
     assert dr.state == "success", _states(dr)
+    evaluations = json.loads(run.read_bytes(RunLayout.SUMMARY))["evaluations"]
+    latest = json.loads(run.read_bytes(RunLayout.LATEST))["version"]
+    assert [e["version"] for e in evaluations] == [latest]
 
 
 def test_recurring_dag_continues_the_run(airflow_db, dagbag, store):

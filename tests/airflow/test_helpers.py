@@ -74,6 +74,11 @@ class _FakeApi(http.server.BaseHTTPRequestHandler):
                 {**ASSET, "id": 7, "name": "tunix_weights", "uri": "tunix://weights/"},
             ]
             self._reply(200, {"assets": assets, "total_entries": 2})
+        elif self.path.startswith("/api/v2/pools"):  # a fresh `airflow standalone`
+            slots = dict.fromkeys(["deferred", "occupied", "open", "queued", "running"], 0)
+            pool = {f"{k}_slots": v for k, v in slots.items()}
+            pool.update(scheduled_slots=0, include_deferred=False, name="default_pool", slots=128)
+            self._reply(200, {"pools": [pool], "total_entries": 1})
         else:
             self._reply(404, {"detail": "nope"})
 
@@ -115,6 +120,26 @@ def fake_api(monkeypatch):
     monkeypatch.setenv("TUNIX_AIRFLOW_API_PASSWORD", "p")
     yield url, _FakeApi
     server.shutdown()
+
+
+def test_pool_check_logs_in_as_a_plain_airflow_standalone(fake_api, monkeypatch, tmp_path):
+    """No tunix credentials configured, Airflow's own SimpleAuthManager: the check reads the
+    password Airflow generated and fails fast naming the missing pools (no endless wait)."""
+    from airflow.sdk.exceptions import AirflowFailException
+    from tunix_fleet import check_pools
+
+    url, api = fake_api
+    for name in ("TUNIX_AIRFLOW_API_URL", "TUNIX_AIRFLOW_API_USER", "TUNIX_AIRFLOW_API_PASSWORD"):
+        monkeypatch.delenv(name)
+    (tmp_path / "passwords.json").write_text(json.dumps({"u": "p"}))
+    monkeypatch.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE", str(tmp_path / "passwords.json"))  # fmt: skip
+    monkeypatch.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS", "u:admin")
+    monkeypatch.setenv("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS", "False")
+    monkeypatch.setenv("AIRFLOW__API__BASE_URL", url)
+    monkeypatch.setenv("TUNIX_CHECK_POOLS", "1")
+    with pytest.raises(AirflowFailException, match=r"'cpu', 'tpu'.*airflow pools set cpu"):
+        check_pools(("cpu", "tpu"))
+    assert ("POST", "/auth/token") in [c[:2] for c in api.calls]
 
 
 def _events(calls) -> list:
@@ -301,26 +326,6 @@ def test_learner_task_announces_weights_locally(fake_api, tmp_path, monkeypatch)
 
 
 # --------------------------------------------------------------------------- launchers
-
-
-def test_pod_specs(monkeypatch):
-    import tunix_launchers as L
-
-    monkeypatch.setenv("TUNIX_IMAGE", "gcr.io/p/tunix:1")
-    monkeypatch.setenv("TUNIX_CPU_NODE_POOL", "actors")
-    actor = L.actor_pod_spec("gs://b/runs/My_Run", 3, deadline_s=60.0)
-    learner = L.learner_pod_spec("gs://b/runs/My_Run", max_steps=100)
-    assert actor["metadata"]["name"] == "tunix-my-run-actor-3"
-    assert actor["spec"]["nodeSelector"] == {"cloud.google.com/gke-nodepool": "actors"}
-    assert actor["spec"]["containers"][0]["image"] == "gcr.io/p/tunix:1"
-    assert learner["spec"]["containers"][0]["resources"]["limits"]["google.com/tpu"] == "4"
-    assert "cloud.google.com/gke-tpu-accelerator" in learner["spec"]["nodeSelector"]
-    for pod in (actor, learner):
-        cmd = pod["spec"]["containers"][0]["command"]
-        assert cmd[:2] == ["python", "-c"]
-        compile(cmd[2], "<pod>", "exec")
-    assert "run_actor" in actor["spec"]["containers"][0]["command"][2]
-    assert "on_publish" not in learner["spec"]["containers"][0]["command"][2]
 
 
 def test_launcher_selection(monkeypatch, tmp_path):

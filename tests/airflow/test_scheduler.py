@@ -22,23 +22,12 @@ import pytest
 
 from tunix_tasks.storage.layout import RunLayout
 
-from .conftest import SMALL_RUN_OVERRIDES
+from .conftest import running, small_train_conf
 
 pytestmark = [pytest.mark.airflow, pytest.mark.slow, pytest.mark.timeout(600)]
 
 RUN = "sched-e2e"
-CONF = {
-    "run_name": RUN,
-    "env": "calculator",
-    "model_preset": "tiny",
-    "num_actors": 2,
-    "envs_per_actor": 4,
-    "max_steps": 4,
-    "publish_every": 2,
-    "max_staleness": 4,
-    "deadline_s": 240,
-    "overrides": SMALL_RUN_OVERRIDES,
-}
+CONF = small_train_conf(RUN)
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +42,10 @@ def airflow(tmp_path_factory):
     af.env["TUNIX_AIRFLOW_ASSET_EVENTS"] = "1"  # conftest turns them off for dag.test()
     af.env["TUNIX_CHECK_POOLS"] = "1"  # conftest turns it off for dag.test(); check for real
     af.store = store
-    t0 = time.monotonic()
-    af.init()
-    af.start()
-    try:
-        af.startup_s = af.wait_ready() + (time.monotonic() - t0)
-        af.wait_dags(["tunix_train", "tunix_eval", "tunix_recurring"])
-        af.unpause("tunix_train", "tunix_eval")
-        print(f"Airflow ready after {time.monotonic() - t0:.0f}s at {af.url}")
+    with running(
+        af, ["tunix_train", "tunix_eval", "tunix_recurring"], ["tunix_train", "tunix_eval"]
+    ):
         yield af
-    finally:
-        left = af.stop()
-        if left:
-            pytest.fail(f"Airflow processes still alive after stop(): {left}")
 
 
 def _post_error(af, path: str, body: dict) -> tuple[int, str]:

@@ -7,7 +7,7 @@ import pytest
 from tests.envs.conftest import demo_policy, rollout
 from tunix_tasks.envs import Action, Environment, check_tools, make_env
 
-BUILTINS = ["calculator", "guess_number", "python_exec"]
+BUILTINS = ["arithmetic", "calculator", "guess_number", "python_exec"]
 
 
 @pytest.mark.parametrize("name", BUILTINS)
@@ -30,7 +30,12 @@ def test_tools_are_openai_function_schemas(name):
 
 def test_the_builtin_tools():
     names = {n: [t["function"]["name"] for t in make_env(n).tools] for n in BUILTINS}
-    assert names == {"calculator": ["calculate"], "guess_number": [], "python_exec": ["run_python"]}
+    assert names == {
+        "arithmetic": ["calculate"],
+        "calculator": ["calculate"],
+        "guess_number": [],
+        "python_exec": ["run_python"],
+    }
 
 
 @pytest.mark.parametrize("name", BUILTINS)

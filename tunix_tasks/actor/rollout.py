@@ -106,8 +106,10 @@ async def play_episode(
     default_version: int = 0,
     on_env_step: Callable[[float], None] | None = None,
 ) -> Episode:
-    """Run one episode. Environment errors end it with status `env_error`, slow steps and
-    the token budget with `truncated`; neither raises. `env_name` defaults to `env.name`
+    """Run one episode. Environment errors end it with status `env_error`, a reset or step
+    slower than `step_timeout_s` with `env_timeout` (the learner drops both: slow
+    infrastructure is no evidence about the policy), the token or turn budget with
+    `truncated`; none raises. `env_name` defaults to `env.name`
     (the actor passes the registry name it was made by); `default_version` is the
     episode's policy version when no policy call was made; `on_env_step(seconds)` sees
     every step's duration."""
@@ -138,7 +140,7 @@ async def play_episode(
     try:
         first = await asyncio.wait_for(env.reset(seed), limits.step_timeout_s)
     except TimeoutError:
-        rec.status = "truncated"
+        rec.status = "env_timeout"
         return episode()
     except Exception as err:
         log.warning("env %s reset(seed=%d) failed: %r", getattr(env, "name", "?"), seed, err)
@@ -169,7 +171,7 @@ async def play_episode(
         try:
             result = await _answer(env, action, limits.step_timeout_s)
         except TimeoutError:
-            rec.status = "truncated"
+            rec.status = "env_timeout"
             break
         except Exception as err:
             log.warning("env %s step failed: %r", getattr(env, "name", "?"), err)

@@ -2,7 +2,7 @@
 
     env = make_env("guess_number", max_n=32)                  # kwargs go to the factory
     env = make_env("calculator", latency_s=0.5, latency_jitter=0.2, latency_seed=0)
-    available_envs()  # ['calculator', 'guess_number', 'python_exec', ...plug-ins]
+    available_envs()  # ['arithmetic', 'calculator', 'guess_number', 'python_exec', ...]
 
 Register in code with ``@register_env("my_env")`` on a class or factory function, or
 from another package with an entry point in the ``tunix_tasks.envs`` group, e.g. in its
@@ -28,6 +28,7 @@ import random
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from tunix_tasks.envs.arithmetic import ArithmeticEnv
 from tunix_tasks.envs.base import (
     Action,
     Environment,
@@ -45,6 +46,7 @@ from tunix_tasks.messages import function_tool
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Action",
+    "ArithmeticEnv",
     "CalculatorEnv",
     "Environment",
     "GuessNumberEnv",
@@ -131,3 +133,4 @@ def make_env(
 register_env("guess_number")(GuessNumberEnv)
 register_env("calculator")(CalculatorEnv)
 register_env("python_exec")(PythonExecEnv)
+register_env("arithmetic")(ArithmeticEnv)

@@ -3,7 +3,7 @@
     tunix-tasks inspect URI [--json]
     tunix-tasks config  [--config run.yaml] [--set k=v ...]   # print the validated config
     tunix-tasks train   [--config run.yaml] [--set k=v ...] [--store URI] [--run-name N]
-                        [--mode async|sync] [--quiet]
+                        [--mode async|sync] [--quiet] [--json]
     tunix-tasks prepare [--config run.yaml] [--set k=v ...]   # write <run>/config.json
     tunix-tasks actor   --run URI --actor-id N [--deadline S]
     tunix-tasks learner --run URI [--max-steps N] [--deadline S]
@@ -114,6 +114,7 @@ def train_overrides(args: argparse.Namespace) -> list[str]:
 
 def _train(args: argparse.Namespace) -> int:
     from tunix_tasks.frontdoor.launcher import train_local
+    from tunix_tasks.frontdoor.summary import format_train_summary
 
     cfg = _config(args, train_overrides(args))
     print(
@@ -121,7 +122,10 @@ def _train(args: argparse.Namespace) -> int:
         f"actors={cfg.actor.num_actors}x{cfg.actor.envs_per_actor} envs  steps={cfg.learner.max_steps}"
     )
     summary = train_local(cfg, quiet=args.quiet)
-    _print_json(summary)
+    if args.json:
+        _print_json(summary)
+    else:
+        print(format_train_summary(summary))
     if summary.get("failed"):
         print(f"tunix-tasks: {summary['failed']}; fix it, then run the same command again "
               f"to resume {cfg.run_uri}", file=sys.stderr)  # fmt: skip
@@ -214,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode", choices=["async", "sync"], help="sync: the classic synchronous baseline"
     )
     p.add_argument("--quiet", action="store_true", help="no live progress display")
+    p.add_argument("--json", action="store_true", help="end with the summary as JSON (scripts)")
 
     p = command("prepare", _prepare, "validate a config and write <run>/config.json")
     _add_config_args(p)

@@ -103,13 +103,28 @@ def run_learner(
     (`MetricsTail(store, "learner")`); new weights appear as `weights/LATEST`.
 
     A learner that lost the `weights/LATEST` race (another learner published over it)
-    logs one line and raises `LearnerFenced` (SystemExit, status 3)."""
+    logs one line and raises `LearnerFenced` (SystemExit, status 3).
+
+    Multi-host (`TUNIX_NUM_PROCESSES` > 1, with `TUNIX_COORDINATOR_ADDRESS` and
+    `TUNIX_PROCESS_ID`): every process calls this; process 0 is the learner above and
+    the others follow it (`learner/multihost.py`), returning `{"process", "steps"}`."""
     import signal
+
+    from tunix_tasks.learner.multihost import follow, initialize, process_group
+
+    group = process_group()
+    if group is not None:
+        initialize(group)  # before anything else touches JAX
 
     from tunix_tasks.learner.learner import Learner
     from tunix_tasks.storage.weights import PublishConflict
 
     cfg, store = read_config(run_uri)
+    if group is not None and not group.leader:
+        if handle_signals:  # the leader stops the group (at a checkpoint); keep following
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda s, _f: log.info("%s: left to the leader", s))
+        return follow(cfg, store)
     learner = Learner(
         cfg, store, max_steps=max_steps, deadline_s=deadline_s or cfg.deadline_s or None
     )
@@ -158,6 +173,22 @@ def evaluate_snapshot(
     return _eval(run_uri, version, seeds=seeds)
 
 
+def report_after_eval(run_uri: str, version: int) -> str | None:
+    """Rewrite the report of a finished run once its last snapshot (`version`) is scored.
+
+    The fleet's `report` task runs when the learner stops, before the evaluation that the
+    last snapshot triggers has written `eval/`; this call brings that result into the
+    report. Returns the report's URI, or None when the run is still going or `version`
+    is not its last snapshot (a later evaluation will do it)."""
+    from tunix_tasks.frontdoor.report import latest_version
+    from tunix_tasks.storage.runs import is_done
+
+    store = open_store(run_uri)
+    if is_done(store) is None or latest_version(store) != version:
+        return None
+    return write_report(run_uri)
+
+
 __all__ = [
     "LEARNER_FENCED_EXIT_CODE",
     "ConfigError",
@@ -166,6 +197,7 @@ __all__ = [
     "learner_progress",
     "mark_done",
     "prepare_run",
+    "report_after_eval",
     "run_actor",
     "run_learner",
     "write_report",

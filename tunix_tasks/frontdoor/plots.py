@@ -1,5 +1,6 @@
-"""The run report's figures: reward, duty cycle, backlog, staleness, drops, env latency,
-and weight sync (the version each actor samples with, publish -> reload latency).
+"""The run report's figures: reward, duty cycle, backlog, sampler/learner mismatch,
+staleness, drops, env latency, and weight sync (the version each actor samples with,
+publish -> reload latency).
 
     for title, png_base64 in report_plots(records, summary): ...
 """
@@ -93,6 +94,20 @@ def report_plots(
             ),
             "episodes / shards",
         )
+        if any("approx_kl" in r for r in steps):
+
+            def mismatch_panel(ax: Any) -> None:
+                # Staleness 0: sampler vs learner numerics alone; older: plus policy drift.
+                for suffix, label in (("_s0", "staleness 0"), ("_s1_2", "1-2"), ("_s3p", "3+")):
+                    pts = [(r["step"], r[f"approx_kl{suffix}"]) for r in steps
+                           if f"approx_kl{suffix}" in r]  # fmt: skip
+                    if pts:
+                        ax.plot(*zip(*pts, strict=True), ".-", label=label, alpha=0.7)
+                ax.set_yscale("symlog", linthresh=1e-6)
+                ax.legend(fontsize=8)
+
+            panel("Behaviour vs learner policy: k3 KL(mu || pi) by staleness", mismatch_panel,
+                  "approx KL per loss token", "learner step")  # fmt: skip
     hist = summary.get("staleness_histogram") or {}
     if hist:
         panel(

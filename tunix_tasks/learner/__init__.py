@@ -1,6 +1,6 @@
 """The learner, in data-flow order.
 
-source.py      shards -> validated `Episode`s with advantages; the checkpointed position
+source.py      shards -> validated `Episode`s with advantages (`advantages.py`); the position
 flow.py        `AsyncFlow` / `SyncFlow`: ready? drop? publish?
 batcher.py     the buffer: drop what the flow rejects, pack one batch
 packing.py     bucket shapes, first-fit packing (pure numpy); `rl_math.py`: the losses
@@ -8,4 +8,5 @@ train_step.py  mesh, sharded params/optimizer, the jitted update
 accounting.py  exactly-once acknowledgement and the ledger; `checkpoint.py`: orbax
 publishing.py  background weight snapshots; `startup.py`: start, restore, warm start
 learner.py     the loop: next batch -> dispatch -> acknowledge -> publish/checkpoint
+multihost.py   P processes, one mesh: process 0 leads and announces; the rest follow
 """

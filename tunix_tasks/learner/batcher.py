@@ -6,7 +6,9 @@
 
 Buffered episodes are not acknowledged, so a crash re-reads them from their shards. An
 episode the source flags as a replay (an id already accounted or in flight) is dropped
-as `duplicate` before any flow rule: it is never trained twice.
+as `duplicate` before any flow rule: it is never trained twice. One in a group without
+signal (`learner.filter_zero_variance_groups`) is dropped as `zero_variance` unless a flow
+rule drops it first.
 """
 
 from __future__ import annotations
@@ -76,10 +78,9 @@ class Batcher:
     def drop_unusable(self, version: int) -> None:
         keep = []
         for ep in self.buffer:
-            if self._source.is_duplicate(ep):
-                reason: str | None = "duplicate"
-            else:
-                reason = self._flow.drop_reason(ep, version)
+            flag = self._source.drop_flag(ep)  # "duplicate", "zero_variance" or None
+            reason = "duplicate" if flag == "duplicate" else self._flow.drop_reason(ep, version)
+            reason = reason or flag
             if reason is None:
                 keep.append(ep)
             else:

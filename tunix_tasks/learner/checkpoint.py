@@ -84,17 +84,28 @@ class Checkpointer:
         step: int,
         state: nnx.State | dict,
         meta: dict[str, Any],
-        ledger: dict[str, Any],
+        ledger: dict[str, Any] | None,
         *,
         on_durable: Callable[[], None] | None = None,
         wait: bool = False,
     ) -> None:
         """Start saving `step`; `on_durable()` runs in `wait()` once it is committed
-        (with `wait`, before returning)."""
+        (with `wait`, before returning). `ledger` None: a follower process's save
+        (multihost.py), which writes its own shards of `state` and nothing else."""
         self.wait()
-        self._store.write_bytes(RunLayout.ledger(step), json.dumps(ledger).encode())
-        self._clear_uncommitted(step)
+        if ledger is not None:
+            self._store.write_bytes(RunLayout.ledger(step), json.dumps(ledger).encode())
+        if jax.process_index() == 0:  # one process cleans up; orbax syncs the others
+            self._clear_uncommitted(step)
         pure = nnx.to_pure_dict(state) if isinstance(state, nnx.State) else _pure(state)
+        self._write(step, pure, meta)
+        self._on_durable = on_durable
+        if wait:
+            self.wait()
+
+    def _write(self, step: int, pure: Any, meta: dict[str, Any]) -> None:
+        """Orbax's save: on several processes every one calls it (collectives inside);
+        the primary process writes `meta` and commits."""
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -102,9 +113,6 @@ class Checkpointer:
             ),
             force=True,
         )
-        self._on_durable = on_durable
-        if wait:
-            self.wait()
 
     def wait(self) -> None:
         """Until the last save is committed (then its `on_durable`); raises what its
@@ -124,9 +132,12 @@ class Checkpointer:
         for info in self._store.list(f"{RunLayout.CHECKPOINTS}/{step}/"):
             self._store.delete(info.key)
 
-    def restore(self, template: dict) -> tuple[dict, dict[str, Any]] | None:
-        """(state pytree shaped and sharded like `template`, meta) of the latest step."""
-        step = self._manager.latest_step()
+    def restore(
+        self, template: dict, step: int | None = None
+    ) -> tuple[dict, dict[str, Any]] | None:
+        """(state pytree shaped and sharded like `template`, meta) of `step` (default:
+        the latest); None without one."""
+        step = self._manager.latest_step() if step is None else step
         if step is None:
             return None
         pure = _pure(template)

@@ -5,8 +5,10 @@ Reverb's rate limiters: a named object with exact semantics, validated on constr
 The learner's loop asks it, per step:
 
     flow = flow_from_config(cfg)
-    for ep in buffer: reason = flow.drop_reason(ep, version)   # "stale", "env_error" or None
-    (the batcher drops what the source flags as a replay as "duplicate" before asking)
+    for ep in buffer: reason = flow.drop_reason(ep, version)   # "stale", "env_error",
+                                                  # "env_timeout" or None
+    (the batcher drops what the source flags as a replay as "duplicate" before asking,
+    and groups without signal as "zero_variance" after, with learner.filter_zero_variance_groups)
     if flow.ready(buffer, version): ...pack (flush=flow.flush), train...
     flow.trained(episodes)
     if flow.publish_due(step, buffer, version): ...publish version + 1...; flow.published()
@@ -57,9 +59,14 @@ class FlowPolicy(Protocol):
     def publish_at_end(self, step: int) -> bool: ...
 
 
+#: Episode statuses the learner never trains on; each is its own drop reason.
+DROPPED_STATUSES = ("env_error", "env_timeout")
+
+
 def _drop_env_error(episode: Episode) -> str | None:
-    # An environment that broke says nothing about the policy: never train on it.
-    return "env_error" if episode.status == "env_error" else None
+    # An environment that broke or was too slow says nothing about the policy: never
+    # train on it (and the source keeps it out of its group's baseline).
+    return episode.status if episode.status in DROPPED_STATUSES else None
 
 
 class AsyncFlow:

@@ -27,6 +27,7 @@ from tunix_tasks.learner.accounting import Accounting
 from tunix_tasks.learner.batcher import Batcher, DataTimeout
 from tunix_tasks.learner.flow import flow_from_config
 from tunix_tasks.learner.packing import PackedBatch
+from tunix_tasks.learner.rl_math import STALENESS_BUCKETS
 from tunix_tasks.learner.startup import start_learner
 from tunix_tasks.storage.metrics import Stopwatch
 from tunix_tasks.storage.runs import mark_done
@@ -34,7 +35,26 @@ from tunix_tasks.storage.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DataTimeout", "Learner"]
+__all__ = ["DataTimeout", "Learner", "trainer_metrics"]
+
+#: The trainer's metrics in every step record (rl_math.policy_loss / regularized_loss
+#: define them); kl_ref and entropy only when their terms are on.
+RECORD_METRICS = (
+    *("loss", "pg_loss", "nll", "grad_norm", "step_s"),
+    *("is_weight_mean", "is_weight_max", "is_clipped_frac", "ratio_mean", "ratio_max"),
+    *("approx_kl", "ppo_clip_frac", "kl_ref", "entropy"),
+)
+_PER_BUCKET = ("tokens", "approx_kl", "ratio_mean", "is_clipped_frac")
+
+
+def trainer_metrics(m: dict[str, float]) -> dict[str, float]:
+    """A step's trainer metrics for its record: `RECORD_METRICS`, and the mismatch
+    metrics of each staleness bucket that had loss tokens (`approx_kl_s0`, ...)."""
+    out = {k: m[k] for k in RECORD_METRICS if k in m}
+    for name, _, _ in STALENESS_BUCKETS:
+        if m.get(f"tokens_{name}"):
+            out.update({f"{k}_{name}": m[f"{k}_{name}"] for k in _PER_BUCKET})
+    return out
 
 
 class Learner:
@@ -117,7 +137,7 @@ class Learner:
                 if not self.batcher.usable(got[1], self.version):  # a publish just moved us
                     self.batcher.put_back(got[1])
                     continue
-                inflight = (self.parts.trainer.dispatch(got[0]), *got)
+                inflight = (self.parts.trainer.dispatch(got[0], version=self.version), *got)
         finally:
             if inflight is not None:
                 self._complete(*inflight)
@@ -144,8 +164,7 @@ class Learner:
         return {
             "step": self.step,
             "version": self.version,
-            **{k: m[k] for k in ("loss", "nll", "grad_norm", "step_s")},
-            **{k: m[k] for k in ("is_weight_mean", "is_weight_max", "is_clipped_frac")},
+            **trainer_metrics(m),
             "reward_mean": float(np.mean([ep.reward for ep in episodes])),
             "episodes": len(episodes),
             "real_tokens": int(batch.real_tokens),

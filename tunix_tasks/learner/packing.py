@@ -76,6 +76,14 @@ class PackedBatch:
     def density(self) -> float:
         return self.real_tokens / self.tokens.size
 
+    def staleness(self, version: int | None) -> np.ndarray:
+        """int32 [R, L]: `version` minus each token's episode's policy version (0 on
+        padding, and everywhere when `version` is None)."""
+        if version is None or not self.episode_ids:
+            return np.zeros(self.tokens.shape, np.int32)
+        lag = version - self.policy_versions[np.maximum(self.episode_index, 0)]
+        return np.where(self.episode_index >= 0, lag, 0).astype(np.int32)
+
 
 @dataclasses.dataclass(frozen=True)
 class PackStats:

@@ -3,16 +3,19 @@
 A per-actor watermark replaces the keys of every fully acknowledged shard below it, so
 the checkpointed position does not grow with the run's history (docs/architecture.md,
 "Bounded position"); the watermark is also where the source starts listing an actor's
-folder, so a listing does not grow with it either.
+folder, so a listing does not grow with it either. The last listing is handed out oldest
+first and the store is listed again only once it runs dry (`ShardSweep`), so a backlog
+costs no listing requests (docs/scaling.md).
 
     pos = ShardPosition(grace_ms=10_000)
+    keys = pos.pending(handed_out) or pos.swept(listed_keys, handed_out)
     pos.opened(key, num_rows); pos.ack(key, [0, 1]); pos.compact(listed_keys)
     pos.is_done(key); pos.watermark("actor-0003"); state = pos.get_state()
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 from tunix_tasks.storage.layout import RunLayout
@@ -23,9 +26,10 @@ STATE_VERSION = 2
 class ShardPosition:
     """Acknowledged shards and rows.
 
-    A shard is *done* once all its rows are acknowledged (or it was quarantined). Keys are
-    `shards/<actor>/<13-digit ms>-<rand>.parquet`, so within one actor they sort by
-    creation time, and an actor commits its shards one after another. `compact(listed)`
+    A shard is *done* once all its rows are acknowledged (or it was quarantined). A key's
+    file name is `<13-digit ms>-<rand>.parquet` (under a time folder since #16, directly
+    in `shards/<actor>/` before), so within one actor the names sort by creation time,
+    and an actor commits its shards one after another. `compact(listed)`
     advances each actor's watermark over the done shards at the front of its listing;
     a key at or below the watermark is done. A shard is passed over only when it was
     created at least `grace_ms` before the actor's newest listed shard, which covers a
@@ -38,6 +42,7 @@ class ShardPosition:
         self._done: set[str] = set()  # done keys above their actor's watermark
         self._acked: dict[str, set[int]] = {}  # shard -> acknowledged rows (in progress)
         self._rows: dict[str, int] = {}  # shard -> row count (in progress)
+        self._sweep: ShardSweep | None = None  # the last listing, being handed out
 
     # -- queries -----------------------------------------------------------------
     def is_done(self, key: str) -> bool:
@@ -81,7 +86,7 @@ class ShardPosition:
         for key in listed:
             by_actor.setdefault(RunLayout.shard_actor(key), []).append(key)
         for actor, keys in by_actor.items():
-            keys.sort()
+            keys.sort(key=_name)  # by name: time folders or not, names order the shards
             newest_ms = _created_ms(keys[-1])
             mark = self._watermarks.get(actor)
             for key in keys:
@@ -103,6 +108,27 @@ class ShardPosition:
             and k.rsplit("/", 1)[-1] > self._watermarks.get(RunLayout.shard_actor(k), "")
         }
 
+    # -- listings --------------------------------------------------------------------
+    def swept(self, listed: list[str], handed_out: Container[str]) -> list[str]:
+        """Start handing out a fresh listing of the shard folders: compact over it, and
+        return its shards neither done nor `handed_out`, oldest first (by file name, so
+        the shards of all actors interleave fairly)."""
+        self.compact(listed)
+        keys = [k for k in listed if not self.is_done(k) and k not in handed_out]
+        keys.sort(key=lambda k: (_name(k), k))
+        self._sweep = ShardSweep(listed, keys)
+        return keys
+
+    def pending(self, handed_out: Container[str]) -> list[str] | None:
+        """The last listing's shards not yet done nor `handed_out`, oldest first; None when
+        it has none left (or there is none): then list the store again (`swept`)."""
+        sweep = self._sweep
+        if sweep is None or not sweep.advance(lambda k: k in handed_out or self.is_done(k)):
+            return None
+        if sweep.compaction_due():
+            self.compact(sweep.listed)
+        return [k for k in sweep.rest() if k not in handed_out] or None
+
     # -- state ---------------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:
         return {
@@ -121,6 +147,50 @@ class ShardPosition:
         self._done = set(state["done"])
         self._acked = {k: set(v) for k, v in state["partial"].items()}
         self._rows = dict(state.get("rows", {}))
+        self._sweep = None  # listed under another position
+
+
+class ShardSweep:
+    """One listing of every actor folder, handed out oldest first until it runs dry.
+
+    The source lists the store again only when a sweep has no shard left to hand out (or
+    the position was restored): a learner behind its actors reads its backlog without
+    listing requests, and shards written meanwhile would queue behind it anyway.
+    `pending` is consumed from the front (the source reads the first shards it gets), so
+    skipping the handed-out ones costs what was read, not the backlog.
+    """
+
+    # A reused sweep is compacted at every poll while it is small, else once per 256
+    # shards handed out: folding acknowledged shards into watermarks keeps a checkpoint
+    # small, and costs O(listed), which must not be paid at every poll of a long backlog.
+    SMALL = 1024
+    COMPACT_EVERY = 256
+
+    def __init__(self, listed: list[str], pending: list[str]) -> None:
+        self.listed = listed  # every key listed (ShardPosition.compact needs them all)
+        self.pending = pending  # not done and not handed out when listed, oldest first
+        self.cursor = 0  # pending[:cursor] are handed out or done
+        self._compacted_at = 0
+
+    def advance(self, handled: Callable[[str], bool]) -> bool:
+        """Skip the shards at the front that are `handled`; False if none is left."""
+        while self.cursor < len(self.pending) and handled(self.pending[self.cursor]):
+            self.cursor += 1
+        return self.cursor < len(self.pending)
+
+    def compaction_due(self) -> bool:
+        moved = self.cursor - self._compacted_at
+        if not moved or (moved < self.COMPACT_EVERY and len(self.listed) > self.SMALL):
+            return False
+        self._compacted_at = self.cursor
+        return True
+
+    def rest(self) -> list[str]:
+        return self.pending[self.cursor :]
+
+
+def _name(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
 
 
 def _created_ms(key: str) -> int:

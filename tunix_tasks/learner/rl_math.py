@@ -1,50 +1,79 @@
-"""The learner's RL maths: staleness, truncated importance weights, advantages, the loss.
+"""The learner's RL maths: importance weights, the policy losses, regularisers, metrics.
 
-Owns pure functions only. The loss-side functions take ``jax.numpy`` arrays, have no
-Python control flow on values and are ``jax.jit``-able (string/flag arguments are
-static). Advantages are computed on the host with numpy, per episode, before packing.
+Owns pure functions only. They take ``jax.numpy`` arrays, have no Python control flow on
+values and are ``jax.jit``-able (string/flag arguments are static). Advantages are
+computed on the host before packing (``advantages.py``).
 
 Arrays here are laid out as ``tunix_tasks.learner.packing.PackedBatch`` lays them out: ``[B, L]``
 aligned with TARGET positions (``logp_new[r, p]`` is the new policy's log-prob of
 ``targets[r, p]``), so every loss term is elementwise and masked by ``loss_mask``.
+``pi`` is the policy being trained, ``mu`` the behaviour policy that sampled the tokens
+(its log-probs are in the shards), ``rho = pi/mu``.
 
 Choices (see each function for details):
 
-* Off-policy correction is truncated importance sampling, ``min(pi/mu, rho_max)`` with the
-  weight under ``stop_gradient`` -- the truncated-IS policy gradient of IMPALA/V-trace
-  (Espeholt et al. 2018, arXiv:1802.01561), as used for the sampler/learner mismatch in
-  "Your efficient RL framework secretly brings you off-policy RL training" (Yao et al.,
-  2025, "TIS"). Token level by default; sequence level optional (GSPO-style sequence
-  ratios, Zheng et al. 2025, arXiv:2507.18071, but truncated rather than clipped).
-* Advantages default to GRPO group normalisation (Shao et al. 2024, DeepSeekMath,
-  arXiv:2402.03300), because episodes sharing an env seed are the natural baseline and
-  need no value network.
+* Off-policy correction (``learner.correction``): none, truncated importance sampling
+  ``min(rho, rho_max)`` with the weight under ``stop_gradient`` -- the truncated-IS policy
+  gradient of IMPALA/V-trace (Espeholt et al. 2018, arXiv:1802.01561), as used for the
+  sampler/learner mismatch in "Your efficient RL framework secretly brings you
+  off-policy RL training" (Yao et al. 2025, "TIS") -- per token or per sequence (GSPO's
+  length-normalised sequence ratio, Zheng et al. 2025, arXiv:2507.18071, truncated
+  rather than clipped), PPO's clipped surrogate (Schulman et al. 2017,
+  arXiv:1707.06347) with a dual clip (Ye et al. 2020, arXiv:1912.09729), or AReaL's
+  decoupled PPO (Fu et al. 2025, arXiv:2505.24298).
 * The loss is averaged over all loss tokens of the batch (token-level aggregation, as in
   DAPO, Yu et al. 2025, arXiv:2503.14476), so packing rows differently never changes it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from tunix_tasks.config_objective import Correction
 
 __all__ = [
-    "batch_advantages",
-    "group_advantages",
+    "LOGP_FLOOR",
+    "STALENESS_BUCKETS",
+    "clipped_surrogate",
+    "finite_logprobs",
+    "k3",
     "masked_mean",
     "policy_loss",
+    "regularized_loss",
+    "staleness_stats",
     "truncated_importance_weights",
 ]
+
+#: Staleness buckets of the mismatch metrics: (suffix, lowest, highest or None).
+STALENESS_BUCKETS: tuple[tuple[str, int, int | None], ...] = (
+    ("s0", 0, 0),
+    ("s1_2", 1, 2),
+    ("s3p", 3, None),
+)
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
 
 
+#: The lowest learner log-prob a loss term sees (see `finite_logprobs`).
+LOGP_FLOOR = -50.0
+
 # --------------------------------------------------------------------------- helpers
+
+
+def finite_logprobs(logp: ArrayLike, mask: ArrayLike) -> Array:
+    """``logp`` on loss tokens, floored at ``LOGP_FLOOR``; 0 elsewhere.
+
+    With top-k sampling the learner's log-prob of a token outside its top k is ``-inf``:
+    every prompt / environment / padding target may be one, and ``0 * -inf`` is NaN in
+    ``mask * logp``. A sampled token can fall outside the learner's top k too (a dtype
+    mismatch breaking a tie): floored, its ratio is ~0 (weight 0) and its gradient 0,
+    instead of a NaN loss. ``where`` keeps the gradient of masked positions at 0.
+    """
+    return jnp.where(jnp.asarray(mask) > 0, jnp.maximum(jnp.asarray(logp), LOGP_FLOOR), 0.0)
 
 
 def masked_mean(x: ArrayLike, mask: ArrayLike) -> Array:
@@ -84,9 +113,16 @@ def truncated_importance_weights(
     """Truncated importance weights ``min(pi/mu, rho_max)``, gradient stopped.
 
     ``level="token"``: ``w_t = min(exp(logp_new_t - logp_b_t), rho_max)``.
-    ``level="sequence"``: ``w = min(exp(sum_{t in seq, mask_t} (logp_new_t - logp_b_t)),
-    rho_max)`` broadcast to the sequence's tokens; sequences are rows
-    (``segment_ids=None``) or the segments of packed rows (``PackedBatch.segment_ids``).
+    ``level="sequence"``: GSPO's length-normalised sequence ratio (Zheng et al. 2025,
+    arXiv:2507.18071), the geometric mean of the token ratios over the sequence's loss
+    tokens, truncated::
+
+        w = min(exp(mean_{t in seq, mask_t} (logp_new_t - logp_b_t)), rho_max)
+
+    broadcast to the sequence's tokens; sequences are rows (``segment_ids=None``) or the
+    segments of packed rows (``PackedBatch.segment_ids``). The raw product of the token
+    ratios would grow exponentially with the length (a 0.01 log-ratio per token is a
+    weight of 2.7 after 100 tokens) and truncate almost every long sequence.
 
     Computed in log space, so a huge sequence ratio truncates instead of overflowing.
     Weights are 0 where ``mask`` is 0. Stats over masked tokens: ``is_weight_mean``,
@@ -98,7 +134,8 @@ def truncated_importance_weights(
     log_ratio = jnp.where(on, jnp.asarray(logp_new) - jnp.asarray(logp_behavior), 0.0)
     log_ratio = jax.lax.stop_gradient(log_ratio)
     if level == "sequence":
-        log_ratio = _sequence_sum(log_ratio, segment_ids)
+        count = jnp.maximum(_sequence_sum(mask, segment_ids), 1.0)
+        log_ratio = _sequence_sum(log_ratio, segment_ids) / count
     elif level != "token":
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
     log_rho = jnp.log(jnp.asarray(rho_max, jnp.float32))
@@ -112,61 +149,41 @@ def truncated_importance_weights(
     return weights, stats
 
 
-# --------------------------------------------------------------------------- advantages
-
-
-def group_advantages(
-    rewards: ArrayLike,
-    group_ids: Sequence[object] | np.ndarray,
-    *,
-    eps: float = 1e-6,
-    fallback_baseline: float | None = None,
-    normalize_std: bool = True,
-    ddof: int = 0,
-) -> np.ndarray:
-    """GRPO advantages: ``(r - mean_group) / (std_group + eps)`` (Shao et al. 2024).
-
-    The default advantage of the system: the episodes of a group share an env seed, so
-    their mean reward is a baseline for exactly that task, with no critic to train.
-
-    * A group of one has no peers: advantage 0 (it carries no learning signal), or
-      ``r - fallback_baseline`` (unnormalised) when a fallback baseline is given.
-    * A zero-variance group (all rewards equal) gets 0, not NaN: its numerator is 0.
-    * ``ddof=0``: population std (DeepSeekMath does not specify; TRL/verl use ``ddof=1``).
-    * ``normalize_std=False`` drops the division (Dr. GRPO, Liu et al. 2025,
-      arXiv:2503.20783, argue it over-weights too-easy and too-hard groups).
-    """
-    r = np.asarray(rewards, np.float64).reshape(-1)
-    _, inverse, counts = np.unique(
-        np.asarray(group_ids, dtype=object).astype(str), return_inverse=True, return_counts=True
-    )
-    if inverse.size != r.size:
-        raise ValueError(f"{r.size} rewards but {inverse.size} group ids")
-    sums = np.bincount(inverse, weights=r)
-    mean = (sums / counts)[inverse]
-    centred = r - mean
-    adv = centred
-    if normalize_std:
-        sq = np.bincount(inverse, weights=centred**2)
-        dof = np.maximum(counts - ddof, 1)
-        adv = centred / (np.sqrt(sq / dof)[inverse] + eps)
-    single = counts[inverse] == 1
-    adv = np.where(single, 0.0 if fallback_baseline is None else r - fallback_baseline, adv)
-    return adv.astype(np.float32)
-
-
-def batch_advantages(rewards: ArrayLike, *, eps: float = 1e-6) -> np.ndarray:
-    """Batch-normalised advantages ``(r - mean) / (std + eps)`` over all episodes given.
-
-    Use when episodes have no meaningful groups (e.g. one episode per env seed).
-    """
-    r = np.asarray(rewards, np.float64).reshape(-1)
-    if r.size == 0:
-        return r.astype(np.float32)
-    return ((r - r.mean()) / (r.std() + eps)).astype(np.float32)
-
-
 # --------------------------------------------------------------------------- loss
+
+
+def k3(log_ratio: ArrayLike) -> Array:
+    """Per-sample k3 estimate of ``KL(q || p)`` from samples of ``q``, with
+    ``log_ratio = log p - log q`` (Schulman 2020, "Approximating KL divergence")::
+
+        k3 = exp(log_ratio) - 1 - log_ratio     (>= 0; unbiased, low variance)
+
+    As ``expm1(lr) - lr``: near 0 (fresh data) ``exp(lr) - 1`` would cancel in float32.
+    """
+    lr = jnp.asarray(log_ratio, jnp.float32)
+    return jnp.expm1(lr) - lr
+
+
+def clipped_surrogate(
+    ratio: ArrayLike, advantages: ArrayLike, *, clip: float, dual_clip: float
+) -> tuple[Array, Array]:
+    """PPO's clipped surrogate per token (an objective: maximise it), with a dual clip::
+
+        s = min(r * A, clip(r, 1 - eps, 1 + eps) * A)           (Schulman et al. 2017)
+        s = max(s, c * A)   where A < 0                         (Ye et al. 2020, c > 1)
+
+    Without the dual clip the A < 0 side is unbounded: ``min`` picks ``r * A`` for every
+    ``r > 1 + eps``, so a token that became 3x likelier gets 3x the weight. With it a
+    token's loss is at most ``-c * A``. Returns ``(s, clipped)``, ``clipped`` marking the
+    tokens whose gradient a clip removed.
+    """
+    r = jnp.asarray(ratio)
+    adv = jnp.asarray(advantages, jnp.float32)
+    clipped_r = jnp.clip(r, 1.0 - clip, 1.0 + clip)
+    surrogate = jnp.minimum(r * adv, clipped_r * adv)
+    floor = dual_clip * adv
+    dual = (adv < 0) & (surrogate < floor)
+    return jnp.where(dual, floor, surrogate), (r * adv > clipped_r * adv) | dual
 
 
 def policy_loss(
@@ -174,58 +191,145 @@ def policy_loss(
     logp_behavior: ArrayLike,
     advantages: ArrayLike,
     mask: ArrayLike,
-    is_weights: ArrayLike | None,
     *,
-    ppo_clip: float = 0.0,
+    correction: Correction = "token_tis",
+    rho_max: float = 2.0,
+    ppo_clip: float = 0.2,
+    dual_clip: float = 3.0,
+    logp_prox: ArrayLike | None = None,
+    segment_ids: ArrayLike | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """Off-policy policy-gradient loss, averaged over the batch's loss tokens.
+    """Off-policy policy-gradient loss, ``-sum(mask * s) / sum(mask)`` with per token ``s``:
 
-    ``ppo_clip == 0`` (default), truncated-IS REINFORCE::
+    * ``none``: ``s = A * logp`` (plain REINFORCE on the behaviour data, no weight).
+    * ``token_tis``: ``s = sg(min(rho_t, rho_max)) * A * logp``. With fresh data
+      (``logp_new == logp_behavior``) every weight is exactly 1 and this is on-policy
+      REINFORCE, value and gradient, bit for bit (staleness 0 = the synchronous update).
+    * ``sequence_tis``: as ``token_tis`` with GSPO's length-normalised sequence weight
+      (``truncated_importance_weights(level="sequence")``).
+    * ``ppo``: ``s = clipped_surrogate(rho, A)`` (dual-clipped), mu as the old policy.
+    * ``decoupled_ppo`` (AReaL, Fu et al. 2025, arXiv:2505.24298): the proximal policy
+      ``pi_prox`` (``logp_prox``: the parameters at the start of the batch's updates,
+      without gradient) splits the correction in two::
 
-        loss = -sum(mask * sg(is_w) * A * logp_new) / sum(mask)
+          s = sg(min(pi_prox / mu, rho_max)) * clipped_surrogate(pi / pi_prox, A)
 
-    With fresh data (``logp_new == logp_behavior``) every weight is exactly 1 and this is
-    the on-policy REINFORCE loss, value and gradient, bit for bit (DESIGN.md: staleness 0
-    must give the synchronous update).
+      The clip bounds each update's move from ``pi_prox`` (a trust region), the weight
+      corrects the staleness of ``mu``. ``logp_prox=None`` means ``sg(logp_new)``: the
+      first (or only) update, where ``pi == pi_prox`` and the gradient is ``token_tis``'s.
 
-    ``ppo_clip = eps > 0``, PPO's clipped surrogate (Schulman et al. 2017,
-    arXiv:1707.06347) with the behaviour policy as the old policy::
-
-        ratio = exp(logp_new - logp_behavior)
-        loss  = -sum(mask * min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)) / sum(mask)
-
-    ``is_weights`` is NOT applied in this mode: ``ratio`` already is the full ``pi/mu``
-    correction, and multiplying by a truncated ``pi/mu`` would count it twice. (Pass
-    ``None`` or the weights; they are ignored and only the metrics change.)
-
-    Metrics: ``pg_loss``, ``num_loss_tokens``, ``ratio_mean``, ``approx_kl`` (k3 estimate
-    of KL(mu || pi) over loss tokens, Schulman 2020, "Approximating KL divergence"),
-    ``ppo_clip_frac`` (0 when ``ppo_clip == 0``), ``advantage_mean``.
+    Metrics: ``pg_loss``, ``num_loss_tokens``, ``advantage_mean``; ``ratio_mean``,
+    ``ratio_max`` of ``rho = pi/mu``; ``approx_kl``, the k3 estimate of ``KL(mu || pi)``
+    on the loss tokens (sampler-vs-learner mismatch plus staleness); ``ppo_clip_frac``;
+    ``is_weight_mean/max``, ``is_clipped_frac`` of ``min(rho, rho_max)`` (sequence
+    level under ``sequence_tis``): the weights of the TIS modes, a diagnostic otherwise.
     """
     mask = jnp.asarray(mask, jnp.float32)
-    logp = jnp.asarray(logp_new)
+    on = mask > 0
+    logp = finite_logprobs(logp_new, mask)
+    logp_b = jnp.asarray(logp_behavior)
     adv = jnp.asarray(advantages, jnp.float32)
-    denom = jnp.maximum(jnp.sum(mask), 1.0)
-    # where() keeps garbage log-probs at unmasked positions out of exp (and its gradient).
-    log_ratio = jnp.where(mask > 0, logp - jnp.asarray(logp_behavior), 0.0)
-    ratio = jnp.exp(log_ratio)
-    if ppo_clip > 0.0:
-        clipped_ratio = jnp.clip(ratio, 1.0 - ppo_clip, 1.0 + ppo_clip)
-        surrogate = jnp.minimum(ratio * adv, clipped_ratio * adv)
-        loss = -jnp.sum(mask * surrogate) / denom
-        clip_frac = masked_mean(ratio * adv > clipped_ratio * adv, mask)
+    level = "sequence" if correction == "sequence_tis" else "token"
+    w, metrics = truncated_importance_weights(
+        logp, logp_b, mask, rho_max=rho_max, level=level, segment_ids=segment_ids
+    )
+    log_ratio = jnp.where(on, logp - logp_b, 0.0)  # garbage behaviour values off the mask
+    clipped = jnp.zeros(mask.shape, bool)
+    if correction == "none":
+        per_token = adv * logp
+    elif correction in ("token_tis", "sequence_tis"):
+        per_token = w * adv * logp
+    elif correction == "ppo":
+        per_token, clipped = clipped_surrogate(
+            jnp.exp(log_ratio), adv, clip=ppo_clip, dual_clip=dual_clip
+        )
+    elif correction == "decoupled_ppo":
+        prox = jax.lax.stop_gradient(logp if logp_prox is None else finite_logprobs(logp_prox, on))
+        w_prox, _ = truncated_importance_weights(prox, logp_b, mask, rho_max=rho_max)
+        ratio = jnp.exp(jnp.where(on, logp - prox, 0.0))
+        surrogate, clipped = clipped_surrogate(ratio, adv, clip=ppo_clip, dual_clip=dual_clip)
+        per_token = w_prox * surrogate
     else:
-        w = jnp.ones_like(mask) if is_weights is None else jnp.asarray(is_weights)
-        w = jax.lax.stop_gradient(w)
-        loss = -jnp.sum(mask * w * adv * logp) / denom
-        clip_frac = jnp.zeros((), jnp.float32)
-    sg_ratio = jax.lax.stop_gradient(ratio)
-    metrics = {
-        "pg_loss": loss,
-        "num_loss_tokens": jnp.sum(mask),
-        "ratio_mean": masked_mean(sg_ratio, mask),
-        "approx_kl": masked_mean(sg_ratio - 1.0 - jax.lax.stop_gradient(log_ratio), mask),
-        "ppo_clip_frac": jax.lax.stop_gradient(clip_frac),
-        "advantage_mean": masked_mean(adv, mask),
-    }
+        raise ValueError(f"unknown correction {correction!r}")
+    loss = -jnp.sum(mask * per_token) / jnp.maximum(jnp.sum(mask), 1.0)
+    sg_log_ratio = jax.lax.stop_gradient(log_ratio)
+    metrics.update(
+        pg_loss=loss,
+        num_loss_tokens=jnp.sum(mask),
+        ratio_mean=masked_mean(jnp.exp(sg_log_ratio), mask),
+        ratio_max=jnp.max(jnp.where(on, jnp.exp(sg_log_ratio), 0.0)),
+        approx_kl=masked_mean(k3(sg_log_ratio), mask),
+        ppo_clip_frac=masked_mean(clipped, mask),
+        advantage_mean=masked_mean(adv, mask),
+    )
     return loss, metrics
+
+
+def regularized_loss(
+    pg_loss: ArrayLike,
+    logp_new: ArrayLike,
+    mask: ArrayLike,
+    *,
+    logp_ref: ArrayLike | None = None,
+    entropy: ArrayLike | None = None,
+    kl_coef: float = 0.0,
+    entropy_coef: float = 0.0,
+) -> tuple[Array, dict[str, Array]]:
+    """The policy loss plus the stability terms, each a mean over loss tokens::
+
+        loss = pg_loss + kl_coef * mean_t k3(logp_ref_t - logp_t) - entropy_coef * mean_t H_t
+
+    The KL term is GRPO's penalty to a frozen reference policy (Shao et al. 2024): the k3
+    estimate of ``KL(pi || pi_ref)`` with samples taken as from ``pi``, differentiated
+    through ``logp`` (gradient ``(1 - pi_ref/pi) * grad logp``). ``H_t`` is the entropy
+    of the sampling distribution at position t (``entropy``, with its gradient): the
+    bonus keeps the policy from collapsing early. A term is skipped when its input is
+    None. Metrics: ``kl_ref``, ``entropy`` (those computed).
+    """
+    loss = jnp.asarray(pg_loss)
+    metrics: dict[str, Array] = {}
+    if logp_ref is not None:
+        logp = finite_logprobs(logp_new, mask)
+        lr = jnp.where(jnp.asarray(mask) > 0, finite_logprobs(logp_ref, mask) - logp, 0.0)
+        kl = masked_mean(k3(lr), mask)
+        loss = loss + kl_coef * kl
+        metrics["kl_ref"] = jax.lax.stop_gradient(kl)
+    if entropy is not None:
+        h = masked_mean(entropy, mask)
+        loss = loss - entropy_coef * h
+        metrics["entropy"] = jax.lax.stop_gradient(h)
+    return loss, metrics
+
+
+def staleness_stats(
+    logp_new: ArrayLike,
+    logp_behavior: ArrayLike,
+    mask: ArrayLike,
+    staleness: ArrayLike,
+    *,
+    rho_max: float,
+) -> dict[str, Array]:
+    """Mismatch metrics per staleness bucket (``STALENESS_BUCKETS``), gradient-free.
+
+    ``staleness[r, p]``: learner version minus the policy version of the token's episode.
+    For each bucket ``b``: ``tokens_b`` (loss tokens), ``approx_kl_b`` (k3 of
+    ``KL(mu || pi)``), ``ratio_mean_b`` (``pi/mu``), ``is_clipped_frac_b`` (``pi/mu >
+    rho_max``). At staleness 0 the behaviour policy IS the learner's current weights, so
+    ``approx_kl_s0`` measures the sampler-vs-learner numerical mismatch alone (dtype,
+    kernels, a temperature or top-k mismatch); stale buckets add the policy's drift.
+    Empty buckets give zeros (``tokens_b == 0`` says so).
+    """
+    on = jnp.asarray(mask) > 0
+    lr = jax.lax.stop_gradient(
+        jnp.where(on, finite_logprobs(logp_new, on) - jnp.asarray(logp_behavior), 0.0)
+    )
+    s = jnp.asarray(staleness)
+    out: dict[str, Array] = {}
+    for name, lo, hi in STALENESS_BUCKETS:
+        sel = on & (s >= lo) & (s <= (hi if hi is not None else jnp.iinfo(jnp.int32).max))
+        m = sel.astype(jnp.float32)
+        out[f"tokens_{name}"] = jnp.sum(m)
+        out[f"approx_kl_{name}"] = masked_mean(k3(lr), m)
+        out[f"ratio_mean_{name}"] = masked_mean(jnp.exp(lr), m)
+        out[f"is_clipped_frac_{name}"] = masked_mean(lr > jnp.log(rho_max), m)
+    return out

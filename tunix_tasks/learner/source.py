@@ -36,8 +36,9 @@ import numpy as np
 
 from tunix_tasks.episode import Episode, ShardRow
 from tunix_tasks.learner.accounting import RecentIds
+from tunix_tasks.learner.advantages import shard_advantages, zero_variance_mask
+from tunix_tasks.learner.flow import DROPPED_STATUSES
 from tunix_tasks.learner.position import STATE_VERSION, ShardPosition
-from tunix_tasks.learner.rl_math import batch_advantages, group_advantages
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.runs import quarantine
 from tunix_tasks.storage.shards import table_episodes
@@ -46,14 +47,13 @@ from tunix_tasks.storage.validation import ShardValidationError, read_shard
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STATE_VERSION", "EpisodeSource", "PrefetchingSource", "ShardPosition"]
-
-
-def shard_advantages(rewards: np.ndarray, group_ids: list[str], mode: str) -> np.ndarray:
-    """Advantages for the episodes of one shard: group-normalised (GRPO) or over the shard."""
-    if mode == "group":
-        return np.asarray(group_advantages(rewards, group_ids), np.float32)
-    return np.asarray(batch_advantages(rewards), np.float32)
+__all__ = [
+    "STATE_VERSION",
+    "EpisodeSource",
+    "PrefetchingSource",
+    "ShardPosition",
+    "shard_advantages",
+]
 
 
 class EpisodeSource:
@@ -63,7 +63,10 @@ class EpisodeSource:
     sets to the newest version it has published (quarantine `future_version`: no actor
     can hold weights newer than that). Replays: an episode whose id is in flight or was
     accounted within the last `dedup_window` ids is handed out but `is_duplicate`; the
-    learner drops it as `duplicate`. Listing: one listing per actor folder, from its
+    learner drops it as `duplicate`. Advantages are computed over the episodes the learner
+    keeps (not `DROPPED_STATUSES`); with `filter_zero_variance` the kept episodes of a
+    group without signal (`advantages.zero_variance_mask`) are flagged `zero_variance`
+    (`drop_flag`) and dropped. Listing: one listing per actor folder, from its
     watermark, so a poll costs the shards not yet done, not the run's history. With
     `delete_consumed`, shards done in a committed checkpoint are deleted (`committed`).
     """
@@ -79,8 +82,11 @@ class EpisodeSource:
         max_length: int | None = None,
         dedup_window: int = 65_536,
         delete_consumed: bool = False,
+        filter_zero_variance: bool = False,
     ) -> None:
         self._store = store
+        self.filter_zero_variance = filter_zero_variance
+        self._zero_variance: set[ShardRow] = set()  # rows handed out flagged, not acked
         self.vocab_size = vocab_size
         self.advantage = advantage
         self.max_length = max_length
@@ -107,6 +113,7 @@ class EpisodeSource:
         self.position.set_state(state)
         self.seen.set_state(state.get("seen", {}))  # absent in checkpoints before dedup
         self._emitted, self._inflight, self._duplicates = set(), set(), set()
+        self._zero_variance = set()
         self._consumed, self._uncommitted = [], []
 
     def committed(self) -> None:
@@ -127,11 +134,18 @@ class EpisodeSource:
     def is_duplicate(self, episode: Episode) -> bool:
         return episode.source in self._duplicates
 
+    def drop_flag(self, episode: Episode) -> str | None:
+        """Why the source says to drop this episode: `duplicate`, `zero_variance` or None."""
+        if episode.source in self._duplicates:
+            return "duplicate"
+        return "zero_variance" if episode.source in self._zero_variance else None
+
     def ack(self, episode: Episode) -> None:
         """Mark an episode accounted for (trained on, or dropped)."""
         row = episode.source
         assert row is not None, "only episodes read from a shard can be acknowledged"
         self.position.ack(row.shard, [row.row])
+        self._zero_variance.discard(row)
         if row in self._duplicates:
             self._duplicates.discard(row)  # its id belongs to the original
         else:
@@ -142,11 +156,13 @@ class EpisodeSource:
             self._consumed.append(row.shard)
 
     def _list_shards(self) -> list[str]:
-        """Keys above each actor's watermark: one listing per actor folder."""
+        """Keys above each actor's watermark: one listing per actor folder, from the
+        watermark (GCS `start_offset`; locally only the recent time folders are read)."""
 
         def folder_keys(folder: str) -> list[str]:
-            mark = self.position.watermark(RunLayout.shard_actor(folder))
-            after = folder + mark if mark else None
+            actor = RunLayout.shard_actor(folder)
+            mark = self.position.watermark(actor)
+            after = RunLayout.shard_list_start(actor, mark) if mark else None
             return [i.key for i in self._store.list(folder, start_after=after)]
 
         folders = self._store.list_folders(RunLayout.SHARDS)
@@ -154,14 +170,14 @@ class EpisodeSource:
         return [k for k in listed if k.endswith(".parquet")]
 
     def pending_shards(self) -> list[str]:
-        """Complete shards not yet handed out by this process, oldest first."""
-        listed = self._list_shards()
-        self.position.compact(listed)
-        keys = [k for k in listed if not self.position.is_done(k)]
-        self.backlog_shards = len(keys)
-        # By creation-time file name, so the shards of all actors interleave fairly.
-        keys.sort(key=lambda k: (k.rsplit("/", 1)[-1], k))
-        return [k for k in keys if k not in self._emitted]
+        """Complete shards not yet handed out by this process, oldest first. The store is
+        listed again only when the last listing's shards are all handed out: a backlog
+        costs no listing requests, and new shards would queue behind it anyway."""
+        keys = self.position.pending(self._emitted)
+        if keys is None:
+            keys = self.position.swept(self._list_shards(), self._emitted)
+        self.backlog_shards = len(keys) + len(self._emitted)  # not done: unread + in flight
+        return keys
 
     def poll(self, max_shards: int = 16) -> list[Episode]:
         """One round: the unacknowledged episodes of up to `max_shards` new shards."""
@@ -178,14 +194,15 @@ class EpisodeSource:
             self.position.opened(key, table.num_rows)
             # Advantages over whole groups, also when part of a group was acknowledged
             # before a restart; only the unacknowledged rows are handed out.
-            adv = shard_advantages(
-                table.column("reward").to_numpy(),
-                table.column("group_id").to_pylist(),
-                self.advantage,
-            ).tolist()
-            for i, ep in enumerate(table_episodes(table, shard=key, advantages=adv)):
+            rewards, groups = table.column("reward").to_numpy(), table.column("group_id")
+            keep = ~np.isin(table.column("status").to_pylist(), DROPPED_STATUSES)
+            adv = shard_advantages(rewards, groups.to_pylist(), self.advantage, keep)
+            flat = zero_variance_mask(rewards, groups.to_pylist(), keep=keep)
+            for i, ep in enumerate(table_episodes(table, shard=key, advantages=adv.tolist())):
                 if i in acked:
                     continue
+                if self.filter_zero_variance and flat[i]:
+                    self._zero_variance.add(ep.source)
                 if ep.episode_id in self._inflight or ep.episode_id in self.seen:
                     self._duplicates.add(ep.source)
                 else:
@@ -242,6 +259,9 @@ class PrefetchingSource:
         # No lock (a poll may hold it for seconds): the flag is set before the episode is
         # queued and cleared only by `ack`, on the caller's thread.
         return self.source.is_duplicate(episode)
+
+    def drop_flag(self, episode: Episode) -> str | None:
+        return self.source.drop_flag(episode)  # no lock: as `is_duplicate`
 
     def committed(self) -> None:
         with self._lock:

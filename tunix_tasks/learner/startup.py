@@ -8,23 +8,27 @@ On a fresh run the learner warm-starts from the run's demonstration shards (if
 `warm_start_steps`); on a restart it restores the latest checkpoint, deletes ledger
 files of work about to be redone, and always publishes the weights it resumes from as a
 new version, newer than anything out there, so actors leave weights from lost updates.
+With several processes this is process 0's start: its trainer and checkpointer announce
+their collectives to the followers (`multihost.py`), and `close` sends them `STOP`.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
-from flax import nnx
+import jax
 
 from tunix_tasks.config import RunConfig
 from tunix_tasks.learner.checkpoint import Checkpointer
+from tunix_tasks.learner.multihost import Channel, LeaderCheckpointer, Op, make_trainer
 from tunix_tasks.learner.publishing import SnapshotPublisher
 from tunix_tasks.learner.source import EpisodeSource, PrefetchingSource
-from tunix_tasks.learner.train_step import Trainer, make_mesh
+from tunix_tasks.learner.train_step import Trainer
 from tunix_tasks.learner.warm_start import warm_start
-from tunix_tasks.policy.build import base_fingerprint, build_policy, model_meta
+from tunix_tasks.policy.build import base_fingerprint, model_meta
 from tunix_tasks.storage.lease import Lease
 from tunix_tasks.storage.metrics import MetricsWriter
 from tunix_tasks.storage.retention import SnapshotRetention
@@ -35,6 +39,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LearnerParts:
+    channel: Channel | None = None  # to the follower processes (multihost.py), if any
     lease: Lease | None = None
     trainer: Trainer | None = None
     ckpt: Checkpointer | None = None
@@ -48,6 +53,13 @@ class LearnerParts:
 
     def close(self) -> None:
         """Stop threads and release the lease, whatever part of the start succeeded."""
+        if self.channel is not None:  # first: the followers wait for it
+            # Called from `finally`: an exception in flight means the leader failed.
+            failed = sys.exc_info()[0] is not None
+            try:
+                self.channel.send(Op.STOP, int(failed))
+            except Exception as err:  # a dead peer: the coordination service ends us
+                log.warning("learner teardown: could not stop the followers: %r", err)
         for name, close in (
             ("publisher", "close"),
             ("source", "stop"),
@@ -74,16 +86,17 @@ def start_learner(cfg: RunConfig, store: ObjectStore) -> LearnerParts:
 
 
 def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
+    for warning in cfg.warnings:
+        log.warning("config: %s", warning)
     p.lease = Lease(store, ttl_s=cfg.learner.lease_ttl_s)
     p.lease.acquire()  # LeaseHeldError if another learner runs on this run
     p.lease.start_renewing()
-    # A checkpoint's tensors go straight into their shards on this mesh (policy/hf_checkpoint).
-    mesh = make_mesh(cfg.learner.mesh)
-    _, model = build_policy(
-        cfg.model, seed=cfg.seed, compute_dtype=cfg.learner.compute_dtype, mesh=mesh
-    )
-    p.trainer = Trainer(cfg, model, mesh=mesh)
-    p.ckpt = Checkpointer(store)
+    # Several processes: this one leads, announcing every collective to the others.
+    channel = Channel() if jax.process_count() > 1 else None
+    p.trainer = make_trainer(cfg, channel)
+    model = p.trainer.model
+    p.ckpt = Checkpointer(store) if channel is None else LeaderCheckpointer(store, channel)
+    p.channel = channel  # only now are the followers waiting for announcements (STOP)
     p.source = PrefetchingSource(
         EpisodeSource(
             store,
@@ -92,6 +105,7 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
             max_length=cfg.actor.max_episode_tokens,  # <= model.max_seq_len (validated)
             dedup_window=cfg.learner.dedup_window,
             delete_consumed=cfg.learner.delete_consumed_shards,
+            filter_zero_variance=cfg.learner.filter_zero_variance_groups,
         )
     )
     p.metrics = MetricsWriter(store, "learner")
@@ -117,11 +131,7 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
     restored = p.ckpt.restore(p.trainer.state())
     if restored is not None:
         state, meta = restored
-        # trainer.state() is {"model": State, "opt": State}: fill each State in turn.
-        target = p.trainer.state()
-        for name, part in target.items():
-            nnx.replace_by_pure_dict(part, state[name])
-        p.trainer.restore_state(target)
+        p.trainer.load_state(state)
         p.step, p.version, p.counters = int(meta["step"]), int(meta["version"]), meta["counters"]
         p.source.set_state(meta["stream"])
         p.last_checkpoint = p.step
@@ -136,6 +146,7 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
         # (also when an attempt that crashed before its first checkpoint published).
         if cfg.warm_start_steps:
             warm_start(p.trainer, cfg, store, vocab_size=model.vocab_size, metrics=p.metrics)
+        p.trainer.freeze_reference()  # RL starts here (a restart restores the reference)
     p.version = max(p.version, published + 1)
     p.publisher.publish(p.trainer.flat_params(), version=p.version, step=p.step)
     p.publisher.wait()  # actors need the first snapshot before anything else

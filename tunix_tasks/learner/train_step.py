@@ -2,8 +2,9 @@
 
 `Trainer` owns the model and the Optax optimizer, laid out over a ("data", "fsdp") mesh:
 parameters are sharded along "fsdp" (their annotations in model.py), batches along both
-axes. `step(batch)` runs one update on a `PackedBatch`; the jitted function is traced once
-per bucket shape (and per loss kind), and `compile_count` says how often that happened.
+axes. `step(batch)` runs one batch's updates (`learner.updates_per_batch`, default 1) on a
+`PackedBatch`; the jitted function is traced once per bucket shape (and per loss kind), and
+`compile_count` says how often that happened. The loss is `rl_math`'s.
 
     trainer = Trainer(cfg, model)
     metrics = trainer.step(packed_batch, supervised=False)
@@ -27,7 +28,12 @@ from jax.sharding import PartitionSpec as P
 
 from tunix_tasks.config import LearnerConfig, MeshConfig, RunConfig
 from tunix_tasks.learner.packing import PackedBatch
-from tunix_tasks.learner.rl_math import policy_loss, truncated_importance_weights
+from tunix_tasks.learner.rl_math import (
+    finite_logprobs,
+    policy_loss,
+    regularized_loss,
+    staleness_stats,
+)
 from tunix_tasks.policy.distribution import chunked_target_logprobs
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.params import flat_params
@@ -85,41 +91,72 @@ def make_optimizer(
     )
 
 
-def _loss(model: Transformer, batch: dict[str, jax.Array], hp: dict[str, Any], supervised: bool):
+def _target_logprobs(
+    model: Transformer, batch: dict[str, jax.Array], hp: dict[str, Any], *, with_entropy: bool
+) -> tuple[jax.Array, jax.Array | None]:
     hidden = model.final_hidden(
         batch["tokens"], batch["positions"], batch["segment_ids"], remat=hp["remat"]
     )
     # The distribution the actors sampled from (same temperature AND top-k), a chunk of
     # positions at a time: [rows, T, V] logits never exist at once.
-    logp = chunked_target_logprobs(
+    out = chunked_target_logprobs(
         hidden,
         model.output_matrix(),
         batch["targets"],
         hp["temperature"],
         hp["top_k"],
         chunk=hp["logits_chunk"],
+        with_entropy=with_entropy,
     )
+    return out if isinstance(out, tuple) else (out, None)
+
+
+def _loss(
+    model: Transformer,
+    batch: dict[str, jax.Array],
+    hp: dict[str, Any],
+    supervised: bool,
+    logp_prox: jax.Array | None = None,
+    logp_ref: jax.Array | None = None,
+):
+    with_entropy = hp["entropy_coef"] > 0 and not supervised
+    logp, entropy = _target_logprobs(model, batch, hp, with_entropy=with_entropy)
     mask = batch["loss_mask"]
     if supervised:
         # Demonstrations: maximum likelihood on the policy tokens (REINFORCE with A=1, w=1).
-        w = mask
-        adv = mask
-        stats = {"is_weight_mean": 1.0, "is_weight_max": 1.0, "is_clipped_frac": 0.0}
-        loss, m = policy_loss(logp, logp, adv, mask, w, ppo_clip=0.0)
+        loss, m = policy_loss(logp, logp, mask, mask, correction="none")
     else:
-        w, stats = truncated_importance_weights(
-            logp,
-            batch["behavior_logprobs"],
-            mask,
-            rho_max=hp["rho_max"],
-            level=hp["is_level"],
-            segment_ids=batch["segment_ids"] if hp["is_level"] == "sequence" else None,
-        )
+        blp = batch["behavior_logprobs"]
         loss, m = policy_loss(
-            logp, batch["behavior_logprobs"], batch["advantages"], mask, w, ppo_clip=hp["ppo_clip"]
+            logp,
+            blp,
+            batch["advantages"],
+            mask,
+            correction=hp["correction"],
+            rho_max=hp["rho_max"],
+            ppo_clip=hp["ppo_clip"],
+            dual_clip=hp["dual_clip"],
+            logp_prox=logp_prox,
+            segment_ids=batch["segment_ids"],
         )
-    nll = -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-    return loss, {**m, **stats, "nll": nll}
+        loss, extra = regularized_loss(
+            loss,
+            logp,
+            mask,
+            logp_ref=logp_ref,
+            entropy=entropy,
+            kl_coef=hp["kl_coef"],
+            entropy_coef=hp["entropy_coef"],
+        )
+        m.update(extra)
+        m.update(staleness_stats(logp, blp, mask, batch["staleness"], rho_max=hp["rho_max"]))
+    nll = -jnp.sum(finite_logprobs(logp, mask)) / jnp.maximum(jnp.sum(mask), 1.0)
+    return loss, {**m, "nll": nll, "logp": jax.lax.stop_gradient(logp)}
+
+
+#: Step metrics averaged over the batch's updates (`updates_per_batch`); every other
+#: metric is the first update's: the policy as it received the batch.
+_PER_UPDATE = ("loss", "pg_loss", "grad_norm", "ppo_clip_frac")
 
 
 class Trainer:
@@ -140,8 +177,12 @@ class Trainer:
             "remat": bool(cfg.learner.remat),
             "logits_chunk": int(cfg.learner.logits_chunk),
             "rho_max": float(cfg.learner.rho_max),
-            "is_level": cfg.learner.is_level,
+            "correction": cfg.learner.correction,
             "ppo_clip": float(cfg.learner.ppo_clip),
+            "dual_clip": float(cfg.learner.ppo_dual_clip),
+            "updates": int(cfg.learner.updates_per_batch),
+            "kl_coef": float(cfg.learner.kl_coef),
+            "entropy_coef": float(cfg.learner.entropy_coef),
         }
         self.model = model
         # With LoRA only the adapters train: gradients, optimizer state and snapshots are
@@ -156,6 +197,9 @@ class Trainer:
         # whose sharding differs from the outputs would force a second compilation.
         self._shard(self.model)
         self._shard(self.optimizer)
+        # The KL penalty's frozen reference: the trained params as RL starts (with LoRA
+        # the adapters alone, the base being frozen anyway). Re-taken after a warm start.
+        self.reference = self._trained_copy() if cfg.learner.kl_coef > 0 else None
         self._batch_sharding = NamedSharding(self.mesh, P(("data", "fsdp"), None))
         self.traces: dict[str, int] = {}
         self._step_fns = {
@@ -170,21 +214,44 @@ class Trainer:
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
         nnx.update(node, jax.device_put(state, shardings))
 
+    def _trained_copy(self) -> nnx.State:
+        return jax.tree.map(jnp.copy, nnx.state(self.model, self.trained))
+
+    def freeze_reference(self) -> None:
+        """Take the KL reference from the current params (RL starts now)."""
+        if self.reference is not None:
+            self.reference = self._trained_copy()
+
     def _make_step(self, supervised: bool, kind: str):
         hp = self._hp
+        updates = 1 if supervised else hp["updates"]
 
-        def step(model: Transformer, optimizer: nnx.Optimizer, batch: dict[str, jax.Array]):
+        def step(model, optimizer, batch, reference):
             self.traces[kind] = self.traces.get(kind, 0) + 1  # runs only while tracing
-            grad_fn = nnx.value_and_grad(
-                lambda m: _loss(m, batch, hp, supervised),
-                argnums=nnx.DiffState(0, self.trained),
-                has_aux=True,
-            )
-            (loss, metrics), grads = grad_fn(model)
-            optimizer.update(model, grads)
-            metrics["grad_norm"] = optax.global_norm(grads)
-            metrics["loss"] = loss
-            return metrics
+            logp_ref = None
+            if reference is not None and not supervised:
+                graph, _, rest = nnx.split(model, self.trained, ...)
+                ref_model = nnx.merge(graph, reference, rest)
+                logp_ref = jax.lax.stop_gradient(
+                    _target_logprobs(ref_model, batch, hp, with_entropy=False)[0]
+                )
+            prox = None  # decoupled PPO: log-probs of the params before this batch
+            runs = []
+            for _ in range(updates):  # unrolled: updates_per_batch is small and static
+                grad_fn = nnx.value_and_grad(
+                    lambda m, prox=prox: _loss(m, batch, hp, supervised, prox, logp_ref),
+                    argnums=nnx.DiffState(0, self.trained),
+                    has_aux=True,
+                )
+                (loss, metrics), grads = grad_fn(model)
+                optimizer.update(model, grads)
+                logp = metrics.pop("logp")
+                prox = logp if prox is None and hp["correction"] == "decoupled_ppo" else prox
+                runs.append({**metrics, "grad_norm": optax.global_norm(grads), "loss": loss})
+            out = runs[0]
+            for key in _PER_UPDATE:
+                out[key] = jnp.mean(jnp.stack([r[key] for r in runs]))
+            return out
 
         return step
 
@@ -197,22 +264,38 @@ class Trainer:
     def total_compiles(self) -> int:
         return sum(self.traces.values())
 
-    def device_batch(self, batch: PackedBatch) -> dict[str, jax.Array]:
-        return {
-            name: jax.device_put(np.asarray(getattr(batch, name)), self._batch_sharding)
-            for name in BATCH_FIELDS
-        }
+    def host_batch(self, batch: PackedBatch, version: int | None = None) -> dict[str, np.ndarray]:
+        """The batch's arrays in host memory, with each token's staleness at `version`."""
+        arrays = {name: np.asarray(getattr(batch, name)) for name in BATCH_FIELDS}
+        arrays["staleness"] = batch.staleness(version)
+        return arrays
+
+    def device_batch(self, batch: PackedBatch, version: int | None = None) -> dict[str, jax.Array]:
+        """The batch's arrays on the mesh (`host_batch`, placed)."""
+        return self._place(self.host_batch(batch, version))
+
+    def _place(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        # On several processes every one passes the whole batch and keeps its own rows.
+        return {name: jax.device_put(value, self._batch_sharding) for name, value in arrays.items()}
 
     def dispatch(
-        self, batch: PackedBatch, *, supervised: bool = False
+        self, batch: PackedBatch, *, supervised: bool = False, version: int | None = None
     ) -> tuple[dict[str, jax.Array], float]:
-        """Start one optimizer update and return at once (JAX dispatch is asynchronous),
-        so the host can prepare the next batch while the device computes."""
+        """Start one batch's updates and return at once (JAX dispatch is asynchronous),
+        so the host can prepare the next batch while the device computes. `version`: the
+        learner's weights version, for the staleness split of the mismatch metrics."""
         t0 = time.perf_counter()
-        arrays = self.device_batch(batch)
+        return self.dispatch_arrays(self.host_batch(batch, version), supervised=supervised, t0=t0)
+
+    def dispatch_arrays(
+        self, arrays: dict[str, np.ndarray], *, supervised: bool = False, t0: float | None = None
+    ) -> tuple[dict[str, jax.Array], float]:
+        """`dispatch` of a `host_batch` (`t0`: when the step's clock started)."""
+        t0 = time.perf_counter() if t0 is None else t0
+        placed = self._place(arrays)
         with jax.set_mesh(self.mesh):
             metrics = self._step_fns["supervised" if supervised else "rl"](
-                self.model, self.optimizer, arrays
+                self.model, self.optimizer, placed, self.reference
             )
         return metrics, t0
 
@@ -226,9 +309,11 @@ class Trainer:
             raise FloatingPointError(f"non-finite loss {out['loss']} at trainer step {self.steps}")
         return out
 
-    def step(self, batch: PackedBatch, *, supervised: bool = False) -> dict[str, float]:
-        """One optimizer update; blocks until done; returns float metrics."""
-        return self.collect(self.dispatch(batch, supervised=supervised))
+    def step(
+        self, batch: PackedBatch, *, supervised: bool = False, version: int | None = None
+    ) -> dict[str, float]:
+        """One batch's updates; blocks until done; returns float metrics."""
+        return self.collect(self.dispatch(batch, supervised=supervised, version=version))
 
     def flat_params(self) -> dict[str, np.ndarray]:
         """What a snapshot holds: the trained params (with LoRA, the adapters alone)."""
@@ -236,9 +321,22 @@ class Trainer:
 
     # -- checkpoint state ---------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        """Pytree of everything the optimizer needs to resume (params + opt state)."""
-        return {"model": nnx.state(self.model, nnx.Param), "opt": nnx.state(self.optimizer)}
+        """Pytree of everything the optimizer needs to resume (params + opt state, and
+        the KL reference when there is one)."""
+        state = {"model": nnx.state(self.model, nnx.Param), "opt": nnx.state(self.optimizer)}
+        if self.reference is not None:
+            state["reference"] = self.reference
+        return state
+
+    def load_state(self, pure: dict[str, Any]) -> None:
+        """Take the state a checkpoint restored (`state()`'s layout, as plain dicts)."""
+        target = self.state()  # {"model": State, "opt": State, ...}: fill each in turn
+        for name, part in target.items():
+            nnx.replace_by_pure_dict(part, pure[name])
+        self.restore_state(target)
 
     def restore_state(self, state: dict[str, Any]) -> None:
         nnx.update(self.model, state["model"])
         nnx.update(self.optimizer, state["opt"])
+        if self.reference is not None:
+            self.reference = state["reference"]

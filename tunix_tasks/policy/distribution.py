@@ -53,13 +53,17 @@ def chunked_target_logprobs(
     top_k: int | jax.Array = 0,
     *,
     chunk: int = 256,
-) -> jax.Array:
+    with_entropy: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """log p(targets[:, t]) under `sampling_log_probs(hidden[:, t] @ w_out)`: [B,T] float32.
 
     The learner's log-probs without materialising [B,T,V] logits: `chunk` positions at a
     time, each chunk rematerialised in the backward pass, so the working set is one chunk's
     logits, log-probs and their gradients (~4 x [B,chunk,V] float32) instead of ~2 x
     [B,T,V] (tests/test_learner_memory.py). Equal to the unchunked computation.
+
+    `with_entropy`: also the entropy `H_t = -sum_v p_v log p_v` of that distribution at
+    every position ([B,T] float32, differentiable), from the same chunk's log-probs.
     """
     b, t, d = hidden.shape
     if chunk <= 0 or chunk >= t:
@@ -73,10 +77,19 @@ def chunked_target_logprobs(
     def one(hy):
         hc, yc = hy
         logp = sampling_log_probs(output_logits(hc, w_out), temperature, top_k)
-        return jnp.take_along_axis(logp, yc[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        picked = jnp.take_along_axis(logp, yc[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        if not with_entropy:
+            return picked
+        # Tokens outside the top-k have p = 0 and log p = -inf: 0 * -inf is NaN, and a
+        # where() on the product alone would still send NaN into the gradient.
+        finite = jnp.where(jnp.isfinite(logp), logp, 0.0)
+        return picked, -jnp.sum(jnp.exp(logp) * finite, axis=-1)
 
-    out = jax.lax.map(one, (h, y))  # [n, B, chunk]
-    return out.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+    def unchunk(x: jax.Array) -> jax.Array:  # [n, B, chunk] -> [B, T]
+        return x.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+
+    out = jax.lax.map(one, (h, y))
+    return (unchunk(out[0]), unchunk(out[1])) if with_entropy else unchunk(out)
 
 
 def token_logprobs(

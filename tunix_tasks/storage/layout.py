@@ -4,14 +4,27 @@ A run is one folder (or `gs://` prefix); every process opens an `ObjectStore` at
 and names objects by these keys. The table in `docs/architecture.md` mirrors this class.
 
     store.write_bytes(RunLayout.CONFIG, cfg.to_json().encode())
-    key = RunLayout.shard_key("actor-0003")          # shards/actor-0003/<ms>-<rand>.parquet
-    RunLayout.snapshot(42)                           # weights/v00000042
+    key = RunLayout.shard_key("actor-0003")  # shards/actor-0003/<time folders>/<ms>-<rand>.parquet
+    RunLayout.snapshot(42)                   # weights/v00000042
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
+
+# An actor's shards go in nested time folders named by the first 6, 7 and 8 of the 13
+# digits of their creation time in ms (~2.8 h, ~17 min, 100 s). A listing from a position
+# then reads a few names per level, not the actor's history: a local folder has no seek,
+# listing one reads every name in it. At a shard per 5 s a leaf holds ~20 shards, and the
+# actor's folder gains one name per 2.8 h (docs/scaling.md).
+SHARD_FOLDER_DIGITS = (6, 7, 8)
+_STAMP = re.compile(r"\d{13}-")
+
+
+def _time_folders(name: str) -> str:
+    return "".join(f"{name[:d]}/" for d in SHARD_FOLDER_DIGITS)
 
 
 def _stamp(created_at: float | None = None) -> str:
@@ -40,13 +53,28 @@ class RunLayout:
 
     @staticmethod
     def shard_key(actor_id: str, created_at: float | None = None) -> str:
-        """`shards/<actor>/<created_ms>-<random>.parquet`: sorts by creation time."""
-        return f"{RunLayout.SHARDS}{actor_id}/{_stamp(created_at)}.parquet"
+        """`shards/<actor>/<ms[:6]>/<ms[:7]>/<ms[:8]>/<created_ms>-<random>.parquet`: sorts
+        by creation time (each folder name is a prefix of the file name). Runs before #16
+        wrote `shards/<actor>/<name>`; both are read, and the file name alone orders an
+        actor's shards."""
+        stamp = _stamp(created_at)
+        return f"{RunLayout.SHARDS}{actor_id}/{_time_folders(stamp)}{stamp}.parquet"
 
     @staticmethod
     def shard_actor(key: str) -> str:
         """The actor folder of a shard key (`shards/<actor>/...`)."""
         return key[len(RunLayout.SHARDS) :].split("/", 1)[0]
+
+    @staticmethod
+    def shard_list_start(actor_id: str, name: str) -> str | None:
+        """A `start_after` for listing every shard of `actor_id` whose file name sorts after
+        `name`, in both layouts (None: list the whole folder). For a stamp name that is
+        the key the name would have: it precedes every later key in time folders, and
+        every flat key `<actor>/<later name>` too (past the common prefix, a digit sorts
+        after '/'); a foreign name gets no shortcut."""
+        if not _STAMP.match(name):
+            return None
+        return f"{RunLayout.SHARDS}{actor_id}/{_time_folders(name)}{name}"
 
     @staticmethod
     def demo_key(index: int) -> str:

@@ -5,7 +5,7 @@ groups, and key-value metadata (`tunix.schema_version`, `tunix.length_histogram`
 Anyone can read one with `pyarrow.parquet.read_table(path)`.
 
 Actors append `Episode`s to a `ShardWriter`, which commits a shard atomically every N
-episodes or T seconds; `table_episodes` turns a (validated, see `validation.py`) table
+episodes, B bytes or T seconds; `table_episodes` turns a (validated, see `validation.py`) table
 back into `Episode`s. The learner's `EpisodeSource` follows the shards.
 
     writer = ShardWriter(store, actor_id="actor-0003", max_episodes=32, max_interval_s=30)
@@ -19,7 +19,7 @@ import io
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -118,13 +118,25 @@ def table_to_parquet_bytes(
     return sink.getvalue()
 
 
+def episode_bytes(episode: Episode) -> int:
+    """An episode's size in a shard before compression: its arrays and ~128 bytes of ids."""
+    arrays = (episode.tokens, episode.loss_mask, episode.behavior_logprobs)
+    return 128 + sum(np.asarray(a).nbytes for a in arrays)
+
+
 class ShardWriter:
-    """Buffers episodes and commits them as one shard every N episodes or T seconds.
+    """Buffers episodes and commits them as one shard every N episodes, B bytes or T seconds.
 
     writer = ShardWriter(store, actor_id="actor-0", max_episodes=32, max_interval_s=30)
     writer.add(episode)          # may commit a shard
     writer.maybe_flush()         # call periodically: time-based commit
     writer.close()               # commits what is left
+
+    Memory and a slow or failing store: a commit is synchronous, so a caller waits for
+    the upload (backpressure) and a failed commit raises with the episodes still buffered
+    (nothing is lost; the next flush takes them). With callers that retry (the actor goes
+    through `StoreOutage.call`), the buffer holds at most one shard (`max_episodes` or
+    `max_bytes`) plus one group per caller blocked meanwhile (docs/scaling.md).
     """
 
     def __init__(
@@ -134,14 +146,22 @@ class ShardWriter:
         actor_id: str,
         max_episodes: int = 32,
         max_interval_s: float = 30.0,
+        max_bytes: int = 8 << 20,
         metadata: dict[str, str] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self.actor_id = actor_id
         self.max_episodes = max_episodes
         self.max_interval_s = max_interval_s
+        # A byte cap too: with long episodes, N episodes would make shards (and the memory
+        # holding them on both sides) of any size. 8 MiB: past a few hundred KB a shard
+        # reads no faster (benchmarks/buffer.py), and 2 KB episodes never reach it.
+        self.max_bytes = max_bytes
+        self._clock = clock  # names the shards (creation time); simulated in benchmarks
         self._metadata = {"tunix.actor_id": actor_id, **(metadata or {})}
         self._buffer: list[Episode] = []
+        self._bytes = 0
         self._opened_at = time.monotonic()
         self.shards_written: list[str] = []
         self.episodes_written = 0
@@ -149,6 +169,10 @@ class ShardWriter:
     @property
     def pending(self) -> int:
         return len(self._buffer)
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._bytes
 
     def add(self, episode: Episode) -> str | None:
         return self.add_group([episode])
@@ -160,7 +184,8 @@ class ShardWriter:
         if not self._buffer:
             self._opened_at = time.monotonic()
         self._buffer.extend(episodes)
-        if len(self._buffer) >= self.max_episodes:
+        self._bytes += sum(episode_bytes(e) for e in episodes)
+        if len(self._buffer) >= self.max_episodes or self._bytes >= self.max_bytes:
             return self.flush()
         return None
 
@@ -176,11 +201,11 @@ class ShardWriter:
         data = table_to_parquet_bytes(
             episodes_to_table(self._buffer), extra_metadata=self._metadata
         )
-        key = RunLayout.shard_key(self.actor_id)
+        key = RunLayout.shard_key(self.actor_id, self._clock())
         self._store.write_bytes(key, data)
         self.episodes_written += len(self._buffer)
         self.shards_written.append(key)
-        self._buffer = []
+        self._buffer, self._bytes = [], 0
         return key
 
     def close(self) -> str | None:

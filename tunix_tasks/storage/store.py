@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from tunix_tasks.storage.local_listing import list_dirs, list_files
 from tunix_tasks.storage.tempfiles import TempSweeper, write_temp
 
 __all__ = [
@@ -202,33 +203,13 @@ class LocalStore:
 
     def list(self, prefix: str = "", *, start_after: str | None = None) -> list[ObjectInfo]:
         self._sweeper.maybe_sweep()  # at most every few minutes
-        prefix = prefix.lstrip("/")
         after = start_after.lstrip("/") if start_after else ""
-        base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
-        out: list[ObjectInfo] = []
-        if not base.is_dir():
-            return out
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            for name in filenames:
-                if name.startswith("."):
-                    continue
-                full = Path(dirpath) / name
-                key = full.relative_to(self.root).as_posix()
-                if not key.startswith(prefix) or key <= after:
-                    continue
-                try:
-                    st = full.stat()
-                except FileNotFoundError:
-                    continue
-                out.append(ObjectInfo(key=key, size=st.st_size, updated=st.st_mtime))
-        out.sort(key=lambda i: i.key)
-        return out
+        # Reads only folders that can hold keys after `after` (local_listing.py).
+        found = list_files(self.root, prefix.lstrip("/"), after)
+        return [ObjectInfo(key=k, size=size, updated=mtime) for k, size, mtime in found]
 
     def list_folders(self, prefix: str) -> list[str]:  # ["shards/a/", ...]
-        base = self.root / prefix.strip("/")
-        dirs = [d for d in base.iterdir() if d.is_dir()] if base.is_dir() else []
-        return sorted(f"{d.relative_to(self.root).as_posix()}/" for d in dirs if d.name[0] != ".")
+        return list_dirs(self.root, prefix)
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file() or self._latest_generation(key) > 0

@@ -1,0 +1,100 @@
+"""What the learner trains on: dropped statuses out of group statistics, zero-variance
+groups filtered (and ledgered), the entropy of the sampling distribution chunk-wise."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.shard_factory import make_episode
+from tunix_tasks.config import load_config
+from tunix_tasks.learner.accounting import Accounting
+from tunix_tasks.learner.batcher import Batcher
+from tunix_tasks.learner.flow import AsyncFlow
+from tunix_tasks.learner.source import EpisodeSource, PrefetchingSource
+from tunix_tasks.policy.distribution import chunked_target_logprobs, sampling_log_probs
+from tunix_tasks.storage.shards import ShardWriter
+from tunix_tasks.storage.store import open_store
+
+# group -> (reward, status) of its episodes
+GROUPS = {
+    "mixed": [(1.0, "ok"), (0.0, "ok"), (0.0, "env_timeout"), (-3.0, "env_error")],
+    "flat": [(1.0, "ok"), (1.0, "truncated")],
+    "signal": [(0.0, "ok"), (1.0, "ok")],
+}
+
+
+def _source(tmp_path, *, filter_zero_variance: bool):
+    store = open_store(str(tmp_path))
+    rng = np.random.default_rng(0)
+    writer = ShardWriter(store, actor_id="actor-0", max_episodes=100)
+    for group, members in GROUPS.items():
+        writer.add_group(
+            [
+                dataclasses.replace(
+                    make_episode(rng, length=12, reward=r, group_id=group), status=status
+                )
+                for r, status in members
+            ]
+        )
+    writer.close()
+    source = EpisodeSource(
+        store, vocab_size=103, advantage="group", filter_zero_variance=filter_zero_variance
+    )
+    return PrefetchingSource(source)
+
+
+@pytest.mark.parametrize("filter_zero_variance", [False, True])
+def test_dropped_statuses_and_zero_variance_groups(tmp_path, filter_zero_variance):
+    source = _source(tmp_path, filter_zero_variance=filter_zero_variance)
+    source.poll_once()
+    cfg = load_config(None, ["learner.min_episodes_per_step=100"])
+    acct = Accounting(source)
+    batcher = Batcher(source, AsyncFlow(min_episodes=100, max_staleness=4, publish_every=1),
+                      acct, cfg.learner)  # fmt: skip
+    assert batcher.next_batch(0) is None  # drains, drops, waits for more
+    got = {(e.group_id, e.status, e.reward): e.advantage for e in batcher.buffer}
+    # The two kept episodes of "mixed" are normalised between themselves: the timeout
+    # and the error (reward -3) move neither their mean nor their std.
+    assert got[("mixed", "ok", 1.0)] == pytest.approx(1.0, abs=1e-4)
+    assert got[("mixed", "ok", 0.0)] == pytest.approx(-1.0, abs=1e-4)
+    assert got[("signal", "ok", 1.0)] == pytest.approx(1.0, abs=1e-4)
+    ledger = acct.take_ledger()
+    dropped = {reason: len(ids) for reason, ids in ledger["dropped"].items()}
+    expected = {"env_timeout": 1, "env_error": 1}
+    if filter_zero_variance:
+        expected["zero_variance"] = 2  # "flat": both rewards 1, no signal
+    assert dropped == expected and acct.counters["dropped"] == expected
+    assert len(batcher.buffer) == 4 + (0 if filter_zero_variance else 2)
+    source.stop()
+
+
+def test_filter_needs_group_advantages():
+    from tunix_tasks.config import ConfigError
+
+    with pytest.raises(ConfigError, match="filter_zero_variance_groups needs"):
+        load_config(None, ["learner.filter_zero_variance_groups=true", "learner.advantage=batch"])
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_chunked_entropy_against_numpy(top_k):
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.normal(size=(2, 11, 8)), jnp.float32)
+    w_out = jnp.asarray(rng.normal(size=(8, 13)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 13, (2, 11)))
+
+    def run(h):
+        return chunked_target_logprobs(h, w_out, targets, 0.7, top_k, chunk=4, with_entropy=True)
+
+    logp, entropy = run(hidden)
+    full = np.asarray(sampling_log_probs(hidden @ w_out, 0.7, top_k), np.float64)
+    p = np.exp(full)
+    expected = -np.sum(np.where(p > 0, p * np.where(p > 0, full, 0.0), 0.0), axis=-1)
+    np.testing.assert_allclose(entropy, expected, rtol=1e-5)
+    np.testing.assert_allclose(logp, chunked_target_logprobs(hidden, w_out, targets, 0.7, top_k))
+    grad = jax.grad(lambda h: run(h)[1].sum())(hidden)  # top-k's -inf must not leak NaN
+    assert np.isfinite(np.asarray(grad)).all() and np.abs(np.asarray(grad)).max() > 0

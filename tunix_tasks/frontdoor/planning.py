@@ -1,0 +1,108 @@
+"""Fleet planning: how many actors keep a learner busy, and how stale their episodes arrive.
+
+The latency audit (`audit.py`) says which side of a *running* fleet waits; this is the
+same arithmetic before a run, from a handful of rates (each one a figure the audit, the
+report or `benchmarks/` measures):
+
+- an actor plays `envs_per_actor` episodes at once; an episode is `turns` x (environment
+  latency + policy latency per turn), so an actor supplies `envs / episode_s` episodes/s,
+  unless its sampler's throughput (`actor_tokens_per_s`, optional) caps it first;
+- the learner trains `episodes_per_step` per `learner_step_s`: its capacity;
+- actors needed = capacity / supply per actor, rounded up;
+- staleness: an episode is trained roughly `episode_s` + the wait for its shard to be
+  committed + the wait for the learner to take it after its weights were published, and a
+  version lasts `publish_every` x `learner_step_s` when the learner never waits. The
+  version lag is that time over a version's; above `learner.max_staleness` episodes are
+  dropped (`publish_every` or the bound must grow, or episodes get shorter).
+
+    python -m tunix_tasks.frontdoor.planning --env-latency-s 2 --policy-latency-s 0.5 \\
+        --turns 3 --envs-per-actor 64 --learner-step-s 0.4 --episodes-per-step 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from tunix_tasks.frontdoor.audit import rounded
+
+__all__ = ["plan_fleet"]
+
+
+def plan_fleet(
+    *,
+    env_latency_s: float,
+    policy_latency_s: float,
+    turns: float,
+    envs_per_actor: int,
+    learner_step_s: float,
+    episodes_per_step: float,
+    actor_tokens_per_s: float | None = None,
+    policy_tokens_per_episode: float | None = None,
+    publish_every: int = 2,
+    episodes_per_shard: int = 32,
+    shard_interval_s: float = 30.0,
+    max_staleness: int = 4,
+) -> dict[str, Any]:
+    """The fleet that keeps the learner busy, and the staleness it will see (module doc)."""
+    for name, value in (
+        ("turns", turns),
+        ("envs_per_actor", envs_per_actor),
+        ("learner_step_s", learner_step_s),
+        ("episodes_per_step", episodes_per_step),
+        ("publish_every", publish_every),
+    ):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    episode_s = turns * (env_latency_s + policy_latency_s)
+    per_actor = envs_per_actor / episode_s
+    sampler_bound = False
+    if actor_tokens_per_s and policy_tokens_per_episode:
+        cap = actor_tokens_per_s / policy_tokens_per_episode
+        sampler_bound = cap < per_actor
+        per_actor = min(per_actor, cap)
+    capacity = episodes_per_step / learner_step_s
+    actors = max(1, math.ceil(capacity / per_actor))
+    # An episode waits for its shard (full, or the interval) and then, on average, half
+    # of the shard's fill time more in the learner's buffer when the fleet matches it.
+    shard_wait_s = min(shard_interval_s, episodes_per_shard / per_actor)
+    version_s = publish_every * learner_step_s
+    lag = (episode_s + shard_wait_s) / version_s
+    return {
+        "episode_s": episode_s,
+        "actor_supply_eps_per_s": per_actor,
+        "sampler_bound": sampler_bound,
+        "learner_capacity_eps_per_s": capacity,
+        "actors_needed": actors,
+        "envs_needed": actors * envs_per_actor,
+        "version_s": version_s,
+        "expected_staleness": lag,
+        "within_max_staleness": lag <= max_staleness,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    for name in ("env-latency-s", "policy-latency-s", "turns", "learner-step-s"):
+        p.add_argument(f"--{name}", type=float, required=True)
+    p.add_argument("--envs-per-actor", type=int, required=True)
+    p.add_argument("--episodes-per-step", type=float, required=True)
+    p.add_argument("--actor-tokens-per-s", type=float)
+    p.add_argument("--policy-tokens-per-episode", type=float)
+    p.add_argument("--publish-every", type=int, default=2)
+    p.add_argument("--episodes-per-shard", type=int, default=32)
+    p.add_argument("--shard-interval-s", type=float, default=30.0)
+    p.add_argument("--max-staleness", type=int, default=4)
+    args = vars(p.parse_args(argv))
+    try:
+        plan = plan_fleet(**args)
+    except ValueError as err:
+        p.error(str(err))
+    print(json.dumps(rounded(plan), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

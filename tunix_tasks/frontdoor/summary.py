@@ -1,0 +1,66 @@
+"""The end of `tunix-tasks train`: its summary dict as a few lines a person reads.
+
+`train_local` returns a JSON-able summary (what scripts use: `tunix-tasks train --json`);
+`format_train_summary` turns it into the lines the terminal shows by default:
+
+    print(format_train_summary(train_local(cfg)))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tunix_tasks.frontdoor.audit import explain_duty
+
+__all__ = ["format_train_summary"]
+
+
+def _num(value: Any, fmt: str = ".3g") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _counts(counts: dict[str, Any] | None) -> str:
+    """`{"0": 86, "1": 3}` -> `0: 86, 1: 3`."""
+    return ", ".join(f"{k}: {v}" for k, v in (counts or {}).items()) or "none"
+
+
+def _outcome(s: dict[str, Any]) -> str:
+    if s.get("failed"):
+        return f"FAILED: {s['failed']}"
+    if s.get("interrupted"):
+        return f"interrupted ({s['interrupted']}); the same command resumes it"
+    code = s.get("learner_exit_code")
+    return "finished" if code == 0 else f"learner exited with code {code}"
+
+
+def _actors(s: dict[str, Any]) -> str:
+    codes = s.get("actor_exit_codes") or []
+    text = f"{len(codes)} processes, exit codes {codes}"
+    restarts = s.get("actor_restarts") or {}
+    if restarts:
+        text += "; restarted " + ", ".join(f"{n} x{k}" for n, k in sorted(restarts.items()))
+    return text
+
+
+def format_train_summary(s: dict[str, Any]) -> str:
+    """The summary of a `train_local` run, one labelled line per topic."""
+    step = s.get("last_step") or {}
+    lag = (s.get("display") or {}).get("lag_s") or {}
+    version = s.get("version", step.get("version", "-"))
+    rows = {
+        "run": f"{s.get('run_uri')} ({s.get('mode')}): {_outcome(s)} "
+        f"in {_num(s.get('wall_s'), '.0f')} s",
+        "learner": f"step {step.get('step', '-')}, weights version {version}, "
+        f"{_num(step.get('step_s'))} s/step, {step.get('compile_count', '-')} compiles",
+        "reward": f"{_num(step.get('reward_mean'))} (mean of the last step's episodes)",
+        "data": f"episodes by staleness {_counts(step.get('staleness'))}; "
+        f"dropped {_counts(step.get('dropped'))}; quarantined shards {step.get('quarantined', 0)}",
+        "utilization": explain_duty(step.get("duty_cycle"), None),  # the why: next line
+        "audit": (s.get("latency_audit") or {}).get("advice") or "-",
+        "actors": _actors(s),
+        "display": f"lag mean {_num(lag.get('mean'))} s, max {_num(lag.get('max'))} s",
+        "report": s.get("report") or s.get("report_error") or "not written",
+        "logs": str(s.get("logs") or "-"),
+    }
+    width = max(map(len, rows))
+    return "\n".join(f"{label:<{width}}  {text}" for label, text in rows.items())
