@@ -191,12 +191,12 @@ def table(out: dict[str, Any]) -> str:
     of the same seed."""
     sync = out["cells"].get("0/none", {})
     rows = [
-        "| max_staleness | correction | held-out reward | Δ vs sync | learner wall s "
+        "| max_staleness | correction | seeds | held-out reward | Δ vs sync | learner wall s "
         "| wall / sync | dropped | mean staleness |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     warm = [w["reward"] for w in out["warm"].values()]
-    rows.append(f"| (warm start) | - | {_stat(warm, '.3f')} | | | | | |")
+    rows.append(f"| (warm start) | - | {len(warm)} | {_stat(warm, '.3f')} | | | | | |")
     for key, by_seed in out["cells"].items():
         staleness, correction = key.split("/")
         seeds = sorted(by_seed)
@@ -206,7 +206,7 @@ def table(out: dict[str, Any]) -> str:
         ratio = [by_seed[s]["wall_s"] / sync[s]["wall_s"] for s in seeds if s in sync]
         name = "sync (any: on-policy)" if staleness == "0" else correction
         rows.append(
-            f"| {staleness} | {name} | {_stat(reward, '.3f')} | "
+            f"| {staleness} | {name} | {len(seeds)} | {_stat(reward, '.3f')} | "
             f"{_stat(delta, '+.3f') if staleness != '0' else ''} | {_stat(wall, '.1f')} | "
             f"{_stat(ratio, '.2f') if staleness != '0' else '1'} | "
             f"{_stat([by_seed[s]['dropped_frac'] for s in seeds], '.2f')} | "

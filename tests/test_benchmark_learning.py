@@ -38,8 +38,8 @@ def test_table_goals_merge_and_plot(tmp_path):
     out = learning.merge([str(p) for p in paths])
     assert sorted(out["warm"]) == [0, 1] and sorted(out["cells"]["8/none"]) == [0, 1]
     text = learning.table(out)
-    assert "| 0 | sync (any: on-policy) | 0.350 ± 0.071 |" in text
-    assert "| 8 | decoupled_ppo | 0.360 ± 0.071 | +0.010 ± 0.000 |" in text
+    assert "| 0 | sync (any: on-policy) | 2 | 0.350 ± 0.071 |" in text
+    assert "| 8 | decoupled_ppo | 2 | 0.360 ± 0.071 | +0.010 ± 0.000 |" in text
     assert "0.44 ± 0.00 | 0.25 ± 0.00 |" in text  # wall / sync 40/90, dropped
     lines = learning.goals(out)
     assert any("none: Δ reward -0.100" in x and "NOT met" in x for x in lines)
