@@ -40,8 +40,9 @@ processes hits all of them alike; "iqr" is the interquartile range / median):
 
 Rooflines (L layers, d d_model, H / KV heads of size hd, f d_ff, V vocab, B rows, W the
 attended window; P_mm = L*(2*d*H*hd + 2*d*KV*hd + 3*d*f) + d*V the matmul params per token):
-  decode step   bytes = params read once (float32 as stored; of an untied embedding table
-                        only the B gathered rows) + K/V read 2*L*KV*hd*W*B*itemsize
+  decode step   bytes = params read once (in the compute dtype, as the sampler holds them;
+                        of an untied embedding table only the B gathered rows)
+                        + K/V read 2*L*KV*hd*W*B*itemsize
                         + logits written and read 2*4*B*V
                 FLOPs = B*(2*P_mm + 4*L*H*hd*W)  (attention over the whole window: the
                         program computes it, masked)
@@ -191,7 +192,7 @@ class Costs:
 
     spec: DecoderSpec
     params: int  # every parameter
-    itemsize: int  # K/V cache bytes per element (the compute dtype)
+    itemsize: int  # bytes per param and K/V element: the compute dtype, as the sampler holds them
 
     @property
     def p_mm(self) -> int:
@@ -214,7 +215,7 @@ class Costs:
         n = self.params
         if not s.tie_embeddings:  # an untied table is only gathered: B rows
             n -= s.vocab_size * s.d_model - rows * s.d_model
-        return 4.0 * n
+        return float(self.itemsize) * n
 
     @staticmethod
     def bandwidth(nbytes: float, lim: dict) -> tuple[float, str]:

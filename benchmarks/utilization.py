@@ -135,7 +135,8 @@ def overrides_for(
         "learner.batch_rows=8",
         "learner.buckets=[128]",
         "learner.min_episodes_per_step=16",
-        "learner.learning_rate=2e-4",
+        # larger RL rates lose reward after the warm start at this batch size (docs/learning.md)
+        "learner.learning_rate=5e-5",
         "learner.warm_start_learning_rate=1e-3",
         "actor.batch_wait_s=0.05",
         f"learner.checkpoint_every={steps}",

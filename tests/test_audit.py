@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tunix_tasks.config import config_from_dict
@@ -14,6 +16,8 @@ from tunix_tasks.frontdoor.audit import (
     rounded,
 )
 from tunix_tasks.frontdoor.launcher import LiveStatus
+from tunix_tasks.frontdoor.planning import main as planning_main
+from tunix_tasks.frontdoor.planning import plan_fleet
 
 T0 = 1_700_000_000.0
 
@@ -146,45 +150,34 @@ def test_compare_runs_side_by_side():
     assert rows["reward, last 10% of steps"]["run_over_baseline"] is None
 
 
-def test_fleet_plan_arithmetic_and_staleness():
-    from tunix_tasks.frontdoor.planning import main, plan_fleet
+# 3 turns x (2 + 0.5) s = 7.5 s episodes; 64 envs -> 8.53 eps/s per actor; the learner
+# trains 64 episodes per 0.4 s = 160 eps/s -> 19 actors (18.75 rounded up).
+_FLEET = {
+    "env_latency_s": 2.0,
+    "policy_latency_s": 0.5,
+    "turns": 3,
+    "envs_per_actor": 64,
+    "learner_step_s": 0.4,
+    "episodes_per_step": 64,
+}
 
-    # 3 turns x (2 + 0.5) s = 7.5 s episodes; 64 envs -> 8.53 eps/s per actor; the learner
-    # trains 64 episodes per 0.4 s = 160 eps/s -> 19 actors (18.75 rounded up).
-    plan = plan_fleet(
-        env_latency_s=2.0,
-        policy_latency_s=0.5,
-        turns=3,
-        envs_per_actor=64,
-        learner_step_s=0.4,
-        episodes_per_step=64,
-    )
+
+def _plan(**overrides: float) -> dict[str, Any]:
+    """`plan_fleet` of `_FLEET`, with `overrides`."""
+    return plan_fleet(**{**_FLEET, **overrides})
+
+
+def test_fleet_plan_arithmetic_and_staleness():
+    plan = _plan()
     assert plan["episode_s"] == 7.5 and plan["actors_needed"] == 19
     assert plan["envs_needed"] == 19 * 64 and not plan["sampler_bound"]
     # A version lasts 2 x 0.4 s; an episode is trained 7.5 s + a 3.75 s shard wait later.
     assert plan["expected_staleness"] == pytest.approx((7.5 + 32 / (64 / 7.5)) / 0.8)
     assert plan["within_max_staleness"] is False
     # A sampler that makes 400 tokens/s for 100-token episodes caps the actor at 4 eps/s.
-    capped = plan_fleet(
-        env_latency_s=2.0,
-        policy_latency_s=0.5,
-        turns=3,
-        envs_per_actor=64,
-        learner_step_s=0.4,
-        episodes_per_step=64,
-        actor_tokens_per_s=400,
-        policy_tokens_per_episode=100,
-    )
+    capped = _plan(actor_tokens_per_s=400, policy_tokens_per_episode=100)
     assert capped["sampler_bound"] and capped["actors_needed"] == 40
     with pytest.raises(ValueError, match="learner_step_s must be > 0"):
-        plan_fleet(
-            env_latency_s=1,
-            policy_latency_s=1,
-            turns=1,
-            envs_per_actor=1,
-            learner_step_s=0,
-            episodes_per_step=1,
-        )
-    argv = ["--env-latency-s", "2", "--policy-latency-s", "0.5", "--turns", "3"]
-    argv += ["--envs-per-actor", "64", "--learner-step-s", "0.4", "--episodes-per-step", "64"]
-    assert main(argv) == 0
+        _plan(learner_step_s=0)
+    argv = [arg for k, v in _FLEET.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+    assert planning_main(argv) == 0

@@ -14,6 +14,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.test_learner import PER_STEP, _episodes, _learner, _ledger, _prepare, _write
 from tunix_tasks.learner.checkpoint import Checkpointer, read_ledger
@@ -101,6 +102,39 @@ def test_resume_matches_an_uninterrupted_run(tmp_path):
     trained, dropped = _ledger(open_store(uri_b))
     assert sorted(trained) == sorted(e.episode_id for s in shards for e in s)
     assert not dropped
+
+
+@pytest.mark.parametrize(("saved_kl", "resumed_kl"), [(0.0, 0.01), (0.01, 0.0)])
+def test_resume_under_another_kl_coef(tmp_path, saved_kl, resumed_kl):
+    """The KL reference is checkpointed only with kl_coef > 0. A resume that turns it on
+    takes the reference from the restored params; one that turns it off ignores the
+    saved reference. Either way the run resumes and trains on."""
+    uri = _prepare(str(tmp_path), checkpoint_every=2, max_staleness=10_000, kl_coef=saved_kl)
+    store = open_store(uri)
+    _write(store, _shards()[:3])
+    _, _, learner1 = _run(uri, 2)
+    saved = learner1.parts.trainer.flat_params()
+    raw = json.loads(store.read_bytes(RunLayout.CONFIG))
+    raw["learner"]["kl_coef"] = resumed_kl
+    store.write_bytes(RunLayout.CONFIG, json.dumps(raw).encode())
+
+    cfg, store = read_config(uri)
+    parts = start_learner(cfg, store)
+    try:
+        trainer = parts.trainer
+        assert parts.step == 2
+        jax.tree.map(np.testing.assert_array_equal, trainer.flat_params(), saved)
+        if resumed_kl:
+            restored = nnx.to_pure_dict(nnx.state(trainer.model, trainer.trained))
+            reference = nnx.to_pure_dict(trainer.reference)
+            jax.tree.map(np.testing.assert_array_equal, reference, restored)
+        else:
+            assert trainer.reference is None and "reference" not in trainer.state()
+    finally:
+        parts.close()
+    summary, steps, _ = _run(uri, 3)
+    assert summary["steps"] == 3 and sorted(steps) == [3]
+    assert np.isfinite(steps[3]["loss"])
 
 
 def test_ledger_of_a_crash_before_the_first_checkpoint_is_discarded(tmp_path):

@@ -520,4 +520,5 @@ def test_fresh_data_has_unit_importance_weights(tmp_path):
     # the sampler-vs-learner KL overall and per staleness bucket (only buckets with data).
     assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and r["ppo_clip_frac"] == 0.0
     assert abs(r["approx_kl"]) < 1e-6 and abs(r["approx_kl_s0"]) < 1e-6
+    assert 0 <= r["max_abs_logprob_diff_s0"] < 1e-5  # the worst token: float noise too
     assert r["tokens_s0"] > 0 and "tokens_s1_2" not in r and "kl_ref" not in r

@@ -14,7 +14,8 @@ from tunix_tasks.config import ModelConfig
 from tunix_tasks.policy.distribution import sampling_log_probs, token_logprobs
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.params import flat_params, load_flat_params, param_count
-from tunix_tasks.policy.spec import spec_from_preset
+from tunix_tasks.policy.precision import cast_params
+from tunix_tasks.policy.spec import LoraSpec, spec_from_preset
 
 VOCAB = 103
 CFG = ModelConfig(preset="custom", d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=64)
@@ -188,3 +189,28 @@ def test_sharded_forward_matches_single_device():
     assert eager.blocks[0].attn.wq[...].sharding.spec == P("fsdp", None, None)
     for name, value in flat_params(eager).items():
         np.testing.assert_array_equal(value, flat_params(ref)[name])
+
+
+def test_cast_params_keeps_shardings_and_loading_keeps_the_held_dtype():
+    """`cast_params` (a bfloat16 sampler's params) keeps every param's sharding, adapters
+    included; a float32 snapshot then loads rounded to bfloat16, still sharded."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+    with jax.set_mesh(mesh):
+        model = Transformer(SPEC, rngs=nnx.Rngs(0), lora=LoraSpec(rank=4, alpha=8.0))
+
+    def held() -> dict:
+        return {path: var[...] for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+    shardings = {path: x.sharding for path, x in held().items()}
+    assert model.blocks[0].attn.lora_q.a[...].sharding.spec == P("fsdp", None)
+    cast_params(model, jnp.bfloat16)
+    assert {path: x.sharding for path, x in held().items()} == shardings
+    assert {x.dtype for x in held().values()} == {jnp.dtype(jnp.bfloat16)}
+    snapshot = flat_params(Transformer(SPEC, rngs=nnx.Rngs(1), lora=LoraSpec(4, 8.0)))
+    load_flat_params(model, snapshot)
+    assert {path: x.sharding for path, x in held().items()} == shardings
+    assert {x.dtype for x in held().values()} == {jnp.dtype(jnp.bfloat16)}
+    name = "blocks/0/attn/lora_q/a"
+    np.testing.assert_array_equal(
+        flat_params(model)[name], snapshot[name].astype(jnp.bfloat16).astype(np.float32)
+    )

@@ -181,6 +181,31 @@ def test_report_html_and_summary_json_are_readable(tmp_path, monkeypatch):
         assert "actor-bound" in text
     assert "Utilization" in page and "waited for data" in page
     assert "seconds since the run's first metrics record" in page
+    assert "No step trained fresh (staleness 0) tokens" in page  # no mismatch metrics
+
+
+@pytest.mark.filterwarnings("ignore:model.dtype=bfloat16")  # the expected ConfigWarning
+def test_report_shows_the_sampler_learner_mismatch(tmp_path):
+    """Mean approx_kl_s0 and the largest max_abs_logprob_diff_s0 over the steps that had
+    fresh tokens (steps without them carry neither), with the dtypes and the why."""
+    cfg = config_from_dict(
+        {"store": str(tmp_path), "run_name": "bf16", "model": {"dtype": "bfloat16"}}
+    )
+    store = write_config(cfg)
+    steps = [_record(s, T0 + s, "a") for s in range(1, 5)]
+    for r, kl, diff in zip(steps, (1e-3, 3e-3, None, 2e-3), (0.25, 0.5, None, 0.125), strict=True):
+        if kl is not None:
+            r.update(approx_kl_s0=kl, max_abs_logprob_diff_s0=diff, tokens_s0=8)
+    _write_chunk(store, steps)
+    write_report(store.uri)
+    m = json.loads(store.read_bytes(RunLayout.SUMMARY))["sampler_mismatch"]
+    assert m["approx_kl_s0_mean"] == pytest.approx(2e-3)
+    assert m["max_abs_logprob_diff_s0_max"] == 0.5
+    assert (m["model_dtype"], m["learner_compute_dtype"]) == ("bfloat16", "float32")
+    assert m["steps_with_fresh_tokens"] == 3
+    page = store.read_bytes(RunLayout.REPORT).decode()
+    assert "Sampler vs learner numerics" in page and "what bf16 costs" in page
+    assert "approx_kl_s0_mean" in page and "0.002" in page and "0.5" in page
 
 
 def test_report_of_a_crashed_run_says_which_process_died_and_why(tmp_path):

@@ -337,8 +337,24 @@ def test_staleness_stats_against_numpy() -> None:
         np.testing.assert_allclose(got[f"approx_kl_{name}"], mean(np.exp(d) - 1 - d), rtol=1e-4)
         np.testing.assert_allclose(got[f"ratio_mean_{name}"], mean(np.exp(d)), rtol=1e-5)
         np.testing.assert_allclose(got[f"is_clipped_frac_{name}"], mean(d > np.log(1.5)))
+        np.testing.assert_allclose(got[f"max_abs_logprob_diff_{name}"], (m * abs(d)).max())
     empty = staleness_stats(pi, mu, mask, np.zeros(shape, int), rho_max=1.5)
     assert empty["tokens_s3p"] == 0 and empty["approx_kl_s3p"] == 0
+    assert empty["max_abs_logprob_diff_s3p"] == 0
+
+
+def test_max_abs_logprob_diff_by_hand() -> None:
+    """max |log pi - log mu| over a bucket's loss tokens: masked-off tokens and other
+    buckets never count, whatever their values (here the largest gaps)."""
+    mu = np.array([[-1.0, -2.0, -0.5, -3.0], [-1.0, -1.0, -1.0, -1.0]], np.float32)
+    pi = np.array([[-1.25, -1.5, -9.0, -3.0], [-1.0, -0.875, -7.0, -1.0]], np.float32)
+    mask = np.array([[1, 1, 0, 1], [1, 1, 1, 0]], np.float32)
+    stale = np.array([[0, 0, 0, 0], [0, 0, 5, 0]])
+    got = staleness_stats(pi, mu, mask, stale, rho_max=2.0)
+    # s0 loss tokens: |d| = 0.25, 0.5, 0, 0, 0.125 (row 0 col 2 is masked off).
+    assert float(got["max_abs_logprob_diff_s0"]) == 0.5
+    assert float(got["max_abs_logprob_diff_s3p"]) == 6.0  # row 1 col 2 alone
+    assert float(got["max_abs_logprob_diff_s1_2"]) == 0.0  # empty bucket
 
 
 def _fresh_problem():

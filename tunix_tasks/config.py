@@ -21,10 +21,19 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from tunix_tasks.config_env import (
+    BUILTIN_ENVS,
+    BUILTIN_VEC_ENVS,
+    EnvConfig,
+    known_env_names,
+    known_vec_env_names,
+)
 from tunix_tasks.config_model import ModelConfig, _Frozen
 from tunix_tasks.config_objective import ObjectiveConfig
 
 __all__ = [
+    "BUILTIN_ENVS",
+    "BUILTIN_VEC_ENVS",
     "ActorConfig",
     "ConfigError",
     "ConfigWarning",
@@ -35,13 +44,12 @@ __all__ = [
     "ObjectiveConfig",
     "RunConfig",
     "config_from_dict",
+    "known_env_names",
+    "known_vec_env_names",
     "load_config",
 ]
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-#: The environments shipped with tunix_tasks.envs. `env.name` accepts any registered name
-#: (plug-ins too); the JSON schema (and so the Airflow form) offers these.
-BUILTIN_ENVS = ("arithmetic", "calculator", "guess_number", "python_exec")
 
 
 class ConfigError(ValueError):
@@ -52,56 +60,15 @@ class ConfigWarning(UserWarning):
     """A configuration is valid but probably not what was meant (`RunConfig.warnings`)."""
 
 
-def known_env_names() -> list[str]:
-    """Valid `env.name` values: the built-ins, the `tunix_tasks.envs` entry points, and
-    names registered in code if `tunix_tasks.envs` is loaded. Never imports it (the
-    learner reads config.json and imports no environment): ship plug-ins as entry points."""
-    import contextlib
-    import importlib.metadata
-    import sys
-
-    registry = sys.modules.get("tunix_tasks.envs")
-    if registry is not None:  # its registry and the entry points
-        return sorted(set(BUILTIN_ENVS) | set(registry.available_envs()))
-    names = set(BUILTIN_ENVS)
-    with contextlib.suppress(Exception):  # a broken distribution: built-ins stay valid
-        names.update(ep.name for ep in importlib.metadata.entry_points(group="tunix_tasks.envs"))
-    return sorted(names)
-
-
-class EnvConfig(_Frozen):
-    """Which environment the actors step, and how slow it is (simulated remote latency)."""
-
-    name: str = Field(
-        "calculator",
-        description="the environment the actors step (a built-in or a registered plug-in)",
-        json_schema_extra={"enum": list(BUILTIN_ENVS)},
-    )
-    max_turns: int = Field(4, ge=1, le=64, description="turns before an episode is truncated")
-    latency_s: float = Field(0.0, ge=0.0, description="added delay per env step (seconds)")
-    latency_jitter: float = Field(
-        0.0, ge=0.0, description="relative jitter of the delay: uniform in [1-j, 1+j]"
-    )
-    step_timeout_s: float = Field(
-        30.0, gt=0.0, description="an env reset/step slower than this ends the episode (dropped)"
-    )
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra env constructor args")
-
-    @field_validator("name")
-    @classmethod
-    def _known_env(cls, value: str) -> str:
-        names = known_env_names()
-        if value not in names:
-            raise ValueError(
-                f"unknown environment; valid: {', '.join(names)} (or a plug-in "
-                "of the entry-point group 'tunix_tasks.envs')"
-            )
-        return value
-
-
 class ActorConfig(_Frozen):
-    """The CPU actor fleet."""
+    """The actor fleet."""
 
+    kind: Literal["async", "vectorized"] = Field(
+        "async",
+        description="async: environments on an asyncio loop, a batched sampler (any env, any "
+        "model); vectorized: JAX environments and the policy in one jitted loop on the "
+        "device (envs with a JAX twin, char presets; docs/vectorized.md)",
+    )
     num_actors: int = Field(2, ge=1, le=1024, description="actor processes")
     envs_per_actor: int = Field(
         8, ge=1, le=4096, description="environments each actor steps concurrently"
@@ -287,6 +254,8 @@ class RunConfig(_Frozen):
                 "latest publish (most of the data); use mode=sync (on-policy: it ignores "
                 "max_staleness) or learner.max_staleness >= 1"
             )
+        if self.actor.kind == "vectorized":
+            self._check_vectorized()
         if self.learner.advantage == "group" and self.actor.group_size == 1:
             raise ValueError(
                 "actor.group_size=1 with learner.advantage=group gives every episode "
@@ -294,6 +263,28 @@ class RunConfig(_Frozen):
                 "or learner.advantage=batch"
             )
         return self
+
+    def _check_vectorized(self) -> None:
+        names = known_vec_env_names()
+        problems = {
+            f"env.name={self.env.name} has no vectorized twin (valid: {', '.join(names)})": (
+                self.env.name not in names
+            ),
+            "model.checkpoint: on-device envs read the char presets' format only": bool(
+                self.model.checkpoint
+            ),
+            "mode=sync: the on-device loop never waits for a version": self.mode == "sync",
+            "env.latency_s simulates a remote env; on-device envs have none": bool(
+                self.env.latency_s
+            ),
+        }
+        found = [p for p, bad in problems.items() if bad]
+        if found:
+            raise ValueError(
+                "actor.kind=vectorized cannot run with "
+                + "; ".join(found)
+                + " (or use actor.kind=async)"
+            )
 
     @property
     def warnings(self) -> list[str]:

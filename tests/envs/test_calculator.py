@@ -18,14 +18,14 @@ def test_safe_eval():
 
 def test_hand_checked_episode():
     env = CalculatorEnv()
-    question, answer = env._question_for(0)
+    question, answer = env.question_for(0)
     actions = [call("calculate", expression=question), Action(content=f" {answer}\n")]
     first, res = asyncio.run(play(env, 0, actions))
     assert first == f"{question}=?"
     assert res[0].observation == str(answer) and res[0].reward == 0 and not res[0].done
     assert res[0].info["kind"] == "tool"
     assert res[1].reward == 1.0 and res[1].done and res[1].observation == "correct"
-    assert res[1].info["kind"] == "answer"
+    assert res[1].info == {"turns": 2, "kind": "answer", "used_tool": True}
 
 
 def test_only_the_first_tool_call_is_evaluated():
@@ -57,9 +57,10 @@ def test_bad_tool_calls_are_answered_with_errors():
 
 def test_wrong_malformed_and_max_turns():
     env = CalculatorEnv(max_turns=3)
-    _, answer = env._question_for(1)
+    _, answer = env.question_for(1)
     _, res = asyncio.run(play(env, 1, [Action(content=str(answer + 1))]))
     assert res[0].reward == 0.0 and res[0].done and res[0].observation == "wrong"
+    assert res[0].info["used_tool"] is False
     actions = [call("calculate", expression="os.system('x')"), Action(), Action(content="sixty")]
     _, res = asyncio.run(play(env, 1, actions))
     assert res[0].observation.startswith("error:") and not res[0].done
@@ -70,14 +71,14 @@ def test_wrong_malformed_and_max_turns():
 
 
 def test_difficulty_determinism_and_demonstration():
-    q1 = [CalculatorEnv(difficulty=1)._question_for(s)[0] for s in range(100)]
-    assert q1 == [CalculatorEnv(difficulty=1)._question_for(s)[0] for s in range(100)]
+    q1 = [CalculatorEnv(difficulty=1).question_for(s)[0] for s in range(100)]
+    assert q1 == [CalculatorEnv(difficulty=1).question_for(s)[0] for s in range(100)]
     assert all(len(p) == 1 for q in q1 for p in q.replace("-", "+").replace("*", "+").split("+"))
     env = CalculatorEnv(difficulty=3, ops="*")
     assert "*" in asyncio.run(env.reset(7))
     for seed in range(50):
         assert asyncio.run(rollout(env, demo_policy(env, seed), seed, 3))[0] == 1.0
-    question, answer = env._question_for(4)
+    question, answer = env.question_for(4)
     assert env.demonstration(4) == [
         Action(tool_calls=(ToolCall("calculate", {"expression": question}),)),
         Action(content=str(answer)),

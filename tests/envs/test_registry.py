@@ -37,7 +37,7 @@ class _EchoEnv:
 
 @pytest.fixture(autouse=True)
 def _clean_registry(monkeypatch):
-    monkeypatch.setattr(envs, "_REGISTRY", dict(envs._REGISTRY))
+    monkeypatch.setattr(envs, "_REGISTRY", envs._REGISTRY.copy())
 
 
 def test_builtins_available():

@@ -1,4 +1,4 @@
-"""The actor: steps many environments at once and streams their episodes into shards.
+"""The asynchronous actor: many environments on one asyncio loop, one batched sampler.
 
 One actor process runs `envs_per_actor` episode loops on one asyncio event loop. Env steps
 overlap (a slow remote env never blocks the others); policy calls from all loops are
@@ -9,15 +9,9 @@ the same shard, which is what group-normalised advantages need.
     actor = Actor(cfg, store, actor_id="actor-0")
     summary = actor.run()          # until DONE marker, deadline, SIGTERM/SIGINT/SIGHUP
 
-Store outages: the actor keeps its episodes buffered and retries with backoff (a
-blocked commit also stops it from producing more) for up to an hour, then exits with
-`StoreUnavailable`; polls of weights, DONE and metrics just try again later (outage.py).
-
-Weights: before each policy batch the actor polls `weights/LATEST` (at most every
-`weight_poll_s`) and swaps in a new snapshot once its checksum, tensor names, shapes and
-dtypes check out (a bad snapshot or pointer is refused once; the actor keeps its weights).
-An episode's `policy_version` is the OLDEST version that produced any of its tokens, so
-staleness is never underestimated; per-token behaviour log-probs are exact either way.
+The lifecycle, weights reload, shards and metrics are `ActorRuntime`'s (runtime.py).
+Before each policy batch the sampler polls for new weights; actors swap weights between
+policy batches, possibly mid-episode (the episode keeps the oldest version).
 
 Synchronous mode (`mode=sync`): the actor generates one batch of episodes per weights
 version, commits it, and waits for the learner to publish the next version.
@@ -26,101 +20,30 @@ version, commits it, and waits for the learner to publish the next version.
 from __future__ import annotations
 
 import asyncio
-import functools
-import hashlib
-import logging
-import signal
-import threading
-import time
-import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from flax import nnx
 
 from tunix_tasks.actor.batching import BatchingPolicy
 from tunix_tasks.actor.rollout import EpisodeLimits, play_episode
+from tunix_tasks.actor.runtime import FINAL_FLUSH_S, ActorRuntime, ActorStats, episode_seed
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.episode import Episode
-from tunix_tasks.policy.build import base_fingerprint, build_sampler
-from tunix_tasks.storage.layout import RunLayout
-from tunix_tasks.storage.metrics import MetricsWriter
-from tunix_tasks.storage.outage import StoreOutage
-from tunix_tasks.storage.runs import is_done
-from tunix_tasks.storage.shards import ShardWriter
-from tunix_tasks.storage.store import ObjectStore, StoreError
-from tunix_tasks.storage.weights import Manifest, WeightsClient
+from tunix_tasks.policy.build import build_sampler
+from tunix_tasks.storage.store import ObjectStore
 
-log = logging.getLogger(__name__)
-
-FINAL_FLUSH_S = 30.0  # how long the last shard is retried in an outage when stopping
+__all__ = ["FINAL_FLUSH_S", "Actor", "ActorStats", "episode_seed"]
 
 
-def episode_seed(run_seed: int, actor_id: str, group: int) -> int:
-    """Deterministic, distinct env seeds per (run, actor, group); < 2**31. The actor
-    passes `<actor_id>/<incarnation>` as `actor_id`, so a restarted actor (same id, new
-    incarnation) never replays the seeds of its previous life."""
-    h = hashlib.blake2b(f"{run_seed}/{actor_id}/{group}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & 0x7FFFFFFF
+class Actor(ActorRuntime):
+    """`actor.kind: async` (module docstring)."""
 
-
-@dataclass
-class ActorStats:
-    episodes: int = 0
-    tokens: int = 0
-    policy_tokens: int = 0
-    reward_sum: float = 0.0
-    status: dict[str, int] = field(default_factory=dict)
-    env_step_s: list[float] = field(default_factory=list)
-    reloads: int = 0
-    reload_bytes: int = 0  # read from the store for the last version loaded
-    publish_to_reload_s: float = 0.0  # from the learner's publish to this actor sampling it
-
-
-class Actor:
-    def __init__(
-        self,
-        cfg: RunConfig,
-        store: ObjectStore,
-        *,
-        actor_id: str,
-        deadline_s: float | None = None,
-        weights_timeout_s: float = 900.0,
-        incarnation: str | None = None,
-        store_outage_s: float | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self._outage = StoreOutage(should_stop=self._should_stop, limit_s=store_outage_s)
-        store = self._outage.observe(store)  # every store call that works ends an outage
-        self.store = store
-        self.actor_id = actor_id
-        # A fresh random incarnation per process start: env seeds, group ids and the
-        # sampling seed never repeat across restarts. Pass one for reproducible seeds.
-        self.incarnation = incarnation if incarnation is not None else uuid.uuid4().hex[:12]
-        self._seed_key = f"{actor_id}/{self.incarnation}"
-        self._deadline = time.monotonic() + deadline_s if deadline_s else None
-        self._weights_timeout_s = weights_timeout_s
-        self._stop = threading.Event()
-        self._stop_reason = ""
+    def __init__(self, cfg: RunConfig, store: ObjectStore, **kwargs: Any) -> None:
+        super().__init__(cfg, store, **kwargs)
         self.chat, self.sampler = build_sampler(
             cfg.model, seed=cfg.seed, max_sequences=cfg.actor.cache_slots
         )
-        self.weights = WeightsClient(store)
-        self.version = -1
-        self._last_poll = 0.0
-        self.writer = ShardWriter(
-            store,
-            actor_id=actor_id,
-            max_episodes=cfg.actor.episodes_per_shard,
-            max_interval_s=cfg.actor.shard_interval_s,
-        )
-        # Commits (worker threads) and the watcher's time-based flush (another worker thread)
-        # both touch the writer's buffer: serialise them so no episode is lost or duplicated.
-        self._writer_lock = threading.Lock()
-        self.metrics = MetricsWriter(store, f"actor/{actor_id}")
-        self.stats = ActorStats()
         self.policy = BatchingPolicy(
             self.sampler,
             max_new_tokens=cfg.actor.max_new_tokens,
@@ -134,106 +57,9 @@ class Actor:
         self._group_counter = 0
         self.limits = EpisodeLimits.from_config(cfg)
 
-    @functools.cached_property
-    def base_fingerprint(self) -> str:
-        """The base this actor's adapters apply to; read (checkpoint headers) only when an
-        adapter snapshot first arrives, not at every actor's start."""
-        return base_fingerprint(self.cfg.model, self.cfg.seed)
+    def _serve(self) -> None:
+        asyncio.run(self._main())
 
-    # -- lifecycle -----------------------------------------------------------------
-    def request_stop(self, reason: str) -> None:
-        if not self._stop.is_set():
-            self._stop_reason = reason
-            log.info("actor %s stopping: %s", self.actor_id, reason)
-            self._stop.set()
-
-    def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, lambda s, _f: self.request_stop(signal.Signals(s).name))
-
-    def _should_stop(self) -> bool:
-        if self._stop.is_set():
-            return True
-        if self._deadline is not None and time.monotonic() > self._deadline:
-            self.request_stop("deadline")
-            return True
-        return False
-
-    def run(self) -> dict[str, Any]:
-        """Run until stopped; flushes the last shard and metrics. Returns a summary."""
-        t0 = time.monotonic()
-        got = self._wait_for_weights()
-        try:
-            if got is not None:  # already loaded by `_load`
-                asyncio.run(self._main())
-        finally:  # the last shard, even in an outage (bounded: the launcher's grace is 60 s)
-            until = time.monotonic() + FINAL_FLUSH_S
-            self._outage.call("final shard", self._locked, self.writer.close, deadline=until)
-            self._outage.tolerate("metrics", self._log_metrics, time.monotonic() - t0)
-            self._outage.tolerate("metrics", self.metrics.close)
-        return {
-            "actor_id": self.actor_id,
-            "episodes": self.stats.episodes,
-            "shards": len(self.writer.shards_written),
-            "reward_mean": self.stats.reward_sum / max(1, self.stats.episodes),
-            "last_version": self.version,
-            "stop_reason": self._stop_reason,
-            "compile_count": self.sampler.compile_count,
-            "wall_s": time.monotonic() - t0,
-        }
-
-    # -- weights -------------------------------------------------------------------
-    def _wait_for_weights(self):
-        """First snapshot, or None when stopped (SIGTERM, DONE, deadline) before it came."""
-        deadline = time.monotonic() + self._weights_timeout_s
-        while not self._should_stop():
-            got = self._outage.tolerate("weights poll", self.weights.poll, self._load)
-            if got is not None:
-                return got
-            if self._outage.tolerate("DONE check", is_done, self.store):
-                self.request_stop("run done before weights were published")
-                return None
-            if time.monotonic() > deadline:
-                refused = self.weights.refusals()
-                raise TimeoutError(
-                    f"no weights published under {self.store.uri}/{RunLayout.LATEST} within "
-                    f"{self._weights_timeout_s:.0f}s; is the learner running?"
-                    + (f" (refused: {refused})" if refused else "")
-                )
-            time.sleep(0.25)
-        return None
-
-    def _load(self, flat: dict[str, np.ndarray], manifest: Manifest) -> None:
-        """`WeightsClient.poll`'s apply: swap in a checksum-verified snapshot. The sampler
-        checks names, shapes and dtypes before swapping; its ValueError makes the client
-        refuse (and remember) the version while the actor keeps its current weights."""
-        if manifest.kind == "adapter":
-            # Adapters only mean something on the base they were trained on.
-            base = (manifest.base or {}).get("fingerprint")
-            if base != self.base_fingerprint:
-                raise ValueError(
-                    f"v{manifest.version} holds adapters for base {str(base)[:12]}... "
-                    f"({(manifest.base or {}).get('uri', '?')}), this actor runs base "
-                    f"{self.base_fingerprint[:12]}... ({self.cfg.model.checkpoint or 'preset'})"
-                )
-            self.sampler.update_params(flat, version=manifest.version, only=nnx.LoRAParam)
-        else:
-            self.sampler.update_params(flat, version=manifest.version)
-        self.stats.reload_bytes = self.weights.last_reload_bytes
-        self.stats.publish_to_reload_s = max(0.0, time.time() - manifest.created_at)
-        self.version = manifest.version
-        self.stats.reloads += 1
-        log.info("actor %s loaded weights v%d", self.actor_id, manifest.version)
-
-    def _maybe_reload(self) -> None:
-        now = time.monotonic()
-        if now - self._last_poll < self.cfg.actor.weight_poll_s:
-            return
-        self._last_poll = now
-        # Loads, or refuses (or the store fails) and keeps the current weights.
-        self._outage.tolerate("weights poll", self.weights.poll, self._load)
-
-    # -- the event loop ----------------------------------------------------------------
     async def _main(self) -> None:
         watcher = asyncio.create_task(self._watch())
         try:
@@ -249,13 +75,8 @@ class Actor:
     async def _watch(self) -> None:
         """Stop on the run's DONE marker; commit partial shards on time."""
         while not self._should_stop():
-            done = await asyncio.to_thread(self._outage.tolerate, "DONE check", is_done, self.store)
-            if done:
-                self.request_stop(f"run done: {done.get('reason', '')}")
+            if await asyncio.to_thread(self._watch_once):
                 break
-            tolerate = self._outage.tolerate  # a store outage: try again next round
-            await asyncio.to_thread(tolerate, "shard commit", self._locked, self.writer.maybe_flush)
-            await asyncio.to_thread(tolerate, "metrics", self._log_metrics_periodic)
             await asyncio.sleep(1.0)
 
     def _next_group(self) -> tuple[int, str]:
@@ -318,58 +139,9 @@ class Actor:
                 await asyncio.to_thread(self._maybe_reload)
                 await asyncio.sleep(0.05)
 
-    # -- records -------------------------------------------------------------------
-    def _commit(self, episodes: list[Episode]) -> None:
-        for ep in episodes:
-            s = self.stats
-            s.episodes += 1
-            s.tokens += ep.length
-            s.policy_tokens += int(ep.loss_mask.sum())
-            s.reward_sum += ep.reward
-            s.status[ep.status] = s.status.get(ep.status, 0) + 1
-        try:
-            self._locked(self.writer.add_group, episodes)
-        except StoreError as err:  # still buffered: committed with the next flush that works
-            self._outage.call("shard commit", self._locked, self.writer.flush, failed=err)
-
-    def _locked(self, fn, *args):
-        with self._writer_lock:
-            return fn(*args)
-
-    _last_metrics = 0.0
-    _last_counts = (0, 0, 0.0)
-
-    def _log_metrics_periodic(self) -> None:
-        if time.monotonic() - self._last_metrics >= 5.0:
-            self._log_metrics(None)
-
-    def _log_metrics(self, wall: float | None) -> None:
-        now = time.monotonic()
-        eps0, tok0, t0 = self._last_counts
-        dt = max(1e-6, now - t0) if t0 else None
-        s = self.stats
-        env = np.asarray(s.env_step_s[-2000:] or [0.0])
+    def _engine_metrics(self) -> dict[str, Any]:
         pol = np.asarray(self.policy.latency_s[-500:] or [0.0])
-        self.metrics.log(
-            actor_id=self.actor_id,
-            episodes=s.episodes,
-            episodes_per_s=(s.episodes - eps0) / dt if dt else None,
-            tokens_per_s=(s.tokens - tok0) / dt if dt else None,
-            policy_tokens=s.policy_tokens,
-            reward_mean=s.reward_sum / max(1, s.episodes),
-            status=dict(s.status),
-            env_step_p50_s=float(np.percentile(env, 50)),
-            env_step_p99_s=float(np.percentile(env, 99)),
-            policy_latency_p50_s=float(np.percentile(pol, 50)),
-            policy_batch_mean=float(np.mean(self.policy.batch_sizes[-500:] or [0])),
-            weights_version=self.version,
-            reload_s=self.weights.last_reload_s,
-            reload_bytes=s.reload_bytes,
-            publish_to_reload_s=s.publish_to_reload_s,
-            reloads=s.reloads,
-            compile_count=self.sampler.compile_count,
-            shards=len(self.writer.shards_written),
-            final=wall is not None,
-        )
-        self._last_metrics = now
-        self._last_counts = (s.episodes, s.tokens, now)
+        return {
+            "policy_latency_p50_s": float(np.percentile(pol, 50)),
+            "policy_batch_mean": float(np.mean(self.policy.batch_sizes[-500:] or [0])),
+        }

@@ -22,8 +22,6 @@ Plug-in authors import everything they need from here: ``Action``, ``ToolCall``,
 
 from __future__ import annotations
 
-import importlib.metadata
-import logging
 import random
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -41,6 +39,8 @@ from tunix_tasks.envs.calculator import CalculatorEnv
 from tunix_tasks.envs.guess_number import GuessNumberEnv
 from tunix_tasks.envs.latency import LatencyWrapper
 from tunix_tasks.envs.python_exec import PythonExecEnv
+from tunix_tasks.envs.registry import Registry
+from tunix_tasks.envs.sorting import SortingEnv
 from tunix_tasks.messages import function_tool
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "GuessNumberEnv",
     "LatencyWrapper",
     "PythonExecEnv",
+    "SortingEnv",
     "StepResult",
     "ToolCall",
     "available_envs",
@@ -62,53 +63,22 @@ __all__ = [
     "register_env",
 ]
 
-logger = logging.getLogger(__name__)
-
 ENTRY_POINT_GROUP = "tunix_tasks.envs"
 EnvFactory = Callable[..., Environment]
 F = TypeVar("F", bound=Callable[..., Any])
 
-_REGISTRY: dict[str, EnvFactory] = {}
+_REGISTRY = Registry(ENTRY_POINT_GROUP, "environment")
 
 
 def register_env(name: str) -> Callable[[F], F]:
     """Decorator: register a class or factory under ``name`` (re-registering the same
     object is a no-op; a different object under a taken name is an error)."""
-
-    def deco(factory: F) -> F:
-        existing = _REGISTRY.get(name)
-        if existing is not None and existing is not factory:
-            raise ValueError(f"environment {name!r} is already registered to {existing!r}")
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
-
-
-def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    try:
-        eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-    except Exception:  # a broken installed distribution must not break the registry
-        logger.exception("cannot list entry points of group %s", ENTRY_POINT_GROUP)
-        return {}
-    return {ep.name: ep for ep in eps}
+    return _REGISTRY.register(name)
 
 
 def available_envs() -> list[str]:
     """Names of registered and entry-point environments, sorted."""
-    return sorted(set(_REGISTRY) | set(_entry_points()))
-
-
-def _factory(name: str) -> EnvFactory:
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    ep = _entry_points().get(name)
-    if ep is None:
-        raise KeyError(f"unknown environment {name!r}; available: {', '.join(available_envs())}")
-    factory = ep.load()
-    if not callable(factory):
-        raise TypeError(f"entry point {ep.value!r} for {name!r} is not callable")
-    return register_env(name)(factory)
+    return _REGISTRY.names()
 
 
 def make_env(
@@ -123,7 +93,7 @@ def make_env(
     ``LatencyWrapper`` (jitter fraction ``latency_jitter``, RNG seeded by ``latency_seed``).
     Raises ``KeyError`` listing the valid names when ``name`` is unknown, ``TypeError``
     naming it when the object built does not have the protocol's members."""
-    env = _factory(name)(**kwargs)
+    env = _REGISTRY.factory(name)(**kwargs)
     check_environment(env, name)
     if latency_s > 0:
         env = LatencyWrapper(env, latency_s, latency_jitter, random.Random(latency_seed))
@@ -134,3 +104,4 @@ register_env("guess_number")(GuessNumberEnv)
 register_env("calculator")(CalculatorEnv)
 register_env("python_exec")(PythonExecEnv)
 register_env("arithmetic")(ArithmeticEnv)
+register_env("sorting")(SortingEnv)

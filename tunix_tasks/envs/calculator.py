@@ -11,6 +11,9 @@ Tool: ``calculate(expression)``. Actions:
 * no tool call: the content is the answer. An integer (``68``) -> reward 1.0 if it
   equals the true result, else 0; done. Anything else -> ``invalid: ...``; continues.
 
+Each step's info has ``turns`` and ``kind`` (``tool`` / ``answer`` / ``invalid``); the
+answer step's also ``used_tool`` (whether any earlier turn called the tool).
+
 Done after an answer or ``max_turns`` (default 3). Demonstration: tool call, then answer.
 """
 
@@ -20,6 +23,7 @@ import ast
 import operator
 import random
 from collections.abc import Callable
+from typing import Any
 
 from tunix_tasks.envs.base import StepResult, string_argument
 from tunix_tasks.envs.guess_number import parse_int
@@ -73,28 +77,37 @@ def safe_eval(expr: str) -> int:
         raise ToolError("expression too deep") from e
 
 
-class CalculatorEnv:
-    name = "calculator"
-    tools = (
-        function_tool(
-            "calculate",
-            "Evaluate an integer arithmetic expression (+ - * //).",
-            {"expression": "the expression, e.g. 23+45"},
-        ),
+def calculate_tool(example: str) -> dict[str, Any]:
+    """The ``calculate`` tool's schema, its description showing ``example``."""
+    return function_tool(
+        "calculate",
+        "Evaluate an integer arithmetic expression (+ - * //).",
+        {"expression": f"the expression, e.g. {example}"},
     )
 
+
+class CalculatorEnv:
+    name = "calculator"
+    tools = (calculate_tool("23+45"),)
+
     def __init__(self, difficulty: int = 2, ops: str = "+-*", max_turns: int = 3) -> None:
-        if difficulty < 1 or not ops or set(ops) - set("+-*") or max_turns < 1:
-            raise ValueError(
-                "need difficulty >= 1, ops a non-empty subset of '+-*', max_turns >= 1"
-            )
-        self.difficulty, self.ops, self.max_turns = difficulty, ops, max_turns
-        self._question: str | None = None
+        if difficulty < 1:
+            raise ValueError("need difficulty >= 1")
+        self.difficulty = difficulty
+        self._setup(ops, max_turns)
+
+    def _setup(self, ops: str, max_turns: int) -> None:
+        """Check and set what subclasses share (their own question settings aside)."""
+        if not ops or set(ops) - set("+-*") or max_turns < 1:
+            raise ValueError("need ops a non-empty subset of '+-*' and max_turns >= 1")
+        self.ops, self.max_turns = ops, max_turns
         self._answer = 0
         self._turns = 0
+        self._used_tool = False
         self._done = True
 
-    def _question_for(self, seed: int) -> tuple[str, int]:
+    def question_for(self, seed: int) -> tuple[str, int]:
+        """The expression of ``seed`` (e.g. ``23+45``) and its value."""
         rng = random.Random(seed)
         hi = 10**self.difficulty - 1
         a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice(self.ops)
@@ -102,23 +115,26 @@ class CalculatorEnv:
         return expr, safe_eval(expr)
 
     async def reset(self, seed: int) -> str:
-        self._question, self._answer = self._question_for(seed)
-        self._turns, self._done = 0, False
-        return f"{self._question}=?"
+        question, self._answer = self.question_for(seed)
+        self._turns, self._used_tool, self._done = 0, False, False
+        return f"{question}=?"
 
     async def step(self, action: Action) -> StepResult:
         if self._done:
             raise RuntimeError("step() called on a finished episode; call reset() first")
         self._turns += 1
-        reward, answered, info = 0.0, False, {"turns": self._turns}
+        reward, answered = 0.0, False
+        info: dict[str, object] = {"turns": self._turns}
         if action.tool_calls:
             info["kind"] = "tool"
+            self._used_tool = True
             try:
                 obs = str(safe_eval(string_argument(action.tool_calls[0], self.tools)))
             except ValueError as e:  # ToolError too
                 obs = f"error: {e}"
         elif (value := parse_int(action.content)) is not None:
             info["kind"] = "answer"
+            info["used_tool"] = self._used_tool  # lets evaluations tell copying from guessing
             answered = True
             reward = 1.0 if value == self._answer else 0.0
             obs = "correct" if reward else "wrong"
@@ -129,6 +145,6 @@ class CalculatorEnv:
         return StepResult(obs, reward, self._done, info)
 
     def demonstration(self, seed: int) -> list[Action]:
-        question, answer = self._question_for(seed)
+        question, answer = self.question_for(seed)
         call = ToolCall("calculate", {"expression": question})
         return [Action(tool_calls=(call,)), Action(content=str(answer))]

@@ -5,7 +5,7 @@
     tunix-tasks train   [--config run.yaml] [--set k=v ...] [--store URI] [--run-name N]
                         [--mode async|sync] [--quiet] [--json]
     tunix-tasks prepare [--config run.yaml] [--set k=v ...]   # write <run>/config.json
-    tunix-tasks actor   --run URI --actor-id N [--deadline S]
+    tunix-tasks actor   --run URI --actor-id N [--deadline S] [--kind async|vectorized]
     tunix-tasks learner --run URI [--max-steps N] [--deadline S]
     tunix-tasks report  RUN_URI [--baseline RUN_URI]
     tunix-tasks eval    RUN_URI [--version N] [--episodes N]
@@ -148,7 +148,7 @@ def _actor(args: argparse.Namespace) -> int:
 
     _check_run_config(args.run)
 
-    _print_json(run_actor(args.run, args.actor_id, deadline_s=args.deadline))
+    _print_json(run_actor(args.run, args.actor_id, deadline_s=args.deadline, kind=args.kind))
     return 0
 
 
@@ -227,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="run URI (holds config.json)")
     p.add_argument("--actor-id", type=int, required=True)
     p.add_argument("--deadline", type=float, default=None, help="stop after this many seconds")
+    p.add_argument(
+        "--kind",
+        choices=("async", "vectorized"),
+        default=None,
+        help="override the run's actor.kind for this actor (a fleet may mix both)",
+    )
 
     p = command("learner", _learner, "run the learner of a prepared run (resumes)")
     p.add_argument("--run", required=True, help="run URI (holds config.json)")

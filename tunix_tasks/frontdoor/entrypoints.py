@@ -59,11 +59,20 @@ def run_actor(
     *,
     deadline_s: float | None = None,
     handle_signals: bool = True,
+    kind: str | None = None,
 ) -> dict[str, Any]:
-    """Run actor `actor_id` of a prepared run until DONE, the deadline or a signal."""
-    from tunix_tasks.actor.actor import Actor
-
+    """Run actor `actor_id` of a prepared run until DONE, the deadline or a signal.
+    `kind` (async / vectorized) overrides the run's `actor.kind` for this actor: one
+    run's fleet can mix both, the learner reads their shards alike."""
     cfg, store = read_config(run_uri)
+    if kind is not None and kind != cfg.actor.kind:
+        cfg = config_from_dict(
+            {**cfg.model_dump(), "actor": {**cfg.actor.model_dump(), "kind": kind}}
+        )
+    if cfg.actor.kind == "vectorized":
+        from tunix_tasks.actor.vectorized import VectorizedActor as Actor
+    else:
+        from tunix_tasks.actor.actor import Actor
     actor = Actor(
         cfg, store, actor_id=actor_name(actor_id), deadline_s=deadline_s or cfg.deadline_s or None
     )

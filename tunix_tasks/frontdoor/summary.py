@@ -56,6 +56,10 @@ def format_train_summary(s: dict[str, Any]) -> str:
         "data": f"episodes by staleness {_counts(step.get('staleness'))}; "
         f"dropped {_counts(step.get('dropped'))}; quarantined shards {step.get('quarantined', 0)}",
         "utilization": explain_duty(step.get("duty_cycle"), None),  # the why: next line
+        # Staleness 0: sampler-vs-learner numerics alone (bf16 sampling's cost; the report
+        # has them over the run). "-": the last step had no fresh tokens.
+        "mismatch": f"fresh tokens: k3 KL {_num(step.get('approx_kl_s0'))}, max |logprob "
+        f"diff| {_num(step.get('max_abs_logprob_diff_s0'))} (last step)",
         "audit": (s.get("latency_audit") or {}).get("advice") or "-",
         "actors": _actors(s),
         "display": f"lag mean {_num(lag.get('mean'))} s, max {_num(lag.get('max'))} s",

@@ -73,7 +73,11 @@ class Checkpointer:
                 # behind; saving that step again on resume must not trip over it.
                 cleanup_tmp_directories=True,
             ),
-            item_names=("state", "meta"),
+            # Handlers up front (not just names): reading a step's metadata needs them.
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
         )
 
     def latest_step(self) -> int | None:
@@ -136,12 +140,22 @@ class Checkpointer:
         self, template: dict, step: int | None = None
     ) -> tuple[dict, dict[str, Any]] | None:
         """(state pytree shaped and sharded like `template`, meta) of `step` (default:
-        the latest); None without one."""
+        the latest); None without one. Only the top-level parts of `template` the
+        checkpoint holds come back: `template` may offer more (a KL reference the run
+        saved or not, as its `kl_coef` was), but must cover every part saved."""
+        self.wait()  # a save still in flight: its metadata exists once it is committed
         step = self._manager.latest_step() if step is None else step
         if step is None:
             return None
         pure = _pure(template)
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, pure)
+        saved = set(self._manager.item_metadata(step)["state"])  # names only, no data
+        if unknown := saved - set(pure):
+            raise ValueError(f"checkpoint {step} holds parts {sorted(unknown)} not in template")
+        abstract = {
+            name: jax.tree.map(ocp.utils.to_shape_dtype_struct, part)
+            for name, part in pure.items()
+            if name in saved
+        }
         got = self._manager.restore(
             step,
             args=ocp.args.Composite(

@@ -44,7 +44,7 @@ RECORD_METRICS = (
     *("is_weight_mean", "is_weight_max", "is_clipped_frac", "ratio_mean", "ratio_max"),
     *("approx_kl", "ppo_clip_frac", "kl_ref", "entropy"),
 )
-_PER_BUCKET = ("tokens", "approx_kl", "ratio_mean", "is_clipped_frac")
+_PER_BUCKET = ("tokens", "approx_kl", "max_abs_logprob_diff", "ratio_mean", "is_clipped_frac")
 
 
 def trainer_metrics(m: dict[str, float]) -> dict[str, float]:

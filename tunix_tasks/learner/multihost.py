@@ -243,7 +243,7 @@ def follow(cfg: RunConfig, store: ObjectStore) -> dict[str, Any]:
             elif op is Op.FREEZE_REFERENCE:
                 trainer.freeze_reference()
             elif op is Op.RESTORE and args[0] >= 0:
-                trainer.load_state(ckpt.restore(trainer.state(), args[0])[0])
+                trainer.load_state(ckpt.restore(trainer.checkpoint_template(), args[0])[0])
             elif op is Op.SAVE:
                 ckpt.save(args[0], trainer.state(), {}, None)
             elif op is Op.STOP:

@@ -313,11 +313,13 @@ def staleness_stats(
 
     ``staleness[r, p]``: learner version minus the policy version of the token's episode.
     For each bucket ``b``: ``tokens_b`` (loss tokens), ``approx_kl_b`` (k3 of
-    ``KL(mu || pi)``), ``ratio_mean_b`` (``pi/mu``), ``is_clipped_frac_b`` (``pi/mu >
-    rho_max``). At staleness 0 the behaviour policy IS the learner's current weights, so
-    ``approx_kl_s0`` measures the sampler-vs-learner numerical mismatch alone (dtype,
-    kernels, a temperature or top-k mismatch); stale buckets add the policy's drift.
-    Empty buckets give zeros (``tokens_b == 0`` says so).
+    ``KL(mu || pi)``), ``max_abs_logprob_diff_b`` (``max |log pi - log mu|``),
+    ``ratio_mean_b`` (``pi/mu``), ``is_clipped_frac_b`` (``pi/mu > rho_max``). At
+    staleness 0 the behaviour policy IS the learner's current weights, so ``approx_kl_s0``
+    and ``max_abs_logprob_diff_s0`` measure the sampler-vs-learner numerical mismatch
+    alone (dtype, e.g. bfloat16 sampling; kernels; a temperature or top-k mismatch): the
+    mean cost and the worst token. Stale buckets add the policy's drift. Empty buckets
+    give zeros (``tokens_b == 0`` says so).
     """
     on = jnp.asarray(mask) > 0
     lr = jax.lax.stop_gradient(
@@ -330,6 +332,7 @@ def staleness_stats(
         m = sel.astype(jnp.float32)
         out[f"tokens_{name}"] = jnp.sum(m)
         out[f"approx_kl_{name}"] = masked_mean(k3(lr), m)
+        out[f"max_abs_logprob_diff_{name}"] = jnp.max(jnp.where(sel, jnp.abs(lr), 0.0))
         out[f"ratio_mean_{name}"] = masked_mean(jnp.exp(lr), m)
         out[f"is_clipped_frac_{name}"] = masked_mean(lr > jnp.log(rho_max), m)
     return out

@@ -128,7 +128,7 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
         full_every=cfg.learner.full_snapshot_every,
     )
     published = p.publisher.latest_version  # -1: no weights out there
-    restored = p.ckpt.restore(p.trainer.state())
+    restored = p.ckpt.restore(p.trainer.checkpoint_template())
     if restored is not None:
         state, meta = restored
         p.trainer.load_state(state)

@@ -328,15 +328,37 @@ class Trainer:
             state["reference"] = self.reference
         return state
 
+    def checkpoint_template(self) -> dict[str, Any]:
+        """What to restore a checkpoint into: `state()`, with a KL reference slot (the
+        trained params' shapes and shardings) even without `kl_coef`, since a checkpoint
+        saved under another `kl_coef` may hold one (`Checkpointer.restore` takes only the
+        parts saved)."""
+        template = self.state()
+        template.setdefault("reference", nnx.state(self.model, self.trained))
+        return template
+
     def load_state(self, pure: dict[str, Any]) -> None:
-        """Take the state a checkpoint restored (`state()`'s layout, as plain dicts)."""
+        """Take the state a checkpoint restored (`state()`'s layout, as plain dicts).
+        `kl_coef` changed since the save: a reference this run does not use is ignored;
+        one it needs and the checkpoint lacks is taken from the restored params."""
         target = self.state()  # {"model": State, "opt": State, ...}: fill each in turn
+        fresh_reference = "reference" in target and "reference" not in pure
+        if fresh_reference:
+            del target["reference"]
+        elif "reference" in pure and "reference" not in target:
+            log.info("checkpoint has a KL reference; learner.kl_coef is 0: not using it")
         for name, part in target.items():
             nnx.replace_by_pure_dict(part, pure[name])
         self.restore_state(target)
+        if fresh_reference:
+            log.info(
+                "checkpoint saved with learner.kl_coef 0 has no KL reference: "
+                "taking it from the restored params"
+            )
+            self.reference = self._trained_copy()
 
     def restore_state(self, state: dict[str, Any]) -> None:
         nnx.update(self.model, state["model"])
         nnx.update(self.optimizer, state["opt"])
-        if self.reference is not None:
+        if self.reference is not None and "reference" in state:
             self.reference = state["reference"]

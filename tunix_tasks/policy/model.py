@@ -5,8 +5,9 @@ This module owns:
 - `Transformer(spec)`: token embedding, pre-norm blocks (RMSNorm; causal grouped-query
   attention with RoPE, optional per-head q/k RMSNorm (Qwen3) and q/k/v bias (Qwen2);
   SwiGLU MLP), final norm, output projection (tied to the embedding or not). The
-  `DecoderSpec` (`policy/spec.py`) says which options a family uses. Params are float32;
-  `compute_dtype` (float32 / bfloat16) is what matmuls run in; logits are float32.
+  `DecoderSpec` (`policy/spec.py`) says which options a family uses. Params are float32
+  (a sampler holds them in its compute dtype: `policy/precision.py`); `compute_dtype`
+  (float32 / bfloat16) is what matmuls run in; logits accumulate in float32.
 - Packed training forward: `model(tokens, positions, segment_ids)`. Attention is causal and
   never crosses a segment; segment 0 is padding. Positions restart at 0 per segment.
 - KV-cache decoding for the sampler: `init_cache` + `forward_with_cache` with static shapes;

@@ -2,7 +2,8 @@
 
 Names are the model's NNX paths joined by "/" (`blocks/0/attn/wq`), stable across runs;
 values are float32 numpy arrays, ready for safetensors. Loading checks every name, shape
-and dtype before it swaps anything, and keeps each param's sharding.
+and dtype before it swaps anything, and keeps each param's sharding and held dtype (a
+bfloat16-held sampler, `policy/precision.py`, stays bfloat16).
 
     flat = flat_params(model)             # {"embed": ndarray, "blocks/0/attn/wq": ...}
     load_flat_params(model, flat)         # ValueError naming every mismatch; model unchanged
@@ -81,8 +82,9 @@ def check_flat_params(
 def load_flat_params(
     model: nnx.Module, flat: Mapping[str, np.ndarray], only: Only = nnx.Param
 ) -> None:
-    """Load `flat_params`-style arrays into `model` in place (keeps each param's sharding);
-    `only=nnx.LoRAParam` loads adapters and leaves the base as it is.
+    """Load `flat_params`-style arrays into `model` in place, each param keeping its
+    sharding and the dtype it is held in (float32 snapshots into a bfloat16-held model are
+    rounded to bfloat16); `only=nnx.LoRAParam` loads adapters and leaves the base as it is.
 
     Checks first (`check_flat_params`: names, shapes, float32) and raises ValueError naming
     every problem; nothing is modified when it raises. Then swaps one tensor at a time, so
@@ -92,7 +94,10 @@ def load_flat_params(
     state = nnx.state(model, only)
     for path, var in nnx.to_flat_state(state):
         old = var[...]
-        value = jnp.asarray(np.asarray(flat["/".join(str(p) for p in path)], dtype=np.float32))
+        value = np.asarray(flat["/".join(str(p) for p in path)], dtype=np.float32)
+        # Rounded on the host (ml_dtypes, round-to-nearest-even like XLA): a bfloat16-held
+        # model never holds a float32 copy of a tensor on its device.
+        value = jnp.asarray(value.astype(old.dtype, copy=False))
         if isinstance(getattr(old, "sharding", None), jax.sharding.NamedSharding):
             value = jax.device_put(value, old.sharding)
         var.set_value(value)

@@ -31,7 +31,12 @@ position the call can touch (decode attends over the live positions' bucket, not
 cache). Compiles are bounded by |batch buckets| x |buckets|^2; weights, temperature, top-k,
 budgets and stop ids are traced, so `update_params` never recompiles.
 
-Log-probs come from `model.sampling_log_probs`, the function the learner scores with.
+Log-probs come from `sampling_log_probs`, the function the learner scores with, over
+float32 logits. Precision: a model with `compute_dtype` bfloat16 is held in bfloat16
+(`policy/precision.py`; snapshots load into it rounded, `update_params` keeps it so), its
+KV cache is bfloat16, and its logits are bfloat16 matmul inputs accumulated in float32,
+so the recorded log-probs differ from a float32 learner's by bf16 rounding only
+(`max_abs_logprob_diff_s0` in the learner's metrics measures it).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from flax import nnx
 from tunix_tasks.policy import decoding
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.params import load_flat_params
+from tunix_tasks.policy.precision import cast_params
 from tunix_tasks.policy.requests import (
     Request,
     Sample,
@@ -69,6 +75,12 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
         if b >= n:
             return b
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _slot_array(rows: list[Request], batch: int, scratch: int) -> np.ndarray:
+    slots = np.full(batch, scratch, np.int32)  # padding rows: the scratch slot
+    slots[: len(rows)] = [r.slot for r in rows]
+    return slots
 
 
 class Sampler:
@@ -107,6 +119,8 @@ class Sampler:
         self.stats = SamplerStats()
         self.version = -1
         self._model = model
+        # Held in the compute dtype: a decode step reads every weight (module docstring).
+        cast_params(model, model.compute_dtype)
         self._graphdef, self._state = nnx.split(model)
         # The last cache row is scratch: padding rows of a batch read and write there.
         self._cache = model.init_cache(max_sequences + 1, self.max_seq_len, kv_dtype)
@@ -137,6 +151,7 @@ class Sampler:
 
         Names, shapes and dtypes (float32) are checked against the model BEFORE anything is
         swapped: a ValueError naming every mismatch leaves the sampler on its old weights.
+        A bfloat16-held model stays bfloat16 (each tensor is rounded as it loads).
         Every cached slot is invalidated and rows in flight are re-admitted (module doc).
         """
         load_flat_params(self._model, flat, only)  # checks everything first, then swaps
@@ -296,7 +311,7 @@ class Sampler:
             starts[i], last[i] = start, len(seq) - 1 - start
             self.stats.prefill_tokens += len(seq) - reuse[i]
             self.stats.reused_tokens += reuse[i]
-        slots = self._slot_array(rows, batch)
+        slots = _slot_array(rows, batch, self._slots.slots)
         params = row_params(rows, batch, _MAX_STOP_IDS)
         n_gen = np.zeros(batch, np.int32)
         n_gen[: len(rows)] = [len(r.generated) for r in rows]
@@ -326,8 +341,9 @@ class Sampler:
         n_gen, done = np.zeros(batch, np.int32), np.ones(batch, bool)
         for i, (r, (t, p)) in enumerate(zip(rows, state, strict=True)):
             last_tok[i], pos[i], n_gen[i], done[i] = t, p, len(r.generated), False
+        slots = _slot_array(rows, batch, self._slots.slots)
         self._cache, out_tok, out_lp, _, done, last_tok, pos = self._decode(
-            self._state, self._cache, self._slot_array(rows, batch), last_tok, pos, n_gen, done,
+            self._state, self._cache, slots, last_tok, pos, n_gen, done,
             self._key, row_params(rows, batch, _MAX_STOP_IDS),
             window=window, steps=steps, max_seq_len=self.max_seq_len,
         )  # fmt: skip
@@ -352,11 +368,6 @@ class Sampler:
     def _finish(self, row: Request) -> None:
         self._release(row)
         row.finish()
-
-    def _slot_array(self, rows: list[Request], batch: int) -> np.ndarray:
-        slots = np.full(batch, self._slots.slots, np.int32)  # padding rows: the scratch slot
-        slots[: len(rows)] = [r.slot for r in rows]
-        return slots
 
     # ------------------------------------------------------------------ jitted programs
 

@@ -1,0 +1,112 @@
+"""The vectorized actor (`actor.kind: vectorized`): JAX environments and the policy on the device.
+
+    actor = VectorizedActor(cfg, store, actor_id="actor-0")
+    summary = actor.run()          # until DONE marker, deadline, SIGTERM/SIGINT/SIGHUP
+
+`envs_per_actor` rows step in one jitted loop (`ondevice.OnDeviceRollout`,
+`device_loop.py`); between segments the actor reloads weights, and while the device runs
+the next segment it turns the last one's finished episodes into `Episode`s and commits
+each GRPO group (`group_size` episodes of one task) once all its members are in. The
+shards are the asynchronous actor's: same schema, same validation, one learner for both.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from tunix_tasks.actor.device_loop import Finished, Shape
+from tunix_tasks.actor.ondevice import OnDeviceRollout
+from tunix_tasks.actor.runtime import ActorRuntime, episode_seed
+from tunix_tasks.actor.token_layout import TokenLayout
+from tunix_tasks.config import RunConfig
+from tunix_tasks.envs.vectorized import make_vec_env
+from tunix_tasks.episode import Episode
+from tunix_tasks.policy.build import build_policy
+from tunix_tasks.storage.store import ObjectStore
+
+__all__ = ["VectorizedActor"]
+
+
+class VectorizedActor(ActorRuntime):
+    """`actor.kind: vectorized` (module docstring)."""
+
+    def __init__(self, cfg: RunConfig, store: ObjectStore, **kwargs: Any) -> None:
+        super().__init__(cfg, store, **kwargs)
+        a = cfg.actor
+        chat, model = build_policy(cfg.model, seed=cfg.seed)
+        env = make_vec_env(cfg.env.name, **cfg.env.kwargs)
+        e = a.envs_per_actor
+        shape = Shape(
+            e, a.max_episode_tokens, a.max_new_tokens, cfg.env.max_turns, a.group_size, 2 * e
+        )
+        self.sampler = OnDeviceRollout(
+            model,
+            env,
+            TokenLayout.from_chat(chat),
+            shape,
+            temperature=a.temperature,
+            top_k=a.top_k,
+            token_seed=episode_seed(cfg.seed, self._seed_key, -1),
+            env_seed=episode_seed(cfg.seed, self._seed_key, -2),
+        )
+        self.segment_steps = a.max_episode_tokens  # about one episode per row per segment
+        self._groups: dict[int, list[Episode]] = {}
+        self._row_steps = (0, time.monotonic())  # since the last metrics record
+        self.row_steps_per_s: float | None = None
+
+    def _serve(self) -> None:
+        pending = self.sampler.launch(self.segment_steps)
+        last_watch = 0.0
+        try:
+            while not self._should_stop():
+                self._maybe_reload()  # rows in flight continue under the new weights
+                launched = self.sampler.launch(self.segment_steps)
+                self._collect(*self.sampler.fetch(pending))
+                pending = launched
+                if time.monotonic() - last_watch >= 1.0:
+                    last_watch = time.monotonic()
+                    if self._watch_once():
+                        break
+        finally:  # what already finished on the device is not lost
+            self._collect(*self.sampler.fetch(pending))
+
+    def _collect(self, out: Finished, ran: int) -> None:
+        """Episodes of a segment; commit every group whose members are all in."""
+        g = self.cfg.actor.group_size
+        steps, since = self._row_steps
+        self._row_steps = (steps + ran * self.sampler.shape.envs, since)
+        for i in range(int(out.count)):
+            n, ticket = int(out.length[i]), int(out.ticket[i])
+            group = ticket // g
+            ep = Episode(
+                uuid.uuid4().hex,
+                out.tokens[i, :n],
+                out.mask[i, :n],
+                out.logprobs[i, :n],
+                reward=float(out.reward[i]),
+                policy_version=int(out.version[i]),
+                actor_id=self.actor_id,
+                env=self.cfg.env.name,
+                group_id=f"{self._seed_key}/{group}",
+                seed=group,
+                num_turns=int(out.turns[i]),
+                status="truncated" if out.truncated[i] else "ok",
+            )
+            members = self._groups.setdefault(group, [])
+            members.append(ep)
+            if len(members) == g:
+                self._commit(self._groups.pop(group))
+
+    def _engine_metrics(self) -> dict[str, Any]:
+        steps, since = self._row_steps
+        now = time.monotonic()
+        if now - since >= 1.0:  # every row feeds one token per step: the loop's speed
+            self.row_steps_per_s = steps / (now - since)
+            self._row_steps = (0, now)
+        return {
+            "envs": self.sampler.shape.envs,
+            "groups_open": len(self._groups),
+            "row_steps_per_s": self.row_steps_per_s,
+        }

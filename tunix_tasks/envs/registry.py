@@ -1,0 +1,69 @@
+"""`Registry`: names -> factories, from code (`register`) and from an entry-point group.
+
+One instance per kind of environment: the asynchronous envs (`tunix_tasks.envs`) and the
+vectorized JAX envs (`tunix_tasks.envs.vectorized`). Entry points are discovered on demand,
+so any installed plug-in is available by name without an import.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["Registry"]
+
+logger = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Registry:
+    """`register(name)(factory)`, `names()`, `factory(name)` (which raises `KeyError`
+    listing the valid names)."""
+
+    def __init__(self, group: str, what: str) -> None:
+        self.group, self.what = group, what
+        self._factories: dict[str, Callable[..., Any]] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        """Decorator: register a class or factory under ``name`` (re-registering the same
+        object is a no-op; a different object under a taken name is an error)."""
+
+        def deco(factory: F) -> F:
+            existing = self._factories.get(name)
+            if existing is not None and existing is not factory:
+                raise ValueError(f"{self.what} {name!r} is already registered to {existing!r}")
+            self._factories[name] = factory
+            return factory
+
+        return deco
+
+    def copy(self) -> Registry:
+        """An independent registry with the same registrations (tests restore it)."""
+        other = Registry(self.group, self.what)
+        other._factories = dict(self._factories)
+        return other
+
+    def _entry_points(self) -> dict[str, importlib.metadata.EntryPoint]:
+        try:
+            eps = importlib.metadata.entry_points(group=self.group)
+        except Exception:  # a broken installed distribution must not break the registry
+            logger.exception("cannot list entry points of group %s", self.group)
+            return {}
+        return {ep.name: ep for ep in eps}
+
+    def names(self) -> list[str]:
+        """Registered and entry-point names, sorted."""
+        return sorted(set(self._factories) | set(self._entry_points()))
+
+    def factory(self, name: str) -> Callable[..., Any]:
+        if name in self._factories:
+            return self._factories[name]
+        ep = self._entry_points().get(name)
+        if ep is None:
+            raise KeyError(f"unknown {self.what} {name!r}; available: {', '.join(self.names())}")
+        factory = ep.load()
+        if not callable(factory):
+            raise TypeError(f"entry point {ep.value!r} for {name!r} is not callable")
+        return self.register(name)(factory)
