@@ -56,7 +56,7 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _warm(sampler: Sampler, envs: int, max_tokens: int, max_new: int) -> None:
+def warm_sampler(sampler: Sampler, envs: int, max_tokens: int, max_new: int) -> None:
     """Compile every (batch bucket <= envs, prompt bucket) shape the actor can use."""
     batches = [b for b in sampler.batch_buckets if b < envs]
     batches.append(next(b for b in sampler.batch_buckets if b >= envs))
@@ -64,7 +64,7 @@ def _warm(sampler: Sampler, envs: int, max_tokens: int, max_new: int) -> None:
     widths.append(next(p for p in sampler.prompt_buckets if p >= max_tokens))
     for b in batches:
         for w in widths:
-            ctx = [[sampler.tokenizer.bos_id] * min(w, max_tokens - 1)] * b
+            ctx = [[sampler.pad_id] * min(w, max_tokens - 1)] * b
             # a raw uint32 key like the actor's (a typed key would be another program)
             sampler.sample(ctx, max_new_tokens=max_new, rng=jax.random.PRNGKey(0))
 
@@ -86,7 +86,7 @@ def measure_actor(root: str, envs: int, warmup_s: float, window_s: float) -> dic
         flat_params(model), version=0, step=0, model=model_meta(cfg.model, model)
     )
     actor = Actor(cfg, store, actor_id=f"bench-{envs}")
-    _warm(actor.sampler, envs, cfg.actor.max_episode_tokens, cfg.actor.max_new_tokens)
+    warm_sampler(actor.sampler, envs, cfg.actor.max_episode_tokens, cfg.actor.max_new_tokens)
     compiles = actor.sampler.compile_count
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(actor.run()))

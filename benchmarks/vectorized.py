@@ -5,7 +5,9 @@ E calculator envs on an asyncio loop, the continuously batched sampler) and a
 `VectorizedActor` (`actor.kind=vectorized`: the JAX calculator and the policy in one
 jitted loop) run on a file:// run with the same published weights (the "tiny" preset's
 random init), `group_size` 4, 3 turns, 8 new tokens a turn, 96-token episodes. After the
-first committed shard (compiles done) and `--warmup` s, each is measured for `--window` s:
+first committed shard, and once no new program was compiled for `--warmup` s (the
+asynchronous sampler compiles a program per new shape it meets), each actor is measured
+for `--window` s:
 
 * trained-ready episodes/s: episodes committed to shards (whole GRPO groups), the rate the
   learner can be fed at;
@@ -20,7 +22,7 @@ Then bf16 sampling (`model.dtype=bfloat16`) against float32 at one E: episodes/s
 mismatch a float32 learner would see at staleness 0 (mean k3 KL and max |log-prob diff|
 over the recorded policy tokens, rescored by one full float32 forward pass).
 
-    python benchmarks/vectorized.py [--envs 64 256 1024 4096] [--warmup 3] [--window 15]
+    python benchmarks/vectorized.py [--envs 64 256 1024 4096] [--warmup 5] [--window 15]
         [--async-max 4096] [--precision-envs 256]
 """
 
@@ -100,7 +102,12 @@ def measure(cfg: RunConfig, cls: type[ActorRuntime], warmup_s: float, window_s: 
             raise RuntimeError(f"{cls.__name__} died before its first shard")
         time.sleep(0.05)
     first_shard_s = time.monotonic() - t0
-    time.sleep(warmup_s)
+    # The asynchronous sampler compiles a program per new (batch, chunk, window) shape as
+    # it meets them: measure once no new program came for `warmup_s` (at most 3 min).
+    compiles = -1
+    while actor.sampler.compile_count != compiles and time.monotonic() - t0 < 180:
+        compiles = actor.sampler.compile_count
+        time.sleep(warmup_s)
     (eps0, steps0), t1 = _committed(actor), time.monotonic()
     time.sleep(window_s)
     (eps1, steps1), t2 = _committed(actor), time.monotonic()
@@ -173,7 +180,7 @@ def mismatch(cfg: RunConfig, actor: ActorRuntime, limit: int = 256) -> dict[str,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--envs", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    p.add_argument("--warmup", type=float, default=3.0)
+    p.add_argument("--warmup", type=float, default=5.0)
     p.add_argument("--window", type=float, default=15.0)
     p.add_argument("--async-max", type=int, default=4096, help="largest E for the async actor")
     p.add_argument("--precision-envs", type=int, default=256)
