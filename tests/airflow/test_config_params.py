@@ -93,6 +93,6 @@ def test_config_params_import_is_light():
         cwd=REPO,
     ).stdout
     assert out.strip() == (
-        "['tunix_tasks', 'tunix_tasks.config', 'tunix_tasks.config_model', "
-        "'tunix_tasks.config_objective', 'tunix_tasks.config_params']"
+        "['tunix_tasks', 'tunix_tasks.config', 'tunix_tasks.config_env', "
+        "'tunix_tasks.config_model', 'tunix_tasks.config_objective', 'tunix_tasks.config_params']"
     )

@@ -281,8 +281,8 @@ for path in sys.argv[2:]:
     spec = importlib.util.spec_from_file_location("probe_" + path.rsplit("/", 1)[-1][:-3], path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     out[path] = time.perf_counter() - t0
-light = {"tunix_tasks", "tunix_tasks.config", "tunix_tasks.config_model",
-         "tunix_tasks.config_objective", "tunix_tasks.config_params"}
+light = {"tunix_tasks", "tunix_tasks.config", "tunix_tasks.config_env",
+         "tunix_tasks.config_model", "tunix_tasks.config_objective", "tunix_tasks.config_params"}
 heavy = sorted(m for m in sys.modules if m not in light and m.split(".")[0] in ("jax", "jaxlib",
         "flax", "optax", "tunix_tasks", "pyarrow", "orbax", "numpy", "airflow_client"))
 print(json.dumps({"times": out, "heavy": heavy}))
