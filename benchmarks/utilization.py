@@ -6,6 +6,9 @@ steps, with every environment step taking `--latency` seconds (an emulated remot
   async: actors keep stepping environments while the learner trains on what is buffered
   sync:  actors generate one batch with the newest weights; the learner waits for it
 
+  vectorized: async, fed by one vectorized actor (`actor.kind=vectorized`: the JAX
+         calculator and the policy in one jitted loop, no emulated latency): what the
+         learner reaches when supply is not the bottleneck
   limit: the learner alone, on pre-generated shards of the same shapes (episodes of the
          async run's mean length, groups of `group_size`), never waiting for data
 
@@ -148,6 +151,9 @@ def run(mode: str, overrides: list[str]) -> dict:
     overrides = [*overrides, f"run_name={mode}"]
     if mode == "sync":
         overrides.append("mode=sync")  # SyncFlow: staleness 0, one version per batch
+    if mode == "vectorized":  # one actor process on the actors' core, 256 rows
+        overrides += ["actor.kind=vectorized", "env.latency_s=0", "env.latency_jitter=0",
+                      "actor.num_actors=1", "actor.envs_per_actor=256"]  # fmt: skip
     cfg = load_config("configs/demo.yaml", overrides)
     pinner = Pinner(f"{cfg.store.rstrip('/')}/{mode}")
     pinner.start()
@@ -221,7 +227,7 @@ def main() -> None:
         ov = overrides_for(
             root, args.steps, args.latency, args.actors, args.envs, args.max_staleness
         )
-        results = {m: run(m, ov) for m in ("async", "sync")}
+        results = {m: run(m, ov) for m in ("async", "sync", "vectorized")}
         limit = learner_limit(root, args.steps, results["async"]["run_uri"], ov)
         plan = plan_check(results["async"]["run_uri"], args.envs)
     for r in results.values():
@@ -232,20 +238,22 @@ def main() -> None:
     print(
         f"\n{args.steps} learner steps, env latency {args.latency}s/step, {args.actors} actors x {args.envs} envs"
     )
-    print(f"{'':<18}{'async':>12}{'sync':>12}")
+    print(f"{'':<18}" + "".join(f"{m:>12}" for m in results))
     for r in rows:
-        a, b = results["async"][r], results["sync"][r]
+        values = (results[m][r] for m in results)
         print(
-            f"{r:<18}{a if a is not None else float('nan'):>12.3f}{b if b is not None else float('nan'):>12.3f}"
+            f"{r:<18}" + "".join(f"{v if v is not None else float('nan'):>12.3f}" for v in values)
         )
     print(
         f"{'learner limit':<18}{limit or float('nan'):>12.1f}   tokens/s (learner alone, core {sorted(LEARNER_CORES)})"
     )
-    for m in ("async", "sync"):
+    for m in results:
         print(f"{m} audit: {results[m]['audit']}")
     ratio = results["sync"]["learner wall s"] / results["async"]["learner wall s"]
     print(f"{'sync/async wall':<18}{ratio:>12.2f}   (goal >= 5)")
     print(f"{'async duty':<18}{results['async']['duty cycle']:>12.3f}   (goal >= 0.95)")
+    vec = results["vectorized"]["fraction of limit"]
+    print(f"{'vectorized/limit':<18}{vec or float('nan'):>12.3f}   (goal >= 0.95)")
     for k, v in plan.items():  # docs/scaling.md: the fleet planner checked on this run
         print(f"plan check, {k}: {v if isinstance(v, int) or v is None else round(v, 3)}")
     print(

@@ -109,9 +109,11 @@ def measure(cfg: RunConfig, cls: type[ActorRuntime], warmup_s: float, window_s: 
         compiles = actor.sampler.compile_count
         time.sleep(warmup_s)
     (eps0, steps0), t1 = _committed(actor), time.monotonic()
+    rows0 = (getattr(actor, "row_steps", 0), getattr(actor, "collected_at", 0.0))
     time.sleep(window_s)
     (eps1, steps1), t2 = _committed(actor), time.monotonic()
-    actor._log_metrics(None)  # the vectorized loop's row steps/s over the window
+    # whole segments only: row steps between two segment ends, over the time between them
+    rows1 = (getattr(actor, "row_steps", 0), getattr(actor, "collected_at", 0.0))
     mark_done(actor.store, "benchmark")
     thread.join(120)
     dt = t2 - t1
@@ -119,7 +121,7 @@ def measure(cfg: RunConfig, cls: type[ActorRuntime], warmup_s: float, window_s: 
         "episodes_per_s": (eps1 - eps0) / dt,
         "env_steps_per_s": (steps1 - steps0) / dt,
         "first_shard_s": first_shard_s,
-        "row_steps_per_s": getattr(actor, "row_steps_per_s", None),
+        "row_steps_per_s": (rows1[0] - rows0[0]) / max(rows1[1] - rows0[1], 1e-9),
         "actor": actor,
     }
 

@@ -53,8 +53,10 @@ class VectorizedActor(ActorRuntime):
         )
         self.segment_steps = a.max_episode_tokens  # about one episode per row per segment
         self._groups: dict[int, list[Episode]] = {}
-        self._row_steps = (0, time.monotonic())  # since the last metrics record
-        self.row_steps_per_s: float | None = None
+        # Every row feeds one token per step: row steps/s is the loop's speed.
+        self.row_steps = 0  # since the start, as of `collected_at` (a segment's end)
+        self.collected_at = time.monotonic()
+        self._rate_from = (0, self.collected_at)  # at the previous metrics record
 
     def _serve(self) -> None:
         pending = self.sampler.launch(self.segment_steps)
@@ -75,8 +77,8 @@ class VectorizedActor(ActorRuntime):
     def _collect(self, out: Finished, ran: int) -> None:
         """Episodes of a segment; commit every group whose members are all in."""
         g = self.cfg.actor.group_size
-        steps, since = self._row_steps
-        self._row_steps = (steps + ran * self.sampler.shape.envs, since)
+        self.row_steps += ran * self.sampler.shape.envs
+        self.collected_at = time.monotonic()
         for i in range(int(out.count)):
             n, ticket = int(out.length[i]), int(out.ticket[i])
             group = ticket // g
@@ -100,13 +102,12 @@ class VectorizedActor(ActorRuntime):
                 self._commit(self._groups.pop(group))
 
     def _engine_metrics(self) -> dict[str, Any]:
-        steps, since = self._row_steps
-        now = time.monotonic()
-        if now - since >= 1.0:  # every row feeds one token per step: the loop's speed
-            self.row_steps_per_s = steps / (now - since)
-            self._row_steps = (0, now)
+        steps, since = self._rate_from
+        dt = self.collected_at - since
+        rate = (self.row_steps - steps) / dt if dt > 0 else None
+        self._rate_from = (self.row_steps, self.collected_at)
         return {
             "envs": self.sampler.shape.envs,
             "groups_open": len(self._groups),
-            "row_steps_per_s": self.row_steps_per_s,
+            "row_steps_per_s": rate,
         }
