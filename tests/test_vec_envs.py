@@ -34,10 +34,10 @@ def _text(chars: Chars) -> str:
     return "".join(chr(c) for c in np.asarray(chars.codes)[: int(chars.length)])
 
 
-def _turn(text: str, stop: bool) -> tuple[list[int], Chars]:
+def _turn(text: str, stop: bool, width: int = WIDTH) -> tuple[list[int], Chars]:
     """Sampled ids of a turn, and the Chars the on-device actor gives the env for them."""
-    ids = CHAT.tokenizer.encode(text)[: WIDTH - 1]
-    codes = np.zeros(WIDTH, np.int32)
+    ids = CHAT.tokenizer.encode(text)[: width - 1]
+    codes = np.zeros(width, np.int32)
     codes[: len(ids)] = LAYOUT.id_to_code[ids]
     if stop:
         ids = [*ids, CHAT.tokenizer.end_id]
@@ -121,10 +121,8 @@ def test_calculator_tool_grammar():
     }  # fmt: skip
     step = _jit_step(vec)
     for expr, want in cases.items():
-        ids = CHAT.tokenizer.encode(f"{TOOL}{expr}")
-        codes = np.full(72, 32, np.int32)
-        codes[: len(ids)] = LAYOUT.id_to_code[ids]
-        _, obs, _, done = step(state, Chars(jnp.asarray(codes), jnp.int32(len(ids))))
+        _, chars = _turn(f"{TOOL}{expr}", stop=False, width=72)
+        _, obs, _, done = step(state, chars)
         assert _text(obs) == want and not bool(done), expr
 
 
