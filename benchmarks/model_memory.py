@@ -41,8 +41,9 @@ V vocab_size, T tokens in a training row, C context of an actor sequence):
                 B = min(512, T) rows (chunked/flash attention)
     logits    = 2*T*V*4                 fp32 logits and their log-softmax (or gradient)
     dense     = nq*T*T*(4+2)            for comparison: one layer's full TxT scores + probs,
-                what an unchunked attention (policy/model.py `_attend` today) holds instead
-  Without remat (the learner's model has none today) every layer keeps its working set:
+                what dense attention (`learner.attention_block` 0, or rows no longer than
+                it) holds instead
+  Without remat (`learner.remat` false, the default) every layer keeps its working set:
   about L * layer instead of residuals + layer.
   KV cache    = 2 (K and V) * L * nkv * d * C * 2 bytes (bf16) per sequence
   actor weights = 2 bytes/param (bf16)

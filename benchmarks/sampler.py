@@ -19,8 +19,10 @@ processes hits all of them alike; "iqr" is the interquartile range / median):
               positions + segment_steps + 1). Two tables: tokens/s against the batch at a
               fixed window (`--batches`, `--window`), and against the window at a fixed
               batch (`--windows`, `--window-batch`). "draw ms" is one `decoding.draw` over
-              [B, V] logits alone (log-softmax + categorical, as a segment runs them, in a
-              loop in one program), "draw %" its share of the measured step.
+              [B, V] logits alone (sampling logits, the inverse-CDF draw and the drawn
+              token's log-prob, as a segment runs them, in a loop in one program), "draw %"
+              its share of the measured step. "lane copies" counts the rows the timed
+              segments copied into the decode working set (0: every row kept its lane).
   2. prefill  `step()` on B requests of P tokens with `max_new_tokens=1` (each row is done
               at its prefill, so the step is the one admission prefill call): prompt
               tokens/s = B x P / wall (`--prefill-batches` x `--prefill-lens`).
@@ -30,13 +32,15 @@ processes hits all of them alike; "iqr" is the interquartile range / median):
               turn: prefill tokens (`sampler.stats.prefill_tokens` delta), prefill time
               (the admission alone: `Sampler._admit()`) and the whole turn's time.
   4. train    one `Trainer.step` on a fully packed [--train-rows, --train-len] batch (four
-              episodes per row): tokens/s, the compiled step's memory analysis (XLA's temp /
-              argument sizes) and, in a fresh subprocess, the peak RSS growth of one step
-              (high-water mark reset after the compile). For scale, next to them: what a
-              [rows, T, V] float32 logits tensor would take (the learner scores
-              `learner.logits_chunk` positions at a time, so it never holds one) and one
-              layer's [rows, H, T, T] float32 attention scores (dense attention keeps them,
-              per layer, for the backward pass unless `--remat`).
+              episodes per row), one row per `--attention-block` value (0: dense; samples
+              interleaved): tokens/s, the first step's time (trace + compile), the compiled
+              step's memory analysis (XLA's temp / argument sizes) and, in a fresh
+              subprocess, the peak RSS growth of one step (high-water mark reset after the
+              compile). For scale, next to them: what a [rows, T, V] float32 logits tensor
+              would take (the learner scores `learner.logits_chunk` positions at a time, so
+              it never holds one) and one layer's [rows, H, T, T] float32 attention scores
+              (dense attention keeps them, per layer, for the backward pass unless
+              `--remat`; blockwise attention never holds them).
 
 Rooflines (L layers, d d_model, H / KV heads of size hd, f d_ff, V vocab, B rows, W the
 attended window; P_mm = L*(2*d*H*hd + 2*d*KV*hd + 3*d*f) + d*V the matmul params per token):
@@ -52,7 +56,8 @@ attended window; P_mm = L*(2*d*H*hd + 2*d*KV*hd + 3*d*f) + d*V the matmul params
                 is the ratio against the DRAM roofline whatever the working set)
   prefill       FLOPs = 2*(P_mm - d*V)*B*P + 2*d*V*B (logits only at each row's last
                 token) + 4*L*H*hd*B*P*W; bytes = params + K/V written; limit = B*P / max
-  train step    FLOPs = 3 x forward = B*T*(6*P_mm + 12*L*H*hd*T) (dense T x T attention)
+  train step    FLOPs = 3 x forward = B*T*(6*P_mm + 12*L*H*hd*T) (dense T x T attention;
+                blockwise attention skips the tiles no query needs, so does fewer)
 "of limit" is achieved / limit (1.0 = at the roofline). The host loop between segments
 (building the rows' arrays, the device_get of every segment's tokens), sampling (softmax /
 categorical over the vocabulary), RoPE and norms are not in the limits: they are what the
@@ -353,6 +358,7 @@ class DecodeCase:
     prompt: int  # P
     times: list[float] = dataclasses.field(default_factory=list)
     draw_s: float = 0.0  # `measure_draw` at this batch (per step)
+    lane_copies: int = 0  # rows copied into the decode working set by timed segments
 
     @classmethod
     def plan(cls, sampler: Sampler, batch: int, window: int, segments: int) -> DecodeCase:
@@ -383,11 +389,11 @@ class DecodeCase:
             )
         sp.step()  # admission prefill + the first segment: untimed
         assert sp.active_rows == self.batch, (sp.active_rows, self.batch)
-        steps0 = sp.stats.decode_steps
+        steps0, copies0 = sp.stats.decode_steps, sp.stats.lane_copies
         t0 = time.perf_counter()
         for k in range(self.segments):
             if not timed:  # check the plan: every timed segment attends over this window
-                pos = max(p for _, p in sp._decode_state.values())
+                pos = max(len(r.sequence) - 1 for r in sp._active)
                 assert pos == self.prompt + (k + 1) * s, (pos, self.prompt, k)
                 window = _bucket(min(pos + s + 1, sp.max_seq_len), sp.prompt_buckets)
                 assert window == self.window, (window, self.window)
@@ -397,6 +403,7 @@ class DecodeCase:
         assert sp.stats.decode_steps - steps0 == self.segments * s
         if timed:
             self.times.append(dt)
+            self.lane_copies += sp.stats.lane_copies - copies0
 
     @property
     def tokens(self) -> int:
@@ -414,6 +421,7 @@ class DecodeCase:
             "ms_per_step": 1e3 * med(self.times) / (self.segments * self.sampler.segment_steps),
             "samples_tokens_per_s": tps,
             "draw_ms": 1e3 * self.draw_s,
+            "lane_copies": self.lane_copies,
             **costs.decode(self.batch, self.window, lim),
         }
         r["of_limit"] = r["tokens_per_s"] / r["limit"]
@@ -544,9 +552,12 @@ def run_reuse(sampler: Sampler, args, seed: int) -> tuple[dict[str, Any], int]:
 # ------------------------------------------------------------------------------ train
 
 
-def train_setup(args):
-    """A Trainer on a fresh model and one fully packed [rows, T] batch."""
+def train_setup(args, attention_block: int = -1):
+    """A Trainer on a fresh model and one fully packed [rows, T] batch
+    (`attention_block` -1: the config's default)."""
     spec = make_spec(args, max(args.train_len, 256))
+    if args.train_layers:
+        spec = dataclasses.replace(spec, n_layers=args.train_layers)
     model = Transformer(spec, rngs=nnx.Rngs(1), compute_dtype=jnp.dtype(args.compute_dtype))
     cfg = config_from_dict(
         {
@@ -564,6 +575,8 @@ def train_setup(args):
                 "compute_dtype": args.compute_dtype,
                 **({"remat": True} if args.remat else {}),
                 **({"logits_chunk": args.logits_chunk} if args.logits_chunk >= 0 else {}),
+                **({"attention_block": attention_block} if attention_block >= 0 else {}),
+                **({"scan_layers": True} if args.scan_layers else {}),
             },
         }
     )
@@ -593,44 +606,56 @@ def count_params(model: Transformer) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-def run_train(args) -> dict[str, Any]:
-    """Timed `Trainer.step`s (results before the limits: `train_results`)."""
-    spec, trainer, batch = train_setup(args)
-    params = count_params(trainer.model)
-    trainer.step(batch)  # compile
-    compiles = trainer.compile_count
-    times = []
-    for _ in range(args.repeats):
+def run_train(args) -> list[dict[str, Any]]:
+    """Timed `Trainer.step`s, one case per `--attention-block`, samples interleaved
+    (results before the limits: `train_results`)."""
+    cases = []
+    for block in args.attention_block:
+        spec, trainer, batch = train_setup(args, block)
         t0 = time.perf_counter()
-        trainer.step(batch)
-        times.append(time.perf_counter() - t0)
+        trainer.step(batch)  # trace + compile
+        cases.append((spec, trainer, batch, time.perf_counter() - t0, trainer.compile_count))
+    times: list[list[float]] = [[] for _ in cases]
+    for _ in range(args.repeats):
+        for (_, trainer, batch, *_), samples in zip(cases, times, strict=True):
+            t0 = time.perf_counter()
+            trainer.step(batch)
+            samples.append(time.perf_counter() - t0)
+    return [_train_case(args, *case, samples) for case, samples in zip(cases, times, strict=True)]
+
+
+def _train_case(args, spec, trainer, batch, compile_s, compiles, times) -> dict[str, Any]:
+    params = count_params(trainer.model)
     n = batch.tokens.size
     tps = [n / t for t in times]
+    learner = trainer.cfg.learner
     r: dict[str, Any] = {
         "spec": spec,
         "params": params,
         "rows": args.train_rows,
         "length": args.train_len,
+        "layers": spec.n_layers,
         "density": batch.density,
         "tokens_per_s": med(tps),
         "iqr": iqr(tps),
         "step_s": med(times),
+        "first_step_s": compile_s,
         "samples_tokens_per_s": tps,
         "compiles_during_timing": trainer.compile_count - compiles,
         "logits_bytes": 4.0 * n * spec.vocab_size,
         "scores_bytes": 4.0 * args.train_rows * spec.n_heads * args.train_len**2,
-        "remat": trainer.cfg.learner.remat,
-        "logits_chunk": trainer.cfg.learner.logits_chunk,
+        "remat": learner.remat,
+        "logits_chunk": learner.logits_chunk,
+        "attention_block": learner.attention_block,
+        "scan_layers": learner.scan_layers,
         "param_bytes": 4.0 * params,
     }
     try:  # XLA's own accounting of the compiled step (lowering traces it once more)
         with jax.set_mesh(trainer.mesh):
-            compiled = (
-                trainer._step_fns["rl"]
-                .lower(trainer.model, trainer.optimizer, trainer.device_batch(batch))
-                .compile()
+            lowered = trainer._step_fns["rl"].lower(
+                trainer.model, trainer.optimizer, trainer.device_batch(batch), trainer.reference
             )
-        ma = compiled.memory_analysis()
+        ma = lowered.compile().memory_analysis()
         r["xla_temp_bytes"] = float(ma.temp_size_in_bytes)
         r["xla_argument_bytes"] = float(ma.argument_size_in_bytes)
         r["xla_output_bytes"] = float(ma.output_size_in_bytes)
@@ -641,7 +666,7 @@ def run_train(args) -> dict[str, Any]:
 
 def train_child(args) -> None:
     """Subprocess: the peak RSS growth of one train step after its compile."""
-    _, trainer, batch = train_setup(args)
+    _, trainer, batch = train_setup(args, args.attention_block[0])
     trainer.step(batch)
     _trim()
     ok = _reset_peak()
@@ -735,6 +760,10 @@ def print_tables(res: dict[str, Any], args) -> None:
             res["decode_window"],
             f"vs W={w0}",
         )
+    decoded = res.get("decode_batch", []) + res.get("decode_window", [])
+    if decoded:
+        copies = sum(r["lane_copies"] for r in decoded)
+        print(f"lane copies during timed decode (0: every row kept its lane): {copies}")
     if res.get("prefill"):
         rows = res["prefill"]
         print(
@@ -781,16 +810,26 @@ def print_tables(res: dict[str, Any], args) -> None:
             f"whole episode: {1e3 * er:.0f} ms with reuse, {1e3 * ef:.0f} ms without: {ef / er:.2f}x"
         )
     if res.get("train"):
-        r = res["train"]
+        print_train(res["train"], spec["vocab_size"])
+    print(f"\ncompiles during timing (must be 0): {res['compiles_during_timing']}")
+
+
+def print_train(rows: list[dict], vocab: int) -> None:
+    """The train step: one line of speed and one of memory per attention block."""
+    r = rows[0]
+    print(
+        f"\nTrain step (Trainer.step, RL loss, {r['layers']} layers, [{r['rows']}, {r['length']}] "
+        f"packed batch, density {r['density']:.2f}, vocab {vocab}; remat {r['remat']}, logits_chunk "
+        f"{r['logits_chunk']}, scan_layers {r['scan_layers']}); FLOP limit {_fmt(r['limit'])} "
+        f"tok/s ({r['flops'] / 1e9:.1f} GFLOP/step, dense attention)"
+    )
+    for r in rows:
+        block = r["attention_block"]
         print(
-            f"\nTrain step (Trainer.step, RL loss, [{r['rows']}, {r['length']}] packed batch, "
-            f"density {r['density']:.2f}, vocab {spec['vocab_size']})"
-        )
-        print(
-            f"  {_fmt(r['tokens_per_s'])} tok/s (iqr {r['iqr']:.0%}, {1e3 * r['step_s']:.0f} "
-            f"ms/step); FLOP limit {_fmt(r['limit'])} tok/s ({r['flops'] / 1e9:.1f} GFLOP/step):"
-            f" {r['of_limit']:.3f} of limit; compiles during timing "
-            f"{r['compiles_during_timing']}"
+            f"  attention_block {block}{' (dense)' if block == 0 else ''}: "
+            f"{_fmt(r['tokens_per_s'])} tok/s (iqr {r['iqr']:.0%}, {1e3 * r['step_s']:.0f} "
+            f"ms/step, {r['of_limit']:.3f} of limit); first step (trace + compile) "
+            f"{r['first_step_s']:.1f} s; compiles during timing {r['compiles_during_timing']}"
         )
         mem = [f"params {_mb(r['param_bytes'])}"]
         if "xla_temp_bytes" in r:
@@ -804,16 +843,11 @@ def print_tables(res: dict[str, Any], args) -> None:
             mem.append(f"peak RSS growth of a step {_mb(rss['peak_growth'])}")
         elif rss:
             mem.append(f"RSS child failed: {rss.get('error')}")
-        print("  memory: " + "; ".join(mem))
-        temp = r.get("xla_temp_bytes", float("nan"))
-        print(
-            f"  for scale: a full [rows, T, V] float32 logits tensor {_mb(r['logits_bytes'])} "
-            f"(XLA temp = {temp / r['logits_bytes']:.1f}x it); one layer's [rows, H, T, T] "
-            f"float32 attention scores {_mb(r['scores_bytes'])} (temp = "
-            f"{temp / r['scores_bytes']:.1f}x); remat {r['remat']}, logits_chunk "
-            f"{r['logits_chunk']}"
-        )
-    print(f"\ncompiles during timing (must be 0): {res['compiles_during_timing']}")
+        print("    memory: " + "; ".join(mem))
+    print(
+        f"  for scale: a full [rows, T, V] float32 logits tensor {_mb(r['logits_bytes'])}; one "
+        f"layer's [rows, H, T, T] float32 attention scores {_mb(r['scores_bytes'])}"
+    )
 
 
 # ------------------------------------------------------------------------------ main
@@ -843,6 +877,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--remat", action="store_true", help="learner.remat=true")
     p.add_argument(
         "--logits-chunk", type=int, default=-1, help="learner.logits_chunk (-1: default)"
+    )
+    p.add_argument(
+        "--attention-block",
+        type=int,
+        nargs="+",
+        default=[-1],
+        help="learner.attention_block, one train case each (-1: the default; 0: dense)",
+    )
+    p.add_argument("--scan-layers", action="store_true", help="learner.scan_layers=true")
+    p.add_argument(
+        "--train-layers", type=int, default=0, help="the train step's depth (0: the shape's)"
     )
     p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocess")
     p.add_argument("--json", action="store_true", help="also print the raw numbers as JSON")
@@ -918,10 +963,12 @@ def main() -> None:
     if args.train_len:
         log(f"train step [{args.train_rows}, {args.train_len}]")
         res["train"] = run_train(args)
-        compiles += res["train"]["compiles_during_timing"]
-        if not args.no_rss:
-            log("train step peak RSS (subprocess)")
-            res["train"]["rss"] = run_train_rss(sys.argv[1:])
+        compiles += sum(r["compiles_during_timing"] for r in res["train"])
+        for r in [] if args.no_rss else res["train"]:
+            log(f"train step peak RSS (subprocess), attention_block {r['attention_block']}")
+            r["rss"] = run_train_rss(
+                [*sys.argv[1:], "--attention-block", str(r["attention_block"])]
+            )
     log("limits again")
     for k, v in measure_limits(args.compute_dtype, args.repeats, llc).items():
         limit_samples[k] += v
@@ -933,8 +980,7 @@ def main() -> None:
         res[name] = [c.result(costs, lim) for c in cases]
     if prefill:
         res["prefill"] = prefill_results(*prefill, costs, lim)
-    if "train" in res:
-        t = res["train"]
+    for t in res.get("train", []):
         t.update(
             Costs(t.pop("spec"), t["params"], dtype.itemsize).train(t["rows"], t["length"], lim)
         )

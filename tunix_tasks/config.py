@@ -179,6 +179,15 @@ class LearnerConfig(ObjectiveConfig):
         description="positions per chunk of the loss's logits (never [rows, T, V] at once); "
         "0: all at once",
     )
+    attention_block: int = Field(
+        128,
+        ge=0,
+        description="rows longer than this attend in tiles of this many positions, "
+        "flash-style (never [rows, T, T] scores); 0: always dense",
+    )
+    scan_layers: bool = Field(
+        False, description="run the layers as one lax.scan: compile time independent of depth"
+    )
 
     @field_validator("buckets")
     @classmethod

@@ -95,7 +95,12 @@ def _target_logprobs(
     model: Transformer, batch: dict[str, jax.Array], hp: dict[str, Any], *, with_entropy: bool
 ) -> tuple[jax.Array, jax.Array | None]:
     hidden = model.final_hidden(
-        batch["tokens"], batch["positions"], batch["segment_ids"], remat=hp["remat"]
+        batch["tokens"],
+        batch["positions"],
+        batch["segment_ids"],
+        remat=hp["remat"],
+        attention_block=hp["attention_block"],
+        scan_layers=hp["scan_layers"],
     )
     # The distribution the actors sampled from (same temperature AND top-k), a chunk of
     # positions at a time: [rows, T, V] logits never exist at once.
@@ -176,6 +181,8 @@ class Trainer:
             "top_k": int(cfg.actor.top_k),
             "remat": bool(cfg.learner.remat),
             "logits_chunk": int(cfg.learner.logits_chunk),
+            "attention_block": int(cfg.learner.attention_block),
+            "scan_layers": bool(cfg.learner.scan_layers),
             "rho_max": float(cfg.learner.rho_max),
             "correction": cfg.learner.correction,
             "ppo_clip": float(cfg.learner.ppo_clip),

@@ -1,12 +1,16 @@
 """The sampler's device programs: prefill new tokens into cache slots, decode a segment.
 
 The sampler (policy/sampling.py) keeps one KV cache of `slots + 1` rows (the last row is
-scratch, where padding rows of a batch read and write). Both programs take the rows'
-slot ids, gather those rows' first `window` cache positions ([B, KV, window, head_dim],
-a bucket just large enough for the call: attention never reads past the live positions'
-bucket), run, and scatter the rows back. Temperature, top-k, budgets, stop ids, the rows'
-seeds and the weights are traced arguments; `window`, the chunk width and `steps` are
-static, so compiles are bounded by the bucket combinations.
+scratch, where padding rows of a batch read and write): the slot cache, the truth about
+what every slot holds. Prefill gathers the admitted rows' first `window` cache positions
+([B, KV, window, head_dim], a bucket just large enough for the call), runs, and scatters
+them back. Decode runs on a working set instead: `work` holds the active rows' windows,
+one lane per row, and stays with the sampler between segments (policy/lanes.py), so a
+segment copies in only the lanes whose row is new (`refresh`) and writes back only the
+positions it computed. Copying every row's window out and back at each segment cost more
+than the segment's attention on a CPU. Temperature, top-k, budgets, stop ids, the rows'
+seeds and the weights are traced arguments; `window` (the working set's shape), the chunk
+width and `steps` are static, so compiles are bounded by the bucket combinations.
 
 Randomness is per row: the token a row draws at its n-th generated position uses
 `fold_in(fold_in(key, seed), n)`, so a row's output does not depend on which other rows
@@ -20,10 +24,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tunix_tasks.policy.distribution import sampling_log_probs
+from tunix_tasks.policy.distribution import sampling_logits
 from tunix_tasks.policy.model import KVCache, Transformer
 
-__all__ = ["RowParams", "decode_segment", "draw", "prefill"]
+__all__ = ["RowParams", "decode_segment", "draw", "prefill", "refresh"]
 
 
 class RowParams(NamedTuple):
@@ -51,22 +55,68 @@ def _scatter(cache: KVCache, slots: jax.Array, part: KVCache) -> KVCache:
     )
 
 
+def refresh(
+    work: KVCache, cache: KVCache, slots: jax.Array, stale: jax.Array, n_stale: jax.Array
+) -> KVCache:
+    """Copy slot `slots[lane]`'s first `window` positions into lane `lane` of the working
+    set, for the lanes stale[:n_stale]; the other lanes keep what they hold. One row at a
+    time: a contiguous copy per row (a gather over every row was the slow part)."""
+    arrays = (*work.k, *work.v)
+    sources = (*cache.k, *cache.v)
+
+    def body(i, arrays):
+        lane = stale[i]
+        start = (slots[lane], 0, 0, 0)
+
+        def copy(dst, src):
+            row = jax.lax.dynamic_slice(src, start, (1, *dst.shape[1:]))
+            return jax.lax.dynamic_update_slice(dst, row, (lane, 0, 0, 0))
+
+        return tuple(copy(d, s) for d, s in zip(arrays, sources, strict=True))
+
+    arrays = jax.lax.fori_loop(0, n_stale, body, arrays)
+    n = len(work.k)
+    return KVCache(k=arrays[:n], v=arrays[n:])
+
+
+def _write_back(
+    cache: KVCache, work: KVCache, slots: jax.Array, start: jax.Array, steps: int
+) -> KVCache:
+    """Copy positions start[b] .. start[b] + steps - 1 of lane b into slot slots[b]."""
+    window = work.k[0].shape[2]
+    start = jnp.minimum(start, window - steps)  # the same values either way: lanes are fresh
+    positions = start[:, None] + jnp.arange(steps, dtype=start.dtype)[None]  # [B, steps]
+    take = jax.vmap(lambda lane, s: jax.lax.dynamic_slice_in_dim(lane, s, steps, axis=1))
+
+    def put(c: jax.Array, w: jax.Array) -> jax.Array:
+        new = take(w, start).transpose(0, 2, 1, 3)  # [B, steps, KV, hd]: index dims first
+        return c.at[slots[:, None], :, positions].set(new)  # padding lanes share scratch
+
+    return KVCache(
+        k=tuple(put(c, w) for c, w in zip(cache.k, work.k, strict=True)),
+        v=tuple(put(c, w) for c, w in zip(cache.v, work.v, strict=True)),
+    )
+
+
 _BLOCK = 256  # vocabulary block of the two-level inverse-CDF draw
 
 
-def _inverse_cdf(logp: jax.Array, u: jax.Array) -> jax.Array:
-    """Index drawn from each row of log-probs [B, V] by one uniform u [B] in (0, 1].
+def _inverse_cdf(x: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Index drawn from each row of softmax(x) (x [B, V]: sampling logits, -inf where
+    filtered) by one uniform u [B] in (0, 1], and its log-prob.
 
-    Two levels keep float32 sums exact enough at a 152k vocabulary: the block (of 256
-    ids) whose cumulative mass reaches u * total, then the id inside it. A zero-mass id
-    (top-k filtered, padding) is never returned: rounding can only push the target past
-    a block's end, and the result is clamped to the last id with mass.
+    Two passes over x (its max; exp and per-block sums) and no [B, V] array written: the
+    block (of 256 ids) whose cumulative mass reaches u * total, then the id inside it, from
+    that block's 256 logits alone. Two levels keep float32 sums exact enough at a 152k
+    vocabulary. A zero-mass id (top-k filtered, padding) is never returned: rounding can
+    only push the target past a block's end, and the result is clamped to the last id with
+    mass. log-prob = x[id] - max - log(total), log_softmax's formula.
     """
-    b, v = logp.shape
+    b, v = x.shape
     pad = -v % _BLOCK
-    p = jnp.exp(jnp.pad(logp, ((0, 0), (0, pad)), constant_values=-jnp.inf))
-    p = p.reshape(b, -1, _BLOCK)
-    mass = p.sum(-1)  # [B, blocks]
+    top = jnp.max(x, axis=-1, keepdims=True)
+    blocks = jnp.pad(x - top, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(b, -1, _BLOCK)
+    mass = jnp.exp(blocks).sum(-1)  # [B, blocks]
     cum = jnp.cumsum(mass, -1)
     target = u * cum[:, -1]
     last_block = jnp.max(jnp.where(mass > 0, jnp.arange(mass.shape[1]), 0), -1)
@@ -74,10 +124,12 @@ def _inverse_cdf(logp: jax.Array, u: jax.Array) -> jax.Array:
     before = jnp.where(
         blk > 0, jnp.take_along_axis(cum, jnp.maximum(blk - 1, 0)[:, None], 1)[:, 0], 0.0
     )
-    inner = jnp.take_along_axis(p, blk[:, None, None], 1)[:, 0]  # [B, 256]
+    shifted = jnp.take_along_axis(blocks, blk[:, None, None], 1)[:, 0]  # [B, 256]
+    inner = jnp.exp(shifted)
     last_id = jnp.max(jnp.where(inner > 0, jnp.arange(_BLOCK), 0), -1)
     idx = jnp.minimum(jax.vmap(jnp.searchsorted)(jnp.cumsum(inner, -1), target - before), last_id)
-    return (blk * _BLOCK + idx).astype(jnp.int32)
+    logp = jnp.take_along_axis(shifted, idx[:, None], -1)[:, 0] - jnp.log(cum[:, -1])
+    return (blk * _BLOCK + idx).astype(jnp.int32), logp
 
 
 def draw(
@@ -86,15 +138,15 @@ def draw(
     """One token per row from logits [B, V]: (token [B], its log-prob [B]).
 
     One uniform per row and an inverse-CDF lookup: ~70x cheaper than a Gumbel draw of B x V
-    random numbers at a 32k vocabulary (which was most of a decode step).
+    random numbers at a 32k vocabulary (which was most of a decode step). The log-prob is
+    `sampling_log_probs`'s (the learner's) at the drawn token.
     """
-    logp = sampling_log_probs(logits, rows.temperature, rows.top_k)
+    x = sampling_logits(logits, rows.temperature, rows.top_k)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.fold_in(key, s), n))(
         rows.seed, n_gen
     )
     u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, dtype=jnp.float32))(keys)  # (0, 1]
-    tok = _inverse_cdf(logp, u)
-    return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+    return _inverse_cdf(x, u)
 
 
 def _finished(tok, n_gen, pos, rows: RowParams, max_seq_len: int) -> jax.Array:
@@ -134,7 +186,10 @@ def prefill(
 def decode_segment(
     model: Transformer,
     cache: KVCache,
+    work: KVCache,
     slots: jax.Array,
+    stale: jax.Array,
+    n_stale: jax.Array,
     last_tok: jax.Array,
     pos: jax.Array,
     n_gen: jax.Array,
@@ -142,19 +197,23 @@ def decode_segment(
     key: jax.Array,
     rows: RowParams,
     *,
-    window: int,
     steps: int,
     max_seq_len: int,
 ):
-    """Up to `steps` decode steps for rows [B]: feed `last_tok` at `pos`, draw the next.
+    """Up to `steps` decode steps for lanes [B]: feed `last_tok` at `pos`, draw the next.
 
-    The caller picks `window` > max(pos) + steps, so no row writes past it. Finished rows
-    keep re-feeding their last token at its own position (beyond what is cached for
-    them), which changes nothing they own. Returns (cache, tokens [B, steps], log-probs
-    [B, steps], n_gen, done, last_tok, pos); unused entries of tokens are -1.
+    `work` is the working set ([B, KV, window, hd] per layer; lane b serves slot
+    slots[b]); lanes stale[:n_stale] are first copied in from the slot cache. The caller
+    picks window > max(pos) + steps, so no lane writes past it. Finished rows keep
+    re-feeding their last token at its own position (beyond what is cached for them),
+    which changes nothing they own. Afterwards the positions this segment could have
+    written go back to the slot cache, so both hold the same windows. Returns (cache,
+    work, tokens [B, steps], log-probs [B, steps], done, pos); unused entries of tokens
+    are -1.
     """
     b = slots.shape[0]
-    part = _gather(cache, slots, window)
+    start = pos
+    part = refresh(work, cache, slots, stale, n_stale)
     out_tok = jnp.full((b, steps), -1, jnp.int32)
     out_lp = jnp.zeros((b, steps), jnp.float32)
 
@@ -175,5 +234,5 @@ def decode_segment(
         return step + 1, part, out_tok, out_lp, jnp.where(live, tok, last_tok), new_pos, n_gen, done
 
     init = (jnp.int32(0), part, out_tok, out_lp, last_tok, pos, n_gen, done)
-    _, part, out_tok, out_lp, last_tok, pos, n_gen, done = jax.lax.while_loop(cond, body, init)
-    return _scatter(cache, slots, part), out_tok, out_lp, n_gen, done, last_tok, pos
+    _, part, out_tok, out_lp, _, pos, _, done = jax.lax.while_loop(cond, body, init)
+    return _write_back(cache, part, slots, start, steps), part, out_tok, out_lp, done, pos

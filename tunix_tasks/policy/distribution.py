@@ -1,7 +1,8 @@
 """The sampling distribution: what the sampler draws from and the learner scores with.
 
 Both must use these functions so behaviour log-probs match the learner's recomputation:
-`sampling_log_probs` (temperature, top-k), `token_logprobs` over full logits, and
+`sampling_logits` / `sampling_log_probs` (temperature, top-k), `token_logprobs` over full
+logits, and
 `chunked_target_logprobs`, the learner's memory-lean form that never holds [B, T, V].
 """
 
@@ -10,7 +11,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["chunked_target_logprobs", "output_logits", "sampling_log_probs", "token_logprobs"]
+__all__ = [
+    "chunked_target_logprobs",
+    "output_logits",
+    "sampling_log_probs",
+    "sampling_logits",
+    "token_logprobs",
+]
 
 
 def output_logits(hidden: jax.Array, w_out: jax.Array) -> jax.Array:
@@ -20,29 +27,42 @@ def output_logits(hidden: jax.Array, w_out: jax.Array) -> jax.Array:
     )
 
 
+def sampling_logits(
+    logits: jax.Array, temperature: float | jax.Array = 1.0, top_k: int | jax.Array = 0
+) -> jax.Array:
+    """Logits [..., V] of the distribution tokens are sampled from: logits / temperature,
+    restricted (-inf elsewhere) to the top_k largest when top_k > 0 (ties at the k-th value
+    are all kept). `temperature` and `top_k` are scalars or arrays broadcastable to
+    `logits[..., 0]` (per row), possibly traced. The vocabulary is sorted only when some
+    top_k > 0 (a runtime branch when traced). float32.
+    """
+    logits = logits.astype(jnp.float32)
+    temperature = jnp.asarray(temperature, jnp.float32)[..., None]
+    x = logits / temperature
+    if isinstance(top_k, int) and top_k <= 0:
+        return x
+    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), x.shape[:-1])[..., None]
+
+    def kth(logits: jax.Array) -> jax.Array:
+        # kth largest = the (V-1-k)-th smallest; a sort is what XLA does well for any k.
+        # Sorted before scaling: dividing by temperature > 0 keeps the order, so this is
+        # the kth largest of x exactly, and the branch reads the logits as they are
+        # (x stays an expression its consumers fuse, never a [.., V] array of its own).
+        k = jnp.clip(top_k, 1, logits.shape[-1]) - 1
+        value = jnp.take_along_axis(jnp.sort(logits, axis=-1), logits.shape[-1] - 1 - k, -1)
+        return jnp.where(top_k > 0, value / temperature, -jnp.inf)
+
+    none = lambda logits: jnp.full((*logits.shape[:-1], 1), -jnp.inf)  # noqa: E731
+    threshold = jax.lax.cond(jnp.any(top_k > 0), kth, none, logits)
+    return jnp.where(x >= threshold, x, -jnp.inf)
+
+
 def sampling_log_probs(
     logits: jax.Array, temperature: float | jax.Array = 1.0, top_k: int | jax.Array = 0
 ) -> jax.Array:
-    """Log-probs [..., V] of the distribution tokens are sampled from.
-
-    log_softmax(logits / temperature) restricted to the top_k largest logits when top_k > 0
-    (ties at the k-th value are all kept). `temperature` and `top_k` are scalars or arrays
-    broadcastable to `logits[..., 0]` (per row), possibly traced. The vocabulary is sorted
-    only when some top_k > 0 (a runtime branch when traced). float32.
-    """
-    x = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)[..., None]
-    if isinstance(top_k, int) and top_k <= 0:
-        return jax.nn.log_softmax(x, axis=-1)
-    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), x.shape[:-1])
-
-    def restricted(x: jax.Array) -> jax.Array:
-        k = jnp.clip(top_k, 1, x.shape[-1]) - 1
-        # kth largest = the (V-1-k)-th smallest; a sort is what XLA does well for any k.
-        kth = jnp.take_along_axis(jnp.sort(x, axis=-1), (x.shape[-1] - 1 - k)[..., None], -1)
-        return jnp.where((top_k[..., None] <= 0) | (x >= kth), x, -jnp.inf)
-
-    x = jax.lax.cond(jnp.any(top_k > 0), restricted, lambda x: x, x)
-    return jax.nn.log_softmax(x, axis=-1)
+    """Log-probs [..., V] of the distribution tokens are sampled from: the log-softmax of
+    `sampling_logits` (same arguments). float32."""
+    return jax.nn.log_softmax(sampling_logits(logits, temperature, top_k), axis=-1)
 
 
 def chunked_target_logprobs(

@@ -9,7 +9,8 @@ This module owns:
   (a sampler holds them in its compute dtype: `policy/precision.py`); `compute_dtype`
   (float32 / bfloat16) is what matmuls run in; logits accumulate in float32.
 - Packed training forward: `model(tokens, positions, segment_ids)`. Attention is causal and
-  never crosses a segment; segment 0 is padding. Positions restart at 0 per segment.
+  never crosses a segment; segment 0 is padding. Positions restart at 0 per segment. The
+  learner's `final_hidden` can attend blockwise (`policy/attention.py`) and scan its layers.
 - KV-cache decoding for the sampler: `init_cache` + `forward_with_cache` with static shapes;
   the cache holds the key/value heads only (n_kv_heads, not n_heads).
 - Sharding annotations: every param carries a PartitionSpec over the mesh axis `"fsdp"` on
@@ -21,12 +22,16 @@ snapshots store (`policy/params.py`); `policy/hf_checkpoint.py` maps Hugging Fac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from tunix_tasks.policy.attention import ATTENTION, blockwise_attention
 from tunix_tasks.policy.distribution import output_logits
 from tunix_tasks.policy.lora import LowRank
 from tunix_tasks.policy.spec import DecoderSpec, LoraSpec, rope_inv_freq
@@ -36,6 +41,15 @@ __all__ = ["FSDP", "KVCache", "Transformer"]
 FSDP = "fsdp"  # mesh axis that shards the d_model dimension of every weight
 # Finite (not -inf) so that a fully-masked attention row gives a uniform softmax, not NaN.
 _MASK_VALUE = -1e30
+#: q [B,H,T,hd], k/v [B,KV,T,hd] -> [B,H,T,hd]: the training forward's attention.
+Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# Without remat a scanned layer keeps its weight matmuls' outputs and its attention's for
+# the backward pass and recomputes the elementwise rest: residuals that cross the scan
+# are materialised (a Python loop lets XLA fuse them away), and cost more than recomputing.
+_KEEP = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    jax.checkpoint_policies.save_only_these_names(ATTENTION),
+)
 
 
 class KVCache(NamedTuple):
@@ -128,7 +142,11 @@ class Attention(nnx.Module):
 
     def _project(self, x: jax.Array, name: str) -> jax.Array:
         w = getattr(self, f"w{name}")[...].astype(self.dtype)
-        y = jnp.einsum("btd,dhk->bhtk", x, w)
+        d, h, hd = w.shape
+        b, t, _ = x.shape
+        # A 2-D matmul on the weight as stored: as an einsum to "bhtk", XLA on CPU copied
+        # every projection weight into a transposed layout at each decode step.
+        y = (x @ w.reshape(d, h * hd)).reshape(b, t, h, hd).transpose(0, 2, 1, 3)
         if (adapter := getattr(self, f"lora_{name}", None)) is not None:
             y = y + adapter(x, self.dtype)
         if self.spec.qkv_bias:
@@ -143,14 +161,16 @@ class Attention(nnx.Module):
         return _rope(q, positions, inv_freq), _rope(k, positions, inv_freq), v
 
     def _out(self, o: jax.Array) -> jax.Array:
-        y = jnp.einsum("bhtk,hkd->btd", o, self.wo[...].astype(self.dtype))
+        w = self.wo[...].astype(self.dtype)
+        h, hd, d = w.shape
+        b, _, t, _ = o.shape
+        y = o.transpose(0, 2, 1, 3).reshape(b, t, h * hd) @ w.reshape(h * hd, d)  # see _project
         if (adapter := getattr(self, "lora_o", None)) is not None:
             y = y + adapter(o, self.dtype)
         return y
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        q, k, v = self._qkv(x, positions)
-        return self._out(_attend(q, k, v, mask))
+    def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend) -> jax.Array:
+        return self._out(checkpoint_name(attend(*self._qkv(x, positions)), ATTENTION))
 
     def cached(
         self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array
@@ -204,8 +224,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(spec.d_model, rngs=rngs, eps=spec.norm_eps)
         self.mlp = MLP(spec.d_model, spec.d_ff, rngs=rngs, dtype=dtype, lora=lora)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions, mask)
+    def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, attend)
         return x + self.mlp(self.mlp_norm(x))
 
     def cached(self, x, positions, k_cache, v_cache):
@@ -214,8 +234,31 @@ class Block(nnx.Module):
         return x + self.mlp(self.mlp_norm(x)), k_cache, v_cache
 
 
-def _run_block(block: Block, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-    return block(x, positions, mask)
+def packed_attend(segment_ids: jax.Array, block: int = 0) -> Attend:
+    """The training forward's attention over packed rows [B,T]: a query attends to
+    earlier-or-same indices of the same non-zero segment. Rows longer than `block` use
+    `blockwise_attention` in tiles of `block`; others (all rows with `block` 0) the dense
+    `_attend` (a [B,T,T] mask and float32 scores), which one tile would equal."""
+    if 0 < block < segment_ids.shape[1]:
+        return partial(blockwise_attention, segment_ids=segment_ids, block=block)
+    idx = jnp.arange(segment_ids.shape[1])
+    causal = idx[None, :] <= idx[:, None]  # [T(query), T(key)]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    mask = causal[None] & same & (segment_ids != 0)[:, :, None]
+    return partial(_attend, mask=mask)
+
+
+def _split_blocks(blocks: nnx.List) -> tuple[nnx.GraphDef, list[nnx.State]]:
+    """The blocks' shared graphdef and each block's state (one body runs every layer).
+
+    Split inside the traced step: the params keep their per-layer names and layout
+    (snapshots, LoRA, FSDP), and gradients flow back to each layer's own.
+    """
+    splits = [nnx.split(block) for block in blocks]
+    graphdef = splits[0][0]
+    if any(g != graphdef for g, _ in splits[1:]):
+        raise ValueError("the decoder blocks differ in structure: one body cannot run them")
+    return graphdef, [state for _, state in splits]
 
 
 class Transformer(nnx.Module):
@@ -271,22 +314,32 @@ class Transformer(nnx.Module):
         segment_ids: jax.Array,
         *,
         remat: bool = False,
+        attention_block: int = 0,
+        scan_layers: bool = False,
     ) -> jax.Array:
         """The packed training forward up to the final norm: [B,T,d_model].
 
         A query attends to earlier-or-same indices of the same non-zero segment; padding
-        (segment 0) attends nothing (finite, meaningless output). With `remat`, each block
-        is rematerialised in the backward pass: activations of one layer at a time.
+        (segment 0) attends nothing (finite, meaningless output). `attention_block`:
+        `packed_attend`'s. With `remat`, each layer is rematerialised in the backward pass
+        (activations of one layer at a time). `scan_layers`: one `lax.scan` over the
+        stacked layer states, so the program holds one layer body whatever the depth.
         """
-        t = tokens.shape[1]
-        idx = jnp.arange(t)
-        causal = idx[None, :] <= idx[:, None]  # [T(query), T(key)]
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]
-        mask = causal[None] & same & (segment_ids != 0)[:, :, None]
+        attend = packed_attend(segment_ids, attention_block)
+        graphdef, states = _split_blocks(self.blocks)
+
+        def layer(x: jax.Array, state: nnx.State) -> jax.Array:
+            return nnx.merge(graphdef, state)(x, positions, attend)
+
         x = self._embed(tokens)
-        run = nnx.remat(_run_block) if remat else _run_block
-        for block in self.blocks:
-            x = run(block, x, positions, mask)
+        if scan_layers:
+            body = jax.checkpoint(layer, policy=None if remat else _KEEP)
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+            x, _ = jax.lax.scan(lambda x, state: (body(x, state), None), x, stacked)
+        else:
+            body = jax.checkpoint(layer) if remat else layer
+            for state in states:
+                x = body(x, state)
         return self.final_norm(x)
 
     def __call__(

@@ -81,15 +81,18 @@ class SamplerStats:
     reused_tokens: int = 0  # context tokens whose keys/values a session's slot already held
     decode_steps: int = 0  # decode steps (one token for every active row)
     segments: int = 0
+    lane_copies: int = 0  # rows copied into the decode working set (policy/lanes.py)
 
 
-def row_params(rows: Sequence[Request], batch: int, max_stops: int) -> RowParams:
-    """The rows' sampling settings as [batch] arrays (padding rows: inert defaults)."""
+def row_params(rows: Sequence[Request | None], batch: int, max_stops: int) -> RowParams:
+    """The rows' sampling settings as [batch] arrays (padding rows, or None: inert defaults)."""
     seed = np.zeros(batch, np.int32)
     temperature, top_k = np.ones(batch, np.float32), np.zeros(batch, np.int32)
     max_new = np.ones(batch, np.int32)
     stops = np.full((batch, max_stops), -1, np.int32)
     for i, r in enumerate(rows):
+        if r is None:
+            continue
         seed[i], temperature[i], top_k[i], max_new[i] = r.seed, r.temperature, r.top_k, r.max_new
         stops[i, : len(r.stop_ids)] = r.stop_ids
     return RowParams(seed, temperature, top_k, max_new, stops)

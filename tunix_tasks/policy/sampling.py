@@ -51,6 +51,7 @@ import numpy as np
 from flax import nnx
 
 from tunix_tasks.policy import decoding
+from tunix_tasks.policy.lanes import DecodeLanes
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.params import load_flat_params
 from tunix_tasks.policy.precision import cast_params
@@ -125,16 +126,16 @@ class Sampler:
         # The last cache row is scratch: padding rows of a batch read and write there.
         self._cache = model.init_cache(max_sequences + 1, self.max_seq_len, kv_dtype)
         self._slots = SlotTable(max_sequences)
+        self._lanes = DecodeLanes()  # the decode working set (policy/lanes.py)
         self._waiting: collections.deque[Request] = collections.deque()
         self._active: list[Request] = []
-        self._decode_state: dict[int, tuple[int, int]] = {}  # id(row) -> (last token, pos)
         self._lock = threading.Lock()  # `submit` may come from another thread than `step`
         self._key = jax.random.key(0)
         self._traces = 0
         static = ("window", "max_seq_len")
         self._prefill = jax.jit(self._prefill_impl, static_argnames=static, donate_argnums=1)
         self._decode = jax.jit(
-            self._decode_impl, static_argnames=(*static, "steps"), donate_argnums=1
+            self._decode_impl, static_argnames=("steps", "max_seq_len"), donate_argnums=(1, 2)
         )
 
     # ------------------------------------------------------------------ weights
@@ -158,6 +159,7 @@ class Sampler:
         self._state = nnx.state(self._model)
         self.version = version
         self._slots.invalidate()
+        self._lanes.clear()
         with self._lock:
             for row in reversed(self._active):
                 self._release(row)
@@ -270,7 +272,6 @@ class Sampler:
     def _release(self, row: Request) -> None:
         if row.slot >= 0:
             self._slots.release(row.slot, row.session)
-            self._decode_state.pop(id(row), None)
             row.slot = -1
 
     def _admit(self) -> int:
@@ -326,34 +327,31 @@ class Sampler:
             if done[i]:
                 self._finish(r)
             else:
-                self._decode_state[id(r)] = (int(tok[i]), len(seq))
                 self._active.append(r)
 
     def _decode_active(self) -> None:
-        rows = self._active
-        batch = _bucket(len(rows), self.batch_buckets)
-        state = [self._decode_state[id(r)] for r in rows]
+        batch = _bucket(len(self._active), self.batch_buckets)
         steps = self.segment_steps
-        window = _bucket(
-            min(max(p for _, p in state) + steps + 1, self.max_seq_len), self.prompt_buckets
-        )
-        last_tok, pos = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
-        n_gen, done = np.zeros(batch, np.int32), np.ones(batch, bool)
-        for i, (r, (t, p)) in enumerate(zip(rows, state, strict=True)):
-            last_tok[i], pos[i], n_gen[i], done[i] = t, p, len(r.generated), False
-        slots = _slot_array(rows, batch, self._slots.slots)
-        self._cache, out_tok, out_lp, _, done, last_tok, pos = self._decode(
-            self._state, self._cache, slots, last_tok, pos, n_gen, done,
-            self._key, row_params(rows, batch, _MAX_STOP_IDS),
-            window=window, steps=steps, max_seq_len=self.max_seq_len,
+        furthest = max(len(r.sequence) - 1 for r in self._active)
+        window = _bucket(min(furthest + steps + 1, self.max_seq_len), self.prompt_buckets)
+        plan = self._lanes.plan(self._active, batch, window, scratch=self._slots.slots)
+        work = self._lanes.work
+        if work is None:
+            work = self._model.init_cache(batch, window, self._cache.k[0].dtype)
+        self._cache, work, out_tok, out_lp, done, pos = self._decode(
+            self._state, self._cache, work, *plan.arrays, self._key,
+            row_params(plan.rows, batch, _MAX_STOP_IDS),
+            steps=steps, max_seq_len=self.max_seq_len,
         )  # fmt: skip
-        out_tok, out_lp, done, last_tok, pos = jax.device_get(
-            (out_tok, out_lp, done, last_tok, pos)
-        )
+        self._lanes.keep(work)
+        out_tok, out_lp, done, pos = jax.device_get((out_tok, out_lp, done, pos))
         self.stats.segments += 1
-        self.stats.decode_steps += int((out_tok[: len(rows)] >= 0).any(axis=0).sum())
+        self.stats.lane_copies += plan.n_stale
+        self.stats.decode_steps += int((out_tok >= 0).any(axis=0).sum())
         still = []
-        for i, r in enumerate(rows):
+        for i, r in enumerate(plan.rows):
+            if r is None:
+                continue
             keep = out_tok[i] >= 0
             r.record(out_tok[i][keep].tolist(), out_lp[i][keep].tolist(), self.version)
             # Cached for this slot: every position before the last drawn token.
@@ -361,9 +359,10 @@ class Sampler:
             if done[i]:
                 self._finish(r)
             else:
-                self._decode_state[id(r)] = (int(last_tok[i]), int(pos[i]))
                 still.append(r)
         self._active = still
+        if not still:
+            self._lanes.clear()  # frees the working set while nothing decodes
 
     def _finish(self, row: Request) -> None:
         self._release(row)
@@ -376,9 +375,9 @@ class Sampler:
         model = nnx.merge(self._graphdef, state)
         return decoding.prefill(model, cache, *args, window=window, max_seq_len=max_seq_len)
 
-    def _decode_impl(self, state, cache, *args, window: int, steps: int, max_seq_len: int):
+    def _decode_impl(self, state, cache, work, *args, steps: int, max_seq_len: int):
         self._traces += 1
         model = nnx.merge(self._graphdef, state)
         return decoding.decode_segment(
-            model, cache, *args, window=window, steps=steps, max_seq_len=max_seq_len
+            model, cache, work, *args, steps=steps, max_seq_len=max_seq_len
         )
