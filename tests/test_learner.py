@@ -522,3 +522,23 @@ def test_fresh_data_has_unit_importance_weights(tmp_path):
     assert abs(r["approx_kl"]) < 1e-6 and abs(r["approx_kl_s0"]) < 1e-6
     assert 0 <= r["max_abs_logprob_diff_s0"] < 1e-5  # the worst token: float noise too
     assert r["tokens_s0"] > 0 and "tokens_s1_2" not in r and "kl_ref" not in r
+
+
+def test_a_failed_checkpoint_stops_the_learner_without_training_a_step_twice(tmp_path, monkeypatch):
+    """The checkpoint after step 2 fails (as a store outage made it in CI): the learner
+    stops with that error. Before, the loop's cleanup completed the same update a second
+    time: a step 3 record of the step-2 batch and its episodes acknowledged twice."""
+    uri = _prepare(str(tmp_path), max_steps=4, checkpoint_every=2, max_staleness=10_000)
+    store = open_store(uri)
+    rng = np.random.default_rng(7)
+    _write(store, [_episodes(rng, PER_STEP) for _ in range(4)])
+
+    def failing(self, *, final: bool = False) -> None:
+        raise FileNotFoundError("checkpoints/2/meta/metadata")
+
+    monkeypatch.setattr(Learner, "_checkpoint", failing)
+    learner = _learner(uri)
+    with pytest.raises(FileNotFoundError, match="checkpoints/2"):
+        learner.run()
+    assert learner.step == 2
+    assert [r["step"] for r in _step_records(store)] == [1, 2]

@@ -127,8 +127,8 @@ class Learner:
                 with self.watch.timed("wait"):
                     got = self.batcher.next_batch(self.version)
                 if inflight is not None:
-                    self._complete(*inflight)
-                    inflight = None
+                    done, inflight = inflight, None  # a failed completion is never redone
+                    self._complete(*done)
                     if got is not None and self._should_stop():
                         self.batcher.put_back(got[1])  # packed, never trained: not acked
                         break
