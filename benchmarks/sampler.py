@@ -23,6 +23,9 @@ processes hits all of them alike; "iqr" is the interquartile range / median):
               token's log-prob, as a segment runs them, in a loop in one program), "draw %"
               its share of the measured step. "lane copies" counts the rows the timed
               segments copied into the decode working set (0: every row kept its lane).
+              `--replicas 1 2` repeats the batch table with the batch split over that many
+              sampler replicas, one per CPU device (`actor.sampler_replicas`; "rep"); the
+              roofline still counts the weights once, though each replica reads its copy.
   2. prefill  `step()` on B requests of P tokens with `max_new_tokens=1` (each row is done
               at its prefill, so the step is the one admission prefill call): prompt
               tokens/s = B x P / wall (`--prefill-batches` x `--prefill-lens`).
@@ -108,6 +111,7 @@ from tunix_tasks.learner.packing import pack
 from tunix_tasks.learner.train_step import Trainer
 from tunix_tasks.policy import decoding
 from tunix_tasks.policy.model import Transformer
+from tunix_tasks.policy.replicas import SamplerReplicas, sampler_devices
 from tunix_tasks.policy.sampling import DEFAULT_BATCH_BUCKETS, DEFAULT_PROMPT_BUCKETS, Sampler
 from tunix_tasks.policy.spec import DecoderSpec, spec_from_preset
 from tunix_tasks.policy.tokenizer import CharTokenizer
@@ -389,18 +393,21 @@ class DecodeCase:
             )
         sp.step()  # admission prefill + the first segment: untimed
         assert sp.active_rows == self.batch, (sp.active_rows, self.batch)
-        steps0, copies0 = sp.stats.decode_steps, sp.stats.lane_copies
+        used = [r for r in _replicas(sp) if r.active_rows]
+        steps0, copies0 = [r.stats.decode_steps for r in used], sp.stats.lane_copies
         t0 = time.perf_counter()
         for k in range(self.segments):
             if not timed:  # check the plan: every timed segment attends over this window
-                pos = max(len(r.sequence) - 1 for r in sp._active)
+                pos = max(len(r.sequence) - 1 for one in used for r in one._active)
                 assert pos == self.prompt + (k + 1) * s, (pos, self.prompt, k)
                 window = _bucket(min(pos + s + 1, sp.max_seq_len), sp.prompt_buckets)
                 assert window == self.window, (window, self.window)
             sp.step()
         dt = time.perf_counter() - t0
         assert not sp.busy and len(done) == self.batch
-        assert sp.stats.decode_steps - steps0 == self.segments * s
+        assert all(
+            r.stats.decode_steps - n == self.segments * s for r, n in zip(used, steps0, strict=True)
+        )
         if timed:
             self.times.append(dt)
             self.lane_copies += sp.stats.lane_copies - copies0
@@ -413,6 +420,7 @@ class DecodeCase:
         tps = [self.tokens / t for t in self.times]
         r = {
             "batch": self.batch,
+            "replicas": len(_replicas(self.sampler)),
             "window": self.window,
             "prompt": self.prompt,
             "timed_steps": self.segments * self.sampler.segment_steps,
@@ -427,6 +435,10 @@ class DecodeCase:
         r["of_limit"] = r["tokens_per_s"] / r["limit"]
         r["draw_share"] = r["draw_ms"] / r["ms_per_step"]
         return r
+
+
+def _replicas(sampler: Sampler | SamplerReplicas) -> list[Sampler]:
+    return list(getattr(sampler, "replicas", [sampler]))
 
 
 def run_decode(cases: list[DecodeCase], repeats: int, seed: int) -> int:
@@ -707,7 +719,7 @@ def print_decode(title: str, rows: list[dict], base_label: str) -> None:
     the limit would give), next to the achieved ratio against the first row."""
     print(f"\n{title}")
     head = (
-        f"{'batch':>6}{'window':>7}{'tok/s':>9}{'iqr':>6}{'ms/step':>9}{base_label:>9}"
+        f"{'batch':>6}{'rep':>4}{'window':>7}{'tok/s':>9}{'iqr':>6}{'ms/step':>9}{base_label:>9}"
         f"{'ideal':>8}{'MB/step':>9}{'lim tok/s':>11}{'bound':>7}{'of limit':>10}"
         f"{'of DRAM lim':>13}{'draw ms':>9}{'draw %':>8}"
     )
@@ -716,7 +728,7 @@ def print_decode(title: str, rows: list[dict], base_label: str) -> None:
     base = rows[0]
     for r in rows:
         print(
-            f"{r['batch']:>6}{r['window']:>7}{_fmt(r['tokens_per_s']):>9}{r['iqr']:>6.0%}"
+            f"{r['batch']:>6}{r['replicas']:>4}{r['window']:>7}{_fmt(r['tokens_per_s']):>9}{r['iqr']:>6.0%}"
             f"{r['ms_per_step']:>9.2f}{r['tokens_per_s'] / base['tokens_per_s']:>8.2f}x"
             f"{r['limit'] / base['limit']:>7.2f}x{r['bytes_per_step'] / 1e6:>9.1f}"
             f"{_fmt(r['limit']):>11}{r['bound']:>7}{r['of_limit']:>10.3f}"
@@ -862,6 +874,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--segment-steps", type=int, default=16)
     p.add_argument("--segments", type=int, default=4, help="timed segments per decode sample")
     p.add_argument("--batches", type=int, nargs="*", default=[1, 4, 16])
+    p.add_argument(
+        "--replicas",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="decode-vs-batch rows for each count of sampler replicas (one per CPU device: "
+        "actor.sampler_replicas); the batch is split among them",
+    )
     p.add_argument("--window", type=int, default=256, help="cache window of the batch table")
     p.add_argument("--windows", type=int, nargs="*", default=[64, 256, 1024])
     p.add_argument("--window-batch", type=int, default=4)
@@ -895,18 +915,28 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_sampler(model: Transformer, max_seq_len: int, max_batch: int, args) -> Sampler:
-    return Sampler(
-        model,
-        pad_id=0,
-        stop_ids=[model.vocab_size - 1],
-        max_seq_len=max_seq_len,
-        max_sequences=max_batch,
-        batch_buckets=sorted({*DEFAULT_BATCH_BUCKETS, max_batch}),
-        prompt_buckets=DEFAULT_PROMPT_BUCKETS,
-        segment_steps=args.segment_steps,
-        kv_dtype=jnp.dtype(args.compute_dtype),
-    )
+def make_sampler(
+    model: Transformer, max_seq_len: int, max_batch: int, args, replicas: int = 1
+) -> Sampler | SamplerReplicas:
+    """A sampler for `max_batch` rows; with `replicas` > 1, one per CPU device, the rows
+    split evenly among them (as `build_sampler` does for `actor.sampler_replicas`)."""
+    rows = -(-max_batch // replicas)
+    samplers = [
+        Sampler(
+            model,
+            pad_id=0,
+            stop_ids=[model.vocab_size - 1],
+            max_seq_len=max_seq_len,
+            max_sequences=rows,
+            batch_buckets=sorted({*DEFAULT_BATCH_BUCKETS, rows}),
+            prompt_buckets=DEFAULT_PROMPT_BUCKETS,
+            segment_steps=args.segment_steps,
+            kv_dtype=jnp.dtype(args.compute_dtype),
+            device=device,
+        )
+        for device in (jax.local_devices()[:replicas] if replicas > 1 else [None])
+    ]
+    return samplers[0] if replicas == 1 else SamplerReplicas(samplers)
 
 
 def main() -> None:
@@ -914,6 +944,8 @@ def main() -> None:
     if args.train_child:
         train_child(args)
         return
+    if max(args.replicas) > 1:
+        sampler_devices(max(args.replicas))  # CPU devices: before JAX starts
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -932,10 +964,12 @@ def main() -> None:
     compiles = 0
     decode_sets: dict[str, list[DecodeCase]] = {}
     if args.batches:
-        sp = make_sampler(model, args.window, max(args.batches), args)
-        decode_sets["decode_batch"] = [
-            DecodeCase.plan(sp, b, args.window, args.segments) for b in sorted(args.batches)
-        ]
+        decode_sets["decode_batch"] = []
+        for n in sorted(set(args.replicas)):
+            sp = make_sampler(model, args.window, max(args.batches), args, replicas=n)
+            decode_sets["decode_batch"] += [
+                DecodeCase.plan(sp, b, args.window, args.segments) for b in sorted(args.batches)
+            ]
     if windows:
         sp = make_sampler(model, windows[-1], args.window_batch, args)
         decode_sets["decode_window"] = [

@@ -331,8 +331,10 @@ def test_actor_writes_valid_shards_with_exact_logprobs(store_uri):
     assert keys and all(k.endswith(".jsonl") for k in keys)
 
 
-def test_actor_reloads_weights_and_refuses_corrupt_snapshot(store_uri, caplog):
-    cfg = _config(store_uri)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_actor_reloads_weights_and_refuses_corrupt_snapshot(store_uri, caplog, replicas):
+    """Also with two sampler replicas (policy/replicas.py): every replica reloads."""
+    cfg = _config(store_uri, sampler_replicas=replicas)
     store = write_config(cfg)
     _publish(store, cfg, _peaky(123, cfg), version=0)
     actor = Actor(cfg, store, actor_id="actor-w")
@@ -368,6 +370,9 @@ def test_actor_reloads_weights_and_refuses_corrupt_snapshot(store_uri, caplog):
     )
     final = read_metrics(store, "actor/actor-w")[-1]
     assert final["weights_version"] == 1 and final["reloads"] == 2
+    samplers = getattr(actor.sampler, "replicas", [actor.sampler])
+    assert len(samplers) == replicas and all(s.stats.decode_steps for s in samplers)
+    assert {s.version for s in samplers} == {1}
 
 
 def test_env_exceptions_do_not_kill_the_actor(store_uri):

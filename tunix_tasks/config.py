@@ -95,6 +95,14 @@ class ActorConfig(_Frozen):
     batch_wait_s: float = Field(
         0.02, ge=0.0, le=1.0, description="gather policy calls this long into one sampler batch"
     )
+    sampler_replicas: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="copies of the policy an async actor samples with, one per local device, "
+        "each serving its share of the episodes (on a CPU: JAX CPU devices, a core each); "
+        "the KV-cache slots are split among them",
+    )
 
     @property
     def cache_slots(self) -> int:
@@ -285,6 +293,9 @@ class RunConfig(_Frozen):
             "mode=sync: the on-device loop never waits for a version": self.mode == "sync",
             "env.latency_s simulates a remote env; on-device envs have none": bool(
                 self.env.latency_s
+            ),
+            "actor.sampler_replicas > 1: the on-device loop runs on one device": (
+                self.actor.sampler_replicas > 1
             ),
         }
         found = [p for p, bad in problems.items() if bad]

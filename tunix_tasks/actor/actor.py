@@ -42,7 +42,10 @@ class Actor(ActorRuntime):
     def __init__(self, cfg: RunConfig, store: ObjectStore, **kwargs: Any) -> None:
         super().__init__(cfg, store, **kwargs)
         self.chat, self.sampler = build_sampler(
-            cfg.model, seed=cfg.seed, max_sequences=cfg.actor.cache_slots
+            cfg.model,
+            seed=cfg.seed,
+            max_sequences=cfg.actor.cache_slots,
+            replicas=cfg.actor.sampler_replicas,
         )
         self.policy = BatchingPolicy(
             self.sampler,

@@ -22,6 +22,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import jax
 
+from tunix_tasks.policy.replicas import SamplerReplicas
 from tunix_tasks.policy.sampling import Sample, Sampler
 
 __all__ = ["BatchingPolicy"]
@@ -30,7 +31,7 @@ __all__ = ["BatchingPolicy"]
 class BatchingPolicy:
     def __init__(
         self,
-        sampler: Sampler,
+        sampler: Sampler | SamplerReplicas,
         *,
         max_new_tokens: int,
         temperature: float = 1.0,

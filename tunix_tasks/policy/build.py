@@ -7,6 +7,7 @@ and weights (every process loads the same base). `model_meta` is what a weight m
 records about the model.
 
     chat, sampler = build_sampler(cfg.model, seed=cfg.seed)           # actors, evaluation
+    chat, samplers = build_sampler(cfg.model, replicas=2)    # one per device (replicas.py)
     chat, model = build_policy(cfg.model, compute_dtype="bfloat16", mesh=mesh)   # learner
 """
 
@@ -26,6 +27,7 @@ from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.chat_template import load_template_chat
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, HFCheckpoint
 from tunix_tasks.policy.model import Transformer
+from tunix_tasks.policy.replicas import SamplerReplicas, sampler_devices
 from tunix_tasks.policy.sampling import Sampler
 from tunix_tasks.policy.spec import LoraSpec, spec_from_preset
 from tunix_tasks.policy.tokenizer import CharChat, CharTokenizer
@@ -108,19 +110,25 @@ def base_fingerprint(cfg: ModelConfig, seed: int) -> str:
 
 
 def build_sampler(
-    cfg: ModelConfig, *, seed: int = 0, max_sequences: int = 64
-) -> tuple[ChatFormat, Sampler]:
+    cfg: ModelConfig, *, seed: int = 0, max_sequences: int = 64, replicas: int = 1
+) -> tuple[ChatFormat, Sampler | SamplerReplicas]:
     """The chat format and a sampler over the policy, stopping at the format's stop ids,
-    with `max_sequences` KV-cache slots (conversations whose cache it keeps)."""
+    with `max_sequences` KV-cache slots (conversations whose cache it keeps); with
+    `replicas` > 1, that many samplers on as many local devices, sharing the slots."""
+    devices = sampler_devices(replicas) if replicas > 1 else [None]  # before JAX starts
     chat, model = build_policy(cfg, seed=seed)
-    sampler = Sampler(
-        model,
-        pad_id=chat.tokenizer.pad_id,
-        stop_ids=chat.stop_ids,
-        max_seq_len=cfg.max_seq_len,
-        max_sequences=max_sequences,
-    )
-    return chat, sampler
+    samplers = [
+        Sampler(
+            model,
+            pad_id=chat.tokenizer.pad_id,
+            stop_ids=chat.stop_ids,
+            max_seq_len=cfg.max_seq_len,
+            max_sequences=-(-max_sequences // replicas),
+            device=device,
+        )
+        for device in devices
+    ]
+    return chat, samplers[0] if replicas == 1 else SamplerReplicas(samplers)
 
 
 def model_meta(cfg: ModelConfig, model: Transformer) -> dict[str, Any]:

@@ -3,20 +3,30 @@
 A `Request` is one context to continue, with its sampling settings and where it stands
 (tokens generated so far, its cache slot); the sampler calls `on_done(Sample)` when it
 finishes. `row_params` lays a batch of requests' settings out as the device programs'
-traced arguments.
+traced arguments. `BlockingSample` gives an engine (`submit` / `step` / `busy` / `seed`)
+its blocking `sample()`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
+import jax
 import numpy as np
 
 from tunix_tasks.policy.decoding import RowParams
 
-__all__ = ["FinishReason", "Request", "Sample", "SamplerStats", "check_request", "row_params"]
+__all__ = [
+    "BlockingSample",
+    "FinishReason",
+    "Request",
+    "Sample",
+    "SamplerStats",
+    "check_request",
+    "row_params",
+]
 
 FinishReason = Literal["stop", "length", "max_seq_len"]
 
@@ -83,6 +93,11 @@ class SamplerStats:
     segments: int = 0
     lane_copies: int = 0  # rows copied into the decode working set (policy/lanes.py)
 
+    def __add__(self, other: SamplerStats) -> SamplerStats:
+        return SamplerStats(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self))
+        )
+
 
 def row_params(rows: Sequence[Request | None], batch: int, max_stops: int) -> RowParams:
     """The rows' sampling settings as [batch] arrays (padding rows, or None: inert defaults)."""
@@ -110,3 +125,45 @@ def check_request(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not 0 < len(context) <= max_seq_len:
         raise ValueError(f"a context has {len(context)} tokens; need 1..max_seq_len={max_seq_len}")
+
+
+class BlockingSample:
+    """`sample()` for an engine with `submit`, `step`, `busy`, `seed` and `max_seq_len`."""
+
+    max_seq_len: int
+    busy: bool
+    submit: Callable[..., None]
+    step: Callable[[], int]
+    seed: Callable[[jax.Array], None]
+
+    def sample(
+        self,
+        contexts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        stop_ids: Sequence[int] | None = None,
+        rng: jax.Array,
+    ) -> list[Sample]:
+        """Sample a continuation of every context (order preserved); blocks until done.
+        Row i draws from the stream `(rng, i)`: its output does not depend on the others."""
+        for ctx in contexts:
+            check_request(ctx, max_new_tokens, temperature, top_k, self.max_seq_len)
+        if self.busy:
+            raise RuntimeError("sample() needs an idle sampler; use submit()/step() instead")
+        self.seed(rng)
+        out: list[Any] = [None] * len(contexts)
+        for i, ctx in enumerate(contexts):
+            self.submit(
+                ctx,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                stop_ids=stop_ids,
+                seed=i,
+                on_done=lambda s, i=i: out.__setitem__(i, s),
+            )
+        while self.busy:
+            self.step()
+        return [s for s in out if s is not None]

@@ -31,6 +31,9 @@ position the call can touch (decode attends over the live positions' bucket, not
 cache). Compiles are bounded by |batch buckets| x |buckets|^2; weights, temperature, top-k,
 budgets and stop ids are traced, so `update_params` never recompiles.
 
+Devices. A sampler's weights, cache and programs live on one device (`device`, default
+the default one); `SamplerReplicas` (policy/replicas.py) runs one sampler per device.
+
 Log-probs come from `sampling_log_probs`, the function the learner scores with, over
 float32 logits. Precision: a model with `compute_dtype` bfloat16 is held in bfloat16
 (`policy/precision.py`; snapshots load into it rounded, `update_params` keeps it so), its
@@ -56,6 +59,7 @@ from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.params import load_flat_params
 from tunix_tasks.policy.precision import cast_params
 from tunix_tasks.policy.requests import (
+    BlockingSample,
     Request,
     Sample,
     SamplerStats,
@@ -84,7 +88,7 @@ def _slot_array(rows: list[Request], batch: int, scratch: int) -> np.ndarray:
     return slots
 
 
-class Sampler:
+class Sampler(BlockingSample):
     """Samples continuations of many contexts from a `Transformer` (module docstring)."""
 
     def __init__(
@@ -99,6 +103,7 @@ class Sampler:
         prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
         segment_steps: int = 16,
         kv_dtype: jnp.dtype | None = None,
+        device: jax.Device | None = None,
     ):
         self.max_seq_len = int(max_seq_len or model.max_seq_len)
         if self.max_seq_len <= 1:
@@ -116,15 +121,22 @@ class Sampler:
         self.pad_id = int(pad_id)
         self.default_stop_ids = tuple(int(i) for i in stop_ids)
         self.segment_steps = int(segment_steps)
+        self.max_sequences = max_sequences
         self.max_batch = min(self.batch_buckets[-1], max_sequences)
         self.stats = SamplerStats()
         self.version = -1
         self._model = model
         # Held in the compute dtype: a decode step reads every weight (module docstring).
         cast_params(model, model.compute_dtype)
-        self._graphdef, self._state = nnx.split(model)
+        # Every array the programs take lives on `device` (None: the default one), so they
+        # run there; `SamplerReplicas` (policy/replicas.py) puts one sampler per device.
+        self._device = device
+        self._graphdef, state = nnx.split(model)
+        self._state = jax.device_put(state, device)
         # The last cache row is scratch: padding rows of a batch read and write there.
-        self._cache = model.init_cache(max_sequences + 1, self.max_seq_len, kv_dtype)
+        self._cache = jax.device_put(
+            model.init_cache(max_sequences + 1, self.max_seq_len, kv_dtype), device
+        )
         self._slots = SlotTable(max_sequences)
         self._lanes = DecodeLanes()  # the decode working set (policy/lanes.py)
         self._waiting: collections.deque[Request] = collections.deque()
@@ -156,7 +168,13 @@ class Sampler:
         Every cached slot is invalidated and rows in flight are re-admitted (module doc).
         """
         load_flat_params(self._model, flat, only)  # checks everything first, then swaps
-        self._state = nnx.state(self._model)
+        self.adopt_params(version)
+
+    def adopt_params(self, version: int) -> None:
+        """Start sampling with the weights the model now holds (`update_params` loads them;
+        replicas sharing one model load once and adopt): slots invalidated, rows in flight
+        re-admitted."""
+        self._state = jax.device_put(nnx.state(self._model), self._device)
         self.version = version
         self._slots.invalidate()
         self._lanes.clear()
@@ -222,37 +240,10 @@ class Sampler:
     def active_rows(self) -> int:
         return len(self._active)
 
-    def sample(
-        self,
-        contexts: Sequence[Sequence[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        stop_ids: Sequence[int] | None = None,
-        rng: jax.Array,
-    ) -> list[Sample]:
-        """Sample a continuation of every context (order preserved); blocks until done.
-        Row i draws from the stream `(rng, i)`: its output does not depend on the others."""
-        for ctx in contexts:
-            check_request(ctx, max_new_tokens, temperature, top_k, self.max_seq_len)
-        if self.busy:
-            raise RuntimeError("sample() needs an idle sampler; use submit()/step() instead")
-        self._key = rng
-        out: list[Sample | None] = [None] * len(contexts)
-        for i, ctx in enumerate(contexts):
-            self.submit(
-                ctx,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                stop_ids=stop_ids,
-                seed=i,
-                on_done=lambda s, i=i: out.__setitem__(i, s),
-            )
-        while self.busy:
-            self.step()
-        return [s for s in out if s is not None]
+    @property
+    def load(self) -> int:
+        """Requests waiting or decoding."""
+        return len(self._waiting) + len(self._active)
 
     def seed(self, rng: jax.Array) -> None:
         """The key every row's random stream derives from (with the row's seed)."""
@@ -337,7 +328,8 @@ class Sampler:
         plan = self._lanes.plan(self._active, batch, window, scratch=self._slots.slots)
         work = self._lanes.work
         if work is None:
-            work = self._model.init_cache(batch, window, self._cache.k[0].dtype)
+            dtype = self._cache.k[0].dtype
+            work = jax.device_put(self._model.init_cache(batch, window, dtype), self._device)
         self._cache, work, out_tok, out_lp, done, pos = self._decode(
             self._state, self._cache, work, *plan.arrays, self._key,
             row_params(plan.rows, batch, _MAX_STOP_IDS),
