@@ -12,6 +12,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -191,3 +192,47 @@ def test_checkpoints_follow_the_current_gcs_emulator(monkeypatch):
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:2")
     assert _directory(open_store("gs://bucket/run")) == "gs://bucket/run/learner/checkpoints"
     assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:2"
+
+
+def test_a_store_outage_mid_save_is_one_clear_error_and_loses_nothing(caplog):
+    """The store (a real fake-gcs-server) goes down once the ledger of checkpoint 2 is
+    written, as orbax starts on its files: the save raises `CheckpointError` (a StoreError:
+    the CLI prints its one line and exits 5) naming step 2 and checkpoint 1, the latest, and
+    gcsfs's log lines carry no traceback. Before, orbax's own aiohttp error left the learner
+    with a traceback. With the store back, a new Checkpointer (a resumed learner) restores
+    checkpoint 1 and saves step 2 over what the cut-off save left."""
+    from tests.gcs_outage import OutageGcs
+    from tunix_tasks.frontdoor.cli import EXIT_STORAGE, _known_error
+    from tunix_tasks.learner.checkpoint import CheckpointError
+
+    state = {"w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64)}
+    ledger = {"trained": ["a"], "dropped": {}}
+    with OutageGcs() as gcs:
+        store = open_store(gcs.new_bucket_uri("runs") + "/r")
+        ckpt = Checkpointer(store)
+        ckpt.save(1, state, {"step": 1}, ledger, wait=True)
+        write = ckpt._write
+
+        def down_then_write(*args) -> None:
+            gcs.down()
+            write(*args)
+
+        ckpt._write = down_then_write
+        with pytest.raises(CheckpointError) as info:
+            ckpt.save(2, {"w": state["w"] + 1}, {"step": 2}, ledger, wait=True)
+        message = str(info.value)
+        assert message.startswith("checkpoint 2 could not be written"), message
+        assert "the latest checkpoint is 1" in message
+        assert _known_error(info.value) == (EXIT_STORAGE, message)
+        gcsfs = [r for r in caplog.records if r.name.startswith("gcsfs")]
+        assert gcsfs and not any(r.exc_info or r.exc_text for r in gcsfs)
+        gcs.up()
+        resumed = Checkpointer(store)
+        try:
+            got, meta = resumed.restore({"w": state["w"]})
+            assert meta == {"step": 1}
+            np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(state["w"]))
+            resumed.save(2, {"w": state["w"] + 1}, {"step": 2}, ledger, wait=True)
+            assert resumed.restore({"w": state["w"]})[1] == {"step": 2}
+        finally:
+            resumed.close()

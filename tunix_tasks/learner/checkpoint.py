@@ -19,11 +19,15 @@ exact, duplicate-free account of every episode, across any number of crashes.
 Saves are asynchronous: `save` blocks only while the state is copied to host memory, then
 orbax writes it in the background while training goes on. A save first waits for the
 previous one, so at most one is in flight; what depends on a checkpoint being durable (the
-deletion of consumed shards) waits for `wait()`.
+deletion of consumed shards) waits for `wait()`. A save or restore that fails in orbax (a
+store outage past its retries) raises `CheckpointError`, a `StoreError` that names the step
+and the checkpoint still the latest: the learner stops with one line, and the same command
+resumes from that checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -36,9 +40,25 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from tunix_tasks.storage.layout import RunLayout
-from tunix_tasks.storage.store import ObjectStore, join_uri
+from tunix_tasks.storage.store import ObjectStore, StoreError, join_uri
 
 log = logging.getLogger(__name__)
+
+
+class CheckpointError(StoreError):
+    """Orbax could not write or read a checkpoint (its own error is the `__cause__`)."""
+
+
+class _NoTraceback(logging.Filter):
+    """gcsfs (orbax's gs:// file system) logs each request it gave up on with a traceback;
+    the `CheckpointError` that follows says what failed, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("gcsfs").addFilter(_NoTraceback())
 
 
 def _directory(store: ObjectStore) -> Any:
@@ -62,7 +82,9 @@ def _directory(store: ObjectStore) -> Any:
 class Checkpointer:
     def __init__(self, store: ObjectStore, *, max_to_keep: int = 3) -> None:
         self._store = store
+        self._uri = join_uri(store.uri, RunLayout.CHECKPOINTS)
         self._on_durable: Callable[[], None] | None = None
+        self._in_flight: int | None = None  # the step of the save not waited for yet
         self._manager = ocp.CheckpointManager(
             _directory(store),
             options=ocp.CheckpointManagerOptions(
@@ -102,8 +124,11 @@ class Checkpointer:
         if jax.process_index() == 0:  # one process cleans up; orbax syncs the others
             self._clear_uncommitted(step)
         pure = nnx.to_pure_dict(state) if isinstance(state, nnx.State) else _pure(state)
-        self._write(step, pure, meta)
-        self._on_durable = on_durable
+        try:
+            self._write(step, pure, meta)
+        except Exception as err:
+            raise self._failure("written", step, err) from err
+        self._in_flight, self._on_durable = step, on_durable
         if wait:
             self.wait()
 
@@ -120,11 +145,24 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Until the last save is committed (then its `on_durable`); raises what its
-        background write raised."""
-        self._manager.wait_until_finished()
+        background write raised (as a `CheckpointError`)."""
+        step, self._in_flight = self._in_flight, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            raise self._failure("written", step, err) from err
         callback, self._on_durable = self._on_durable, None
         if callback is not None:
             callback()
+
+    def _failure(self, what: str, step: int | None, err: Exception) -> CheckpointError:
+        latest = None
+        with contextlib.suppress(Exception):  # from orbax's memory: no store access
+            latest = self._manager.latest_step()
+        return CheckpointError(
+            f"checkpoint {step} could not be {what} ({self._uri}): {type(err).__name__}: "
+            f"{err}; the latest checkpoint is {latest}, and the same command resumes from it"
+        )
 
     def _clear_uncommitted(self, step: int) -> None:
         """Delete what an earlier save of `step`, cut off by a crash or a store outage,
@@ -148,7 +186,10 @@ class Checkpointer:
         if step is None:
             return None
         pure = _pure(template)
-        saved = set(self._manager.item_metadata(step)["state"])  # names only, no data
+        try:
+            saved = set(self._manager.item_metadata(step)["state"])  # names only, no data
+        except Exception as err:
+            raise self._failure("read", step, err) from err
         if unknown := saved - set(pure):
             raise ValueError(f"checkpoint {step} holds parts {sorted(unknown)} not in template")
         abstract = {
@@ -156,12 +197,15 @@ class Checkpointer:
             for name, part in pure.items()
             if name in saved
         }
-        got = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        )
+        try:
+            got = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as err:
+            raise self._failure("read", step, err) from err
         return got["state"], dict(got["meta"])
 
     def prune_ledger_after(self, step: int) -> int:
