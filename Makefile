@@ -54,7 +54,7 @@ demo: $(STAMP) bwrap
 	$(BIN)/tunix-tasks train --config configs/demo.yaml
 
 bench: $(STAMP)
-	for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	for b in benchmarks/[!_]*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 # --- Airflow (scripts in infra/airflow/) ---------------------------------------------
 AIRFLOW_PORT ?= 8080

@@ -72,14 +72,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import gc
 import hashlib
 import inspect
 import json
 import math
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -105,6 +103,8 @@ from tunix_tasks.policy.sampling import DEFAULT_PROMPT_BUCKETS, Sampler
 from tunix_tasks.policy.spec import DecoderSpec, spec_from_hf_config
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.storage.weights import WeightsPublisher, encode_snapshot, load_snapshot
+
+from _machine import machine_limits, measure_limits, med, peak, reset_peak, rss, trim
 
 MB = 1e6
 FAMILIES = ("qwen3", "llama3")
@@ -152,10 +152,6 @@ RUN_DEFAULTS: dict[str, dict[str, Any]] = {
 # ------------------------------------------------------------------------------ helpers
 
 
-def _median(xs: list[float]) -> float:
-    return float(np.median(xs))
-
-
 def _timed(fn, repeats: int, *, best: bool = False) -> float:
     """Median (or best) wall seconds of `fn()` (result blocked on) over `repeats` calls."""
     times = []
@@ -163,41 +159,7 @@ def _timed(fn, repeats: int, *, best: bool = False) -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
-    return min(times) if best else _median(times)
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _trim() -> None:
-    """Collect, and hand freed heap back to the OS (glibc keeps freed blocks under 32 MB
-    mapped: a later allocation would reuse them and not show in RSS)."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _reset_peak() -> bool:
-    """Reset the RSS high-water mark (Linux >= 4.0); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return min(times) if best else med(times)
 
 
 # ------------------------------------------------------------------------------ checkpoint
@@ -351,16 +313,16 @@ def child_import(mode: str, uri: str, repeats: int) -> dict[str, Any]:
     times, out = [], {}
     for i in range(repeats):
         model = None
-        _trim()
-        base = _rss()
-        reset = _reset_peak()
+        trim()
+        base = rss()
+        reset = reset_peak()
         t0 = time.perf_counter()
         model = load()
         jax.block_until_ready(nnx.state(model))
         times.append(time.perf_counter() - t0)
         if i == 0:
-            out = {"base_rss": base, "peak_rss": _peak(), "after_rss": _rss(), "reset": reset}
-    out.update(load_s=_median(times), load_s_all=times)
+            out = {"base_rss": base, "peak_rss": peak(), "after_rss": rss(), "reset": reset}
+    out.update(load_s=med(times), load_s_all=times)
     if mode == "ours":
         sampler = make_sampler(model, 64, 1)
         with tempfile.TemporaryDirectory(prefix="bench-models-reload-") as tmp:
@@ -368,14 +330,14 @@ def child_import(mode: str, uri: str, repeats: int) -> dict[str, Any]:
             flat = flat_params(model)
             WeightsPublisher(store).publish(flat, version=0, step=0, model={})
             del flat
-            _trim()
-            base = _rss()
-            _reset_peak()
+            trim()
+            base = rss()
+            reset_peak()
             got, _ = load_snapshot(store, 0)
             sampler.update_params(got)
             del got
             jax.block_until_ready(nnx.state(sampler.model))
-            out.update(reload_base_rss=base, reload_peak_rss=_peak())
+            out.update(reload_base_rss=base, reload_peak_rss=peak())
     return out
 
 
@@ -394,17 +356,10 @@ def run_child(mode: str, uri: str, repeats: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ roofline
 
 
-def machine_limits(compute_dtype: str, repeats: int) -> dict[str, float]:
-    n = 2048
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32), compute_dtype)
-    mm = jax.jit(lambda x, y: x @ y)
-    jax.block_until_ready(mm(a, a))
-    flops = 2 * n**3 / _timed(lambda: mm(a, a), max(repeats, 5), best=True)
-    x = jnp.ones((64 << 20,), jnp.float32)  # 256 MB: far beyond any cache
-    total = jax.jit(jnp.sum)
-    jax.block_until_ready(total(x))
-    bandwidth = x.nbytes / _timed(lambda: total(x), max(repeats, 5), best=True)
-    return {"matmul_flops": flops, "mem_bw": bandwidth}
+def limits(compute_dtype: str, repeats: int) -> dict[str, float]:
+    """Matmul FLOP/s and DRAM read bandwidth (`_machine`): the best of the samples."""
+    lim = machine_limits(measure_limits(compute_dtype, max(repeats, 5), llc=0), llc=0)
+    return {"matmul_flops": lim["matmul_flops"], "mem_bw": lim["mem_bw"]}
 
 
 def param_counts(spec: DecoderSpec) -> dict[str, int]:
@@ -590,11 +545,11 @@ def measure_reload(
     t.append(time.perf_counter())
     d = np.diff(t)
     return {
-        "flat_params_s": _median(flat_s),
-        "publish_s": _median(pub),
-        "reload_s": _median(reload),
+        "flat_params_s": med(flat_s),
+        "publish_s": med(pub),
+        "reload_s": med(reload),
         "snapshot_bytes": nbytes,
-        "plain_write_MBps": _median(plain) if plain else None,
+        "plain_write_MBps": med(plain) if plain else None,
         "breakdown_s": {
             "publish: flat_params+st_save+sha": d[0],
             "publish: write_bytes (fsync)": d[1],
@@ -666,7 +621,7 @@ def run_family(family: str, args, root: Path, lim: dict, gcs) -> dict[str, Any]:
     model = ckpt.load_model(spec, compute_dtype=args.compute_dtype)
     jax.block_until_ready(nnx.state(model))
     r["import_parent_s"] = time.perf_counter() - t0
-    raise_limits(lim, machine_limits(args.compute_dtype, args.repeats))
+    raise_limits(lim, limits(args.compute_dtype, args.repeats))
     tps = measure_forward(model, args.fwd_batch, args.seq, args.repeats)
     r["forward"] = {
         "batch": args.fwd_batch,
@@ -872,7 +827,7 @@ def main() -> None:
             "run to minutes"
         )
     load = os.getloadavg()
-    lim = machine_limits(args.compute_dtype, args.repeats)
+    lim = limits(args.compute_dtype, args.repeats)
     log(f"matmul {lim['matmul_flops'] / 1e9:.0f} GFLOP/s, read {lim['mem_bw'] / 1e9:.1f} GB/s")
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-models-") as tmp, contextlib.ExitStack() as st:
@@ -884,7 +839,7 @@ def main() -> None:
         for family in args.families:
             results.append(run_family(family, args, Path(tmp), lim, gcs))
             gc.collect()
-    raise_limits(lim, machine_limits(args.compute_dtype, args.repeats))
+    raise_limits(lim, limits(args.compute_dtype, args.repeats))
     for r in results:
         apply_limits(r, lim)
     args.load = (load, os.getloadavg())

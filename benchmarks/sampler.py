@@ -87,10 +87,7 @@ progress log (stderr) carries elapsed seconds; the tables go to stdout.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -118,6 +115,18 @@ from tunix_tasks.policy.sampling import DEFAULT_BATCH_BUCKETS, DEFAULT_PROMPT_BU
 from tunix_tasks.policy.spec import DecoderSpec, spec_from_preset
 from tunix_tasks.policy.tokenizer import CharTokenizer
 
+from _machine import (
+    iqr,
+    llc_bytes,
+    machine_limits,
+    measure_limits,
+    med,
+    peak,
+    reset_peak,
+    rss,
+    trim,
+)
+
 GB = 1e9
 SHAPES: dict[str, dict[str, int]] = {
     "mid": {"d_model": 512, "n_layers": 8, "n_heads": 8, "d_ff": 2048, "vocab": 32768},
@@ -132,47 +141,8 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------------------ helpers
 
 
-def med(xs: list[float]) -> float:
-    return float(np.median(xs))
-
-
-def iqr(xs: list[float]) -> float:
-    """Interquartile range / median (0.05 = 5%)."""
-    q1, q2, q3 = np.percentile(xs, [25, 50, 75])
-    return float((q3 - q1) / q2) if q2 else 0.0
-
-
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next(b for b in buckets if b >= n)
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _trim() -> None:
-    """Collect and hand freed heap back to the OS, so a later peak is not hidden in it."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
-
-
-def _peak() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 # ------------------------------------------------------------------------------ model
@@ -270,64 +240,6 @@ class Costs:
 
 
 # ------------------------------------------------------------------------------ limits
-
-
-def llc_bytes() -> int:
-    """The CPU's last-level cache (0 on an accelerator or when unknown)."""
-    if jax.devices()[0].platform != "cpu":
-        return 0
-    best = (0, 0)
-    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        with contextlib.suppress(OSError, ValueError):
-            level = int((d / "level").read_text())
-            size = (d / "size").read_text().strip()
-            mult = {"K": 1 << 10, "M": 1 << 20}.get(size[-1], 1)
-            best = max(best, (level, int(size.rstrip("KM")) * mult))
-    return best[1]
-
-
-def _sums(x: jax.Array, reps: int) -> jax.Array:
-    """`reps` full reads of x in one program (no per-call dispatch in the timing)."""
-    body = lambda i, acc: acc + jnp.sum(x + i.astype(x.dtype))  # noqa: E731
-    return jax.lax.fori_loop(0, reps, body, jnp.float32(0))
-
-
-def measure_limits(dtype: str, repeats: int, llc: int) -> dict[str, list[float]]:
-    """Matmul FLOP/s, DRAM read bandwidth of one program ("mem_bw") and, with several local
-    devices, of one program per device at once ("mem_bw_devices": what replicas can draw
-    together), and (on a CPU) read bandwidth from the last-level cache (an array of a
-    quarter of it, read 32 times in one program); interleaved."""
-    n = 2048
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32), dtype)
-    mm = jax.jit(lambda x, y: x @ y)
-    reads = jax.jit(_sums, static_argnums=1)
-    big = [  # 256 MB per device: beyond any cache
-        jax.device_put(jnp.ones((64 << 20,), jnp.float32), d) for d in jax.local_devices()
-    ]
-    arrays = {"mem_bw": ([big[0]], 1)}
-    if len(big) > 1:
-        arrays["mem_bw_devices"] = (big, 1)
-    if llc:
-        arrays["cache_bw"] = ([jnp.ones((llc // 16,), jnp.float32)], 32)
-    jax.block_until_ready((mm(a, a), *(reads(xs[0], k) for xs, k in arrays.values())))
-    out: dict[str, list[float]] = {"matmul_flops": [], **{k: [] for k in arrays}}
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(mm(a, a))
-        out["matmul_flops"].append(2 * n**3 / (time.perf_counter() - t0))
-        for name, (xs, k) in arrays.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready([reads(x, k) for x in xs])  # dispatched at once: concurrent
-            out[name].append(k * sum(x.nbytes for x in xs) / (time.perf_counter() - t0))
-    return out
-
-
-def machine_limits(samples: dict[str, list[float]], llc: int) -> dict[str, float]:
-    """The best sample of each figure (a slower one is contention); the DRAM limit is the
-    better of one program and one per device at once: the machine's, not one core's."""
-    lim = {k: max(v) for k, v in samples.items()} | {"llc_bytes": llc}
-    lim["mem_bw"] = max(lim["mem_bw"], lim.get("mem_bw_devices", 0.0))
-    return lim
 
 
 # ------------------------------------------------------------------------------ decode
@@ -697,11 +609,11 @@ def train_child(args) -> None:
     """Subprocess: the peak RSS growth of one train step after its compile."""
     _, trainer, batch = train_setup(args, args.attention_block[0])
     trainer.step(batch)
-    _trim()
-    ok = _reset_peak()
-    before = _rss()
+    trim()
+    ok = reset_peak()
+    before = rss()
     trainer.step(batch)
-    print(json.dumps({"rss_before": before, "peak_growth": _peak() - before, "reset": ok}))
+    print(json.dumps({"rss_before": before, "peak_growth": peak() - before, "reset": ok}))
 
 
 def run_train_rss(argv: list[str]) -> dict[str, Any]:
