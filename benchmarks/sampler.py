@@ -110,7 +110,7 @@ from tunix_tasks.learner.packing import pack
 from tunix_tasks.learner.train_step import Trainer
 from tunix_tasks.policy import decoding
 from tunix_tasks.policy.model import Transformer
-from tunix_tasks.policy.replicas import SamplerReplicas, sampler_devices
+from tunix_tasks.policy.replicas import SamplerReplicas, replicate, sampler_devices
 from tunix_tasks.policy.sampling import DEFAULT_BATCH_BUCKETS, DEFAULT_PROMPT_BUCKETS, Sampler
 from tunix_tasks.policy.spec import DecoderSpec, spec_from_preset
 from tunix_tasks.policy.tokenizer import CharTokenizer
@@ -851,10 +851,11 @@ def make_sampler(
     model: Transformer, max_seq_len: int, max_batch: int, args, replicas: int = 1
 ) -> Sampler | SamplerReplicas:
     """A sampler for `max_batch` rows; with `replicas` > 1, one per CPU device, the rows
-    split evenly among them (as `build_sampler` does for `actor.sampler_replicas`)."""
-    rows = -(-max_batch // replicas)
-    samplers = [
-        Sampler(
+    split evenly among them (`replicate`, as `build_sampler` does for
+    `actor.sampler_replicas`)."""
+
+    def make(device: jax.Device | None, rows: int) -> Sampler:
+        return Sampler(
             model,
             pad_id=0,
             stop_ids=[model.vocab_size - 1],
@@ -866,9 +867,8 @@ def make_sampler(
             kv_dtype=jnp.dtype(args.compute_dtype),
             device=device,
         )
-        for device in (jax.local_devices()[:replicas] if replicas > 1 else [None])
-    ]
-    return samplers[0] if replicas == 1 else SamplerReplicas(samplers)
+
+    return replicate(make, max_batch, replicas)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import hashlib
 import json
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
@@ -27,7 +28,7 @@ from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.chat_template import load_template_chat
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, HFCheckpoint
 from tunix_tasks.policy.model import Transformer
-from tunix_tasks.policy.replicas import SamplerReplicas, sampler_devices
+from tunix_tasks.policy.replicas import SamplerReplicas, replicate, sampler_devices
 from tunix_tasks.policy.sampling import Sampler
 from tunix_tasks.policy.spec import LoraSpec, spec_from_preset
 from tunix_tasks.policy.tokenizer import CharChat, CharTokenizer
@@ -115,20 +116,21 @@ def build_sampler(
     """The chat format and a sampler over the policy, stopping at the format's stop ids,
     with `max_sequences` KV-cache slots (conversations whose cache it keeps); with
     `replicas` > 1, that many samplers on as many local devices, sharing the slots."""
-    devices = sampler_devices(replicas) if replicas > 1 else [None]  # before JAX starts
+    if replicas > 1:
+        sampler_devices(replicas)  # asks for CPU devices before building the policy starts JAX
     chat, model = build_policy(cfg, seed=seed)
-    samplers = [
-        Sampler(
+
+    def make(device: jax.Device | None, slots: int) -> Sampler:
+        return Sampler(
             model,
             pad_id=chat.tokenizer.pad_id,
             stop_ids=chat.stop_ids,
             max_seq_len=cfg.max_seq_len,
-            max_sequences=-(-max_sequences // replicas),
+            max_sequences=slots,
             device=device,
         )
-        for device in devices
-    ]
-    return chat, samplers[0] if replicas == 1 else SamplerReplicas(samplers)
+
+    return chat, replicate(make, max_sequences, replicas)
 
 
 def model_meta(cfg: ModelConfig, model: Transformer) -> dict[str, Any]:

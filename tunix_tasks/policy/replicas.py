@@ -36,7 +36,7 @@ from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.requests import BlockingSample, Sample, SamplerStats
 from tunix_tasks.policy.sampling import Sampler
 
-__all__ = ["SamplerReplicas", "sampler_devices"]
+__all__ = ["SamplerReplicas", "replicate", "sampler_devices"]
 
 
 def sampler_devices(n: int) -> list[jax.Device]:
@@ -55,6 +55,18 @@ def sampler_devices(n: int) -> list[jax.Device]:
             f"before the first JAX call, or set XLA_FLAGS=--xla_force_host_platform_device_count={n}"
         )
     return devices[:n]
+
+
+def replicate(
+    make: Callable[[jax.Device | None, int], Sampler], max_sequences: int, replicas: int = 1
+) -> Sampler | SamplerReplicas:
+    """A sampler with `max_sequences` slots built by `make(device, slots)`: one on the
+    default device, or with `replicas` > 1 one per local device (`sampler_devices`), the
+    slots split among them (rounded up)."""
+    if replicas == 1:
+        return make(None, max_sequences)
+    slots = -(-max_sequences // replicas)
+    return SamplerReplicas([make(device, slots) for device in sampler_devices(replicas)])
 
 
 class SamplerReplicas(BlockingSample):
