@@ -7,22 +7,11 @@ many chips of a TPU v5e, a TPU v5p and an NVIDIA H200 each needs.
     python benchmarks/model_memory.py          # markdown tables
     python benchmarks/model_memory.py --json   # the same numbers as JSON
 
-Shapes. `CONFIGS` holds the fields of each model's `config.json` that the formulas use,
-under the same keys. Sources (read from stored public copies of the files):
-  Qwen3-0.6B     huggingface.co/Qwen/Qwen3-0.6B/raw/main/config.json; cross-checked with
-                 AI-Hypercomputer/maxtext src/MaxText/configs/models/qwen3-0.6b.yml
-  Qwen3-8B       huggingface.co/Qwen/Qwen3-8B config.json as quoted in citsjtu2020/LLM-Prof
-                 sglang/Model_Config.md; maxtext .../models/qwen3-8b.yml
-  Llama-3.1-8B   huggingface.co/meta-llama/Llama-3.1-8B config.json as quoted in
-                 citsjtu2020/LLM-Prof sglang/Model_Config.md; maxtext .../llama3.1-8b.yml
-  Llama-3.1-70B  huggingface.co/meta-llama/Llama-3.1-70B config.json (public copies of it);
-                 maxtext .../models/llama3.1-70b.yml
-The Llama configs carry no `head_dim`: transformers then uses hidden_size //
-num_attention_heads (= 128, as maxtext's `head_dim: 128`). Qwen3 (`model_type` "qwen3")
-adds an RMSNorm over head_dim to q and to k in every layer. No biases anywhere.
-
-Formulas (h hidden_size, I intermediate_size, L layers, nq / nkv heads, d head_dim,
-V vocab_size, T tokens in a training row, C context of an actor sequence):
+Shapes: `tunix_tasks.testing.published` (each model's `config.json` fields and sources, as
+a `DecoderSpec`). Formulas: `tunix_tasks.policy.costs` (parameters, KV cache, weights,
+learner state, activations) and the chip rules of `tunix_tasks.frontdoor.planning`; in
+short (h hidden_size, I intermediate_size, L layers, nq / nkv heads, d head_dim, V
+vocab_size, T tokens in a training row, C context of an actor sequence):
   params      = V*h (embedding) + L*[h*nq*d + 2*h*nkv*d + nq*d*h (q,k,v,o)
                 + 3*h*I (gate, up, down) + 2*h (two RMSNorms) + 2*d (q/k norm, Qwen3 only)]
                 + h (final norm) + V*h (lm_head, unless tie_word_embeddings)
@@ -68,213 +57,42 @@ and compiled programs may keep more temporaries than the working set counted her
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
-from dataclasses import asdict, dataclass
+import sys
+from pathlib import Path
 
-GiB = 2**30
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# The config.json fields the formulas use, keys as in the files (sources: module docstring).
-CONFIGS: dict[str, dict] = {
-    "Qwen3-0.6B": {
-        "model_type": "qwen3",
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    },
-    "Qwen3-8B": {
-        "model_type": "qwen3",
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 151936,
-        "tie_word_embeddings": False,
-    },
-    "Llama-3.1-8B": {
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "tie_word_embeddings": False,
-    },
-    "Llama-3.1-70B": {
-        "model_type": "llama",
-        "hidden_size": 8192,
-        "intermediate_size": 28672,
-        "num_hidden_layers": 80,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "tie_word_embeddings": False,
-    },
-}
+from tunix_tasks.frontdoor.planning import (
+    ACCELERATORS,
+    HEADROOM,
+    GiB,
+    actor_chips,
+    learner_chips,
+    rows_per_chip,
+    sequences_per_replica,
+)
+from tunix_tasks.policy.costs import (
+    STATE_BYTES_PER_PARAM,
+    activation_bytes,
+    gathered_bytes,
+    kv_bytes,
+    learner_state_bytes,
+    non_embedding_params,
+    total_params,
+    weight_bytes,
+)
+from tunix_tasks.policy.spec import DecoderSpec
+from tunix_tasks.testing.published import PUBLISHED_CONFIGS, PUBLISHED_PARAMS, published_spec
 
-# Published sizes, for the cross-check: Qwen model cards ("Number of Parameters: 0.6B",
-# "8.2B"); the Hugging Face hub's size for the Llama-3.1 safetensors (8.03B, 70.6B).
-PUBLISHED_PARAMS: dict[str, float] = {
-    "Qwen3-0.6B": 0.6e9,
-    "Qwen3-8B": 8.2e9,
-    "Llama-3.1-8B": 8.03e9,
-    "Llama-3.1-70B": 70.6e9,
-}
-
-STATE_BYTES_PER_PARAM = {"fp32": 16, "bf16": 12}  # params + grads + AdamW m, v
-HEADROOM = 0.2  # of HBM, kept free when sizing the chips for state or weights
-ATTN_BLOCK = 512  # query rows of one attention block (chunked/flash attention)
+ATTN_BLOCK = 512  # query rows of one attention block (`activation_bytes`' default)
 TRAIN_LENGTHS = (2048, 8192)
 CONTEXTS = (4096, 32768)
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    qk_norm: bool
-
-    @classmethod
-    def from_config(cls, name: str, cfg: dict) -> ModelShape:
-        return cls(
-            name=name,
-            hidden=cfg["hidden_size"],
-            intermediate=cfg["intermediate_size"],
-            layers=cfg["num_hidden_layers"],
-            heads=cfg["num_attention_heads"],
-            kv_heads=cfg["num_key_value_heads"],
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            vocab=cfg["vocab_size"],
-            tied=cfg["tie_word_embeddings"],
-            qk_norm=cfg["model_type"] == "qwen3",
-        )
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def layer_params(self) -> int:
-        h, d = self.hidden, self.head_dim
-        attention = h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h
-        mlp = 3 * h * self.intermediate
-        norms = 2 * h + (2 * d if self.qk_norm else 0)
-        return attention + mlp + norms
-
-    @property
-    def params(self) -> int:
-        lm_head = 0 if self.tied else self.embedding_params
-        return self.embedding_params + self.layers * self.layer_params + self.hidden + lm_head
-
-    @property
-    def non_embedding_params(self) -> int:
-        return self.layers * self.layer_params + self.hidden
-
-
-@dataclass(frozen=True)
-class Accelerator:
-    name: str
-    hbm_bytes: int
-
-
-ACCELERATORS = (
-    Accelerator("TPU v5e", 16 * GiB),
-    Accelerator("TPU v5p", 95 * GiB),
-    Accelerator("H200", 139 * GiB),  # 141 GB on the datasheet; ~139 GiB allocatable
-)
-
-
-def shapes() -> list[ModelShape]:
-    return [ModelShape.from_config(name, cfg) for name, cfg in CONFIGS.items()]
-
-
-# -- learner ------------------------------------------------------------------------------
-
-
-def learner_state_bytes(m: ModelShape, regime: str) -> int:
-    return m.params * STATE_BYTES_PER_PARAM[regime]
-
-
-def gathered_bytes(m: ModelShape) -> int:
-    return 2 * 2 * max(m.layer_params, m.embedding_params)
-
-
-def activation_bytes(m: ModelShape, tokens: int) -> dict[str, int]:
-    """Bytes one training row of `tokens` tokens needs (formulas in the module docstring)."""
-    t, h, d = tokens, m.hidden, m.head_dim
-    block = min(ATTN_BLOCK, t)
-    residuals = m.layers * t * h * 2
-    tensors = 3 * h + 2 * m.heads * d + 2 * m.kv_heads * d + 3 * m.intermediate
-    layer = 2 * 2 * t * tensors + m.heads * block * t * (4 + 2)
-    logits = 2 * t * m.vocab * 4
-    return {
-        "residuals": residuals,
-        "layer": layer,
-        "logits": logits,
-        "total": residuals + layer + logits,
-        "dense_scores": m.heads * t * t * (4 + 2),
-    }
-
-
-def min_chips(nbytes: int, hbm_bytes: int) -> int:
-    """Smallest power of two n with nbytes / n <= (1 - HEADROOM) * hbm_bytes."""
-    n = 1
-    while nbytes / n > (1 - HEADROOM) * hbm_bytes:
-        n *= 2
-    return n
-
-
-def learner_chips(m: ModelShape, acc: Accelerator, regime: str) -> int:
-    return min_chips(learner_state_bytes(m, regime), acc.hbm_bytes)
-
-
-def rows_per_chip(m: ModelShape, acc: Accelerator, tokens: int, regime: str = "bf16") -> int:
-    state = learner_state_bytes(m, regime)
-    free = acc.hbm_bytes - state / learner_chips(m, acc, regime) - gathered_bytes(m)
-    return max(0, math.floor(free / activation_bytes(m, tokens)["total"]))
-
-
-# -- actor --------------------------------------------------------------------------------
-
-
-def weight_bytes(m: ModelShape) -> int:
-    return 2 * m.params  # bf16
-
-
-def kv_bytes(m: ModelShape, context: int, bytes_per_value: int = 2) -> int:
-    """KV cache of one sequence: 2 (K, V) * layers * kv_heads * head_dim * context * bytes."""
-    return 2 * m.layers * m.kv_heads * m.head_dim * context * bytes_per_value
-
-
-def actor_chips(m: ModelShape, acc: Accelerator) -> int:
-    return min_chips(weight_bytes(m), acc.hbm_bytes)
-
-
-def sequences_per_replica(m: ModelShape, acc: Accelerator, context: int) -> int:
-    """Concurrent sequences of `context` tokens one actor replica (`actor_chips` chips) holds.
-
-    Each chip keeps 1/n of the weights and 1/min(n, kv_heads) of every sequence's KV cache:
-    beyond kv_heads chips the KV heads are replicated, not split further.
-    """
-    n = actor_chips(m, acc)
-    free_per_chip = (1 - HEADROOM) * acc.hbm_bytes - weight_bytes(m) / n
-    kv_per_chip = kv_bytes(m, context) / min(n, m.kv_heads)
-    return max(0, math.floor(free_per_chip / kv_per_chip))
+def specs() -> dict[str, DecoderSpec]:
+    return {name: published_spec(name) for name in PUBLISHED_CONFIGS}
 
 
 # -- report -------------------------------------------------------------------------------
@@ -282,11 +100,13 @@ def sequences_per_replica(m: ModelShape, acc: Accelerator, context: int) -> int:
 
 def report() -> dict:
     models = {}
-    for m in shapes():
+    for name, m in specs().items():
         learner = {
             "state_bytes": {r: learner_state_bytes(m, r) for r in STATE_BYTES_PER_PARAM},
             "gathered_bytes": gathered_bytes(m),
-            "activation_bytes_per_row": {t: activation_bytes(m, t) for t in TRAIN_LENGTHS},
+            "activation_bytes_per_row": {
+                t: activation_bytes(m, t, ATTN_BLOCK) for t in TRAIN_LENGTHS
+            },
             "chips": {
                 a.name: {r: learner_chips(m, a, r) for r in STATE_BYTES_PER_PARAM}
                 for a in ACCELERATORS
@@ -304,12 +124,12 @@ def report() -> dict:
                 a.name: {c: sequences_per_replica(m, a, c) for c in CONTEXTS} for a in ACCELERATORS
             },
         }
-        models[m.name] = {
-            "config": CONFIGS[m.name],
-            "shape": asdict(m),
-            "params": m.params,
-            "non_embedding_params": m.non_embedding_params,
-            "published_params": PUBLISHED_PARAMS[m.name],
+        models[name] = {
+            "config": PUBLISHED_CONFIGS[name],
+            "spec": dataclasses.asdict(m),
+            "params": total_params(m),
+            "non_embedding_params": non_embedding_params(m),
+            "published_params": PUBLISHED_PARAMS[name],
             "learner": learner,
             "actor": actor,
         }
@@ -339,54 +159,70 @@ def _table(header: list[str], rows: list[list[object]]) -> str:
 
 
 def markdown() -> str:
-    ms = shapes()
+    ms = specs()
     out = ["### Shapes and parameters", ""]
+    header = ["Model", "layers", "hidden", "MLP", "heads q/kv", "head_dim", "vocab", "tied"]
     out.append(
         _table(
-            ["Model", "layers", "hidden", "MLP", "heads q/kv", "head_dim", "vocab", "tied",
-             "params", "non-embedding", "published"],
+            [*header, "params", "non-embedding", "published"],
             [
-                [m.name, m.layers, m.hidden, m.intermediate, f"{m.heads}/{m.kv_heads}",
-                 m.head_dim, m.vocab, "yes" if m.tied else "no", _b(m.params),
-                 _b(m.non_embedding_params), f"{PUBLISHED_PARAMS[m.name] / 1e9:g}B"]
-                for m in ms
+                [
+                    *(name, m.n_layers, m.d_model, m.d_ff, f"{m.n_heads}/{m.n_kv_heads}"),
+                    *(m.head_dim, m.vocab_size, "yes" if m.tie_embeddings else "no"),
+                    *(_b(total_params(m)), _b(non_embedding_params(m))),
+                    f"{PUBLISHED_PARAMS[name] / 1e9:g}B",
+                ]
+                for name, m in ms.items()
             ],
         )
-    )  # fmt: skip
+    )
     out += ["", "### Learner: state, sharded evenly by FSDP", ""]
     out.append(
         _table(
-            ["Model", "fp32 state (16 B/param)", "bf16 state (12 B/param)",
-             "largest gathered weight + grad (bf16)"],
             [
-                [m.name, _gib(learner_state_bytes(m, "fp32")),
-                 _gib(learner_state_bytes(m, "bf16")), _gib(gathered_bytes(m))]
-                for m in ms
+                "Model",
+                "fp32 state (16 B/param)",
+                "bf16 state (12 B/param)",
+                "largest gathered weight + grad (bf16)",
+            ],
+            [
+                [
+                    name,
+                    _gib(learner_state_bytes(m, "fp32")),
+                    _gib(learner_state_bytes(m, "bf16")),
+                    _gib(gathered_bytes(m)),
+                ]
+                for name, m in ms.items()
             ],
         )
-    )  # fmt: skip
+    )
     out += ["", "### Learner: activations of one row of T tokens (per-layer remat)", ""]
     rows = []
-    for m in ms:
+    for name, m in ms.items():
         for t in TRAIN_LENGTHS:
-            a = activation_bytes(m, t)
-            rows.append(
-                [m.name, t, _gib(a["residuals"]), _gib(a["layer"]), _gib(a["logits"]),
-                 _gib(a["total"]), _gib(a["dense_scores"])]
-            )  # fmt: skip
+            a = activation_bytes(m, t, ATTN_BLOCK)
+            parts = ("residuals", "layer", "logits", "total", "dense_scores")
+            rows.append([name, t, *(_gib(a[k]) for k in parts)])
     out.append(
         _table(
-            ["Model", "T", "saved residuals", "one layer (chunked attn)", "fp32 logits",
-             "total / row", "unchunked TxT scores (one layer)"],
+            [
+                "Model",
+                "T",
+                "saved residuals",
+                "one layer (chunked attn)",
+                "fp32 logits",
+                "total / row",
+                "unchunked TxT scores (one layer)",
+            ],
             rows,
         )
-    )  # fmt: skip
+    )
     out += ["", "### Learner: minimum chips (power of 2, state <= 80% HBM) and rows per chip", ""]
     rows = []
-    for m in ms:
+    for name, m in ms.items():
         for a in ACCELERATORS:
             rows.append(
-                [m.name, a.name, learner_chips(m, a, "fp32"), learner_chips(m, a, "bf16")]
+                [name, a.name, learner_chips(m, a, "fp32"), learner_chips(m, a, "bf16")]
                 + [rows_per_chip(m, a, t) for t in TRAIN_LENGTHS]
             )
     out.append(
@@ -406,18 +242,18 @@ def markdown() -> str:
         _table(
             ["Model", "weights", "KV / token"] + [f"KV / seq @{c // 1024}k" for c in CONTEXTS],
             [
-                [m.name, _gib(weight_bytes(m)), f"{kv_bytes(m, 1) // 1024} KiB"]
+                [name, _gib(weight_bytes(m)), f"{kv_bytes(m, 1) // 1024} KiB"]
                 + [_gib(kv_bytes(m, c)) for c in CONTEXTS]
-                for m in ms
+                for name, m in ms.items()
             ],
         )
     )
     out += ["", "### Actor: concurrent sequences per replica (weights + KV <= 80% HBM)", ""]
     rows = []
-    for m in ms:
+    for name, m in ms.items():
         for a in ACCELERATORS:
             rows.append(
-                [m.name, a.name, actor_chips(m, a)]
+                [name, a.name, actor_chips(m, a)]
                 + [f"{sequences_per_replica(m, a, c):,}" for c in CONTEXTS]
             )
     out.append(

@@ -39,9 +39,9 @@ weights, in one run:
 Roofline, measured in the same run on the same device: matmul FLOP/s (a jitted 2048^3
 matmul in the compute dtype) and memory read bandwidth (a jitted sum over 256 MB of f32),
 each the best of its measurements at the start, before each family and at the end (on a
-shared machine a slower one is contention). With L layers, d d_model, h / kv heads of size
-hd, f d_ff, V vocab, P_mm the matmul params per token = L*(2*d*h*hd + 2*d*kv*hd + 3*d*f)
-+ d*V (the output projection, tied or not):
+shared machine a slower one is contention). The cost model is `tunix_tasks.policy.costs`;
+with L layers, d d_model, h / kv heads of size hd, f d_ff, V vocab, P_mm the matmul params
+per token = L*(2*d*h*hd + 2*d*kv*hd + 3*d*f) + d*V (the output projection, tied or not):
   forward FLOPs/token       = 2*P_mm + 4*L*h*hd*T   (T = --seq: the masked T x T attention
                               is computed in full); limit = FLOP/s / that
   decode step, batch B      FLOPs = B*(2*P_mm + 4*L*h*hd*S), S = the sampler's cache length
@@ -49,8 +49,11 @@ hd, f d_ff, V vocab, P_mm the matmul params per token = L*(2*d*h*hd + 2*d*kv*hd 
                                     embedding table, of which B rows) + the K/V cache read,
                                     2*L*B*kv*S*hd*itemsize(compute dtype)
                             time >= max(FLOPs / FLOP/s, bytes / bandwidth)
-  sampling call             limit = prefill (B*prompt-bucket tokens, FLOP- or weight-read-
-                                    bound) + new_tokens decode steps; tokens/s = B*new / that
+  prefill, B*N tokens       FLOPs = 2*(P_mm - d*V)*B*N + 2*d*V*B (the output layer only at
+                                    each row's last token: the only logits sampling needs)
+                                    + 4*L*h*hd*B*N*S, N = the prompt bucket; bytes as a step
+  sampling call             limit = prefill (FLOP- or weight-read-bound) + new_tokens
+                                    decode steps; tokens/s = B*new / that
 "ratio" against a roofline is achieved / limit (1.0 = at the roofline; the sort/softmax over
 the vocabulary, RoPE, norms and the host loop between calls are not in the limit).
 
@@ -96,6 +99,7 @@ from flax import nnx
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save_file
 
+from tunix_tasks.policy import costs
 from tunix_tasks.policy.distribution import sampling_log_probs
 from tunix_tasks.policy.hf_checkpoint import HFCheckpoint, hf_tensor_shapes
 from tunix_tasks.policy.params import flat_params
@@ -103,6 +107,7 @@ from tunix_tasks.policy.sampling import DEFAULT_PROMPT_BUCKETS, Sampler
 from tunix_tasks.policy.spec import DecoderSpec, spec_from_hf_config
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.storage.weights import WeightsPublisher, encode_snapshot, load_snapshot
+from tunix_tasks.testing.published import PUBLISHED_CONFIGS
 
 from _machine import machine_limits, measure_limits, med, peak, reset_peak, rss, trim
 
@@ -110,17 +115,18 @@ MB = 1e6
 FAMILIES = ("qwen3", "llama3")
 
 # Model shapes (HF config keys). qwen3-0.6b is huggingface.co/Qwen/Qwen3-0.6B's config.json
-# (as in benchmarks/model_memory.py); the llama3 family takes the same dimensions, untied.
+# (`tunix_tasks.testing.published`); the llama3 family takes the same dimensions, untied.
+_TOY = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 768,
+    "vocab_size": 32000,
+}
 SHAPES: dict[str, dict[str, int]] = {
-    "toy": {
-        "hidden_size": 256,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "intermediate_size": 768,
-        "vocab_size": 32000,
-    },
+    "toy": _TOY,
     "cpu": {
         "hidden_size": 1024,
         "num_hidden_layers": 12,
@@ -130,15 +136,7 @@ SHAPES: dict[str, dict[str, int]] = {
         "intermediate_size": 3072,
         "vocab_size": 32000,
     },
-    "qwen3-0.6b": {
-        "hidden_size": 1024,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 3072,
-        "vocab_size": 151936,
-    },
+    "qwen3-0.6b": {k: PUBLISHED_CONFIGS["Qwen3-0.6B"][k] for k in _TOY},
 }
 # Per-shape defaults of the run flags (a flag given on the command line wins).
 RUN_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -362,26 +360,6 @@ def limits(compute_dtype: str, repeats: int) -> dict[str, float]:
     return {"matmul_flops": lim["matmul_flops"], "mem_bw": lim["mem_bw"]}
 
 
-def param_counts(spec: DecoderSpec) -> dict[str, int]:
-    d, h, kv, hd, f, v, L = (
-        spec.d_model,
-        spec.n_heads,
-        spec.n_kv_heads,
-        spec.head_dim,
-        spec.d_ff,
-        spec.vocab_size,
-        spec.n_layers,
-    )
-    total = sum(math.prod(s) for s in hf_tensor_shapes(spec).values())
-    matmul = L * (2 * d * h * hd + 2 * d * kv * hd + 3 * d * f) + d * v
-    return {"params": total, "matmul": matmul, "embed": d * v}
-
-
-def forward_flops_per_token(spec: DecoderSpec, seq: int) -> float:
-    pc = param_counts(spec)
-    return 2 * pc["matmul"] + 4 * spec.n_layers * spec.n_heads * spec.head_dim * seq
-
-
 def raise_limits(lim: dict[str, float], new: dict[str, float]) -> None:
     """Keep the best of every measurement: on a shared machine a slow one is contention."""
     for k, v in new.items():
@@ -395,9 +373,14 @@ def apply_limits(r: dict[str, Any], lim: dict[str, float]) -> None:
     r["forward"]["limit_tokens_per_s"] = lim["matmul_flops"] / r["forward"]["flops_per_token"]
     for s in r["sampling"]:
         t = sampling_limit_s(
-            spec, lim, s["batch"], s["prompt_bucket"], s["new_tokens"], s["cache_len"],
+            spec,
+            lim,
+            s["batch"],
+            s["prompt_bucket"],
+            s["new_tokens"],
+            s["cache_len"],
             s["kv_itemsize"],
-        )  # fmt: skip
+        )
         s["limit_tokens_per_s"] = s["batch"] * s["new_tokens"] / t
 
 
@@ -405,19 +388,15 @@ def sampling_limit_s(
     spec: DecoderSpec, lim: dict, batch: int, prompt: int, new: int, cache: int, itemsize: int
 ) -> float:
     """Lower bound on the wall time of one sampling call (module docstring)."""
-    pc = param_counts(spec)
-    weight_bytes = 4 * pc["params"]
-    if not spec.tie_embeddings:  # an untied table is only gathered: B rows per step
-        weight_bytes -= 4 * pc["embed"] - 4 * batch * spec.d_model
-    attn = 4 * spec.n_layers * spec.n_heads * spec.head_dim * cache
-    kv_bytes = 2 * spec.n_layers * batch * spec.n_kv_heads * cache * spec.head_dim * itemsize
+    # float32 as stored; of an untied embedding table only the B gathered rows
+    nbytes = costs.weight_read_bytes(spec, batch, 4) + costs.kv_bytes(spec, batch * cache, itemsize)
     prefill = max(
-        batch * prompt * (2 * pc["matmul"] + attn) / lim["matmul_flops"],
-        (weight_bytes + kv_bytes) / lim["mem_bw"],
+        costs.prefill_flops(spec, batch * prompt, cache, logits=batch) / lim["matmul_flops"],
+        nbytes / lim["mem_bw"],
     )
     step = max(
-        batch * (2 * pc["matmul"] + attn) / lim["matmul_flops"],
-        (weight_bytes + kv_bytes) / lim["mem_bw"],
+        batch * costs.forward_flops_per_token(spec, cache) / lim["matmul_flops"],
+        nbytes / lim["mem_bw"],
     )
     return prefill + new * step
 
@@ -567,14 +546,14 @@ def measure_reload(
 def run_family(family: str, args, root: Path, lim: dict, gcs) -> dict[str, Any]:
     config = hf_config(family, args.shape, args.ckpt_dtype)
     spec = spec_from_hf_config(config, max_seq_len=4096)
-    pc = param_counts(spec)
-    model_bytes = 4 * pc["params"]
+    params = costs.total_params(spec)
+    model_bytes = 4 * params
     ckdir = root / f"ckpt-{family}"
     r: dict[str, Any] = {
         "family": family,
         "shape": args.shape,
         "spec": {k: v for k, v in vars(spec).items() if k != "rope_scaling"},
-        "params": pc["params"],
+        "params": params,
         "model_bytes_fp32": model_bytes,
         "largest_tensor_fp32": 4 * max(math.prod(s) for s in hf_tensor_shapes(spec).values()),
     }
@@ -627,7 +606,7 @@ def run_family(family: str, args, root: Path, lim: dict, gcs) -> dict[str, Any]:
         "batch": args.fwd_batch,
         "seq": args.seq,
         "tokens_per_s": tps,
-        "flops_per_token": forward_flops_per_token(spec, args.seq),
+        "flops_per_token": costs.forward_flops_per_token(spec, args.seq),
     }
     log(f"[{family}] forward {tps:.0f} tokens/s")
 
@@ -690,44 +669,102 @@ def rows(r: dict[str, Any]) -> list[tuple]:
     ours, naive = r["import_ours"], r["import_naive"]
     out: list[tuple] = [
         ("checkpoint write", r["write_s"], "s", "", None, None),
-        ("import load_model file://", ours["load_s"], "s", "naive load_file",
-         naive["load_s"], ours["load_s"] / naive["load_s"]),
-        ("import throughput", r["import_ours_MBps"], "MB/s", "open().read()", r["read_ref"],
-         r["import_ours_MBps"] / r["read_ref"]),
-        ("import peak RSS", r["import_ours_peak_ratio"], "x model", "naive load_file",
-         r["import_naive_peak_ratio"], r["import_ours_peak_ratio"] / r["import_naive_peak_ratio"]),
-        ("import peak RSS", r["import_ours_peak_ratio"], "x model", "model + largest tensor",
-         r["import_ideal_ratio"], r["import_ours_peak_ratio"] / r["import_ideal_ratio"]),
-        ("import RSS after", r["import_ours_resident_ratio"], "x model", "naive load_file",
-         r["import_naive_resident_ratio"], None),
-    ]  # fmt: skip
+        (
+            "import load_model file://",
+            ours["load_s"],
+            "s",
+            "naive load_file",
+            naive["load_s"],
+            ours["load_s"] / naive["load_s"],
+        ),
+        (
+            "import throughput",
+            r["import_ours_MBps"],
+            "MB/s",
+            "open().read()",
+            r["read_ref"],
+            r["import_ours_MBps"] / r["read_ref"],
+        ),
+        (
+            "import peak RSS",
+            r["import_ours_peak_ratio"],
+            "x model",
+            "naive load_file",
+            r["import_naive_peak_ratio"],
+            r["import_ours_peak_ratio"] / r["import_naive_peak_ratio"],
+        ),
+        (
+            "import peak RSS",
+            r["import_ours_peak_ratio"],
+            "x model",
+            "model + largest tensor",
+            r["import_ideal_ratio"],
+            r["import_ours_peak_ratio"] / r["import_ideal_ratio"],
+        ),
+        (
+            "import RSS after",
+            r["import_ours_resident_ratio"],
+            "x model",
+            "naive load_file",
+            r["import_naive_resident_ratio"],
+            None,
+        ),
+    ]
     if "import_read_convert_s" in r:
         out.append(
-            ("  import: read + convert, tensor by tensor", r["import_read_convert_s"], "s",
-             "whole load_model", r["import_parent_s"],
-             r["import_read_convert_s"] / r["import_parent_s"])
-        )  # fmt: skip
+            (
+                "  import: read + convert, tensor by tensor",
+                r["import_read_convert_s"],
+                "s",
+                "whole load_model",
+                r["import_parent_s"],
+                r["import_read_convert_s"] / r["import_parent_s"],
+            )
+        )
     if "import_gcs" in r:
         out.append(
-            ("import gs:// throughput", r["import_gcs_MBps"], "MB/s", "gs:// read_bytes",
-             r["gcs_read_MBps"], r["import_gcs_MBps"] / r["gcs_read_MBps"])
-        )  # fmt: skip
+            (
+                "import gs:// throughput",
+                r["import_gcs_MBps"],
+                "MB/s",
+                "gs:// read_bytes",
+                r["gcs_read_MBps"],
+                r["import_gcs_MBps"] / r["gcs_read_MBps"],
+            )
+        )
     f = r["forward"]
     out.append(
-        (f"forward {f['batch']}x{f['seq']} packed", f["tokens_per_s"], "tokens/s",
-         "FLOP roofline", f["limit_tokens_per_s"], f["tokens_per_s"] / f["limit_tokens_per_s"])
-    )  # fmt: skip
+        (
+            f"forward {f['batch']}x{f['seq']} packed",
+            f["tokens_per_s"],
+            "tokens/s",
+            "FLOP roofline",
+            f["limit_tokens_per_s"],
+            f["tokens_per_s"] / f["limit_tokens_per_s"],
+        )
+    )
     for s in r["sampling"]:
         out.append(
-            (f"sample b={s['batch']} {s['prompt']}+{s['new_tokens']} tok", s["tokens_per_s"],
-             "tokens/s", "roofline", s["limit_tokens_per_s"],
-             s["tokens_per_s"] / s["limit_tokens_per_s"])
-        )  # fmt: skip
+            (
+                f"sample b={s['batch']} {s['prompt']}+{s['new_tokens']} tok",
+                s["tokens_per_s"],
+                "tokens/s",
+                "roofline",
+                s["limit_tokens_per_s"],
+                s["tokens_per_s"] / s["limit_tokens_per_s"],
+            )
+        )
     for s in r["sampling"]:
         out.append(
-            (f"  b={s['batch']}: vocab sort share", s["logprobs_share"], "of call",
-             "sampling_log_probs ms", 1000 * s["logprobs_step_s"], None)
-        )  # fmt: skip
+            (
+                f"  b={s['batch']}: vocab sort share",
+                s["logprobs_share"],
+                "of call",
+                "sampling_log_probs ms",
+                1000 * s["logprobs_step_s"],
+                None,
+            )
+        )
     for where in ("file", "gcs"):
         if f"reload_{where}" not in r:
             continue
@@ -737,18 +774,35 @@ def rows(r: dict[str, Any]) -> list[tuple]:
         out += [
             (f"snapshot {where}", snap, "MB", "", None, None),
             (f"publish {where} time", rl["publish_s"], "s", "", None, None),
-            (f"publish {where}", snap / rl["publish_s"], "MB/s", "open().write()+fsync" if w_ref
-             else "", w_ref, snap / rl["publish_s"] / w_ref if w_ref else None),
+            (
+                f"publish {where}",
+                snap / rl["publish_s"],
+                "MB/s",
+                "open().write()+fsync" if w_ref else "",
+                w_ref,
+                snap / rl["publish_s"] / w_ref if w_ref else None,
+            ),
             (f"reload {where} time (load+update)", rl["reload_s"], "s", "", None, None),
-            (f"reload {where}", snap / rl["reload_s"], "MB/s", "open().read()" if r_ref else "",
-             r_ref, snap / rl["reload_s"] / r_ref if r_ref else None),
-        ]  # fmt: skip
+            (
+                f"reload {where}",
+                snap / rl["reload_s"],
+                "MB/s",
+                "open().read()" if r_ref else "",
+                r_ref,
+                snap / rl["reload_s"] / r_ref if r_ref else None,
+            ),
+        ]
         if where == "file" and "reload_peak_ratio" in r:
             out.append(
-                ("reload file peak RSS (fresh process)", r["reload_peak_ratio"], "x model",
-                 "new weights + 1 tensor", r["import_ideal_ratio"],
-                 r["reload_peak_ratio"] / r["import_ideal_ratio"])
-            )  # fmt: skip
+                (
+                    "reload file peak RSS (fresh process)",
+                    r["reload_peak_ratio"],
+                    "x model",
+                    "new weights + 1 tensor",
+                    r["import_ideal_ratio"],
+                    r["reload_peak_ratio"] / r["import_ideal_ratio"],
+                )
+            )
         out += [(f"  {k}", v, "s", "", None, None) for k, v in rl["breakdown_s"].items()]
     return out
 
@@ -833,7 +887,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-models-") as tmp, contextlib.ExitStack() as st:
         gcs = None
         if args.gcs:
-            from tests.gcs_server import FakeGcs
+            from tunix_tasks.testing.gcs_server import FakeGcs
 
             gcs = st.enter_context(FakeGcs())
         for family in args.families:

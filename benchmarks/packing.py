@@ -1,7 +1,8 @@
 """Packing benchmark: pad-to-max vs buckets vs buckets + packing, with real train steps.
 
 On a realistic episode-length distribution (log-normal over 16..2048 tokens,
-`tests.shard_factory.realistic_lengths`) and buckets (256, 512, 1024, 2048), compares
+`tunix_tasks.testing.shard_factory.realistic_lengths`) and buckets (256, 512, 1024, 2048),
+compares
 
   (a) pad_to_max      one episode per row, every row padded to 2048
   (b) bucket_no_pack  one episode per row, padded to its smallest fitting bucket
@@ -39,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from tests.shard_factory import make_episode, realistic_lengths
 from tunix_tasks.config import config_from_dict
 from tunix_tasks.episode import Episode
 from tunix_tasks.learner.packing import (
@@ -50,6 +50,7 @@ from tunix_tasks.learner.packing import (
 )
 from tunix_tasks.learner.train_step import Trainer
 from tunix_tasks.policy.build import build_policy
+from tunix_tasks.testing.shard_factory import make_episode, realistic_lengths
 
 BUCKETS = (256, 512, 1024, 2048)
 STRATEGIES = {"pad_to_max": pad_to_max, "bucket_no_pack": bucket_no_pack, "pack": pack}

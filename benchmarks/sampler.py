@@ -47,8 +47,9 @@ processes hits all of them alike; "iqr" is the interquartile range / median):
               (dense attention keeps them, per layer, for the backward pass unless
               `--remat`; blockwise attention never holds them).
 
-Rooflines (L layers, d d_model, H / KV heads of size hd, f d_ff, V vocab, B rows, W the
-attended window; P_mm = L*(2*d*H*hd + 2*d*KV*hd + 3*d*f) + d*V the matmul params per token):
+Rooflines (counts: `tunix_tasks.policy.costs`; L layers, d d_model, H / KV heads of size
+hd, f d_ff, V vocab, B rows, W the attended window; P_mm = L*(2*d*H*hd + 2*d*KV*hd +
+3*d*f) + d*V the matmul params per token):
   decode step   bytes = params read once (in the compute dtype, as the sampler holds them;
                         of an untied embedding table only the B gathered rows)
                         + K/V read 2*L*KV*hd*W*B*itemsize
@@ -108,7 +109,7 @@ from tunix_tasks.config import ModelConfig, config_from_dict
 from tunix_tasks.episode import Episode
 from tunix_tasks.learner.packing import pack
 from tunix_tasks.learner.train_step import Trainer
-from tunix_tasks.policy import decoding
+from tunix_tasks.policy import costs, decoding
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.replicas import SamplerReplicas, replicate, sampler_devices
 from tunix_tasks.policy.sampling import DEFAULT_BATCH_BUCKETS, DEFAULT_PROMPT_BUCKETS, Sampler
@@ -168,35 +169,12 @@ def make_spec(args, max_seq_len: int) -> DecoderSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class Costs:
-    """Roofline arithmetic for one spec (module docstring)."""
+class Roofline:
+    """The limits of one spec on this machine's measured rates (module docstring); the
+    counts are `tunix_tasks.policy.costs`."""
 
     spec: DecoderSpec
-    params: int  # every parameter
     itemsize: int  # bytes per param and K/V element: the compute dtype, as the sampler holds them
-
-    @property
-    def p_mm(self) -> int:
-        s = self.spec
-        per_layer = (
-            2 * s.d_model * s.n_heads * s.head_dim + 2 * s.d_model * s.n_kv_heads * s.head_dim
-        )
-        return s.n_layers * (per_layer + 3 * s.d_model * s.d_ff) + s.d_model * s.vocab_size
-
-    def attn_flops(self, queries: int, window: int) -> float:
-        s = self.spec
-        return 4.0 * s.n_layers * s.n_heads * s.head_dim * queries * window
-
-    def kv_bytes(self, rows: int, window: int) -> float:
-        s = self.spec
-        return 2.0 * s.n_layers * s.n_kv_heads * s.head_dim * window * self.itemsize * rows
-
-    def weight_bytes(self, rows: int) -> float:
-        s = self.spec
-        n = self.params
-        if not s.tie_embeddings:  # an untied table is only gathered: B rows
-            n -= s.vocab_size * s.d_model - rows * s.d_model
-        return float(self.itemsize) * n
 
     @staticmethod
     def bandwidth(nbytes: float, lim: dict) -> tuple[float, str]:
@@ -207,9 +185,13 @@ class Costs:
         return lim["mem_bw"], "DRAM"
 
     def decode(self, rows: int, window: int, lim: dict) -> dict[str, Any]:
-        v = self.spec.vocab_size
-        nbytes = self.weight_bytes(rows) + self.kv_bytes(rows, window) + 8.0 * rows * v
-        flops = rows * (2.0 * self.p_mm + self.attn_flops(1, window))
+        s = self.spec
+        nbytes = (
+            costs.weight_read_bytes(s, rows, self.itemsize)
+            + costs.kv_bytes(s, rows * window, self.itemsize)
+            + 8.0 * rows * s.vocab_size
+        )
+        flops = rows * costs.forward_flops_per_token(s, window)
         bw, where = self.bandwidth(nbytes, lim)
         t_bw, t_fl = nbytes / bw, flops / lim["matmul_flops"]
         return {
@@ -224,18 +206,15 @@ class Costs:
 
     def prefill(self, rows: int, length: int, window: int, lim: dict) -> dict[str, float]:
         s = self.spec
-        unembed = s.d_model * s.vocab_size
-        flops = (
-            2.0 * (self.p_mm - unembed) * rows * length
-            + 2.0 * unembed * rows
-            + self.attn_flops(rows * length, window)
+        flops = costs.prefill_flops(s, rows * length, window, logits=rows)
+        nbytes = costs.weight_read_bytes(s, rows * length, self.itemsize) + costs.kv_bytes(
+            s, rows * length, self.itemsize
         )
-        nbytes = self.weight_bytes(rows * length) + self.kv_bytes(rows, length)
         t = max(nbytes / self.bandwidth(nbytes, lim)[0], flops / lim["matmul_flops"])
         return {"flops": flops, "limit": rows * length / t}
 
     def train(self, rows: int, length: int, lim: dict) -> dict[str, float]:
-        flops = rows * length * (6.0 * self.p_mm + 3 * self.attn_flops(1, length))
+        flops = costs.train_flops(self.spec, rows * length, length)
         return {"flops": flops, "limit": rows * length * lim["matmul_flops"] / flops}
 
 
@@ -345,7 +324,7 @@ class DecodeCase:
     def tokens(self) -> int:
         return self.batch * self.segments * self.sampler.segment_steps
 
-    def result(self, costs: Costs, lim: dict) -> dict[str, Any]:
+    def result(self, roof: Roofline, lim: dict) -> dict[str, Any]:
         tps = [self.tokens / t for t in self.times]
         r = {
             "batch": self.batch,
@@ -359,7 +338,7 @@ class DecodeCase:
             "samples_tokens_per_s": tps,
             "draw_ms": 1e3 * self.draw_s,
             "lane_copies": self.lane_copies,
-            **costs.decode(self.batch, self.window, lim),
+            **roof.decode(self.batch, self.window, lim),
         }
         r["of_limit"] = r["tokens_per_s"] / r["limit"]
         r["draw_share"] = r["draw_ms"] / r["ms_per_step"]
@@ -421,7 +400,7 @@ def run_prefill(
     return times, sampler.compile_count - compiles
 
 
-def prefill_results(sampler: Sampler, times: dict, costs: Costs, lim: dict) -> list[dict]:
+def prefill_results(sampler: Sampler, times: dict, roof: Roofline, lim: dict) -> list[dict]:
     rows = []
     for (b, n), ts in times.items():
         window = _bucket(n, sampler.prompt_buckets)
@@ -434,7 +413,7 @@ def prefill_results(sampler: Sampler, times: dict, costs: Costs, lim: dict) -> l
             "iqr": iqr(tps),
             "ms_per_call": 1e3 * med(ts),
             "samples_tokens_per_s": tps,
-            **costs.prefill(b, n, window, lim),
+            **roof.prefill(b, n, window, lim),
         }
         r["of_limit"] = r["tokens_per_s"] / r["limit"]
         rows.append(r)
@@ -543,10 +522,6 @@ def train_setup(args, attention_block: int = -1):
     return spec, trainer, batch
 
 
-def count_params(model: Transformer) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-
-
 def run_train(args) -> list[dict[str, Any]]:
     """Timed `Trainer.step`s, one case per `--attention-block`, samples interleaved
     (results before the limits: `train_results`)."""
@@ -566,7 +541,7 @@ def run_train(args) -> list[dict[str, Any]]:
 
 
 def _train_case(args, spec, trainer, batch, compile_s, compiles, times) -> dict[str, Any]:
-    params = count_params(trainer.model)
+    params = costs.total_params(spec)
     n = batch.tokens.size
     tps = [n / t for t in times]
     learner = trainer.cfg.learner
@@ -891,8 +866,8 @@ def main() -> None:
     dtype = jnp.dtype(args.compute_dtype)
     spec = make_spec(args, max([args.window, *windows, 512]))
     model = Transformer(spec, rngs=nnx.Rngs(0), compute_dtype=dtype)
-    costs = Costs(spec, count_params(model), dtype.itemsize)
-    res["spec"], res["params"] = dataclasses.asdict(spec), costs.params
+    roof = Roofline(spec, dtype.itemsize)
+    res["spec"], res["params"] = dataclasses.asdict(spec), costs.total_params(spec)
     compiles = 0
     decode_sets: dict[str, list[DecodeCase]] = {}
     if args.batches:
@@ -943,13 +918,11 @@ def main() -> None:
     res["limit_median"] = {k: med(v) for k, v in limit_samples.items()}
     res["limit_iqr"] = {k: iqr(v) for k, v in limit_samples.items()}
     for name, cases in decode_sets.items():
-        res[name] = [c.result(costs, lim) for c in cases]
+        res[name] = [c.result(roof, lim) for c in cases]
     if prefill:
-        res["prefill"] = prefill_results(*prefill, costs, lim)
+        res["prefill"] = prefill_results(*prefill, roof, lim)
     for t in res.get("train", []):
-        t.update(
-            Costs(t.pop("spec"), t["params"], dtype.itemsize).train(t["rows"], t["length"], lim)
-        )
+        t.update(Roofline(t.pop("spec"), dtype.itemsize).train(t["rows"], t["length"], lim))
         t["of_limit"] = t["tokens_per_s"] / t["limit"]
     res["compiles_during_timing"] = compiles
     print_tables(res, args)

@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import pyarrow.parquet as pq
 
-from tests.gcs_server import FakeGcs
-from tests.shard_factory import make_episode, realistic_lengths
 from tunix_tasks.learner.source import EpisodeSource
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
+from tunix_tasks.testing.gcs_server import FakeGcs
+from tunix_tasks.testing.shard_factory import make_episode, realistic_lengths
 
 
 def run(uri: str, shards: int, per_shard: int, repeats: int) -> dict[str, float]:

@@ -39,7 +39,6 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.shard_factory import make_episode
 from tunix_tasks.config import load_config
 from tunix_tasks.frontdoor.entrypoints import prepare_run, run_learner
 from tunix_tasks.frontdoor.launcher import train_local
@@ -47,6 +46,7 @@ from tunix_tasks.frontdoor.planning import plan_fleet
 from tunix_tasks.frontdoor.report import _learner_steps, read_records, summarize
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
+from tunix_tasks.testing.shard_factory import make_episode
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 LEARNER_CORES = set(CORES[:1])
@@ -152,8 +152,13 @@ def run(mode: str, overrides: list[str]) -> dict:
     if mode == "sync":
         overrides.append("mode=sync")  # SyncFlow: staleness 0, one version per batch
     if mode == "vectorized":  # one actor process on the actors' core, 256 rows
-        overrides += ["actor.kind=vectorized", "env.latency_s=0", "env.latency_jitter=0",
-                      "actor.num_actors=1", "actor.envs_per_actor=256"]  # fmt: skip
+        overrides += [
+            "actor.kind=vectorized",
+            "env.latency_s=0",
+            "env.latency_jitter=0",
+            "actor.num_actors=1",
+            "actor.envs_per_actor=256",
+        ]
     cfg = load_config("configs/demo.yaml", overrides)
     pinner = Pinner(f"{cfg.store.rstrip('/')}/{mode}")
     pinner.start()

@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 from safetensors.numpy import load as st_load
 
-from tests.gcs_server import FakeGcs
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.store import ObjectStore, open_store
 from tunix_tasks.storage.weights import PARAMS_FILE, WeightsClient, WeightsPublisher
+from tunix_tasks.testing.gcs_server import FakeGcs
 
 MB = 1e6
 
@@ -65,7 +65,10 @@ def random_params(spec: dict[str, tuple[int, ...]], seed: int) -> dict[str, np.n
 
 def small_update(flat: dict[str, np.ndarray], rel: float = 1e-5) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(1)
-    return {k: v * (1 + np.float32(rel) * rng.standard_normal(v.shape, dtype=np.float32)) for k, v in flat.items()}  # fmt: skip
+    return {
+        k: v * (1 + np.float32(rel) * rng.standard_normal(v.shape, dtype=np.float32))
+        for k, v in flat.items()
+    }
 
 
 def adapters(spec: dict[str, tuple[int, int]], rank: int) -> dict[str, np.ndarray]:
@@ -148,7 +151,16 @@ def run(uri: str, params_m: float, repeats: int, rank: int) -> dict[str, dict[st
     return rows
 
 
-COLS = ["params M", "MB written", "publish s", "MB read", "reload s", "x smaller", "x faster", "peak/blob"]  # fmt: skip
+COLS = [
+    "params M",
+    "MB written",
+    "publish s",
+    "MB read",
+    "reload s",
+    "x smaller",
+    "x faster",
+    "peak/blob",
+]
 
 
 def main() -> None:

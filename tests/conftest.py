@@ -14,7 +14,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import pytest
 
-from tests.gcs_server import FakeGcs
+from tunix_tasks.testing.gcs_server import FakeGcs
 
 
 @pytest.fixture(scope="session")

@@ -683,9 +683,9 @@ def test_actor_rides_out_a_real_store_outage(tmp_path, monkeypatch):
     per-call retry deadline. The actor keeps its episodes, stops producing while blocked,
     writes them once the store is back, and loses or duplicates nothing. With a short
     outage limit it exits with a clear StoreUnavailable instead."""
-    from tests.gcs_outage import OutageGcs
     from tunix_tasks.storage.outage import StoreUnavailable
     from tunix_tasks.storage.store import RETRY_DEADLINE_ENV
+    from tunix_tasks.testing.gcs_outage import OutageGcs
 
     monkeypatch.setenv(RETRY_DEADLINE_ENV, "1")  # each store call gives up after ~1 s
     with OutageGcs() as gcs:

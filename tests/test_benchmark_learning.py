@@ -1,20 +1,25 @@
-"""benchmarks/learning.py's report: table, goal lines, merge and curves from saved results."""
+"""benchmarks/learning.py's report: table, goal lines, merge and curves from saved results
+(the script run on them, `--merge`: no training)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import learning
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "learning.py"
 
 
 def _cell(reward: float, wall: float, dropped: float = 0.0) -> dict:
     curve = [(step, 2.0 * step, reward) for step in range(2, 12)]
-    return {"reward": reward, "wall_s": wall, "dropped_frac": dropped, "staleness_mean": 1.5,
-            "curve": curve}  # fmt: skip
+    return {
+        "reward": reward,
+        "wall_s": wall,
+        "dropped_frac": dropped,
+        "staleness_mean": 1.5,
+        "curve": curve,
+    }
 
 
 def _results(seed: int, sync_reward: float) -> dict:
@@ -35,14 +40,22 @@ def test_table_goals_merge_and_plot(tmp_path):
     for seed, sync in ((0, 0.3), (1, 0.4)):
         paths.append(tmp_path / f"{seed}.json")
         paths[-1].write_text(json.dumps(_results(seed, sync)))
-    out = learning.merge([str(p) for p in paths])
-    assert sorted(out["warm"]) == [0, 1] and sorted(out["cells"]["8/none"]) == [0, 1]
-    text = learning.table(out)
+    out_dir = tmp_path / "merged"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--merge", *map(str, paths), "--out", str(out_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    text = run.stdout
+    out = json.loads((out_dir / "learning.json").read_text())
+    assert sorted(out["warm"]) == ["0", "1"] and sorted(out["cells"]["8/none"]) == ["0", "1"]
+    assert "10 RL steps per cell" in text and "seeds [0, 1]" in text
     assert "| 0 | sync (any: on-policy) | 2 | 0.350 ± 0.071 |" in text
     assert "| 8 | decoupled_ppo | 2 | 0.360 ± 0.071 | +0.010 ± 0.000 |" in text
     assert "0.44 ± 0.00 | 0.25 ± 0.00 |" in text  # wall / sync 40/90, dropped
-    lines = learning.goals(out)
+    lines = text.splitlines()
     assert any("none: Δ reward -0.100" in x and "NOT met" in x for x in lines)
     assert any("decoupled_ppo: Δ reward +0.010" in x and "wall/sync 0.44" in x for x in lines)
-    learning.plot(out, tmp_path / "learning.png")
-    assert (tmp_path / "learning.png").stat().st_size > 10_000
+    assert (out_dir / "learning.png").stat().st_size > 10_000

@@ -13,7 +13,6 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests.shard_factory import make_episode
 from tunix_tasks.learner.position import ShardPosition
 from tunix_tasks.learner.source import EpisodeSource
 from tunix_tasks.storage import local_listing
@@ -21,6 +20,7 @@ from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.outage import StoreOutage
 from tunix_tasks.storage.shards import ShardWriter, episodes_to_table, table_to_parquet_bytes
 from tunix_tasks.storage.store import RETRY_DEADLINE_ENV, StoreError, open_store
+from tunix_tasks.testing.shard_factory import make_episode
 
 T0 = 1_700_000_000.0  # simulated creation times: one shard per actor every 10 s
 
@@ -147,7 +147,7 @@ def test_writer_keeps_its_episodes_and_blocks_while_the_store_is_down(monkeypatc
     (commit; on failure retry through `StoreOutage`) block: the buffer stays bounded by
     one shard plus one group per producer, and once the store is back every episode is
     written exactly once."""
-    from tests.gcs_outage import OutageGcs
+    from tunix_tasks.testing.gcs_outage import OutageGcs
 
     monkeypatch.setenv(RETRY_DEADLINE_ENV, "1")
     with OutageGcs() as gcs:

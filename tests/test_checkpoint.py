@@ -201,9 +201,9 @@ def test_a_store_outage_mid_save_is_one_clear_error_and_loses_nothing(caplog):
     gcsfs's log lines carry no traceback. Before, orbax's own aiohttp error left the learner
     with a traceback. With the store back, a new Checkpointer (a resumed learner) restores
     checkpoint 1 and saves step 2 over what the cut-off save left."""
-    from tests.gcs_outage import OutageGcs
     from tunix_tasks.frontdoor.cli import EXIT_STORAGE, _known_error
     from tunix_tasks.learner.checkpoint import CheckpointError
+    from tunix_tasks.testing.gcs_outage import OutageGcs
 
     state = {"w": jnp.arange(4096, dtype=jnp.float32).reshape(64, 64)}
     ledger = {"trained": ["a"], "dropped": {}}

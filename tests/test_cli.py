@@ -9,9 +9,9 @@ import sys
 
 import numpy as np
 
-from tests.shard_factory import make_episode
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
+from tunix_tasks.testing.shard_factory import make_episode
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -311,10 +311,10 @@ def test_corrupt_run_config_is_one_line(tmp_path):
 
 
 def test_unreachable_gcs_logs_its_retries_then_one_line():
-    from tests.gcs_server import _free_port
+    from tunix_tasks.testing.gcs_server import free_port
 
     env = {
-        "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{_free_port()}",  # nothing listens
+        "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{free_port()}",  # nothing listens
         "TUNIX_STORE_RETRY_DEADLINE_S": "3",
     }
     out = _cli_env("inspect", "gs://bucket/run/shards", env=env, timeout=60)

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.shard_factory import make_episode
 from tunix_tasks.storage.metrics import MetricsWriter
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
+from tunix_tasks.testing.shard_factory import make_episode
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.shard_factory import make_episode
 from tunix_tasks.episode import Episode
 from tunix_tasks.frontdoor.entrypoints import prepare_run, run_learner
 from tunix_tasks.learner.checkpoint import read_ledger
@@ -43,6 +42,7 @@ from tunix_tasks.storage.shards import (
 )
 from tunix_tasks.storage.store import ObjectStore, PreconditionFailed, open_store
 from tunix_tasks.storage.weights import PublishConflict, WeightsPublisher, read_latest
+from tunix_tasks.testing.shard_factory import make_episode
 
 REPO = Path(__file__).resolve().parents[1]
 EP_LEN = 32  # two episodes per row of the 64 bucket: 16 episodes per step of 8 rows

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,15 +26,10 @@ from tunix_tasks.learner.multihost import process_group
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.storage.weights import load_snapshot, read_latest
+from tunix_tasks.testing.gcs_server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 HEARTBEAT_S = 10  # the survivor of a SIGKILL is stopped within about this long
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Pairs:
@@ -48,7 +42,7 @@ class Pairs:
         log_dir.mkdir()
 
     def start(self, uri: str, max_steps: int | None = None) -> list[subprocess.Popen]:
-        port = _free_port()  # a fresh one: the last coordinator's may still be in TIME_WAIT
+        port = free_port()  # a fresh one: the last coordinator's may still be in TIME_WAIT
         cmd = [sys.executable, "-m", "tunix_tasks.frontdoor.cli", "learner", "--run", uri]
         cmd += ["--max-steps", str(max_steps)] if max_steps else []
         for pid in range(2):

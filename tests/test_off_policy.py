@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.shard_factory import make_episode
 from tunix_tasks.config import load_config
 from tunix_tasks.learner.accounting import Accounting
 from tunix_tasks.learner.batcher import Batcher
@@ -19,6 +18,7 @@ from tunix_tasks.learner.source import EpisodeSource, PrefetchingSource
 from tunix_tasks.policy.distribution import chunked_target_logprobs, sampling_log_probs
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
+from tunix_tasks.testing.shard_factory import make_episode
 
 # group -> (reward, status) of its episodes
 GROUPS = {

@@ -12,10 +12,10 @@ import textwrap
 import numpy as np
 import pyarrow.parquet as pq
 
-from tests.shard_factory import make_episode
 from tunix_tasks.learner.source import EpisodeSource
 from tunix_tasks.storage.shards import SHARD_SCHEMA, ShardWriter
 from tunix_tasks.storage.store import open_store
+from tunix_tasks.testing.shard_factory import make_episode
 
 
 def _write(store, n, *, per_shard=8, actor="actor-0", seed=0):
@@ -60,7 +60,7 @@ def test_writer_killed_mid_shard_leaves_no_partial_shard(tmp_path):
         import sys
         sys.path.insert(0, {os.getcwd()!r})
         import numpy as np
-        from tests.shard_factory import make_episode
+        from tunix_tasks.testing.shard_factory import make_episode
         from tunix_tasks.storage.shards import ShardWriter
         from tunix_tasks.storage.store import open_store
         store = open_store({uri!r})

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from tests.shard_factory import make_episode
 from tunix_tasks.learner.source import EpisodeSource, PrefetchingSource, ShardPosition
 from tunix_tasks.storage.layout import SHARD_FOLDER_DIGITS, RunLayout
 from tunix_tasks.storage.shards import ShardWriter, episodes_to_table, table_to_parquet_bytes
 from tunix_tasks.storage.store import open_store
+from tunix_tasks.testing.shard_factory import make_episode
 
 
 def _write(store, n, *, per_shard=8, actor="actor-0", seed=0, group=1):

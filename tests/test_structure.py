@@ -81,7 +81,18 @@ def test_storage_and_policy_do_not_import_the_roles_above_them():
     graph = _import_graph()
     for module, deps in graph.items():
         if module.startswith(("tunix_tasks.storage", "tunix_tasks.policy")):
-            bad = [d for d in deps if d.startswith(("tunix_tasks.actor", "tunix_tasks.learner", "tunix_tasks.envs", "tunix_tasks.frontdoor"))]  # fmt: skip
+            bad = [
+                d
+                for d in deps
+                if d.startswith(
+                    (
+                        "tunix_tasks.actor",
+                        "tunix_tasks.learner",
+                        "tunix_tasks.envs",
+                        "tunix_tasks.frontdoor",
+                    )
+                )
+            ]
             assert not bad, f"{module} imports {bad}"
 
 
@@ -100,11 +111,11 @@ def test_nothing_in_the_library_imports_airflow():
 def test_learner_process_imports_no_environment_or_sandbox(tmp_path):
     """A real learner (warm start on the run's demonstration shards, then RL steps) in its
     own process: afterwards no `tunix_tasks.envs` module is loaded there."""
-    from tests.shard_factory import make_episode
     from tunix_tasks.frontdoor.entrypoints import prepare_run
     from tunix_tasks.storage.layout import RunLayout
     from tunix_tasks.storage.shards import ShardWriter
     from tunix_tasks.storage.store import open_store
+    from tunix_tasks.testing.shard_factory import make_episode
 
     uri = prepare_run(
         {

@@ -174,8 +174,8 @@ def test_train_rides_out_a_store_outage(tmp_path, monkeypatch):
     actor dies or is restarted), the launcher does not hang, and the run finishes (if
     the learner stopped in the outage, the same command resumes it), every trained
     episode accounted once."""
-    from tests.gcs_outage import OutageGcs
     from tunix_tasks.storage.store import RETRY_DEADLINE_ENV
+    from tunix_tasks.testing.gcs_outage import OutageGcs
 
     # Four times shorter than the outage; not shorter, so a slow answer on a loaded machine
     # is not taken for an outage (a failed ledger write would stop the learner).

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.shard_factory import make_episode
 from tunix_tasks.config import MeshConfig, config_from_dict
 from tunix_tasks.episode import Episode
 from tunix_tasks.learner.packing import pack
 from tunix_tasks.learner.train_step import Trainer, make_mesh
 from tunix_tasks.policy.build import build_policy
 from tunix_tasks.policy.distribution import sampling_log_probs, token_logprobs
+from tunix_tasks.testing.shard_factory import make_episode
 
 BUCKETS = (64, 128)
 ROWS = 8

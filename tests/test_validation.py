@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.shard_factory import make_episode
 from tunix_tasks.storage.shards import episodes_to_table, table_to_parquet_bytes
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.storage.validation import ShardValidationError, read_shard
+from tunix_tasks.testing.shard_factory import make_episode
 
 VOCAB = 103
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.shard_factory import make_episode
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.lease import Lease, LeaseHeldError, LeaseLost
 from tunix_tasks.storage.shards import ShardWriter
@@ -28,6 +27,7 @@ from tunix_tasks.storage.weights import (
     load_snapshot,
     read_latest,
 )
+from tunix_tasks.testing.shard_factory import make_episode
 
 REPO = Path(__file__).resolve().parents[1]
 

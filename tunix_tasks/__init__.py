@@ -8,6 +8,7 @@ The package reads as the pipeline (docs/architecture.md has the map):
     learner/   shard source -> flow policy -> packing -> sharded update -> snapshots
     policy/    the model, tokenizer and sampler every role shares
     frontdoor/ CLI, local launcher, process entry points, report, eval, inspect
+    testing/   helpers for tests and benchmarks (fake GCS, episodes); not in the data flow
 
 The public API, importable from here (loaded on first use, so `import tunix_tasks` stays
 light enough for Airflow's DAG parser):

@@ -3,5 +3,9 @@
 cli.py          `tunix-tasks ...` (parses, then calls the library)
 entrypoints.py  prepare / actor / learner / report / eval for any orchestrator
 launcher.py     `tunix-tasks train`: a learner and N actors on this machine, live display
-report.py, evaluate.py, inspect.py   reading a run back
+supervision.py  the launcher's child processes: start, watch, restart, stop
+summary.py      the end of `tunix-tasks train`: its summary as a few lines
+report.py, plots.py, evaluate.py, inspect.py   reading a run back; the report's figures
+audit.py        the latency audit of a running fleet: which side waits
+planning.py     planning before a run: the fleet, its staleness, the chips each role needs
 """

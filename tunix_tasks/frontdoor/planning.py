@@ -1,4 +1,5 @@
-"""Fleet planning: how many actors keep a learner busy, and how stale their episodes arrive.
+"""Fleet planning: how many actors keep a learner busy, how stale their episodes arrive,
+and how many chips each role needs.
 
 The latency audit (`audit.py`) says which side of a *running* fleet waits; this is the
 same arithmetic before a run, from a handful of rates (each one a figure the audit, the
@@ -17,6 +18,20 @@ report or `benchmarks/` measures):
 
     python -m tunix_tasks.frontdoor.planning --env-latency-s 2 --policy-latency-s 0.5 \\
         --turns 3 --envs-per-actor 64 --learner-step-s 0.4 --episodes-per-step 64
+
+Chips, from a spec's memory (`policy/costs.py`) and an accelerator's HBM, `HEADROOM` (20%)
+of it kept free for gathered weights, activations, XLA temporaries and fragmentation:
+
+- learner chips: the smallest power of two n with the FSDP-sharded state / n within the
+  other 80%; rows per chip: what the HBM left beside the state and the largest gathered
+  weight holds of one training row's activations (0: use 2n chips or shorter rows);
+- actor chips: the smallest power of two n with the weights / n within 80% (n > 1 is
+  tensor parallelism over the heads); sequences per replica: what the rest of the 80%
+  holds of KV caches, split at most n_kv_heads ways (beyond that the KV heads are
+  replicated, not split further).
+
+These are budgets from shapes, not measurements (`benchmarks/model_memory.py` tabulates
+them for published models).
 """
 
 from __future__ import annotations
@@ -24,11 +39,40 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from tunix_tasks.frontdoor.audit import rounded
+from tunix_tasks.policy import costs
+from tunix_tasks.policy.spec import DecoderSpec
 
-__all__ = ["plan_fleet"]
+__all__ = [
+    "ACCELERATORS",
+    "HEADROOM",
+    "Accelerator",
+    "actor_chips",
+    "learner_chips",
+    "min_chips",
+    "plan_fleet",
+    "rows_per_chip",
+    "sequences_per_replica",
+]
+
+GiB = 2**30
+HEADROOM = 0.2  # of HBM, kept free when sizing the chips for state or weights
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    hbm_bytes: int
+
+
+ACCELERATORS = (
+    Accelerator("TPU v5e", 16 * GiB),
+    Accelerator("TPU v5p", 95 * GiB),
+    Accelerator("H200", 139 * GiB),  # 141 GB on the datasheet; ~139 GiB allocatable
+)
 
 
 def plan_fleet(
@@ -81,6 +125,40 @@ def plan_fleet(
         "expected_staleness": lag,
         "within_max_staleness": lag <= max_staleness,
     }
+
+
+def min_chips(nbytes: int, hbm_bytes: int) -> int:
+    """Smallest power of two n with nbytes / n <= (1 - HEADROOM) * hbm_bytes."""
+    n = 1
+    while nbytes / n > (1 - HEADROOM) * hbm_bytes:
+        n *= 2
+    return n
+
+
+def learner_chips(spec: DecoderSpec, acc: Accelerator, regime: str) -> int:
+    """Chips whose HBM holds the learner's FSDP-sharded state in `regime` (module doc)."""
+    return min_chips(costs.learner_state_bytes(spec, regime), acc.hbm_bytes)
+
+
+def rows_per_chip(spec: DecoderSpec, acc: Accelerator, tokens: int, regime: str = "bf16") -> int:
+    """Training rows of `tokens` tokens one learner chip holds beside its state."""
+    state = costs.learner_state_bytes(spec, regime) / learner_chips(spec, acc, regime)
+    free = acc.hbm_bytes - state - costs.gathered_bytes(spec)
+    return max(0, math.floor(free / costs.activation_bytes(spec, tokens)["total"]))
+
+
+def actor_chips(spec: DecoderSpec, acc: Accelerator) -> int:
+    """Chips of one actor replica: those whose HBM holds its bfloat16 weights."""
+    return min_chips(costs.weight_bytes(spec), acc.hbm_bytes)
+
+
+def sequences_per_replica(spec: DecoderSpec, acc: Accelerator, context: int) -> int:
+    """Concurrent sequences of `context` tokens one actor replica (`actor_chips` chips)
+    holds: each chip keeps 1/n of the weights and 1/min(n, n_kv_heads) of every KV cache."""
+    n = actor_chips(spec, acc)
+    free_per_chip = (1 - HEADROOM) * acc.hbm_bytes - costs.weight_bytes(spec) / n
+    kv_per_chip = costs.kv_bytes(spec, context) / min(n, spec.n_kv_heads)
+    return max(0, math.floor(free_per_chip / kv_per_chip))
 
 
 def main(argv: list[str] | None = None) -> int:

