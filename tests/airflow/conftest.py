@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
+
 DAGS = REPO / "dags"
 INFRA = REPO / "infra" / "airflow"
 VENV_BIN = Path(sys.executable).parent

@@ -9,18 +9,18 @@ so a misspelt field or a value of the wrong type makes the round trip differ.
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
+
+from tests.paths import REPO
 
 pytest.importorskip("airflow.providers.cncf.kubernetes", reason="cncf-kubernetes provider")
 from kubernetes.client import ApiClient
 
 pytestmark = pytest.mark.airflow
 
-REPO = Path(__file__).resolve().parents[2]
 RUN = "gs://bucket/runs/My_Run.v2"
 GROUPS = {"v1": "V1", "batch/v1": "V1", "rbac.authorization.k8s.io/v1": "V1"}
 

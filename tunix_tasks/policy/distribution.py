@@ -80,7 +80,7 @@ def chunked_target_logprobs(
     The learner's log-probs without materialising [B,T,V] logits: `chunk` positions at a
     time, each chunk rematerialised in the backward pass, so the working set is one chunk's
     logits, log-probs and their gradients (~4 x [B,chunk,V] float32) instead of ~2 x
-    [B,T,V] (tests/test_learner_memory.py). Equal to the unchunked computation.
+    [B,T,V] (tests/unit/learner/test_learner_memory.py). Equal to the unchunked computation.
 
     `with_entropy`: also the entropy `H_t = -sum_v p_v log p_v` of that distribution at
     every position ([B,T] float32, differentiable), from the same chunk's log-probs.

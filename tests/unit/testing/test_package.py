@@ -7,9 +7,9 @@ import ast
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+from tests.paths import REPO
+
 PACKAGE = REPO / "tunix_tasks"
 
 

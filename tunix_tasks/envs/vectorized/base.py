@@ -18,7 +18,7 @@ sees a tokenizer and the same task runs under any character-level chat format.
 `parse_action` reads a sampled turn exactly as `CharChat.parse` does (strip, then a leading
 `TOOL` or `ANSWER` marker; unmarked text is an answer), and `parse_int` accepts what
 `envs.guess_number.parse_int` accepts (`[+-]?\\d{1,9}` after stripping), so a vectorized
-task rewards the same turns as its asynchronous twin (tests/test_vec_envs.py).
+task rewards the same turns as its asynchronous twin (tests/unit/envs/test_vec_envs.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""End-to-end tests: real processes, whole training runs, the package installed as a user would."""

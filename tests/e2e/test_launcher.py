@@ -1,0 +1,301 @@
+"""Supervision by `tunix-tasks train` (frontdoor/launcher.py, frontdoor/supervision.py):
+dead actors reported and restarted a bounded number of times, a run with no actor left
+stopped, SIGHUP handled like Ctrl-C, children that die with a SIGKILLed launcher.
+
+The first tests use real child processes but no training; the others (marked slow) run
+the real command on the tiny preset, as `tests/test_train_e2e.py` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_train_e2e import _cmd, _run
+from tests.paths import REPO
+from tunix_tasks.config import config_from_dict
+from tunix_tasks.frontdoor.supervision import ActorPool, close_logs, spawn
+from tunix_tasks.learner.checkpoint import read_ledger
+from tunix_tasks.storage.metrics import read_metrics
+from tunix_tasks.storage.runs import is_done, write_config
+from tunix_tasks.storage.store import open_store
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+
+
+def _until(pred, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler installed for `sig`."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(ln for ln in f if ln.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught, 16) >> (sig - 1) & 1)
+
+
+def _children(pid: int) -> dict[int, str]:
+    """pid -> command line of the processes whose parent is `pid`."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    out[int(entry)] = f.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _steps(run_uri: str) -> list[int]:
+    try:
+        return [r["step"] for r in read_metrics(open_store(run_uri), "learner") if "loss" in r]
+    except Exception:  # not there yet
+        return []
+
+
+# ------------------------------------------------------------------ no training
+
+
+def test_failed_actors_are_reported_and_restarted_a_bounded_number_of_times(tmp_path):
+    """Issue #12.1: each death is reported at once with the end of the actor's log; a
+    failed actor is restarted `max_restarts` times, then given up; an actor that exits 0
+    (its run is done) is not restarted; `failed_for_good` only once none is left."""
+    missing = f"file://{tmp_path}/no-such-run"
+    actors = [
+        spawn("actor-0000", ["actor", "--run", missing, "--actor-id", "0"], str(tmp_path), ENV),
+        spawn("actor-0001", ["--help"], str(tmp_path), ENV),  # exits 0
+    ]
+    reports: list[str] = []
+    pool = ActorPool(actors, env=ENV, report=reports.append, max_restarts=2, restart_delay_s=0.2)
+    try:
+        t0 = time.monotonic()
+        while not pool.failed_for_good():
+            assert time.monotonic() - t0 < 60, reports
+            pool.check()
+            time.sleep(0.05)
+    finally:
+        close_logs(actors)
+    failed, done = actors
+    assert failed.restarts == 2 and done.restarts == 0
+    assert failed.exit_codes == [2, 2] and failed.proc.returncode == 2  # no config.json
+    deaths = [r for r in reports if r.startswith("actor-0000 exited with code 2")]
+    assert len(deaths) == 3, reports
+    assert "restarting it in 0s (1/2)" in deaths[0] and "(2/2)" in deaths[1]
+    assert "not restarting it: 2 restarts used" in deaths[2]
+    # The end of the actor's own log, where the reason is.
+    assert "no-such-run" in deaths[2] and "  | " in deaths[2]
+    assert not any(r.startswith("actor-0001") for r in reports)
+    log = (tmp_path / "actor-0000.log").read_text()
+    assert log.count("=== launcher: restart") == 2
+
+
+def test_children_die_with_a_sigkilled_parent(tmp_path):
+    """Issue #11.9: a child started by `spawn` gets SIGTERM when the process that started
+    it is SIGKILLed (PR_SET_PDEATHSIG), and stops as on Ctrl-C: here an actor waiting for
+    its run's first weights."""
+    cfg = config_from_dict({"store": f"file://{tmp_path}", "run_name": "orphan"})
+    write_config(cfg)
+    script = textwrap.dedent(
+        f"""
+        import time
+        from tunix_tasks.frontdoor.supervision import spawn
+        c = spawn("actor-0000", ["actor", "--run", {cfg.run_uri!r}, "--actor-id", "0"],
+                  {str(tmp_path)!r}, None)
+        print(c.proc.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child = int(parent.stdout.readline())
+        log = tmp_path / "actor-0000.log"
+        # Started for real: the model built, its SIGTERM handler installed, polling weights.
+        _until(lambda: _catches(child, signal.SIGTERM), "the actor up", 120)
+        time.sleep(1.0)
+        assert _alive(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        _until(lambda: not _alive(child), "the orphaned child to exit", 15)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    assert "stopping: SIGTERM" in log.read_text(errors="replace")
+
+
+# ------------------------------------------------------------------ real runs (slow)
+
+
+@pytest.mark.slow
+def test_dead_actors_stop_the_run(tmp_path):
+    """Issue #12.1: actors that keep crashing (here: an environment that cannot be built)
+    are restarted, then given up; with none left the launcher stops the learner (it
+    checkpoints) and returns at once with a clear `failed`, instead of idling until the
+    learner's `data_timeout_s`."""
+    script = textwrap.dedent(
+        f"""
+        import json, logging
+        logging.basicConfig(level=logging.INFO)
+        from tunix_tasks.config import load_config
+        from tunix_tasks.frontdoor.launcher import train_local
+        cfg = load_config(None, {_overrides(tmp_path)!r})
+        summary = train_local(cfg, quiet=True, report=False, max_restarts=1,
+                              restart_delay_s=0.5, log_dir={str(tmp_path / "logs")!r})
+        print("SUMMARY " + json.dumps(summary, default=str), flush=True)
+        """
+    )
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    wall = time.monotonic() - t0
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("SUMMARY "))
+    summary = json.loads(line[8:])
+    assert summary["failed"].startswith("all 2 actors died"), summary
+    assert summary["interrupted"] == "actors dead" and summary["learner_exit_code"] == 0
+    assert summary["actor_restarts"] == {"actor-0000": 1, "actor-0001": 1}
+    assert wall < 240  # the learner's data_timeout_s is 600
+    err = out.stderr
+    assert re.search(r"actor-0000 exited with code 1; restarting it in 0s \(1/1\)", err), err
+    assert "actor-0001 exited with code 1; not restarting it" in err
+    assert "TypeError" in err and "no_such_option" in err  # the tail of the actor's log
+    assert "all 2 actors died" in err and "stopping learner (checkpoint)" in err
+    assert is_done(open_store(summary["run_uri"])) is None  # resumable, not finished
+
+
+def _overrides(tmp_path: Path) -> list[str]:
+    return [
+        f"store={tmp_path}/runs",
+        "run_name=dead",
+        "model.preset=tiny",
+        "env.name=calculator",
+        "env.kwargs.no_such_option=1",  # every actor fails building its environments
+        "actor.num_actors=2",
+        "learner.buckets=[64,128]",
+        "learner.batch_rows=8",
+        "learner.min_episodes_per_step=8",
+        "learner.max_steps=5",
+    ]
+
+
+@pytest.mark.slow
+def test_killed_actor_is_restarted_and_the_run_finishes(tmp_path):
+    """Issue #12.1: an actor killed mid-run (SIGKILL, as by the OOM killer) is reported
+    and restarted; the run finishes normally and accounts every episode once."""
+    cmd = _cmd(str(tmp_path / "runs"), "restart", "learner.max_steps=40")
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    run_uri = f"file://{tmp_path}/runs/restart"
+    try:
+        _until(lambda: max(_steps(run_uri), default=0) >= 2, "step 2", 300)
+        victim = next(p for p, c in _children(proc.pid).items() if "--actor-id 1" in c)
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out[out.index("\n{") + 1 :])
+    assert summary["actor_restarts"] == {"actor-0001": 1}
+    assert summary["actor_exit_codes"] == [0, 0] and summary["last_step"]["step"] == 40
+    assert "actor-0001 killed by SIGKILL; restarting it in 5s (1/3)" in err
+    ids = [i for e in read_ledger(open_store(run_uri)) for i in e["trained"]]
+    assert len(ids) == len(set(ids)) > 0
+
+
+@pytest.mark.slow
+def test_sighup_stops_cleanly_and_sigkill_takes_the_children(tmp_path):
+    """Issue #11.9: SIGHUP (the terminal closed) stops the run like Ctrl-C: exit 130, the
+    learner checkpointed, not DONE. The same command resumes it; SIGKILL of that launcher
+    takes its learner and actors with it within seconds; a third run finishes."""
+    cmd = _cmd(str(tmp_path / "runs"), "hup", "learner.max_steps=30", "learner.checkpoint_every=3")
+    run_uri = f"file://{tmp_path}/runs/hup"
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(
+            cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    proc = start()
+    try:
+        _until(lambda: max(_steps(run_uri), default=0) >= 4, "step 4", 300)
+        children = _children(proc.pid)
+        assert len(children) == 3, children
+        proc.send_signal(signal.SIGHUP)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    assert "SIGHUP: stopping learner (checkpoint)" in err
+    assert not any(_alive(p) for p in children)
+    summary = json.loads(out[out.index("\n{") + 1 :])
+    assert summary["interrupted"] == "SIGHUP" and summary["learner_exit_code"] == 0
+    stopped_at = summary["last_step"]["step"]
+    assert is_done(open_store(run_uri)) is None
+    logs = Path(summary["logs"])
+    assert "stopping: SIGTERM" in (logs / "actor-0000.log").read_text()
+
+    # Resume, then SIGKILL the launcher: its children must not outlive it.
+    proc = start()
+    try:
+        _until(lambda: max(_steps(run_uri), default=0) > stopped_at + 1, "resumed steps", 300)
+        children = _children(proc.pid)
+        assert len(children) == 3, children
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        t0 = time.monotonic()
+        _until(lambda: not any(_alive(p) for p in children), "children to exit", 30)
+        print(f"children gone {time.monotonic() - t0:.1f}s after the launcher's SIGKILL")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    learner_log = (logs / "learner.log").read_text()
+    assert learner_log.count("resumed") >= 1
+
+    summary = _run(cmd, tmp_path)  # and the run still finishes
+    steps = [r["step"] for r in read_metrics(open_store(run_uri), "learner") if "loss" in r]
+    assert max(steps) == 30 and summary["last_step"]["step"] == 30
+    trained = [i for e in read_ledger(open_store(run_uri)) for i in e["trained"]]
+    assert len(trained) == len(set(trained))

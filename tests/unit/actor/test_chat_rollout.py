@@ -1,0 +1,97 @@
+"""Token-in / token-out episodes of a chat model (the tiny Qwen3 and Llama 3 checkpoints).
+
+A multi-turn tool-calling calculator episode: the first turn is a demonstrated tool call
+in the model's own format (`<tool_call>{json}</tool_call>` / Llama JSON), the next turns
+are sampled by the real KV-cache sampler. Every sampled id lands in the episode exactly as
+sampled, at the loss-masked positions, and its behaviour log-prob equals the learner's
+recomputation over the whole episode (staleness 0, fp32, atol 1e-4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.paths import HF_FIXTURES
+from tunix_tasks.actor.batching import BatchingPolicy
+from tunix_tasks.actor.rollout import EpisodeLimits, ScriptedPolicy, play_episode
+from tunix_tasks.config import ModelConfig
+from tunix_tasks.envs import make_env
+from tunix_tasks.envs.calculator import safe_eval
+from tunix_tasks.policy.build import build_sampler
+from tunix_tasks.policy.distribution import token_logprobs
+
+FIXTURES = HF_FIXTURES
+TEMPERATURE = 0.7
+
+
+class _DemoThenSample:
+    """Turn 1: the env's demonstrated tool call; later turns: the sampler (recorded)."""
+
+    def __init__(self, demo, chat, sampler_policy: BatchingPolicy) -> None:
+        self.scripted = ScriptedPolicy(demo[:1], chat)
+        self.sampler_policy = sampler_policy
+        self.turn = 0
+        self.sampled: list[tuple[list[int], list[float]]] = []
+
+    async def __call__(self, context: Sequence[int], **conversation):
+        self.turn += 1
+        if self.turn == 1:
+            return await self.scripted(context, **conversation)
+        tokens, logprobs, version = await self.sampler_policy(context)
+        self.sampled.append((tokens, logprobs))
+        return tokens, logprobs, version
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama3"])
+def test_sampled_ids_and_logprobs_survive_the_episode(name):
+    chat, sampler = build_sampler(
+        ModelConfig(checkpoint=str(FIXTURES / name), max_seq_len=1024), seed=0
+    )
+    env = make_env("calculator", max_turns=3)
+    limits = EpisodeLimits(
+        max_turns=3, max_episode_tokens=1024, max_new_tokens=48, step_timeout_s=10.0
+    )
+
+    async def play():
+        inner = BatchingPolicy(sampler, max_new_tokens=24, temperature=TEMPERATURE, seed=3)
+        async with inner:
+            policy = _DemoThenSample(env.demonstration(5), chat, inner)
+            episode = await play_episode(env, policy, seed=5, limits=limits, chat=chat)
+        return episode, policy
+
+    episode, policy = asyncio.run(play())
+    assert episode.num_turns == 3 and len(policy.sampled) == 2  # calculator never answered
+    # The tool's result came back as the template's tool message.
+    expression = env.demonstration(5)[0].tool_calls[0].arguments["expression"]
+    text = chat.tokenizer.decode(episode.tokens.tolist())
+    tool_turn = (
+        "<tool_response>\n{}\n</tool_response>"
+        if "qwen" in name
+        else 'ipython<|end_header_id|>\n\n"{}"'
+    )
+    assert tool_turn.format(safe_eval(expression)) in text
+
+    # The sampled turns, in order, are exactly the ids at the masked positions after turn 1.
+    mask = episode.loss_mask.astype(bool)
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
+    spans = list(zip(runs[::2], runs[1::2], strict=True))
+    assert len(spans) == 3
+    for (start, end), (tokens, logprobs) in zip(spans[1:], policy.sampled, strict=True):
+        assert episode.tokens[start:end].tolist() == tokens
+        np.testing.assert_array_equal(episode.behavior_logprobs[start:end], logprobs)
+
+    # The learner's recomputation at staleness 0 (same weights, same temperature).
+    model = sampler.model
+    tokens = episode.tokens[None]
+    positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
+    logits = nnx.jit(lambda m, t, p, s: m(t, p, s))(model, tokens, positions, np.ones_like(tokens))
+    recomputed = np.asarray(token_logprobs(logits, tokens, TEMPERATURE))[0]
+    for start, end in spans[1:]:
+        np.testing.assert_allclose(
+            recomputed[start - 1 : end - 1], episode.behavior_logprobs[start:end], atol=1e-4
+        )

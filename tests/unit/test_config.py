@@ -1,0 +1,169 @@
+"""RunConfig: validation messages name the field and valid values; files and overrides."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.paths import REPO
+from tunix_tasks.config import ConfigError, load_config
+
+
+def test_defaults_and_presets():
+    cfg = load_config()
+    assert cfg.mode == "async" and cfg.model.d_model == 64
+    small = load_config(None, ["model.preset=small"])
+    assert (small.model.d_model, small.model.n_layers) == (128, 4)
+    custom = load_config(None, ["model.preset=tiny", "model.d_model=96", "model.n_heads=3"])
+    assert custom.model.d_model == 96 and custom.model.n_layers == 2
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("mode=fast", "mode: Input should be 'async' or 'sync'"),
+        ("learner.buckets=[12]", "learner.buckets must be positive multiples of 8"),
+        ("actor.num_actors=0", "actor.num_actors: Input should be greater than or equal to 1"),
+        ("actor.nope=1", "actor.nope: Extra inputs are not permitted"),
+        ("model.preset=huge", "'tiny', 'small', 'base' or 'custom'"),
+        ("store=s3://b/x", "valid: file, gs"),
+        ("run_name=../x", "run_name must be"),
+        ("learner.buckets=[512]", "exceeds model.max_seq_len"),
+        ("model.n_heads=5", "divisible by model.n_heads"),
+        ("learner.correction=sequence", "'none', 'token_tis', 'sequence_tis', 'ppo' or"),
+    ],
+)
+def test_invalid_values_are_named(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides,needles",
+    [
+        (["learner.correction=ppo", "learner.ppo_clip=0"], ["learner.ppo_clip must be > 0"]),
+        (["learner.correction=decoupled_ppo", "learner.ppo_clip=0"], ["learner.ppo_clip"]),
+        (["actor.group_size=1"], ["actor.group_size=1", "learner.advantage=group", "batch"]),
+    ],
+)
+def test_cross_field_errors_name_the_fields(overrides, needles):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert all(n in str(info.value) for n in needles)
+    load_config(None, [*overrides[:1], "learner.advantage=batch", "learner.ppo_clip=0.1"])
+
+
+def test_sampler_learner_dtype_mismatch_warns():
+    from tunix_tasks.config import ConfigWarning
+
+    with pytest.warns(ConfigWarning, match="model.dtype=float32.*learner.compute_dtype"):
+        cfg = load_config(None, ["learner.compute_dtype=bfloat16"])
+    assert cfg.warnings and not load_config().warnings
+
+
+def test_yaml_json_and_overrides(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps({"run_name": "x", "actor": {"num_actors": 3}}))
+    cfg = load_config(tmp_path / "a.json", ["actor.envs_per_actor=5", "env.kwargs.difficulty=1"])
+    assert (cfg.run_name, cfg.actor.num_actors, cfg.actor.envs_per_actor) == ("x", 3, 5)
+    assert cfg.env.kwargs == {"difficulty": 1}
+    assert load_config(REPO / "configs/demo.yaml").env.name == "calculator"
+    with pytest.raises(ConfigError, match=r"section\.field=value"):
+        load_config(None, ["actor.num_actors"])
+    # Round trip through config.json (what prepare writes and every process reads).
+    assert load_config(None, []).model_validate_json(cfg.to_json()) == cfg
+
+
+def test_config_is_frozen():
+    cfg = load_config()
+    with pytest.raises(Exception, match="frozen"):
+        cfg.seed = 3  # type: ignore[misc]
+
+
+def test_every_field_is_documented():
+    from tunix_tasks.config import RunConfig
+
+    doc = (REPO / "docs/configuration.md").read_text()
+
+    def names(model, prefix=""):
+        for name, field in model.model_fields.items():
+            sub = field.annotation
+            if hasattr(sub, "model_fields"):
+                yield from names(sub, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}"
+
+    missing = [n for n in names(RunConfig) if f"`{n}`" not in doc]
+    assert not missing, f"docs/configuration.md lacks {missing}"
+
+
+def test_env_name_is_validated_with_the_valid_names(monkeypatch):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["env.name=no_such_env"])
+    msg = str(info.value)
+    assert "env.name" in msg and "no_such_env" in msg
+    assert "calculator, guess_number, python_exec" in msg and "tunix_tasks.envs" in msg
+    for name in ("calculator", "guess_number", "python_exec"):
+        assert load_config(None, [f"env.name={name}"]).env.name == name
+
+    # A plug-in of the `tunix_tasks.envs` entry-point group is a valid name.
+    import importlib.metadata
+
+    plugin = importlib.metadata.EntryPoint(
+        name="echo_plugin", value="tests.envs.test_registry:_EchoEnv", group="tunix_tasks.envs"
+    )
+    real = importlib.metadata.entry_points
+
+    def fake_entry_points(**kw):
+        if kw.get("group") == "tunix_tasks.envs":
+            return importlib.metadata.EntryPoints([plugin])
+        return real(**kw)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", fake_entry_points)
+    assert load_config(None, ["env.name=echo_plugin"]).env.name == "echo_plugin"
+    with pytest.raises(ConfigError, match="echo_plugin, guess_number"):
+        load_config(None, ["env.name=nope"])
+
+
+def test_env_validation_imports_no_environment():
+    """The learner reads config.json too and must not import environments (nor the
+    sandbox): the name check resolves names without importing tunix_tasks.envs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from tunix_tasks.config import ConfigError, load_config\n"
+        "load_config(None, ['env.name=python_exec'])\n"
+        "try:\n"
+        "    load_config(None, ['env.name=no_such_env'])\n"
+        "except ConfigError as err:\n"
+        "    assert 'python_exec' in str(err)\n"
+        "else:\n"
+        "    raise SystemExit('accepted an unknown env')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('tunix_tasks.envs')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_async_max_staleness_0_is_refused():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["learner.max_staleness=0"])
+    msg = str(info.value)
+    assert "learner.max_staleness=0" in msg and "mode=sync" in msg
+    assert "max_staleness >= 1" in msg
+    assert load_config(None, ["learner.max_staleness=1"]).learner.max_staleness == 1
+    sync = load_config(None, ["mode=sync", "learner.max_staleness=0"])  # sync ignores it
+    assert (sync.mode, sync.learner.max_staleness) == ("sync", 0)
+
+
+def test_shipped_configs_load():
+    configs = sorted((REPO / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        load_config(path)

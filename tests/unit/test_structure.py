@@ -1,0 +1,165 @@
+"""The package's shape: no import circles, small modules and classes, roles that do not leak."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.paths import REPO
+
+PACKAGE = REPO / "tunix_tasks"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> tunix_tasks modules it imports (anywhere in the file, lazy ones too)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            deps |= {t for t in targets if t in modules and t != name}
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_circles():
+    graph = _import_graph()
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            # A package's __init__ importing its own submodules is how packages work.
+            if node != dep.rsplit(".", 1)[0] and state.get(dep) == 1:
+                cycle = [*stack[stack.index(dep) :], dep]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_modules_and_classes_stay_small():
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        assert text.count("\n") <= 400, f"{path.relative_to(REPO)} has over 400 lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                assert lines <= 300, f"{path.name}: class {node.name} has {lines} lines"
+    learner = next(
+        n
+        for n in ast.walk(ast.parse((PACKAGE / "learner" / "learner.py").read_text()))
+        if isinstance(n, ast.ClassDef) and n.name == "Learner"
+    )
+    assert learner.end_lineno - learner.lineno < 150
+
+
+def test_storage_and_policy_do_not_import_the_roles_above_them():
+    """storage/ and policy/ are shared by every role: they import no actor, learner, env."""
+    graph = _import_graph()
+    for module, deps in graph.items():
+        if module.startswith(("tunix_tasks.storage", "tunix_tasks.policy")):
+            bad = [
+                d
+                for d in deps
+                if d.startswith(
+                    (
+                        "tunix_tasks.actor",
+                        "tunix_tasks.learner",
+                        "tunix_tasks.envs",
+                        "tunix_tasks.frontdoor",
+                    )
+                )
+            ]
+            assert not bad, f"{module} imports {bad}"
+
+
+def test_nothing_in_the_library_imports_airflow():
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not any(n.split(".")[0] == "airflow" for n in names), path
+
+
+@pytest.mark.slow
+def test_learner_process_imports_no_environment_or_sandbox(tmp_path):
+    """A real learner (warm start on the run's demonstration shards, then RL steps) in its
+    own process: afterwards no `tunix_tasks.envs` module is loaded there."""
+    from tunix_tasks.frontdoor.entrypoints import prepare_run
+    from tunix_tasks.storage.layout import RunLayout
+    from tunix_tasks.storage.shards import ShardWriter
+    from tunix_tasks.storage.store import open_store
+    from tunix_tasks.testing.shard_factory import make_episode
+
+    uri = prepare_run(
+        {
+            "store": f"file://{tmp_path}",
+            "env": {"name": "calculator"},
+            "warm_start_steps": 2,
+            "learner": {"max_steps": 2, "batch_rows": 8, "min_episodes_per_step": 8},
+        },
+        run_name="roles",
+    )
+    store = open_store(uri)
+    assert store.list(RunLayout.DEMOS), "prepare writes the demonstration shards"
+    writer = ShardWriter(store, actor_id="actor-0000", max_episodes=64)
+    rng = np.random.default_rng(0)
+    for i in range(32):
+        writer.add(make_episode(rng, length=40, group_id=f"g{i // 4}", vocab_size=100))
+    writer.close()
+    script = (
+        "import json, sys\n"
+        "from tunix_tasks.frontdoor.entrypoints import run_learner\n"
+        f"summary = run_learner({uri!r}, handle_signals=False)\n"
+        "mods = sorted(m for m in sys.modules if m.startswith('tunix_tasks'))\n"
+        "print(json.dumps({'steps': summary['steps'], 'modules': mods}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 2
+    assert "tunix_tasks.learner.warm_start" in result["modules"]
+    leaked = [m for m in result["modules"] if m.startswith("tunix_tasks.envs")]
+    assert not leaked, leaked
+
+
+def test_public_api_is_small_documented_and_light():
+    import tunix_tasks
+
+    script = "import sys, tunix_tasks; print(any(m.startswith('jax') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert out.stdout.strip() == "False", "import tunix_tasks must not import JAX"
+    assert len(tunix_tasks.__all__) <= 25
+    for name in tunix_tasks.__all__:
+        assert getattr(tunix_tasks, name).__doc__, name
+    for sub in ("actor", "storage", "learner", "policy", "frontdoor", "envs"):
+        assert (PACKAGE / sub / "__init__.py").read_text().startswith('"""'), sub
