@@ -61,10 +61,10 @@ from tests.gcs_server import FakeGcs
 from tests.shard_factory import make_episode, realistic_lengths
 from tunix_tasks.learner.position import ShardPosition
 from tunix_tasks.learner.source import EpisodeSource
+from tunix_tasks.storage.backends.local_tempfiles import sweep_temp_files
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.shards import episodes_to_table, table_to_parquet_bytes
 from tunix_tasks.storage.store import ObjectStore, open_store
-from tunix_tasks.storage.tempfiles import sweep_temp_files
 
 UPLOADS_IN_FLIGHT = 8
 
@@ -105,7 +105,10 @@ def payload_pool(n: int, per_shard: int, seed: int = 0) -> list[bytes]:
     out = []
     for s in range(n):
         lengths = realistic_lengths(rng, per_shard, hi=1024)
-        eps = [make_episode(rng, length=int(L), group_id=f"{s}/{i // 8}") for i, L in enumerate(lengths)]  # fmt: skip
+        eps = [
+            make_episode(rng, length=int(L), group_id=f"{s}/{i // 8}")
+            for i, L in enumerate(lengths)
+        ]
         out.append(table_to_parquet_bytes(episodes_to_table(eps)))
     return out
 
@@ -262,8 +265,16 @@ def shard_sizes(uri: str, sizes: list[int], shards: int) -> list[dict]:
             read_shard(store, key, vocab_size=103).column("tokens").combine_chunks()
         r = (time.perf_counter() - t) / len(pool)
         kb = np.mean([len(p) for p in pool]) / 1e3
-        out.append({"episodes/shard": per, "KB": kb, "write ms": w * 1e3, "read ms": r * 1e3,
-                    "read episodes/s": per / r, "read MB/s": kb / 1e3 / r})  # fmt: skip
+        out.append(
+            {
+                "episodes/shard": per,
+                "KB": kb,
+                "write ms": w * 1e3,
+                "read ms": r * 1e3,
+                "read episodes/s": per / r,
+                "read MB/s": kb / 1e3 / r,
+            }
+        )
     return out
 
 
@@ -281,9 +292,18 @@ def bench_store(uri_for, name: str, args, pool: list[bytes], grow_to: list[int])
             states.append(run.consumed_state())
             write_s, nbytes = run.write_live(pool, args.live)
             runs.append(run)
-            stats.append({"store": name, "writers": w, "shards": len(run.keys), "history s": grow_s,
-                          "write shards/s": args.live / write_s, "write MB/s": nbytes / 1e6 / write_s,
-                          "ingest eps/s": 0.0, "bytes": nbytes})  # fmt: skip
+            stats.append(
+                {
+                    "store": name,
+                    "writers": w,
+                    "shards": len(run.keys),
+                    "history s": grow_s,
+                    "write shards/s": args.live / write_s,
+                    "write MB/s": nbytes / 1e6 / write_s,
+                    "ingest eps/s": 0.0,
+                    "bytes": nbytes,
+                }
+            )
         for _ in range(2):  # best of two drains per N, interleaved: the machine is shared
             for run, row, state in zip(runs, stats, states, strict=True):
                 if hasattr(run, "source"):
@@ -301,10 +321,13 @@ def bench_store(uri_for, name: str, args, pool: list[bytes], grow_to: list[int])
                 out.append(run.poll_once(rng))
         for run, row, out in zip(runs, stats, polls, strict=True):
             ms = np.asarray([p[0] for p in out]) * 1e3
-            row |= {"poll p50 ms": float(np.percentile(ms, 50)),
-                    "poll p99 ms": float(np.percentile(ms, 99)),
-                    "keys/poll": float(np.mean([p[1] for p in out])),
-                    "requests/poll": float(np.mean([p[2] for p in out])), "polls": len(out)}  # fmt: skip
+            row |= {
+                "poll p50 ms": float(np.percentile(ms, 50)),
+                "poll p99 ms": float(np.percentile(ms, 99)),
+                "keys/poll": float(np.mean([p[1] for p in out])),
+                "requests/poll": float(np.mean([p[2] for p in out])),
+                "polls": len(out),
+            }
             row |= run.store_costs()
             run.source.close()
             rows.append(row)
@@ -328,7 +351,14 @@ def main() -> None:
     p.add_argument("--size-shards", type=int, default=24, help="0: skip shard sizing")
     args = p.parse_args()
     t_start = time.monotonic()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), platform.processor())  # fmt: skip
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        platform.processor(),
+    )
     machine = f"{cpu}, {len(os.sched_getaffinity(0))} cores, Python {platform.python_version()}"
     with tempfile.TemporaryDirectory(prefix="buffer-") as tmp:
         learner = args.learner_eps or learner_episodes_per_s(tmp, args.learner_steps)
@@ -344,18 +374,50 @@ def main() -> None:
             with MemoryGcs() as gcs:
                 rows += bench_store(gcs.new_bucket_uri, "gs", args, pool, args.gcs_shards)
                 if args.size_shards:
-                    sizes["gs"] = shard_sizes(gcs.new_bucket_uri(), [8, 32, 128, 512], args.size_shards)  # fmt: skip
+                    sizes["gs"] = shard_sizes(
+                        gcs.new_bucket_uri(), [8, 32, 128, 512], args.size_shards
+                    )
     report(rows, sizes, learner, machine, args, time.monotonic() - t_start)
 
 
 def report(rows, sizes, learner: float, machine: str, args, wall_s: float) -> None:
     mean_kb = np.mean([len(p) for p in payload_pool(8, args.per_shard)]) / args.per_shard / 1e3
     print(f"\nmachine: {machine}; learner alone (small preset): {learner:.1f} episodes/s")
-    print(f"live shards: {args.live} x {args.per_shard} episodes (~{mean_kb:.2f} KB/episode compressed)")  # fmt: skip
-    head = ("store", "W", "shards", "write sh/s", "ingest ep/s", "MB/s", "x learner", "poll p50 ms", "p99 ms", "keys/poll", "req/poll", "1 list ms", "full ms")  # fmt: skip
+    print(
+        f"live shards: {args.live} x {args.per_shard} episodes (~{mean_kb:.2f} KB/episode compressed)"
+    )
+    head = (
+        "store",
+        "W",
+        "shards",
+        "write sh/s",
+        "ingest ep/s",
+        "MB/s",
+        "x learner",
+        "poll p50 ms",
+        "p99 ms",
+        "keys/poll",
+        "req/poll",
+        "1 list ms",
+        "full ms",
+    )
     print("".join(f"{h:>12}" for h in head))
     for r in rows:
-        cells = (r["store"], r["writers"], r["shards"], f"{r['write shards/s']:.0f}", f"{r['ingest eps/s']:.0f}", f"{r['ingest MB/s']:.1f}", f"{r['ingest eps/s'] / learner:.0f}x", f"{r['poll p50 ms']:.1f}", f"{r['poll p99 ms']:.1f}", f"{r['keys/poll']:.0f}", f"{r['requests/poll']:.0f}", f"{r['empty list ms']:.2f}", f"{r['full list ms']:.0f}")  # fmt: skip
+        cells = (
+            r["store"],
+            r["writers"],
+            r["shards"],
+            f"{r['write shards/s']:.0f}",
+            f"{r['ingest eps/s']:.0f}",
+            f"{r['ingest MB/s']:.1f}",
+            f"{r['ingest eps/s'] / learner:.0f}x",
+            f"{r['poll p50 ms']:.1f}",
+            f"{r['poll p99 ms']:.1f}",
+            f"{r['keys/poll']:.0f}",
+            f"{r['requests/poll']:.0f}",
+            f"{r['empty list ms']:.2f}",
+            f"{r['full list ms']:.0f}",
+        )
         print("".join(f"{c:>12}" for c in cells))
     print("\npoll cost as the run grows (p50 at the largest N / at the smallest; goal <= 2x):")
     for store in dict.fromkeys(r["store"] for r in rows):
@@ -365,18 +427,43 @@ def report(rows, sizes, learner: float, machine: str, args, wall_s: float) -> No
                 ratio = rs[-1]["poll p50 ms"] / rs[0]["poll p50 ms"]
                 ingest = rs[-1]["ingest eps/s"] / rs[0]["ingest eps/s"]
                 full = rs[-1]["full list ms"] / rs[0]["full list ms"]
-                print(f"  {store:<5} W={w:<5} {rs[0]['shards']:>7} -> {rs[-1]['shards']:>7} shards: poll {ratio:.2f}x (whole-prefix listing {full:.1f}x), keys/poll {rs[0]['keys/poll']:.0f} -> {rs[-1]['keys/poll']:.0f}, ingest {ingest:.2f}x")  # fmt: skip
+                print(
+                    f"  {store:<5} W={w:<5} {rs[0]['shards']:>7} -> {rs[-1]['shards']:>7} shards: poll {ratio:.2f}x (whole-prefix listing {full:.1f}x), keys/poll {rs[0]['keys/poll']:.0f} -> {rs[-1]['keys/poll']:.0f}, ingest {ingest:.2f}x"
+                )
     worst = min(r["ingest eps/s"] for r in rows) / learner if rows else float("nan")
     print(f"lowest ingest / learner: {worst:.0f}x (goal >= 10x)")
     tmp = [(r["shards"], r["tmp sweep ms"]) for r in rows if "tmp sweep ms" in r]
     if tmp:
-        print(f"local temp-file collection (a whole-run walk, every 10 min): {tmp[-1][1]:.0f} ms at {tmp[-1][0]} shards")  # fmt: skip
+        print(
+            f"local temp-file collection (a whole-run walk, every 10 min): {tmp[-1][1]:.0f} ms at {tmp[-1][0]} shards"
+        )
     if sizes:
         print("\nshard size: per-shard write, and read + validate + decode, one thread")
-        print("".join(f"{h:>12}" for h in ("store", "episodes", "KB", "write ms", "read ms", "read ep/s", "read MB/s")))  # fmt: skip
+        print(
+            "".join(
+                f"{h:>12}"
+                for h in (
+                    "store",
+                    "episodes",
+                    "KB",
+                    "write ms",
+                    "read ms",
+                    "read ep/s",
+                    "read MB/s",
+                )
+            )
+        )
     for store, table in sizes.items():
         for s in table:
-            cells = (store, s["episodes/shard"], f"{s['KB']:.0f}", f"{s['write ms']:.1f}", f"{s['read ms']:.1f}", f"{s['read episodes/s']:.0f}", f"{s['read MB/s']:.1f}")  # fmt: skip
+            cells = (
+                store,
+                s["episodes/shard"],
+                f"{s['KB']:.0f}",
+                f"{s['write ms']:.1f}",
+                f"{s['read ms']:.1f}",
+                f"{s['read episodes/s']:.0f}",
+                f"{s['read MB/s']:.1f}",
+            )
             print("".join(f"{c:>12}" for c in cells))
     print(f"\nwall {wall_s:.0f} s")
     print(json.dumps({"machine": machine, "learner_eps": learner, "rows": rows, "sizes": sizes}))
