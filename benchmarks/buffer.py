@@ -59,10 +59,10 @@ import numpy as np
 
 from tunix_tasks.learner.position import ShardPosition
 from tunix_tasks.learner.source import EpisodeSource
+from tunix_tasks.storage.backends.local_tempfiles import sweep_temp_files
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.shards import episodes_to_table, table_to_parquet_bytes
 from tunix_tasks.storage.store import ObjectStore, open_store
-from tunix_tasks.storage.tempfiles import sweep_temp_files
 from tunix_tasks.testing.gcs_server import FakeGcs
 from tunix_tasks.testing.shard_factory import make_episode, realistic_lengths
 

@@ -62,7 +62,8 @@ def resume(params: dict | None = None) -> list[dict]:
     from tunix_tasks.config import ConfigError, config_from_dict
     from tunix_tasks.storage.layout import RunLayout
     from tunix_tasks.storage.runs import read_config
-    from tunix_tasks.storage.store import join_uri, normalize_uri, open_store
+    from tunix_tasks.storage.store import open_store
+    from tunix_tasks.storage.uri import join_uri, normalize_uri
 
     params = dict(params or {})
     run_name = params["run_name"]

@@ -119,7 +119,8 @@ class WeightsWatcher:
         from tunix_params import ensure_library_importable
 
         ensure_library_importable()
-        from tunix_tasks.storage.store import join_uri, open_store
+        from tunix_tasks.storage.store import open_store
+        from tunix_tasks.storage.uri import join_uri
         from tunix_tasks.storage.weights import read_latest
 
         try:

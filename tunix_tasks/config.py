@@ -30,6 +30,7 @@ from tunix_tasks.config_env import (
 )
 from tunix_tasks.config_model import ModelConfig, _Frozen
 from tunix_tasks.config_objective import ObjectiveConfig
+from tunix_tasks.storage.uri import normalize_uri
 
 __all__ = [
     "BUILTIN_ENVS",
@@ -249,8 +250,6 @@ class RunConfig(_Frozen):
     @field_validator("store")
     @classmethod
     def _store(cls, value: str) -> str:
-        from tunix_tasks.storage.store import normalize_uri  # local: keeps config import-light
-
         return normalize_uri(value)
 
     @model_validator(mode="after")

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tunix_tasks.storage.uri import normalize_uri
+
 __all__ = ["CHECKPOINT_MAX_SEQ_LEN", "MODEL_PRESETS", "ModelConfig"]
 
 
@@ -98,8 +100,6 @@ class ModelConfig(_Frozen):
     @field_validator("checkpoint")
     @classmethod
     def _checkpoint(cls, value: str | None) -> str | None:
-        from tunix_tasks.storage.store import normalize_uri  # local: keeps config import-light
-
         return normalize_uri(value) if value else None
 
     @model_validator(mode="after")

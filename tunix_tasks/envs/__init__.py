@@ -39,9 +39,9 @@ from tunix_tasks.envs.calculator import CalculatorEnv
 from tunix_tasks.envs.guess_number import GuessNumberEnv
 from tunix_tasks.envs.latency import LatencyWrapper
 from tunix_tasks.envs.python_exec import PythonExecEnv
-from tunix_tasks.envs.registry import Registry
 from tunix_tasks.envs.sorting import SortingEnv
 from tunix_tasks.messages import function_tool
+from tunix_tasks.registry import Registry
 
 __all__ = [
     "ENTRY_POINT_GROUP",

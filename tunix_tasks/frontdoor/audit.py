@@ -27,6 +27,7 @@ import glob
 import math
 import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -237,12 +238,11 @@ def compare_runs(summary: dict[str, Any], baseline: dict[str, Any]) -> list[dict
     return rows
 
 
-def _log_dirs(store_uri: str, run_name: str) -> list[str]:
+def _log_dirs(run_dir: Path | None, run_name: str) -> list[str]:
     """Where the local launcher may have written this run's process logs."""
-    path = store_uri.removeprefix("file://")
-    if "://" in path:
+    if run_dir is None:  # a remote store: the launcher logs under the working directory
         return [os.path.join(os.getcwd(), "runs", "_logs", run_name)]
-    root = os.path.dirname(path.rstrip("/"))
+    root = str(run_dir.parent)
     return [os.path.join(root, "_logs", run_name), os.path.join("runs", "_logs", run_name)]
 
 
@@ -257,12 +257,13 @@ def _last_lines(path: str, n: int = 3) -> list[str]:
 
 
 def health(
-    store_uri: str, records: list[dict[str, Any]], done: dict[str, Any] | None, run_name: str
+    run_dir: Path | None, records: list[dict[str, Any]], done: dict[str, Any] | None, run_name: str
 ) -> dict[str, Any]:
     """Which processes stopped and why: per process its first/last record (seconds since
     the run's first record) and whether it logged a final record (actors do when they stop
     cleanly); processes whose records stopped early; the learner's DONE reason; and the
-    last lines of the local logs of the processes that look dead."""
+    last lines of the local logs of the processes that look dead, found beside `run_dir`
+    (the store's `local_path()`; None for a remote store)."""
     t0 = min((r["time"] for r in records), default=0.0)
     t_end = max((r["time"] for r in records), default=0.0)
     procs: dict[str, dict[str, Any]] = {}
@@ -281,7 +282,7 @@ def health(
     unclean = [n for n, p in procs.items() if n.startswith("actor/") and p.get("final") is False]
     suspects = sorted(set(early + ([] if finished else [*unclean, "learner"])))
     logs: dict[str, list[str]] = {}
-    for d in _log_dirs(store_uri, run_name):
+    for d in _log_dirs(run_dir, run_name):
         for path in sorted(glob.glob(os.path.join(d, "*.log"))):
             name = os.path.basename(path)[: -len(".log")]
             key = "learner" if name == "learner" else f"actor/{name}"

@@ -77,7 +77,7 @@ def _check_run_config(run_uri: str) -> None:
     """Fail early, in one line, if the run's config.json is missing, corrupt or invalid."""
     from tunix_tasks.storage.layout import RunLayout
     from tunix_tasks.storage.runs import read_config
-    from tunix_tasks.storage.store import join_uri, normalize_uri
+    from tunix_tasks.storage.uri import join_uri, normalize_uri
 
     try:
         read_config(run_uri)
@@ -127,8 +127,11 @@ def _train(args: argparse.Namespace) -> int:
     else:
         print(format_train_summary(summary))
     if summary.get("failed"):
-        print(f"tunix-tasks: {summary['failed']}; fix it, then run the same command again "
-              f"to resume {cfg.run_uri}", file=sys.stderr)  # fmt: skip
+        print(
+            f"tunix-tasks: {summary['failed']}; fix it, then run the same command again "
+            f"to resume {cfg.run_uri}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     if summary.get("interrupted"):
         print(f"interrupted; run the same command again to resume {cfg.run_uri}", file=sys.stderr)
@@ -279,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _known_error(err: Exception) -> tuple[int, str] | None:
     """(exit code, one-line message) of an expected failure; None for anything else."""
     from tunix_tasks.storage.lease import LeaseHeldError
-    from tunix_tasks.storage.store import InvalidURI, NotFound, StoreError
+    from tunix_tasks.storage.store import NotFound, StoreError
+    from tunix_tasks.storage.uri import InvalidURI
 
     if isinstance(err, (ConfigError, InvalidURI, NotFound)):
         return EXIT_USAGE, str(err)

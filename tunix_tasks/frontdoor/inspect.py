@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import collections
 import json
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import numpy as np
 import pyarrow as pa
 
 from tunix_tasks.storage.shards import length_histogram
-from tunix_tasks.storage.store import NotFound, join_uri, normalize_uri, open_store
+from tunix_tasks.storage.store import NotFound, open_store
+from tunix_tasks.storage.uri import join_uri, normalize_uri
 from tunix_tasks.storage.validation import ShardValidationError, read_shard
 
 
@@ -34,8 +33,9 @@ def _split(uri: str) -> tuple[str, list[str]]:
         if not open_store(root).exists(name):
             raise NotFound(f"{uri} does not exist")
         return root, [name]
-    infos = open_store(uri).list("")
-    local = Path(urlparse(uri).path) if uri.startswith("file://") else None
+    store = open_store(uri)
+    infos = store.list("")
+    local = store.local_path()
     if not infos and not (local and local.is_dir()):
         exists = local is not None and local.exists()
         raise NotFound(

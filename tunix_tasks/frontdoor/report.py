@@ -32,7 +32,8 @@ from tunix_tasks.learner.checkpoint import read_ledger
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsTail
 from tunix_tasks.storage.runs import is_done, read_config
-from tunix_tasks.storage.store import NotFound, ObjectStore, join_uri
+from tunix_tasks.storage.store import NotFound, ObjectStore
+from tunix_tasks.storage.uri import join_uri
 from tunix_tasks.storage.weights import PointerError, read_latest
 
 
@@ -201,7 +202,7 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
                 }
                 for name, r in sorted(final_actor.items())
             },
-            "health": health(store.uri, records, done, cfg.run_name),
+            "health": health(store.local_path(), records, done, cfg.run_name),
         }
     )
 

@@ -30,17 +30,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlparse
 
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
 from tunix_tasks.storage.layout import RunLayout
-from tunix_tasks.storage.store import ObjectStore, StoreError, join_uri
+from tunix_tasks.storage.store import ObjectStore, StoreError
+from tunix_tasks.storage.uri import join_uri
 
 log = logging.getLogger(__name__)
 
@@ -61,24 +60,6 @@ class _NoTraceback(logging.Filter):
 logging.getLogger("gcsfs").addFilter(_NoTraceback())
 
 
-def _directory(store: ObjectStore) -> Any:
-    uri = join_uri(store.uri, RunLayout.CHECKPOINTS)
-    if uri.startswith("file://"):
-        return urlparse(uri).path
-    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
-    if emulator:
-        # Orbax writes gs:// through tensorstore and gcsfs, which ignore
-        # STORAGE_EMULATOR_HOST; point them at the same emulator (and skip gcsfs's
-        # hierarchical-namespace probe, ~60 s of gRPC retries per bucket).
-        # Always follow the emulator: a value left by an earlier one would send the
-        # checkpoint to a server that does not have this bucket (404 on every write).
-        os.environ["TENSORSTORE_GCS_HTTP_URL"] = (
-            emulator if "://" in emulator else f"http://{emulator}"
-        )
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-    return uri
-
-
 class Checkpointer:
     def __init__(self, store: ObjectStore, *, max_to_keep: int = 3) -> None:
         self._store = store
@@ -86,7 +67,7 @@ class Checkpointer:
         self._on_durable: Callable[[], None] | None = None
         self._in_flight: int | None = None  # the step of the save not waited for yet
         self._manager = ocp.CheckpointManager(
-            _directory(store),
+            store.orbax_path(RunLayout.CHECKPOINTS),  # a path or URI, per backend
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep,
                 create=True,

@@ -30,7 +30,8 @@ from typing import Any
 import psutil
 
 from tunix_tasks.storage.layout import RunLayout
-from tunix_tasks.storage.store import ObjectStore, PreconditionFailed, StoreError, join_uri
+from tunix_tasks.storage.store import ObjectStore, PreconditionFailed, StoreError
+from tunix_tasks.storage.uri import join_uri
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 
 from tunix_tasks.episode import STATUSES
 from tunix_tasks.storage.shards import SCHEMA_VERSION, SHARD_SCHEMA
-from tunix_tasks.storage.store import NotFound, ObjectStore, join_uri
+from tunix_tasks.storage.store import NotFound, ObjectStore
+from tunix_tasks.storage.uri import join_uri
 
 
 class ShardValidationError(ValueError):

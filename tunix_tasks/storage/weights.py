@@ -1,6 +1,6 @@
 """Weight snapshots: the learner publishes them, actors reload them.
 
-Layout under the run root (the formats: `weight_delta.py`):
+Layout under the run root (the formats: `snapshot_format.py`):
 
     weights/v00000042/params.safetensors   tensors (safetensors: no pickle, safe to load)
     weights/v00000043/delta.bin            or: a delta against a full snapshot's params
@@ -33,7 +33,6 @@ actors (once, they keep their weights) and superseded by the next learner that s
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 import time
@@ -44,8 +43,7 @@ from typing import Any
 import numpy as np
 
 from tunix_tasks.storage.layout import RunLayout
-from tunix_tasks.storage.store import NotFound, ObjectStore, PreconditionFailed, join_uri
-from tunix_tasks.storage.weight_delta import (
+from tunix_tasks.storage.snapshot_format import (
     BlobError,
     FullBlob,
     Manifest,
@@ -53,8 +51,13 @@ from tunix_tasks.storage.weight_delta import (
     decode_safetensors,
     delta_base,
     encode_delta,
+    encode_pointer,
     encode_snapshot,
+    parse_pointer,
+    short_repr,
 )
+from tunix_tasks.storage.store import NotFound, ObjectStore, PreconditionFailed
+from tunix_tasks.storage.uri import join_uri
 
 log = logging.getLogger(__name__)
 
@@ -98,29 +101,6 @@ def _publish_conflict(message: str, theirs: int | None, ours: int) -> PublishCon
     return PublishConflict(message, theirs=theirs, ours=ours)
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def parse_pointer(data: bytes) -> int:
-    """The version a `LATEST` pointer names; ValueError unless `version` is a non-negative
-    JSON integer and `path` is exactly that version's snapshot key (so no pointer can send
-    a reader outside the run, or to another version's files)."""
-    pointer = json.loads(data)  # UnicodeDecodeError / JSONDecodeError are ValueErrors
-    if not isinstance(pointer, dict):
-        raise ValueError(f"not a JSON object: {_short(pointer)}")
-    version = pointer.get("version")
-    if type(version) is not int or version < 0:  # bool is an int subclass: refused too
-        raise ValueError(f"version {_short(version)} is not a non-negative integer")
-    path = pointer.get("path")
-    if path != RunLayout.snapshot(version):
-        raise ValueError(
-            f"path {_short(path)} is not {RunLayout.snapshot(version)!r}, the snapshot of v{version}"
-        )
-    return version
-
-
 def read_latest(store: ObjectStore) -> tuple[int, str, int] | None:
     """(version, snapshot prefix, pointer generation) of the newest snapshot, or None.
 
@@ -155,15 +135,15 @@ def _where(store: ObjectStore, version: int) -> str:
 
 def read_manifest(store: ObjectStore, version: int) -> Manifest:
     """The manifest of one snapshot; WeightsError if missing, invalid or of another version."""
-    where = _where(store, version)
+    where, key = _where(store, version), f"{RunLayout.snapshot(version)}/{MANIFEST_FILE}"
     try:
-        manifest = Manifest.from_json(store.read_bytes(f"{RunLayout.snapshot(version)}/{MANIFEST_FILE}"))  # fmt: skip
+        manifest = Manifest.from_json(store.read_bytes(key))
     except NotFound as err:
         raise WeightsError(f"snapshot {where} is incomplete: {err}") from None
     except (ValueError, KeyError, TypeError) as err:
         raise WeightsError(f"snapshot {where} has an invalid manifest: {err}") from None
     if manifest.version != version:
-        raise WeightsError(f"snapshot {where} manifest says version {_short(manifest.version)}")
+        raise WeightsError(f"snapshot {where} manifest says version {short_repr(manifest.version)}")
     return manifest
 
 
@@ -173,10 +153,15 @@ def _read(store: ObjectStore, version: int, name: str, sha256: str | None, what:
         data = store.read_bytes(f"{RunLayout.snapshot(version)}/{name}")
     except NotFound as err:
         raise WeightsError(f"{what} {_where(store, version)} is incomplete: {err}") from None
-    digest = hashlib.sha256(data).hexdigest()
-    if sha256 is not None and digest != sha256:
-        raise WeightsError(f"{what} {_where(store, version)} fails its checksum: sha256 {digest[:12]}… != {str(sha256)[:12]}…")  # fmt: skip
+    if sha256 is not None and (mismatch := _mismatch(data, sha256)):
+        raise WeightsError(f"{what} {_where(store, version)} fails its checksum: {mismatch}")
     return data
+
+
+def _mismatch(data: bytes, sha256: str) -> str | None:
+    """None if `data` hashes to `sha256`, else the two digests, shortened."""
+    digest = hashlib.sha256(data).hexdigest()
+    return None if digest == sha256 else f"sha256 {digest[:12]}… != {str(sha256)[:12]}…"
 
 
 def load_params(
@@ -195,19 +180,22 @@ def load_params(
         base_version, base_sha = delta_base(manifest.base, version)
         nbytes = 0
         if held is None or (held.version, held.sha256) != (base_version, base_sha):
-            base = _read(store, base_version, PARAMS_FILE, base_sha, f"base v{base_version} of delta")  # fmt: skip
+            what = f"base v{base_version} of delta"
+            base = _read(store, base_version, PARAMS_FILE, base_sha, what)
             held, nbytes = FullBlob(base_version, base_sha, base), len(base)
         delta = _read(store, version, DELTA_FILE, None, "delta snapshot")
         nbytes += len(delta)
         if len(delta) != manifest.num_bytes:
-            raise WeightsError(f"delta {where} has {len(delta)} bytes, its manifest says {_short(manifest.num_bytes)}")  # fmt: skip
+            says = short_repr(manifest.num_bytes)
+            raise WeightsError(f"delta {where} has {len(delta)} bytes, its manifest says {says}")
         try:
             blob = apply_delta(delta, held.data)
         except BlobError as err:
             raise WeightsError(f"delta {where} is corrupt: {err}") from None
-        digest = hashlib.sha256(blob).hexdigest()
-        if digest != manifest.sha256:
-            raise WeightsError(f"delta {where} rebuilds params that fail their checksum: sha256 {digest[:12]}… != manifest {str(manifest.sha256)[:12]}…")  # fmt: skip
+        if mismatch := _mismatch(blob, manifest.sha256):
+            raise WeightsError(
+                f"delta {where} rebuilds params that fail their checksum: {mismatch}"
+            )
     try:
         return decode_safetensors(blob), held, nbytes
     except BlobError as err:
@@ -283,7 +271,7 @@ class WeightsPublisher:
         prefix = RunLayout.snapshot(version)
         self._store.write_bytes(f"{prefix}/{name}", data)
         self._store.write_bytes(f"{prefix}/{MANIFEST_FILE}", manifest.to_json())
-        pointer = json.dumps({"version": version, "path": prefix, "step": step}).encode()
+        pointer = encode_pointer(version, step)
         try:
             self._generation = self._store.write_if_generation(
                 RunLayout.LATEST, pointer, self._generation
@@ -312,7 +300,8 @@ class WeightsPublisher:
             delta = encode_delta(blob, base.data)
             if delta is not None:
                 based = {"version": base.version, "sha256": base.sha256}
-                return DELTA_FILE, delta, replace(manifest, kind="delta", base=based, num_bytes=len(delta))  # fmt: skip
+                manifest = replace(manifest, kind="delta", base=based, num_bytes=len(delta))
+                return DELTA_FILE, delta, manifest
         return PARAMS_FILE, blob, manifest
 
     def _conflict(self, ours: int) -> PublishConflict:

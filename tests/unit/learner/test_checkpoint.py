@@ -185,12 +185,12 @@ def test_checkpoints_follow_the_current_gcs_emulator(monkeypatch):
     """Orbax writes gs:// through tensorstore, which reads TENSORSTORE_GCS_HTTP_URL. A value
     left by an earlier emulator in the same process sent every checkpoint write to a server
     without the bucket (404); the current STORAGE_EMULATOR_HOST must win."""
-    from tunix_tasks.learner.checkpoint import _directory
     from tunix_tasks.storage.store import open_store
 
     monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", "http://127.0.0.1:1")  # a stale server
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:2")
-    assert _directory(open_store("gs://bucket/run")) == "gs://bucket/run/learner/checkpoints"
+    store = open_store("gs://bucket/run")
+    assert store.orbax_path(RunLayout.CHECKPOINTS) == "gs://bucket/run/learner/checkpoints"
     assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:2"
 
 

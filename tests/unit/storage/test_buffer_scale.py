@@ -15,7 +15,7 @@ import pytest
 
 from tunix_tasks.learner.position import ShardPosition
 from tunix_tasks.learner.source import EpisodeSource
-from tunix_tasks.storage import local_listing
+from tunix_tasks.storage.backends import local_listing
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.outage import StoreOutage
 from tunix_tasks.storage.shards import ShardWriter, episodes_to_table, table_to_parquet_bytes
@@ -50,7 +50,9 @@ def test_poll_after_10000_shards_reads_only_the_new_ones(tmp_path, monkeypatch):
     store = _Counting(inner)
     rng = np.random.default_rng(0)
     first = RunLayout.shard_key("actor-00", T0)
-    inner.write_bytes(first, table_to_parquet_bytes(episodes_to_table([make_episode(rng, length=8)])))  # fmt: skip
+    inner.write_bytes(
+        first, table_to_parquet_bytes(episodes_to_table([make_episode(rng, length=8)]))
+    )
     keys = [first]
     for i in range(1000):  # the history: hard links of one real shard (writing is not tested)
         for a in range(10):
@@ -79,12 +81,20 @@ def test_poll_after_10000_shards_reads_only_the_new_ones(tmp_path, monkeypatch):
     inner.list("control/")  # the store's first listing also collects stale temp files
     names = []
     real_scandir = os.scandir
-    monkeypatch.setattr(local_listing.os, "scandir", lambda p: names.extend(real_scandir(p)) or real_scandir(p))  # fmt: skip
+    monkeypatch.setattr(
+        local_listing.os, "scandir", lambda p: names.extend(real_scandir(p)) or real_scandir(p)
+    )
     t = time.perf_counter()
     got = source.poll()
     took = time.perf_counter() - t
-    print(f"one poll over 10,003 shards: {store.entries} keys listed, {len(names)} names read, {took * 1e3:.0f} ms")  # fmt: skip
-    assert len(got) == 3 and {e.source.shard.split("/")[1] for e in got} == {"actor-00", "actor-01", "actor-02"}  # fmt: skip
+    print(
+        f"one poll over 10,003 shards: {store.entries} keys listed, {len(names)} names read, {took * 1e3:.0f} ms"
+    )
+    assert len(got) == 3 and {e.source.shard.split("/")[1] for e in got} == {
+        "actor-00",
+        "actor-01",
+        "actor-02",
+    }
     assert store.lists == 10 and store.entries <= 3 + 10 * 2  # new + grace window of each
     assert len(names) < 600  # per actor: its folder, then ~10 names on each time level
     store.entries, names[:] = 0, []

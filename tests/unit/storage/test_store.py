@@ -12,16 +12,16 @@ import time
 
 import pytest
 
+from tunix_tasks.storage.backends.local import LocalStore
+from tunix_tasks.storage.backends.local_tempfiles import MAX_AGE_ENV, write_temp
 from tunix_tasks.storage.store import (
     RETRY_DEADLINE_ENV,
-    LocalStore,
     NotFound,
     PreconditionFailed,
     StoreError,
-    normalize_uri,
     open_store,
 )
-from tunix_tasks.storage.tempfiles import MAX_AGE_ENV, write_temp
+from tunix_tasks.storage.uri import normalize_uri
 
 
 def test_bytes_roundtrip_and_list(store_uri):
@@ -95,8 +95,8 @@ def test_writer_killed_mid_write_leaves_nothing_visible(tmp_path):
         f"""
         import os, sys
         sys.path.insert(0, {os.getcwd()!r})
-        from tunix_tasks.storage.store import LocalStore
-        import tunix_tasks.storage.store as st
+        from tunix_tasks.storage.backends.local import LocalStore
+        import tunix_tasks.storage.backends.local_tempfiles as st
         real_write = st.os.fsync
         def slow_fsync(fd):
             print("writing", flush=True)
@@ -135,7 +135,8 @@ def test_invalid_keys_rejected(tmp_path):
 @pytest.mark.gcs
 def test_gcs_outage_is_a_clear_error(tmp_path):
     """A dead endpoint gives a StoreError naming the object after bounded retries."""
-    from tunix_tasks.storage.store import GcsStore, StoreError
+    from tunix_tasks.storage.backends.gcs import GcsStore
+    from tunix_tasks.storage.store import StoreError
 
     os.environ["STORAGE_EMULATOR_HOST"], old = (
         "http://127.0.0.1:9",

@@ -14,14 +14,14 @@ from safetensors.numpy import save as st_save
 
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.retention import SnapshotRetention, snapshot_files
-from tunix_tasks.storage.store import open_store
-from tunix_tasks.storage.weight_delta import (
+from tunix_tasks.storage.snapshot_format import (
     BlobError,
     apply_delta,
     decode_safetensors,
     encode_delta,
     encode_snapshot,
 )
+from tunix_tasks.storage.store import open_store
 from tunix_tasks.storage.weights import (
     DELTA_FILE,
     MANIFEST_FILE,
@@ -115,7 +115,9 @@ def test_fresh_client_rebuilds_by_reading_the_base(store_uri):
     got, manifest = client.poll(lambda flat, m: applied.append(m.version))
     _equal(got, v1)
     assert applied == [1] and manifest.kind == "delta" and manifest.base["version"] == 0
-    base, delta = (len(store.read_bytes(_key(v, f))) for v, f in ((0, PARAMS_FILE), (1, DELTA_FILE)))  # fmt: skip
+    base, delta = (
+        len(store.read_bytes(_key(v, f))) for v, f in ((0, PARAMS_FILE), (1, DELTA_FILE))
+    )
     assert client.last_reload_bytes == base + delta
     _equal(load_snapshot(store, 1)[0], v1)  # the library's one-shot path rebuilds too
 
@@ -328,8 +330,11 @@ def test_retention_keeps_the_base_of_every_kept_delta(tmp_path):
         pub.publish(flat, version=v, step=v, model={})
         flat = _update(flat, v)
     assert [load_snapshot(store, v)[1].kind for v in (6, 7, 8, 9)] == [
-        "full", "delta", "delta", "full",
-    ]  # fmt: skip
+        "full",
+        "delta",
+        "delta",
+        "full",
+    ]
     pub.publish(flat, version=10, step=10, model={})  # a delta against v9
     assert retention.prune() == [0, 4, 5, 6, 7, 8]
     assert sorted(snapshot_files(store)) == [9, 10]

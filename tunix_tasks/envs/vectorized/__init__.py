@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tunix_tasks.envs.registry import Registry
 from tunix_tasks.envs.vectorized.base import Chars, VecEnv
 from tunix_tasks.envs.vectorized.calculator import VecCalculator
 from tunix_tasks.envs.vectorized.sorting import VecSorting
+from tunix_tasks.registry import Registry
 
 __all__ = [
     "VEC_ENTRY_POINT_GROUP",

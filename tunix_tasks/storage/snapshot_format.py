@@ -1,6 +1,7 @@
 """What a weight snapshot is, as data (no I/O): its manifest, its params blob
-(safetensors, decoded into zero-copy views) and the delta codec between two blobs of the
-same layout. `weights.py` stores, reads and verifies them.
+(safetensors, decoded into zero-copy views), the delta codec between two blobs of the
+same layout, and the `weights/LATEST` pointer. `weights.py` stores, reads and verifies
+them.
 
 A delta is `zstd(shuffle(new XOR base))`: XOR leaves only the bits a small update
 changed, and the byte-plane shuffle (byte 0 of every 4-byte word, then byte 1, ...) puts
@@ -11,6 +12,7 @@ the mostly-zero high bytes of float32 words next to each other, where zstd squee
     delta = encode_delta(new_blob, base_blob) # None when the layouts differ
     apply_delta(delta, base_blob)             # == new_blob (a read-only uint8 array)
     delta_base({"version": 3, "sha256": "…"}, version=5)   # -> (3, "…"), or ValueError
+    parse_pointer(encode_pointer(3, step=60))  # -> 3; ValueError for a pointer elsewhere
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import ml_dtypes
 import numpy as np
 import pyarrow as pa
 from safetensors.numpy import save as st_save
+
+from tunix_tasks.storage.layout import RunLayout
 
 __all__ = [
     "DTYPES",
@@ -240,3 +244,34 @@ def delta_base(base: Any, version: int) -> tuple[int, str]:
     if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
         raise ValueError(f"delta base sha256 {str(sha)[:70]} is not 64 hex digits")
     return found, sha
+
+
+def encode_pointer(version: int, step: int) -> bytes:
+    """The `weights/LATEST` pointer to snapshot `version` (trained `step` steps)."""
+    return json.dumps(
+        {"version": version, "path": RunLayout.snapshot(version), "step": step}
+    ).encode()
+
+
+def short_repr(value: Any) -> str:
+    """`repr(value)` cut to 80 characters, for messages quoting what a reader refused."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def parse_pointer(data: bytes) -> int:
+    """The version a `LATEST` pointer names; ValueError unless `version` is a non-negative
+    JSON integer and `path` is exactly that version's snapshot key (so no pointer can send
+    a reader outside the run, or to another version's files)."""
+    pointer = json.loads(data)  # UnicodeDecodeError / JSONDecodeError are ValueErrors
+    if not isinstance(pointer, dict):
+        raise ValueError(f"not a JSON object: {short_repr(pointer)}")
+    version = pointer.get("version")
+    if type(version) is not int or version < 0:  # bool is an int subclass: refused too
+        raise ValueError(f"version {short_repr(version)} is not a non-negative integer")
+    path = pointer.get("path")
+    if path != RunLayout.snapshot(version):
+        raise ValueError(
+            f"path {short_repr(path)} is not {RunLayout.snapshot(version)!r}, the snapshot of v{version}"
+        )
+    return version
