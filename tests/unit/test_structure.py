@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,20 +62,43 @@ def test_no_import_circles():
             visit(node)
 
 
-def test_modules_and_classes_stay_small():
-    for path in PACKAGE.rglob("*.py"):
-        text = path.read_text()
-        assert text.count("\n") <= 400, f"{path.relative_to(REPO)} has over 400 lines"
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ClassDef):
-                lines = node.end_lineno - node.lineno + 1
-                assert lines <= 300, f"{path.name}: class {node.name} has {lines} lines"
-    learner = next(
-        n
-        for n in ast.walk(ast.parse((PACKAGE / "learner" / "learner.py").read_text()))
-        if isinstance(n, ast.ClassDef) and n.name == "Learner"
+def test_no_fmt_skip_in_the_library_and_the_largest_modules_are_reported(capsys):
+    """Modules are sized by concept, not to meet a cap: nothing is squeezed onto one
+    line to fit one. The largest modules and classes are printed for the reader."""
+    squeezed = [
+        f"{path.relative_to(REPO)}:{n}"
+        for path in PACKAGE.rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "fmt: skip" in line or "fmt: off" in line
+    ]
+    assert not squeezed, f"formatter switched off in the library: {squeezed}"
+    modules = sorted(
+        ((p.read_text().count("\n"), str(p.relative_to(PACKAGE))) for p in PACKAGE.rglob("*.py")),
+        reverse=True,
     )
-    assert learner.end_lineno - learner.lineno < 150
+    classes = sorted(
+        (node.end_lineno - node.lineno + 1, f"{path.stem}.{node.name}")
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    )[::-1]
+    with capsys.disabled():
+        print("\nlargest modules:", ", ".join(f"{name} {n}" for n, name in modules[:5]))
+        print("largest classes:", ", ".join(f"{name} {n}" for n, name in classes[:5]))
+
+
+def test_every_folder_map_names_its_modules():
+    """Each folder's `__init__` docstring maps its modules and subfolders."""
+    missing = []
+    for init in PACKAGE.rglob("__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        folder = init.parent
+        names = [p.stem for p in folder.glob("*.py") if p.stem != "__init__"]
+        names += [d.name for d in folder.iterdir() if (d / "__init__.py").is_file()]
+        missing += [
+            f"{folder.relative_to(REPO)}/{n}" for n in names if not re.search(rf"\b{n}\b", doc)
+        ]
+    assert not missing, f"modules missing from their folder's __init__ map: {missing}"
 
 
 def test_storage_and_policy_do_not_import_the_roles_above_them():

@@ -99,15 +99,22 @@ def report_plots(
             def mismatch_panel(ax: Any) -> None:
                 # Staleness 0: sampler vs learner numerics alone; older: plus policy drift.
                 for suffix, label in (("_s0", "staleness 0"), ("_s1_2", "1-2"), ("_s3p", "3+")):
-                    pts = [(r["step"], r[f"approx_kl{suffix}"]) for r in steps
-                           if f"approx_kl{suffix}" in r]  # fmt: skip
+                    pts = [
+                        (r["step"], r[f"approx_kl{suffix}"])
+                        for r in steps
+                        if f"approx_kl{suffix}" in r
+                    ]
                     if pts:
                         ax.plot(*zip(*pts, strict=True), ".-", label=label, alpha=0.7)
                 ax.set_yscale("symlog", linthresh=1e-6)
                 ax.legend(fontsize=8)
 
-            panel("Behaviour vs learner policy: k3 KL(mu || pi) by staleness", mismatch_panel,
-                  "approx KL per loss token", "learner step")  # fmt: skip
+            panel(
+                "Behaviour vs learner policy: k3 KL(mu || pi) by staleness",
+                mismatch_panel,
+                "approx KL per loss token",
+                "learner step",
+            )
     hist = summary.get("staleness_histogram") or {}
     if hist:
         panel(
@@ -146,11 +153,21 @@ def report_plots(
         def sync_panel(ax: Any) -> None:
             for name in sorted({r["process"] for r in actors})[:8]:
                 rs = [r for r in actors if r["process"] == name and r.get("weights_version")]
-                ax.step([r["time"] - t0 for r in rs], [r["weights_version"] for r in rs],
-                        where="post", label=f"{name} samples with")  # fmt: skip
+                ax.step(
+                    [r["time"] - t0 for r in rs],
+                    [r["weights_version"] for r in rs],
+                    where="post",
+                    label=f"{name} samples with",
+                )
             if steps:
-                ax.step(x_time, [r.get("version", 0) for r in steps], where="post",
-                        color="black", alpha=0.5, label="learner published")  # fmt: skip
+                ax.step(
+                    x_time,
+                    [r.get("version", 0) for r in steps],
+                    where="post",
+                    color="black",
+                    alpha=0.5,
+                    label="learner published",
+                )
             ax.legend(fontsize=6)
 
         panel("Weights version in use", sync_panel, "weights version")
@@ -158,8 +175,12 @@ def report_plots(
         def reload_panel(ax: Any) -> None:
             for name in sorted({r["process"] for r in actors})[:8]:
                 rs = [r for r in actors if r["process"] == name and r.get("publish_to_reload_s")]
-                ax.plot([r["time"] - t0 for r in rs], [r["publish_to_reload_s"] for r in rs],
-                        ".-", label=name)  # fmt: skip
+                ax.plot(
+                    [r["time"] - t0 for r in rs],
+                    [r["publish_to_reload_s"] for r in rs],
+                    ".-",
+                    label=name,
+                )
             ax.legend(fontsize=6)
 
         panel("Publish -> actor reload latency", reload_panel, "seconds")

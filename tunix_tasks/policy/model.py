@@ -128,15 +128,27 @@ class Attention(nnx.Module):
         for name, n in (("q", h), ("k", kv), ("v", kv)):
             if lora is not None and name in lora.targets:
                 adapter = LowRank(
-                    (d, lora.rank), (lora.rank, n, hd), "btd,dr->btr", "btr,rhk->bhtk",
-                    lora.scale, rngs=rngs, a_spec=(FSDP, None), b_spec=(None, None, None),
-                )  # fmt: skip
+                    (d, lora.rank),
+                    (lora.rank, n, hd),
+                    "btd,dr->btr",
+                    "btr,rhk->bhtk",
+                    lora.scale,
+                    rngs=rngs,
+                    a_spec=(FSDP, None),
+                    b_spec=(None, None, None),
+                )
                 setattr(self, f"lora_{name}", adapter)
         if lora is not None and "o" in lora.targets:
             self.lora_o = LowRank(
-                (h, hd, lora.rank), (lora.rank, d), "bhtk,hkr->btr", "btr,rd->btd",
-                lora.scale, rngs=rngs, a_spec=(None, None, None), b_spec=(None, FSDP),
-            )  # fmt: skip
+                (h, hd, lora.rank),
+                (lora.rank, d),
+                "bhtk,hkr->btr",
+                "btr,rd->btd",
+                lora.scale,
+                rngs=rngs,
+                a_spec=(None, None, None),
+                b_spec=(None, FSDP),
+            )
         self.spec = spec
         self.dtype = dtype
 
@@ -198,9 +210,15 @@ class MLP(nnx.Module):
             setattr(self, name, _param(rngs, init, (n_in, n_out), spec))
             if lora is not None and name in lora.targets:
                 adapter = LowRank(
-                    (n_in, lora.rank), (lora.rank, n_out), "...i,ir->...r", "...r,ro->...o",
-                    lora.scale, rngs=rngs, a_spec=(spec[0], None), b_spec=(None, spec[1]),
-                )  # fmt: skip
+                    (n_in, lora.rank),
+                    (lora.rank, n_out),
+                    "...i,ir->...r",
+                    "...r,ro->...o",
+                    lora.scale,
+                    rngs=rngs,
+                    a_spec=(spec[0], None),
+                    b_spec=(None, spec[1]),
+                )
                 setattr(self, f"lora_{name}", adapter)
         self.dtype = dtype
 

@@ -44,8 +44,7 @@ print(json.dumps({
 """
 _STAGE = "tunix-sandbox-python-"
 # Never staged: big and useless to a short script (site-packages is hidden anyway).
-_SKIP = {"site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo",
-         "ensurepip", "lib2to3"}  # fmt: skip
+_SKIP = set("site-packages dist-packages test idlelib tkinter turtledemo ensurepip lib2to3".split())
 
 
 @dataclass(frozen=True)
@@ -143,8 +142,12 @@ def runtime(python: str, public_only: bool) -> Runtime:
     exe = os.path.realpath(python)  # a symlinked venv interpreter: its base install
     out = subprocess.run(
         [exe, "-I", "-S", "-B", "-c", _PROBE],
-        capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin"}, cwd="/",
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": "/usr/bin:/bin"},
+        cwd="/",
+    )
     if out.returncode != 0:
         raise ValueError(f"cannot inspect {exe}: {out.stderr.strip()[-300:]}")
     info = json.loads(out.stdout)
@@ -172,12 +175,15 @@ def runtime(python: str, public_only: bool) -> Runtime:
 
 def argv(bwrap: str, rt: Runtime, *, code_fd: int, work_bytes: int, share_net: bool) -> list[str]:
     """The bubblewrap command line up to (and including) the interpreter."""
-    args = [
-        bwrap, "--unshare-all", "--unshare-user", "--die-with-parent",
-        "--new-session", "--hostname", "sandbox", "--cap-drop", "ALL", "--clearenv",
-        "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LC_ALL", "C.UTF-8",
-        "--setenv", "HOME", WORK, "--setenv", "TMPDIR", WORK,
-    ]  # fmt: skip
+    args = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"]
+    args += ["--hostname", "sandbox", "--cap-drop", "ALL", "--clearenv"]
+    for name, value in (
+        ("PATH", "/usr/bin:/bin"),
+        ("LC_ALL", "C.UTF-8"),
+        ("HOME", WORK),
+        ("TMPDIR", WORK),
+    ):
+        args += ["--setenv", name, value]
     if share_net:
         args.append("--share-net")
     if "--disable-userns" in features(bwrap):  # no nested namespaces: less kernel surface

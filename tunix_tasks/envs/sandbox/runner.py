@@ -120,8 +120,15 @@ def _blocking(make: Callable[[], Awaitable[T]]) -> T:
 
 def _key(limits: SandboxLimits) -> tuple:
     python = limits.python or sys.executable
-    return (limits.mode, limits.bwrap, python, limits.isolate_network, limits.readonly_fs,
-            limits.drop_privileges, os.geteuid())  # fmt: skip
+    return (
+        limits.mode,
+        limits.bwrap,
+        python,
+        limits.isolate_network,
+        limits.readonly_fs,
+        limits.drop_privileges,
+        os.geteuid(),
+    )
 
 
 def check_isolation(limits: SandboxLimits = SandboxLimits()) -> str:
@@ -148,9 +155,13 @@ def _plan(limits: SandboxLimits) -> _Plan:
 def _resolve(limits: SandboxLimits) -> _Plan:
     # The probe judges the isolation, not the caller's (possibly tiny) limits.
     probe = dataclasses.replace(
-        limits, wall_s=20.0, cpu_s=10, memory_bytes=max(limits.memory_bytes, 256 << 20),
-        max_output_bytes=65536, max_open_files=max(limits.max_open_files, 64),
-    )  # fmt: skip
+        limits,
+        wall_s=20.0,
+        cpu_s=10,
+        memory_bytes=max(limits.memory_bytes, 256 << 20),
+        max_output_bytes=65536,
+        max_open_files=max(limits.max_open_files, 64),
+    )
     reasons = []
     path = bwrap.find_bwrap(limits.bwrap)
     if path is None:
@@ -236,12 +247,16 @@ def _command(
         os.lseek(code_fd, 0, os.SEEK_SET)
         uid = _fresh_uid() if is_root else None
         # The sandbox's user namespace also holds bubblewrap's init: one more process.
-        cfg.update(workdir=bwrap.WORK, uid=None, kernel_ns=False, expose=[],
-                   nproc=limits.max_processes + 1)  # fmt: skip
+        cfg.update(
+            workdir=bwrap.WORK, uid=None, kernel_ns=False, expose=[], nproc=limits.max_processes + 1
+        )
         argv = bwrap.argv(
-            plan.bwrap, plan.runtime, code_fd=code_fd, work_bytes=limits.work_bytes,
+            plan.bwrap,
+            plan.runtime,
+            code_fd=code_fd,
+            work_bytes=limits.work_bytes,
             share_net=not limits.isolate_network,
-        )  # fmt: skip
+        )
         kw = dict(user=uid, group=uid, extra_groups=[]) if uid is not None else {}
         mech = ("bwrap", "userns", "pidns", "mountns", "ipcns")
         mech += ("netns",) if limits.isolate_network else ()
@@ -255,11 +270,18 @@ def _command(
     if uid is not None:
         os.chown(workdir, uid, uid)
         os.chown(os.path.join(workdir, "main.py"), uid, uid)
-    expose = sorted({sys.base_prefix, sys.base_exec_prefix}) if python == sys.executable else [
-        os.path.dirname(os.path.dirname(os.path.realpath(python)))
-    ]  # fmt: skip
-    cfg.update(workdir=workdir, uid=uid, kernel_ns=True, expose=expose,
-               nproc=limits.max_processes if uid is not None else None)  # fmt: skip
+    expose = (
+        sorted({sys.base_prefix, sys.base_exec_prefix})
+        if python == sys.executable
+        else [os.path.dirname(os.path.dirname(os.path.realpath(python)))]
+    )
+    cfg.update(
+        workdir=workdir,
+        uid=uid,
+        kernel_ns=True,
+        expose=expose,
+        nproc=limits.max_processes if uid is not None else None,
+    )
     argv = [python, "-I", "-S", "-B", "-c", _BOOTSTRAP, json.dumps(cfg)]
     return argv, {"cwd": workdir}, (), uid, workdir
 
@@ -277,13 +299,19 @@ async def _execute(code: str, limits: SandboxLimits, plan: _Plan) -> SandboxResu
         env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": workdir or bwrap.WORK}
         try:
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
-                pass_fds=tuple(fds[1:]), **kw,
-            )  # fmt: skip
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+                pass_fds=tuple(fds[1:]),
+                **kw,
+            )
         except OSError as e:
-            return SandboxResult("", f"sandbox: cannot start {argv[0]}: {e}", None, "killed",
-                                 time.monotonic() - t0)  # fmt: skip
+            return SandboxResult(
+                "", f"sandbox: cannot start {argv[0]}: {e}", None, "killed", time.monotonic() - t0
+            )
         finally:
             for fd in fds[1:]:
                 os.close(fd)
