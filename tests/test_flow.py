@@ -7,7 +7,8 @@ import pytest
 
 from tunix_tasks.config import load_config
 from tunix_tasks.episode import Episode
-from tunix_tasks.learner.flow import AsyncFlow, SyncFlow, flow_from_config, stale_mask, staleness
+from tunix_tasks.learner.flow import AsyncFlow, SyncFlow, flow_from_config, stale_mask
+from tunix_tasks.learner.staleness import staleness
 
 
 def _ep(version: int, status: str = "ok") -> Episode:

@@ -1,0 +1,1 @@
+"""Unit tests, one folder per subpackage of tunix_tasks."""
