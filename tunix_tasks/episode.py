@@ -8,17 +8,40 @@ its arrays into batches.
     ep = Episode("ep-1", tokens, loss_mask, behavior_logprobs, reward=1.0, policy_version=3)
     ep.length                                          # number of tokens
     dataclasses.replace(ep, advantage=0.7, source=ShardRow("shards/a/1.parquet", 4))
+
+It also owns the two vocabularies every side spells the same: `EpisodeStatus` (how an
+episode ended: the shard's `status` column) and `DropReason` (why the learner accounted
+an episode without training on it: the ledger's and the `dropped` counters' keys). Both
+are `StrEnum`s: their values are the strings the shards, ledgers and metrics hold.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from enum import StrEnum
 from typing import NamedTuple
 
 import numpy as np
 
-STATUSES = ("ok", "truncated", "env_error", "env_timeout")
+
+class EpisodeStatus(StrEnum):
+    """How an episode ended (the shard's `status` column)."""
+
+    OK = "ok"
+    TRUNCATED = "truncated"  # out of turns or tokens before the env finished
+    ENV_ERROR = "env_error"  # the environment raised
+    ENV_TIMEOUT = "env_timeout"  # the environment was too slow
+
+
+class DropReason(StrEnum):
+    """Why the learner accounted an episode without training on it."""
+
+    STALE = "stale"  # its policy version is too old for the flow policy
+    DUPLICATE = "duplicate"  # a replay of an episode id already accounted or in flight
+    ZERO_VARIANCE = "zero_variance"  # its group's rewards are all equal (no signal)
+    ENV_ERROR = "env_error"  # status env_error: says nothing about the policy
+    ENV_TIMEOUT = "env_timeout"  # status env_timeout: likewise
 
 
 class ShardRow(NamedTuple):
@@ -47,7 +70,7 @@ class Episode:
     group_id: str = ""
     seed: int = 0
     num_turns: int = 0
-    status: str = "ok"
+    status: EpisodeStatus = EpisodeStatus.OK
     created_at: float = dataclasses.field(default_factory=time.time)
     # Learner side only, never stored in a shard:
     advantage: float = 0.0
@@ -64,14 +87,18 @@ class Episode:
                 f"episode {self.episode_id!r}: tokens/loss_mask/behavior_logprobs lengths "
                 f"differ ({tokens.size}, {mask.size}, {blp.size})"
             )
-        if self.status not in STATUSES:
+        try:
+            status = EpisodeStatus(self.status)  # a shard read hands over the plain string
+        except ValueError:
+            valid = [s.value for s in EpisodeStatus]
             raise ValueError(
-                f"episode {self.episode_id!r}: status {self.status!r} not in {STATUSES}"
-            )
+                f"episode {self.episode_id!r}: status {self.status!r} not in {valid}"
+            ) from None
         # Frozen: normalise dtypes once, so writers and the packer copy slices blindly.
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "loss_mask", mask)
         object.__setattr__(self, "behavior_logprobs", blp)
+        object.__setattr__(self, "status", status)
         object.__setattr__(self, "advantage", float(self.advantage))
         object.__setattr__(self, "policy_version", int(self.policy_version))
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs.base import Environment, StepResult
-from tunix_tasks.episode import Episode
+from tunix_tasks.episode import Episode, EpisodeStatus
 from tunix_tasks.messages import Action, Message
 from tunix_tasks.policy.chat import ChatFormat
 
@@ -81,7 +81,7 @@ class _Transcript:
     logprobs: list[float] = field(default_factory=list)
     reward: float = 0.0
     turns: int = 0
-    status: str = "ok"
+    status: EpisodeStatus = EpisodeStatus.OK
     versions: set[int] = field(default_factory=set)
 
     def extend(
@@ -140,11 +140,11 @@ async def play_episode(
     try:
         first = await asyncio.wait_for(env.reset(seed), limits.step_timeout_s)
     except TimeoutError:
-        rec.status = "env_timeout"
+        rec.status = EpisodeStatus.ENV_TIMEOUT
         return episode()
     except Exception as err:
         log.warning("env %s reset(seed=%d) failed: %r", getattr(env, "name", "?"), seed, err)
-        rec.status = "env_error"
+        rec.status = EpisodeStatus.ENV_ERROR
         return episode()
     history: list[Message] = [{"role": "user", "content": first}]
     prompt = chat.start(history, tools)
@@ -153,7 +153,7 @@ async def play_episode(
     for _ in range(limits.max_turns):
         room = limits.max_episode_tokens - len(rec.tokens) - len(prompt) - reserve
         if room < 2:
-            rec.status = "truncated"
+            rec.status = EpisodeStatus.TRUNCATED
             break
         rec.extend(prompt, policy=False)
         tokens, logprobs, version = await policy(
@@ -171,11 +171,11 @@ async def play_episode(
         try:
             result = await _answer(env, action, limits.step_timeout_s)
         except TimeoutError:
-            rec.status = "env_timeout"
+            rec.status = EpisodeStatus.ENV_TIMEOUT
             break
         except Exception as err:
             log.warning("env %s step failed: %r", getattr(env, "name", "?"), err)
-            rec.status = "env_error"
+            rec.status = EpisodeStatus.ENV_ERROR
             break
         finally:
             if on_env_step is not None:
@@ -187,7 +187,7 @@ async def play_episode(
         prompt = chat.reply(history, [reply], tools)
         history.append(reply)
     else:
-        rec.status = "truncated"  # ran out of turns without the env finishing
+        rec.status = EpisodeStatus.TRUNCATED  # ran out of turns without the env finishing
     return episode()
 
 

@@ -22,7 +22,7 @@ from tunix_tasks.actor.runtime import ActorRuntime, episode_seed
 from tunix_tasks.actor.token_layout import TokenLayout
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs.vectorized import make_vec_env
-from tunix_tasks.episode import Episode
+from tunix_tasks.episode import Episode, EpisodeStatus
 from tunix_tasks.policy.build import build_policy
 from tunix_tasks.storage.store import ObjectStore
 
@@ -94,7 +94,7 @@ class VectorizedActor(ActorRuntime):
                 group_id=f"{self._seed_key}/{group}",
                 seed=group,
                 num_turns=int(out.turns[i]),
-                status="truncated" if out.truncated[i] else "ok",
+                status=EpisodeStatus.TRUNCATED if out.truncated[i] else EpisodeStatus.OK,
             )
             members = self._groups.setdefault(group, [])
             members.append(ep)

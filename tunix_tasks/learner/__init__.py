@@ -1,9 +1,11 @@
 """The learner, in data-flow order.
 
 source.py      shards -> validated `Episode`s with advantages (`advantages.py`); the position
-flow.py        `AsyncFlow` / `SyncFlow`: ready? drop? publish?
+flow.py        `AsyncFlow` / `SyncFlow`: ready? drop (a `DropReason`)? publish?
+staleness.py   `learner_version - policy_version`, the one formula, and its metric buckets
 batcher.py     the buffer: drop what the flow rejects, pack one batch
-packing.py     bucket shapes, first-fit packing (pure numpy); `rl_math.py`: the losses
+packing.py     bucket shapes, first-fit packing (pure numpy)
+objective/     off-policy corrections as a registry, `policy_loss`; `rl_math.py`: their maths
 train_step.py  mesh, sharded params/optimizer, the jitted update
 accounting.py  exactly-once acknowledgement and the ledger; `checkpoint.py`: orbax
 publishing.py  background weight snapshots; `startup.py`: start, restore, warm start

@@ -5,7 +5,7 @@ keeps the run's counters, and collects the ledger of episode ids accounted since
 checkpoint (written just before it, see `checkpoint.py`).
 
     acct = Accounting(source, counters=meta.get("counters"))
-    acct.drop(ep, "stale")
+    acct.drop(ep, DropReason.STALE)
     acct.trained(episodes, real_tokens=batch.real_tokens, longest_bucket=max(buckets))
     ckpt.save(step, state, {..., "counters": acct.counters}, acct.take_ledger())
 
@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tunix_tasks.episode import Episode
+from tunix_tasks.episode import DropReason, Episode
 
 
 class Acknowledger(Protocol):
@@ -45,7 +45,7 @@ class Accounting:
         }
         self._ledger = _empty_ledger()
 
-    def drop(self, episode: Episode, reason: str) -> None:
+    def drop(self, episode: Episode, reason: DropReason) -> None:
         self._source.ack(episode)
         self._ledger["dropped"].setdefault(reason, []).append(episode.episode_id)
         dropped = self.counters["dropped"]

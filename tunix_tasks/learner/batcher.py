@@ -6,8 +6,8 @@
 
 Buffered episodes are not acknowledged, so a crash re-reads them from their shards. An
 episode the source flags as a replay (an id already accounted or in flight) is dropped
-as `duplicate` before any flow rule: it is never trained twice. One in a group without
-signal (`learner.filter_zero_variance_groups`) is dropped as `zero_variance` unless a flow
+as DUPLICATE before any flow rule: it is never trained twice. One in a group without
+signal (`learner.filter_zero_variance_groups`) is dropped as ZERO_VARIANCE unless a flow
 rule drops it first.
 """
 
@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 
 from tunix_tasks.config import LearnerConfig
-from tunix_tasks.episode import Episode
+from tunix_tasks.episode import DropReason, Episode
 from tunix_tasks.learner.accounting import Accounting
 from tunix_tasks.learner.flow import FlowPolicy
 from tunix_tasks.learner.packing import PackedBatch, pack
@@ -78,8 +78,8 @@ class Batcher:
     def drop_unusable(self, version: int) -> None:
         keep = []
         for ep in self.buffer:
-            flag = self._source.drop_flag(ep)  # "duplicate", "zero_variance" or None
-            reason = "duplicate" if flag == "duplicate" else self._flow.drop_reason(ep, version)
+            flag = self._source.drop_flag(ep)  # DUPLICATE, ZERO_VARIANCE or None
+            reason = flag if flag == DropReason.DUPLICATE else self._flow.drop_reason(ep, version)
             reason = reason or flag
             if reason is None:
                 keep.append(ep)

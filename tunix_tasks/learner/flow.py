@@ -5,17 +5,18 @@ Reverb's rate limiters: a named object with exact semantics, validated on constr
 The learner's loop asks it, per step:
 
     flow = flow_from_config(cfg)
-    for ep in buffer: reason = flow.drop_reason(ep, version)   # "stale", "env_error",
-                                                  # "env_timeout" or None
-    (the batcher drops what the source flags as a replay as "duplicate" before asking,
-    and groups without signal as "zero_variance" after, with learner.filter_zero_variance_groups)
+    for ep in buffer: reason = flow.drop_reason(ep, version)   # a DropReason or None:
+                                                  # STALE, ENV_ERROR, ENV_TIMEOUT
+    (the batcher drops what the source flags as a replay as DUPLICATE before asking, and
+    groups without signal as ZERO_VARIANCE after, with learner.filter_zero_variance_groups)
     if flow.ready(buffer, version): ...pack (flush=flow.flush), train...
     flow.trained(episodes)
     if flow.publish_due(step, buffer, version): ...publish version + 1...; flow.published()
     ...at the end: if flow.publish_at_end(step): publish
 
-Staleness is `learner_version - policy_version`, measured when an episode is about to
-be packed, so time spent in the buffer counts (docs/architecture.md, "Staleness").
+Staleness is `learner_version - policy_version` (`staleness.py`), measured when an
+episode is about to be packed, so time spent in the buffer counts (docs/architecture.md,
+"Staleness").
 """
 
 from __future__ import annotations
@@ -27,15 +28,13 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from tunix_tasks.config import RunConfig
-from tunix_tasks.episode import Episode
+from tunix_tasks.episode import DropReason, Episode, EpisodeStatus
+from tunix_tasks.learner.staleness import staleness
 
 
-def staleness(learner_version: ArrayLike, policy_versions: ArrayLike) -> np.ndarray:
-    """`learner_version - policy_version`, per episode."""
-    return np.asarray(learner_version) - np.asarray(policy_versions)
-
-
-def stale_mask(learner_version: ArrayLike, policy_versions: ArrayLike, max_staleness: int):
+def stale_mask(
+    learner_version: ArrayLike, policy_versions: ArrayLike, max_staleness: int
+) -> np.ndarray:
     """True where an episode is too stale to train on (`staleness > max_staleness`).
 
     Negative staleness is not stale. It cannot reach the flow: a restarted learner
@@ -51,7 +50,7 @@ class FlowPolicy(Protocol):
 
     flush: bool  # pack partial batches too (sync: a version's last episodes must train)
 
-    def drop_reason(self, episode: Episode, version: int) -> str | None: ...
+    def drop_reason(self, episode: Episode, version: int) -> DropReason | None: ...
     def ready(self, buffer: Sequence[Episode], version: int) -> bool: ...
     def trained(self, episodes: Sequence[Episode]) -> None: ...
     def publish_due(self, step: int, buffer: Sequence[Episode], version: int) -> bool: ...
@@ -60,13 +59,18 @@ class FlowPolicy(Protocol):
 
 
 #: Episode statuses the learner never trains on; each is its own drop reason.
-DROPPED_STATUSES = ("env_error", "env_timeout")
+DROPPED_STATUSES = (EpisodeStatus.ENV_ERROR, EpisodeStatus.ENV_TIMEOUT)
 
 
-def _drop_env_error(episode: Episode) -> str | None:
+def _drop_env_error(episode: Episode) -> DropReason | None:
     # An environment that broke or was too slow says nothing about the policy: never
     # train on it (and the source keeps it out of its group's baseline).
-    return episode.status if episode.status in DROPPED_STATUSES else None
+    return DropReason(episode.status) if episode.status in DROPPED_STATUSES else None
+
+
+def _fresh(episode: Episode, version: int) -> bool:
+    """Played with the learner's current weights (staleness 0)?"""
+    return bool(staleness(version, episode.policy_version) == 0)
 
 
 class AsyncFlow:
@@ -89,9 +93,9 @@ class AsyncFlow:
         self.max_staleness = max_staleness
         self.publish_every = publish_every
 
-    def drop_reason(self, episode: Episode, version: int) -> str | None:
+    def drop_reason(self, episode: Episode, version: int) -> DropReason | None:
         if stale_mask(version, episode.policy_version, self.max_staleness):
-            return "stale"
+            return DropReason.STALE
         return _drop_env_error(episode)
 
     def ready(self, buffer: Sequence[Episode], version: int) -> bool:
@@ -128,20 +132,20 @@ class SyncFlow:
         self.episodes_per_version = episodes_per_version
         self._trained = 0  # episodes of the current version trained so far
 
-    def drop_reason(self, episode: Episode, version: int) -> str | None:
-        if episode.policy_version != version:
-            return "stale"
+    def drop_reason(self, episode: Episode, version: int) -> DropReason | None:
+        if not _fresh(episode, version):
+            return DropReason.STALE
         return _drop_env_error(episode)
 
     def ready(self, buffer: Sequence[Episode], version: int) -> bool:
-        fresh = sum(ep.policy_version == version for ep in buffer)
+        fresh = sum(_fresh(ep, version) for ep in buffer)
         return fresh > 0 and fresh + self._trained >= self.episodes_per_version
 
     def trained(self, episodes: Sequence[Episode]) -> None:
         self._trained += len(episodes)
 
     def publish_due(self, step: int, buffer: Sequence[Episode], version: int) -> bool:
-        return not any(ep.policy_version == version for ep in buffer)
+        return not any(_fresh(ep, version) for ep in buffer)
 
     def published(self) -> None:
         self._trained = 0

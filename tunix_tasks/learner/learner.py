@@ -27,7 +27,7 @@ from tunix_tasks.learner.accounting import Accounting
 from tunix_tasks.learner.batcher import Batcher, DataTimeout
 from tunix_tasks.learner.flow import flow_from_config
 from tunix_tasks.learner.packing import PackedBatch
-from tunix_tasks.learner.rl_math import STALENESS_BUCKETS
+from tunix_tasks.learner.staleness import STALENESS_BUCKETS, staleness
 from tunix_tasks.learner.startup import start_learner
 from tunix_tasks.storage.metrics import Stopwatch
 from tunix_tasks.storage.runs import mark_done
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DataTimeout", "Learner", "trainer_metrics"]
 
-#: The trainer's metrics in every step record (rl_math.policy_loss / regularized_loss
+#: The trainer's metrics in every step record (objective.policy_loss / regularized_loss
 #: define them); kl_ref and entropy only when their terms are on.
 RECORD_METRICS = (
     *("loss", "pg_loss", "nll", "grad_norm", "step_s"),
@@ -159,7 +159,8 @@ class Learner:
     def _record(
         self, m: dict[str, float], batch: PackedBatch, episodes: Sequence[Episode]
     ) -> dict[str, Any]:
-        staleness = collections.Counter(self.version - ep.policy_version for ep in episodes)
+        versions = [ep.policy_version for ep in episodes]
+        lags = collections.Counter(staleness(self.version, versions).tolist())
         source = self.parts.source
         return {
             "step": self.step,
@@ -174,7 +175,7 @@ class Learner:
             "duty_cycle": self.watch.share("train"),
             "wait_s_total": self.watch.totals.get("wait", 0.0),
             "compile_count": self.parts.trainer.compile_count,
-            "staleness": {str(k): v for k, v in sorted(staleness.items())},
+            "staleness": {str(k): v for k, v in sorted(lags.items())},
             "dropped": dict(self.acct.counters["dropped"]),
             "buffer": len(self.batcher.buffer),
             "backlog_shards": source.backlog_shards,

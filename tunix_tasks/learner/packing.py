@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tunix_tasks.episode import Episode
+from tunix_tasks.learner.staleness import staleness
 
 __all__ = [
     "PackResult",
@@ -81,7 +82,7 @@ class PackedBatch:
         padding, and everywhere when `version` is None)."""
         if version is None or not self.episode_ids:
             return np.zeros(self.tokens.shape, np.int32)
-        lag = version - self.policy_versions[np.maximum(self.episode_index, 0)]
+        lag = staleness(version, self.policy_versions[np.maximum(self.episode_index, 0)])
         return np.where(self.episode_index >= 0, lag, 0).astype(np.int32)
 
 

@@ -1,28 +1,19 @@
-"""The learner's RL maths: importance weights, the policy losses, regularisers, metrics.
+"""The learner's RL maths: importance weights, the clipped surrogate, regularisers, metrics.
 
 Owns pure functions only. They take ``jax.numpy`` arrays, have no Python control flow on
 values and are ``jax.jit``-able (string/flag arguments are static). Advantages are
-computed on the host before packing (``advantages.py``).
+computed on the host before packing (``advantages.py``); the off-policy corrections built
+from these pieces, and ``policy_loss``, are in ``tunix_tasks.learner.objective``.
 
 Arrays here are laid out as ``tunix_tasks.learner.packing.PackedBatch`` lays them out: ``[B, L]``
 aligned with TARGET positions (``logp_new[r, p]`` is the new policy's log-prob of
 ``targets[r, p]``), so every loss term is elementwise and masked by ``loss_mask``.
 ``pi`` is the policy being trained, ``mu`` the behaviour policy that sampled the tokens
-(its log-probs are in the shards), ``rho = pi/mu``.
-
-Choices (see each function for details):
-
-* Off-policy correction (``learner.correction``): none, truncated importance sampling
-  ``min(rho, rho_max)`` with the weight under ``stop_gradient`` -- the truncated-IS policy
-  gradient of IMPALA/V-trace (Espeholt et al. 2018, arXiv:1802.01561), as used for the
-  sampler/learner mismatch in "Your efficient RL framework secretly brings you
-  off-policy RL training" (Yao et al. 2025, "TIS") -- per token or per sequence (GSPO's
-  length-normalised sequence ratio, Zheng et al. 2025, arXiv:2507.18071, truncated
-  rather than clipped), PPO's clipped surrogate (Schulman et al. 2017,
-  arXiv:1707.06347) with a dual clip (Ye et al. 2020, arXiv:1912.09729), or AReaL's
-  decoupled PPO (Fu et al. 2025, arXiv:2505.24298).
-* The loss is averaged over all loss tokens of the batch (token-level aggregation, as in
-  DAPO, Yu et al. 2025, arXiv:2503.14476), so packing rows differently never changes it.
+(its log-probs are in the shards), ``rho = pi/mu``. Truncated importance weights
+``min(rho, rho_max)`` carry no gradient (IMPALA/V-trace, Espeholt et al. 2018,
+arXiv:1802.01561), per token or per sequence (GSPO's length-normalised ratio, Zheng et al.
+2025, arXiv:2507.18071); PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347)
+has a dual clip (Ye et al. 2020, arXiv:1912.09729).
 """
 
 from __future__ import annotations
@@ -32,27 +23,18 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from tunix_tasks.config_objective import Correction
+from tunix_tasks.learner.staleness import STALENESS_BUCKETS
 
 __all__ = [
     "LOGP_FLOOR",
-    "STALENESS_BUCKETS",
     "clipped_surrogate",
     "finite_logprobs",
     "k3",
     "masked_mean",
-    "policy_loss",
     "regularized_loss",
     "staleness_stats",
     "truncated_importance_weights",
 ]
-
-#: Staleness buckets of the mismatch metrics: (suffix, lowest, highest or None).
-STALENESS_BUCKETS: tuple[tuple[str, int, int | None], ...] = (
-    ("s0", 0, 0),
-    ("s1_2", 1, 2),
-    ("s3p", 3, None),
-)
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
@@ -149,7 +131,7 @@ def truncated_importance_weights(
     return weights, stats
 
 
-# --------------------------------------------------------------------------- loss
+# --------------------------------------------------------------------------- loss terms
 
 
 def k3(log_ratio: ArrayLike) -> Array:
@@ -184,85 +166,6 @@ def clipped_surrogate(
     floor = dual_clip * adv
     dual = (adv < 0) & (surrogate < floor)
     return jnp.where(dual, floor, surrogate), (r * adv > clipped_r * adv) | dual
-
-
-def policy_loss(
-    logp_new: ArrayLike,
-    logp_behavior: ArrayLike,
-    advantages: ArrayLike,
-    mask: ArrayLike,
-    *,
-    correction: Correction = "token_tis",
-    rho_max: float = 2.0,
-    ppo_clip: float = 0.2,
-    dual_clip: float = 3.0,
-    logp_prox: ArrayLike | None = None,
-    segment_ids: ArrayLike | None = None,
-) -> tuple[Array, dict[str, Array]]:
-    """Off-policy policy-gradient loss, ``-sum(mask * s) / sum(mask)`` with per token ``s``:
-
-    * ``none``: ``s = A * logp`` (plain REINFORCE on the behaviour data, no weight).
-    * ``token_tis``: ``s = sg(min(rho_t, rho_max)) * A * logp``. With fresh data
-      (``logp_new == logp_behavior``) every weight is exactly 1 and this is on-policy
-      REINFORCE, value and gradient, bit for bit (staleness 0 = the synchronous update).
-    * ``sequence_tis``: as ``token_tis`` with GSPO's length-normalised sequence weight
-      (``truncated_importance_weights(level="sequence")``).
-    * ``ppo``: ``s = clipped_surrogate(rho, A)`` (dual-clipped), mu as the old policy.
-    * ``decoupled_ppo`` (AReaL, Fu et al. 2025, arXiv:2505.24298): the proximal policy
-      ``pi_prox`` (``logp_prox``: the parameters at the start of the batch's updates,
-      without gradient) splits the correction in two::
-
-          s = sg(min(pi_prox / mu, rho_max)) * clipped_surrogate(pi / pi_prox, A)
-
-      The clip bounds each update's move from ``pi_prox`` (a trust region), the weight
-      corrects the staleness of ``mu``. ``logp_prox=None`` means ``sg(logp_new)``: the
-      first (or only) update, where ``pi == pi_prox`` and the gradient is ``token_tis``'s.
-
-    Metrics: ``pg_loss``, ``num_loss_tokens``, ``advantage_mean``; ``ratio_mean``,
-    ``ratio_max`` of ``rho = pi/mu``; ``approx_kl``, the k3 estimate of ``KL(mu || pi)``
-    on the loss tokens (sampler-vs-learner mismatch plus staleness); ``ppo_clip_frac``;
-    ``is_weight_mean/max``, ``is_clipped_frac`` of ``min(rho, rho_max)`` (sequence
-    level under ``sequence_tis``): the weights of the TIS modes, a diagnostic otherwise.
-    """
-    mask = jnp.asarray(mask, jnp.float32)
-    on = mask > 0
-    logp = finite_logprobs(logp_new, mask)
-    logp_b = jnp.asarray(logp_behavior)
-    adv = jnp.asarray(advantages, jnp.float32)
-    level = "sequence" if correction == "sequence_tis" else "token"
-    w, metrics = truncated_importance_weights(
-        logp, logp_b, mask, rho_max=rho_max, level=level, segment_ids=segment_ids
-    )
-    log_ratio = jnp.where(on, logp - logp_b, 0.0)  # garbage behaviour values off the mask
-    clipped = jnp.zeros(mask.shape, bool)
-    if correction == "none":
-        per_token = adv * logp
-    elif correction in ("token_tis", "sequence_tis"):
-        per_token = w * adv * logp
-    elif correction == "ppo":
-        per_token, clipped = clipped_surrogate(
-            jnp.exp(log_ratio), adv, clip=ppo_clip, dual_clip=dual_clip
-        )
-    elif correction == "decoupled_ppo":
-        prox = jax.lax.stop_gradient(logp if logp_prox is None else finite_logprobs(logp_prox, on))
-        w_prox, _ = truncated_importance_weights(prox, logp_b, mask, rho_max=rho_max)
-        ratio = jnp.exp(jnp.where(on, logp - prox, 0.0))
-        surrogate, clipped = clipped_surrogate(ratio, adv, clip=ppo_clip, dual_clip=dual_clip)
-        per_token = w_prox * surrogate
-    else:
-        raise ValueError(f"unknown correction {correction!r}")
-    loss = -jnp.sum(mask * per_token) / jnp.maximum(jnp.sum(mask), 1.0)
-    sg_log_ratio = jax.lax.stop_gradient(log_ratio)
-    metrics.update(
-        pg_loss=loss,
-        num_loss_tokens=jnp.sum(mask),
-        ratio_mean=masked_mean(jnp.exp(sg_log_ratio), mask),
-        ratio_max=jnp.max(jnp.where(on, jnp.exp(sg_log_ratio), 0.0)),
-        approx_kl=masked_mean(k3(sg_log_ratio), mask),
-        ppo_clip_frac=masked_mean(clipped, mask),
-        advantage_mean=masked_mean(adv, mask),
-    )
-    return loss, metrics
 
 
 def regularized_loss(

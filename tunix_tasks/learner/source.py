@@ -16,7 +16,7 @@ Three pieces, composed like grain's iterators (each `get_state` holds its parent
     source = PrefetchingSource(EpisodeSource(store, vocab_size=..., advantage="group"))
     source.set_state(checkpoint["stream"]); source.start()
     for ep in source.drain():        # Episodes read since the last call
-        ...train or drop (as "duplicate" if source.is_duplicate(ep))...; source.ack(ep)
+        ...train or drop (as DUPLICATE if source.is_duplicate(ep))...; source.ack(ep)
     checkpoint["stream"] = source.get_state(); ...save...; source.committed()
 
 After `set_state`, every unacknowledged row is yielded again: that is what makes the
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from tunix_tasks.episode import Episode, ShardRow
+from tunix_tasks.episode import DropReason, Episode, ShardRow
 from tunix_tasks.learner.accounting import RecentIds
 from tunix_tasks.learner.advantages import shard_advantages, zero_variance_mask
 from tunix_tasks.learner.flow import DROPPED_STATUSES
@@ -134,11 +134,11 @@ class EpisodeSource:
     def is_duplicate(self, episode: Episode) -> bool:
         return episode.source in self._duplicates
 
-    def drop_flag(self, episode: Episode) -> str | None:
-        """Why the source says to drop this episode: `duplicate`, `zero_variance` or None."""
+    def drop_flag(self, episode: Episode) -> DropReason | None:
+        """Why the source says to drop this episode: DUPLICATE, ZERO_VARIANCE or None."""
         if episode.source in self._duplicates:
-            return "duplicate"
-        return "zero_variance" if episode.source in self._zero_variance else None
+            return DropReason.DUPLICATE
+        return DropReason.ZERO_VARIANCE if episode.source in self._zero_variance else None
 
     def ack(self, episode: Episode) -> None:
         """Mark an episode accounted for (trained on, or dropped)."""
@@ -260,7 +260,7 @@ class PrefetchingSource:
         # queued and cleared only by `ack`, on the caller's thread.
         return self.source.is_duplicate(episode)
 
-    def drop_flag(self, episode: Episode) -> str | None:
+    def drop_flag(self, episode: Episode) -> DropReason | None:
         return self.source.drop_flag(episode)  # no lock: as `is_duplicate`
 
     def committed(self) -> None:

@@ -4,7 +4,8 @@
 parameters are sharded along "fsdp" (their annotations in model.py), batches along both
 axes. `step(batch)` runs one batch's updates (`learner.updates_per_batch`, default 1) on a
 `PackedBatch`; the jitted function is traced once per bucket shape (and per loss kind), and
-`compile_count` says how often that happened. The loss is `rl_math`'s.
+`compile_count` says how often that happened. The loss is the configured correction's
+(`tunix_tasks.learner.objective`), plus `rl_math`'s stability terms.
 
     trainer = Trainer(cfg, model)
     metrics = trainer.step(packed_batch, supervised=False)
@@ -13,6 +14,7 @@ axes. `step(batch)` runs one batch's updates (`learner.updates_per_batch`, defau
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -27,13 +29,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tunix_tasks.config import LearnerConfig, MeshConfig, RunConfig
-from tunix_tasks.learner.packing import PackedBatch
-from tunix_tasks.learner.rl_math import (
-    finite_logprobs,
+from tunix_tasks.learner.objective import (
+    Correction,
+    CorrectionParams,
+    get_correction,
     policy_loss,
-    regularized_loss,
-    staleness_stats,
 )
+from tunix_tasks.learner.packing import PackedBatch
+from tunix_tasks.learner.rl_math import finite_logprobs, regularized_loss, staleness_stats
 from tunix_tasks.policy.distribution import chunked_target_logprobs
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.params import flat_params
@@ -91,16 +94,51 @@ def make_optimizer(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class StepParams:
+    """What the jitted update reads from the config, resolved once (the correction too:
+    an unknown or unimportable `learner.correction` fails when the trainer is built)."""
+
+    temperature: float  # the actors' sampling distribution: temperature and top-k
+    top_k: int
+    remat: bool
+    logits_chunk: int
+    attention_block: int
+    scan_layers: bool
+    correction: Correction
+    correction_params: CorrectionParams
+    updates: int  # updates_per_batch
+    kl_coef: float
+    entropy_coef: float
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> StepParams:
+        lc = cfg.learner
+        return cls(
+            temperature=float(cfg.actor.temperature),
+            top_k=int(cfg.actor.top_k),
+            remat=bool(lc.remat),
+            logits_chunk=int(lc.logits_chunk),
+            attention_block=int(lc.attention_block),
+            scan_layers=bool(lc.scan_layers),
+            correction=get_correction(lc.correction),
+            correction_params=CorrectionParams.from_config(lc),
+            updates=int(lc.updates_per_batch),
+            kl_coef=float(lc.kl_coef),
+            entropy_coef=float(lc.entropy_coef),
+        )
+
+
 def _target_logprobs(
-    model: Transformer, batch: dict[str, jax.Array], hp: dict[str, Any], *, with_entropy: bool
+    model: Transformer, batch: dict[str, jax.Array], hp: StepParams, *, with_entropy: bool
 ) -> tuple[jax.Array, jax.Array | None]:
     hidden = model.final_hidden(
         batch["tokens"],
         batch["positions"],
         batch["segment_ids"],
-        remat=hp["remat"],
-        attention_block=hp["attention_block"],
-        scan_layers=hp["scan_layers"],
+        remat=hp.remat,
+        attention_block=hp.attention_block,
+        scan_layers=hp.scan_layers,
     )
     # The distribution the actors sampled from (same temperature AND top-k), a chunk of
     # positions at a time: [rows, T, V] logits never exist at once.
@@ -108,9 +146,9 @@ def _target_logprobs(
         hidden,
         model.output_matrix(),
         batch["targets"],
-        hp["temperature"],
-        hp["top_k"],
-        chunk=hp["logits_chunk"],
+        hp.temperature,
+        hp.top_k,
+        chunk=hp.logits_chunk,
         with_entropy=with_entropy,
     )
     return out if isinstance(out, tuple) else (out, None)
@@ -119,12 +157,12 @@ def _target_logprobs(
 def _loss(
     model: Transformer,
     batch: dict[str, jax.Array],
-    hp: dict[str, Any],
+    hp: StepParams,
     supervised: bool,
     logp_prox: jax.Array | None = None,
     logp_ref: jax.Array | None = None,
 ):
-    with_entropy = hp["entropy_coef"] > 0 and not supervised
+    with_entropy = hp.entropy_coef > 0 and not supervised
     logp, entropy = _target_logprobs(model, batch, hp, with_entropy=with_entropy)
     mask = batch["loss_mask"]
     if supervised:
@@ -137,10 +175,8 @@ def _loss(
             blp,
             batch["advantages"],
             mask,
-            correction=hp["correction"],
-            rho_max=hp["rho_max"],
-            ppo_clip=hp["ppo_clip"],
-            dual_clip=hp["dual_clip"],
+            correction=hp.correction.name,
+            params=hp.correction_params,
             logp_prox=logp_prox,
             segment_ids=batch["segment_ids"],
         )
@@ -150,11 +186,12 @@ def _loss(
             mask,
             logp_ref=logp_ref,
             entropy=entropy,
-            kl_coef=hp["kl_coef"],
-            entropy_coef=hp["entropy_coef"],
+            kl_coef=hp.kl_coef,
+            entropy_coef=hp.entropy_coef,
         )
         m.update(extra)
-        m.update(staleness_stats(logp, blp, mask, batch["staleness"], rho_max=hp["rho_max"]))
+        rho_max = hp.correction_params.rho_max
+        m.update(staleness_stats(logp, blp, mask, batch["staleness"], rho_max=rho_max))
     nll = -jnp.sum(finite_logprobs(logp, mask)) / jnp.maximum(jnp.sum(mask), 1.0)
     return loss, {**m, "nll": nll, "logp": jax.lax.stop_gradient(logp)}
 
@@ -176,21 +213,7 @@ class Trainer:
                 f"learner.batch_rows={cfg.learner.batch_rows} must be divisible by the "
                 f"{n_batch_shards} devices of the mesh"
             )
-        self._hp = {
-            "temperature": float(cfg.actor.temperature),
-            "top_k": int(cfg.actor.top_k),
-            "remat": bool(cfg.learner.remat),
-            "logits_chunk": int(cfg.learner.logits_chunk),
-            "attention_block": int(cfg.learner.attention_block),
-            "scan_layers": bool(cfg.learner.scan_layers),
-            "rho_max": float(cfg.learner.rho_max),
-            "correction": cfg.learner.correction,
-            "ppo_clip": float(cfg.learner.ppo_clip),
-            "dual_clip": float(cfg.learner.ppo_dual_clip),
-            "updates": int(cfg.learner.updates_per_batch),
-            "kl_coef": float(cfg.learner.kl_coef),
-            "entropy_coef": float(cfg.learner.entropy_coef),
-        }
+        self.step_params = StepParams.from_config(cfg)
         self.model = model
         # With LoRA only the adapters train: gradients, optimizer state and snapshots are
         # theirs alone, and the base stays as loaded.
@@ -230,8 +253,8 @@ class Trainer:
             self.reference = self._trained_copy()
 
     def _make_step(self, supervised: bool, kind: str):
-        hp = self._hp
-        updates = 1 if supervised else hp["updates"]
+        hp = self.step_params
+        updates = 1 if supervised else hp.updates
 
         def step(model, optimizer, batch, reference):
             self.traces[kind] = self.traces.get(kind, 0) + 1  # runs only while tracing
@@ -242,7 +265,7 @@ class Trainer:
                 logp_ref = jax.lax.stop_gradient(
                     _target_logprobs(ref_model, batch, hp, with_entropy=False)[0]
                 )
-            prox = None  # decoupled PPO: log-probs of the params before this batch
+            prox = None  # needs_proximal: log-probs of the params before this batch
             runs = []
             for _ in range(updates):  # unrolled: updates_per_batch is small and static
                 grad_fn = nnx.value_and_grad(
@@ -253,7 +276,7 @@ class Trainer:
                 (loss, metrics), grads = grad_fn(model)
                 optimizer.update(model, grads)
                 logp = metrics.pop("logp")
-                prox = logp if prox is None and hp["correction"] == "decoupled_ppo" else prox
+                prox = logp if prox is None and hp.correction.needs_proximal else prox
                 runs.append({**metrics, "grad_norm": optax.global_norm(grads), "loss": loss})
             out = runs[0]
             for key in _PER_UPDATE:

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tunix_tasks.episode import STATUSES
+from tunix_tasks.episode import EpisodeStatus
 from tunix_tasks.storage.shards import SCHEMA_VERSION, SHARD_SCHEMA
 from tunix_tasks.storage.store import NotFound, ObjectStore
 from tunix_tasks.storage.uri import join_uri
@@ -167,11 +167,10 @@ def _check_scalars(table: pa.Table, where: str, max_version: int | None) -> None
             f"learner has published ({max_version})",
         )
     statuses = set(pc.unique(table.column("status")).to_pylist())
-    if not statuses <= set(STATUSES):
+    valid = [s.value for s in EpisodeStatus]
+    if not statuses <= set(valid):
         raise ShardValidationError(
-            where,
-            "bad_status",
-            f"status values {sorted(statuses - set(STATUSES))}; valid: {list(STATUSES)}",
+            where, "bad_status", f"status values {sorted(statuses - set(valid))}; valid: {valid}"
         )
     ids = table.column("episode_id")
     if pc.count_distinct(ids).as_py() != table.num_rows:

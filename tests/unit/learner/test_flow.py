@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from tunix_tasks.config import load_config
-from tunix_tasks.episode import Episode
-from tunix_tasks.learner.flow import AsyncFlow, SyncFlow, flow_from_config, stale_mask, staleness
+from tunix_tasks.episode import DropReason, Episode, EpisodeStatus
+from tunix_tasks.learner.flow import AsyncFlow, SyncFlow, flow_from_config, stale_mask
+from tunix_tasks.learner.staleness import staleness
 
 
 def _ep(version: int, status: str = "ok") -> Episode:
@@ -21,6 +22,13 @@ def test_staleness_maths():
     np.testing.assert_array_equal(stale_mask(10, versions, 0), [False, True, True, False])
 
 
+def test_statuses_are_normalised_to_the_enum_and_unknown_ones_rejected():
+    assert _ep(1, "truncated").status is EpisodeStatus.TRUNCATED  # a shard read's string
+    assert _ep(1).status is EpisodeStatus.OK
+    with pytest.raises(ValueError, match=r"status 'weird' not in \['ok', 'truncated', 'env_"):
+        _ep(1, "weird")
+
+
 def test_async_flow_semantics():
     flow = AsyncFlow(min_episodes=2, max_staleness=2, publish_every=3)
     assert flow.drop_reason(_ep(8), 10) is None
@@ -29,6 +37,8 @@ def test_async_flow_semantics():
     assert flow.drop_reason(_ep(10, "env_timeout"), 10) == "env_timeout"
     assert flow.drop_reason(_ep(10, "truncated"), 10) is None  # the token/turn budget
     assert flow.drop_reason(_ep(12), 10) is None  # newer snapshot after a restore: IS handles it
+    # Typed, and spelled as the ledgers and metrics spell them (the strings above).
+    assert flow.drop_reason(_ep(10, "env_error"), 10) is DropReason.ENV_ERROR
     assert not flow.ready([_ep(10)], 10) and flow.ready([_ep(10), _ep(3)], 10)
     assert [flow.publish_due(s, [], 0) for s in range(1, 7)] == [False, False, True] * 2
     assert flow.publish_at_end(4) and not flow.publish_at_end(6)

@@ -17,12 +17,12 @@ from tunix_tasks.learner.advantages import (
     group_advantages,
     zero_variance_mask,
 )
+from tunix_tasks.learner.objective import CorrectionParams, policy_loss
 from tunix_tasks.learner.packing import pack
 from tunix_tasks.learner.rl_math import (
     clipped_surrogate,
     k3,
     masked_mean,
-    policy_loss,
     regularized_loss,
     staleness_stats,
     truncated_importance_weights,
@@ -147,10 +147,10 @@ def test_group_advantages_hand_example() -> None:
     groups = ["a", "a", "a", "a", "b", "c", "c", "d", "d"]
     adv = group_advantages(rewards, groups)
     std_a = math.sqrt(0.1875)  # mean 0.75, population std
-    expected = [0.25 / std_a, -0.75 / std_a, 0.25 / std_a, 0.25 / std_a,
-                0.0,  # group of one: no peers, no signal
-                0.0, 0.0,  # zero variance: 0, not NaN
-                1.0, -1.0]  # fmt: skip
+    group_a = [0.25 / std_a, -0.75 / std_a, 0.25 / std_a, 0.25 / std_a]
+    group_b = [0.0]  # group of one: no peers, no signal
+    group_c = [0.0, 0.0]  # zero variance: 0, not NaN
+    expected = [*group_a, *group_b, *group_c, 1.0, -1.0]
     assert adv.dtype == np.float32 and np.isfinite(adv).all()
     np.testing.assert_allclose(adv, expected, rtol=1e-5)
     with_fallback = group_advantages(rewards, groups, fallback_baseline=0.2)
@@ -223,7 +223,7 @@ def test_ppo_loss_hand() -> None:
     mask = jnp.ones((1, 2))
 
     def loss_fn(x):
-        return policy_loss(x, logp_b, adv, mask, correction="ppo", ppo_clip=0.2)
+        return policy_loss(x, logp_b, adv, mask, correction="ppo", params=CorrectionParams())
 
     loss, m = loss_fn(logp_new)
     # ratio e^0.2 = 1.22 -> clip 1.2 (A=+1); ratio e^-0.5 = 0.61 -> clip 0.8 (A=-1).
@@ -247,7 +247,8 @@ def test_ppo_negative_advantage_is_dual_clipped() -> None:
     mask = np.ones((1, 5))
 
     def loss_fn(x):
-        return policy_loss(x, logp_b, adv, mask, correction="ppo", ppo_clip=0.2, dual_clip=3.0)
+        params = CorrectionParams(ppo_clip=0.2, dual_clip=3.0)
+        return policy_loss(x, logp_b, adv, mask, correction="ppo", params=params)
 
     (loss, m), grad = jax.value_and_grad(loss_fn, has_aux=True)(logp)
     expected = _np_dual_clip(ratio, adv, 0.2, 3.0)  # [-3, -5, -1.5, -0.8, 1.2]
@@ -273,10 +274,10 @@ def test_decoupled_ppo_against_numpy() -> None:
     mask = (rng.random(shape) < 0.8).astype(np.float32)
 
     def loss_fn(x):
+        params = CorrectionParams(rho_max=1.5, ppo_clip=0.2, dual_clip=3.0)
         return policy_loss(
-            x, mu, adv, mask, correction="decoupled_ppo", rho_max=1.5, ppo_clip=0.2,
-            dual_clip=3.0, logp_prox=prox,
-        )  # fmt: skip
+            x, mu, adv, mask, correction="decoupled_ppo", params=params, logp_prox=prox
+        )
 
     (loss, m), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(pi, jnp.float32))
     w = np.minimum(np.exp(prox - mu), 1.5)
@@ -328,8 +329,8 @@ def test_staleness_stats_against_numpy() -> None:
     mask = (rng.random(shape) < 0.8).astype(np.float32)
     stale = rng.integers(0, 6, shape)
     got = staleness_stats(pi, mu, mask, stale, rho_max=1.5)
-    for name, sel in (("s0", stale == 0), ("s1_2", (stale >= 1) & (stale <= 2)),
-                      ("s3p", stale >= 3)):  # fmt: skip
+    buckets = {"s0": stale == 0, "s1_2": (stale >= 1) & (stale <= 2), "s3p": stale >= 3}
+    for name, sel in buckets.items():
         m = mask * sel
         d = pi - mu
         assert got[f"tokens_{name}"] == m.sum()
@@ -408,7 +409,7 @@ def test_staleness_zero_ppo_matches_reinforce_gradient(correction: str) -> None:
 def test_policy_loss_jit_and_metrics() -> None:
     logits, targets, mask, adv, _, logp_b = _fresh_problem()
     logp = target_logprobs(logits, targets)
-    fn = jax.jit(policy_loss, static_argnames=("correction", "ppo_clip"))
+    fn = jax.jit(policy_loss, static_argnames=("correction", "params"))
     loss, m = fn(logp, logp_b, adv, mask)
     np.testing.assert_allclose(loss, _reinforce(logits, targets, mask, adv), rtol=1e-6)
     np.testing.assert_allclose([m["ratio_mean"], m["ratio_max"]], 1.0)
