@@ -1,14 +1,14 @@
 """The DAG-run form of a training run, generated from `tunix_tasks.config.RunConfig`.
 
-Which fields the form exposes, and under which names, is `tunix_tasks.config_params.FORM_KEYS`
+Which fields the form exposes, and under which names, is `tunix_tasks.config.params.FORM_KEYS`
 (e.g. `num_actors` -> `actor.num_actors`); each field's type, default, bounds, enumeration
 and description come from `RunConfig`'s JSON schema, so they are declared once, in
-`tunix_tasks/config.py`. This module only turns them into `airflow.sdk.Param`s and adds
+`tunix_tasks/config/`. This module only turns them into `airflow.sdk.Param`s and adds
 what belongs to the form alone: titles, the form's own defaults (`form_defaults()`), an
 empty `run_name` (derived from the Airflow run_id), an explicit store scheme, and the
 free-form `overrides` list.
 
-Imported at DAG parse time: only `airflow.sdk` and `tunix_tasks.config_params` (pydantic).
+Imported at DAG parse time: only `airflow.sdk` and `tunix_tasks.config.params` (pydantic).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def ensure_library_importable() -> None:
 ensure_library_importable()
 
 from tunix_tasks.config import known_env_names  # noqa: E402
-from tunix_tasks.config_params import FORM_KEYS, form_specs, run_config_from_params  # noqa: E402
+from tunix_tasks.config.params import FORM_KEYS, form_specs, run_config_from_params  # noqa: E402
 
 __all__ = [
     "FORM_KEYS",

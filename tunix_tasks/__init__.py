@@ -10,6 +10,11 @@ The package reads as the pipeline (docs/architecture.md has the map):
     frontdoor/ CLI, local launcher, process entry points, report, eval, inspect
     testing/   helpers for tests and benchmarks (fake GCS, episodes); not in the data flow
 
+    config/    the run configuration (`RunConfig`): frozen, validated, one for CLI, DAGs, tests
+    episode.py `Episode`, the one record of an episode; `EpisodeStatus`, `DropReason`
+    messages.py the conversation vocabulary envs and policies share (`Action`, `ToolCall`)
+    registry.py `Registry`: names -> factories from code and entry points (every plug-in kind)
+
 The public API, importable from here (loaded on first use, so `import tunix_tasks` stays
 light enough for Airflow's DAG parser):
 

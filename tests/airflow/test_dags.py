@@ -189,7 +189,7 @@ def _schema_leaf(schema: dict, dotted: str) -> dict:
 def test_form_equals_run_config_schema(dagbag):
     """Bounds, enums and descriptions of the form are RunConfig's, for every exposed key."""
     from tunix_tasks.config import RunConfig
-    from tunix_tasks.config_params import FORM_KEYS
+    from tunix_tasks.config.params import FORM_KEYS
 
     schema = RunConfig.model_json_schema()
     keywords = ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
@@ -211,25 +211,24 @@ def test_form_equals_run_config_schema(dagbag):
             if "pattern" in leaf:  # the train form also takes an empty run name
                 assert form["pattern"] in (leaf["pattern"], f"^$|{leaf['pattern']}")
     # the values the form offers are the library's
-    from tunix_tasks.config import BUILTIN_ENVS
-    from tunix_tasks.config_model import MODEL_PRESETS
+    from tunix_tasks.config import MODEL_PRESETS, builtin_env_names
 
     params = dagbag.dags["tunix_train"].params
     from tunix_tasks.config import known_env_names
 
     env = params.get_param("env").schema
     assert "enum" not in env and env["examples"] == known_env_names()
-    assert set(BUILTIN_ENVS) <= set(env["examples"])
+    assert set(builtin_env_names()) <= set(env["examples"])
     params = copy.deepcopy(params)
     params["env"] = "my_plugin_env"  # a plug-in name is not refused by the form
     assert set(MODEL_PRESETS) < set(params.get_param("model_preset").schema["enum"])
 
 
 def test_builtin_envs_are_registered():
-    from tunix_tasks.config import BUILTIN_ENVS
+    from tunix_tasks.config import builtin_env_names
     from tunix_tasks.envs import available_envs
 
-    assert set(BUILTIN_ENVS) <= set(available_envs())
+    assert set(builtin_env_names()) <= set(available_envs())
 
 
 def test_form_defaults(dagbag):
@@ -281,8 +280,8 @@ for path in sys.argv[2:]:
     spec = importlib.util.spec_from_file_location("probe_" + path.rsplit("/", 1)[-1][:-3], path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     out[path] = time.perf_counter() - t0
-light = {"tunix_tasks", "tunix_tasks.config", "tunix_tasks.config_env",
-         "tunix_tasks.config_model", "tunix_tasks.config_objective", "tunix_tasks.config_params"}
+light = {"tunix_tasks", "tunix_tasks.registry", "tunix_tasks.storage", "tunix_tasks.storage.uri"}
+light |= {m for m in sys.modules if m == "tunix_tasks.config" or m.startswith("tunix_tasks.config.")}
 heavy = sorted(m for m in sys.modules if m not in light and m.split(".")[0] in ("jax", "jaxlib",
         "flax", "optax", "tunix_tasks", "pyarrow", "orbax", "numpy", "airflow_client"))
 print(json.dumps({"times": out, "heavy": heavy}))

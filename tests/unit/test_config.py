@@ -106,13 +106,13 @@ def test_env_name_is_validated_with_the_valid_names(monkeypatch):
     import importlib.metadata
 
     plugin = importlib.metadata.EntryPoint(
-        name="echo_plugin", value="tests.envs.test_registry:_EchoEnv", group="tunix_tasks.envs"
+        name="echo_plugin", value="tests.unit.envs.test_registry:_EchoEnv", group="tunix_tasks.envs"
     )
     real = importlib.metadata.entry_points
 
     def fake_entry_points(**kw):
         if kw.get("group") == "tunix_tasks.envs":
-            return importlib.metadata.EntryPoints([plugin])
+            return importlib.metadata.EntryPoints([*real(**kw), plugin])
         return real(**kw)
 
     monkeypatch.setattr(importlib.metadata, "entry_points", fake_entry_points)

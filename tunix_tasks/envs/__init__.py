@@ -18,6 +18,20 @@ checks what a factory returns against the protocol (``name``, valid ``tools``, `
 
 Plug-in authors import everything they need from here: ``Action``, ``ToolCall``,
 ``StepResult``, ``Environment``, ``function_tool`` and ``register_env``.
+
+base.py          the `Environment` protocol, `StepResult`, the schema checks
+latency.py       `LatencyWrapper`: a simulated remote environment's delay
+arithmetic.py    built-in: multi-digit arithmetic, reliably solved only with the calculator
+calculator.py    built-in: arithmetic with a calculator tool
+guess_number.py  built-in: guess a number from higher/lower hints
+python_exec.py   built-in: a program whose output is the target, run in the sandbox
+sorting.py       built-in: sort digits by swaps (a longer horizon)
+sandbox/         running model-written Python under bubblewrap
+vectorized/      pure JAX environments for the on-device actor
+
+A new environment: a module here (or in your own package) with a class that satisfies
+`Environment`, and an entry point in the ``tunix_tasks.envs`` group of its
+pyproject.toml (the built-ins are registered the same way, in tunix-tasks' own).
 """
 
 from __future__ import annotations
@@ -98,10 +112,3 @@ def make_env(
     if latency_s > 0:
         env = LatencyWrapper(env, latency_s, latency_jitter, random.Random(latency_seed))
     return env
-
-
-register_env("guess_number")(GuessNumberEnv)
-register_env("calculator")(CalculatorEnv)
-register_env("python_exec")(PythonExecEnv)
-register_env("arithmetic")(ArithmeticEnv)
-register_env("sorting")(SortingEnv)

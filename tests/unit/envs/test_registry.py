@@ -15,7 +15,7 @@ from tunix_tasks.envs import (
 
 
 class _EchoEnv:
-    """Echoes the content, or the first call's text; also the plug-in of tests/test_config.py."""
+    """Echoes the content, or the first call's text; also the plug-in of tests/unit/test_config.py."""
 
     name = "echo"
     tools = (function_tool("shout", "Echo the text in capitals.", {"text": "what to echo"}),)
@@ -64,7 +64,7 @@ def test_register_custom_env():
 
 def test_entry_point_plugin(monkeypatch):
     ep = importlib.metadata.EntryPoint(
-        name="echo_plugin", value="tests.envs.test_registry:_EchoEnv", group=envs.ENTRY_POINT_GROUP
+        name="echo_plugin", value="tests.unit.envs.test_registry:_EchoEnv", group=envs.ENTRY_POINT_GROUP
     )
 
     def fake_entry_points(**kw):

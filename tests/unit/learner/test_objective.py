@@ -12,9 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.shard_factory import make_episode
 from tunix_tasks.config import ConfigError, MeshConfig, config_from_dict, load_config
-from tunix_tasks.config_objective import BUILTIN_CORRECTIONS
+from tunix_tasks.config.objective import BUILTIN_CORRECTIONS
 from tunix_tasks.episode import Episode
 from tunix_tasks.learner.objective import (
     CorrectionOutput,
@@ -29,6 +28,7 @@ from tunix_tasks.learner.objective.corrections import token_tis
 from tunix_tasks.learner.packing import pack
 from tunix_tasks.learner.train_step import Trainer, make_mesh
 from tunix_tasks.policy.build import build_policy
+from tunix_tasks.testing.shard_factory import make_episode
 
 REPO = Path(__file__).resolve().parents[3]
 HERE = "tests.unit.learner.test_objective"

@@ -24,6 +24,11 @@ With neither, :class:`SandboxUnavailable` is raised unless the caller opted in w
     result.status                       # "timeout"
 
 Bad user code never raises: it is reported through ``status``.
+
+limits.py   ``SandboxLimits``: the resource limits and the isolation mode asked for
+runner.py   choosing (and refusing) the isolation, running one script, its result
+bwrap.py    the bubblewrap command line and the runtime it mounts
+child.py    the bootstrap inside the sandbox: rlimits, no-new-privs, audit hook
 """
 
 from tunix_tasks.envs.sandbox.limits import (

@@ -44,7 +44,18 @@ print(json.dumps({
 """
 _STAGE = "tunix-sandbox-python-"
 # Never staged: big and useless to a short script (site-packages is hidden anyway).
-_SKIP = set("site-packages dist-packages test idlelib tkinter turtledemo ensurepip lib2to3".split())
+_SKIP = set(
+    [
+        "site-packages",
+        "dist-packages",
+        "test",
+        "idlelib",
+        "tkinter",
+        "turtledemo",
+        "ensurepip",
+        "lib2to3",
+    ]
+)
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,3 @@ def make_vec_env(name: str, **kwargs: Any) -> VecEnv:
     if not isinstance(env.obs_len, int) or env.obs_len < 1:
         raise TypeError(f"vectorized environment {name!r}: obs_len must be a positive int")
     return env
-
-
-register_vec_env("calculator")(VecCalculator)
-register_vec_env("sorting")(VecSorting)

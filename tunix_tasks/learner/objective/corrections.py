@@ -14,7 +14,7 @@ dual-clipped surrogate) is in `tunix_tasks.learner.rl_math`. Citations:
   clip (Ye et al. 2020, arXiv:1912.09729).
 * ``decoupled_ppo``: AReaL's decoupled PPO (Fu et al. 2025, arXiv:2505.24298).
 
-Keep the names in step with `tunix_tasks.config_objective.BUILTIN_CORRECTIONS` (the
+Keep the names in step with `tunix_tasks.config.objective.BUILTIN_CORRECTIONS` (the
 config validates them without importing JAX; a test checks the two agree).
 """
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tunix_tasks.config_objective import ObjectiveConfig
+from tunix_tasks.config.objective import ObjectiveConfig
 
 __all__ = ["CorrectionOutput", "CorrectionParams", "LossInputs"]
 

@@ -1,8 +1,6 @@
 """`ModelConfig`: which policy a run trains, a char preset or a Hugging Face checkpoint.
 
-Part of the run configuration (`tunix_tasks.config`, which re-exports it); split out so
-each module stays small. `_Frozen` is the base of every config model: frozen, no unknown
-fields, validated on construction.
+The `model` section of `RunConfig` (re-exported by `tunix_tasks.config`).
 """
 
 from __future__ import annotations
@@ -10,15 +8,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from tunix_tasks.config.base import Frozen
 from tunix_tasks.storage.uri import normalize_uri
 
 __all__ = ["CHECKPOINT_MAX_SEQ_LEN", "MODEL_PRESETS", "ModelConfig"]
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
 
 MODEL_PRESETS: dict[str, dict[str, int]] = {
@@ -35,7 +30,7 @@ _SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "d_ff", "max_seq_len")
 CHECKPOINT_MAX_SEQ_LEN = 2048  # context budget of a checkpoint run unless set
 
 
-class ModelConfig(_Frozen):
+class ModelConfig(Frozen):
     """The policy: a char preset (demo, tests) or a Hugging Face checkpoint (`checkpoint`).
 
     With `checkpoint` the architecture, tokenizer and chat template come from the

@@ -1,67 +1,34 @@
-"""Run configuration: the one typed, frozen description of a training run.
+"""`RunConfig`: the one typed, frozen description of a training run, and its sections.
 
 The same `RunConfig` drives the CLI (`--config run.yaml --set learner.max_steps=10`),
-the Airflow DAG params and the tests. Every model is frozen, rejects unknown fields and
-validates on construction; pydantic's errors name the field and, for enumerations, the
-valid values.
+the Airflow DAG params (`params.py`) and the tests. `ActorConfig`, `MeshConfig` and
+`LearnerConfig` are defined here; the env, model and objective sections in their own
+modules. Cross-section rules (the mode against the staleness bound, the actor kind
+against the environment) are `RunConfig`'s validators.
 
-    cfg = load_config("run.yaml", overrides=["actor.num_actors=4"])
+    cfg = RunConfig.model_validate({"env": {"name": "calculator"}})
     cfg.run_uri  # "file:///abs/runs/<run_name>"
 """
 
 from __future__ import annotations
 
-import json
 import re
-import warnings
-from collections.abc import Iterable, Mapping
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from tunix_tasks.config_env import (
-    BUILTIN_ENVS,
-    BUILTIN_VEC_ENVS,
-    EnvConfig,
-    known_env_names,
-    known_vec_env_names,
-)
-from tunix_tasks.config_model import ModelConfig, _Frozen
-from tunix_tasks.config_objective import ObjectiveConfig
+from tunix_tasks.config.base import Frozen
+from tunix_tasks.config.env import EnvConfig, known_vec_env_names
+from tunix_tasks.config.model import ModelConfig
+from tunix_tasks.config.objective import ObjectiveConfig
 from tunix_tasks.storage.uri import normalize_uri
 
-__all__ = [
-    "BUILTIN_ENVS",
-    "BUILTIN_VEC_ENVS",
-    "ActorConfig",
-    "ConfigError",
-    "ConfigWarning",
-    "EnvConfig",
-    "LearnerConfig",
-    "MeshConfig",
-    "ModelConfig",
-    "ObjectiveConfig",
-    "RunConfig",
-    "config_from_dict",
-    "known_env_names",
-    "known_vec_env_names",
-    "load_config",
-]
+__all__ = ["ActorConfig", "LearnerConfig", "MeshConfig", "RunConfig"]
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the valid values."""
-
-
-class ConfigWarning(UserWarning):
-    """A configuration is valid but probably not what was meant (`RunConfig.warnings`)."""
-
-
-class ActorConfig(_Frozen):
+class ActorConfig(Frozen):
     """The actor fleet."""
 
     kind: Literal["async", "vectorized"] = Field(
@@ -111,7 +78,7 @@ class ActorConfig(_Frozen):
         return self.kv_cache_slots or min(self.envs_per_actor, 256)
 
 
-class MeshConfig(_Frozen):
+class MeshConfig(Frozen):
     """Device mesh for the learner. -1 on one axis means 'all remaining devices'."""
 
     data: int = -1
@@ -208,7 +175,7 @@ class LearnerConfig(ObjectiveConfig):
         return tuple(sorted(set(value)))
 
 
-class RunConfig(_Frozen):
+class RunConfig(Frozen):
     """Everything that defines one run. `run_uri` = `<store>/<run_name>`."""
 
     run_name: str = Field(
@@ -334,64 +301,3 @@ class RunConfig(_Frozen):
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)
-
-
-def _format_error(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "config"
-        msg = e["msg"].removeprefix("Value error, ")
-        lines.append(
-            f"{loc}: {msg}"
-            + (
-                f" (got {e['input']!r})"
-                if "input" in e and not isinstance(e["input"], dict)
-                else ""
-            )
-        )
-    return "invalid run configuration:\n  " + "\n  ".join(lines)
-
-
-def _parse_value(text: str) -> Any:
-    """Override values are YAML scalars/flow collections: 4, 0.5, true, [64,128], sync."""
-    return yaml.safe_load(text)
-
-
-def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """Return a copy of `data` with each `dotted.key=value` applied."""
-    out: dict[str, Any] = json.loads(json.dumps(data))
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.field=value")
-        key, _, raw = item.partition("=")
-        parts = key.strip().split(".")
-        node = out
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[parts[-1]] = _parse_value(raw)
-    return out
-
-
-def config_from_dict(data: Mapping[str, Any], overrides: Iterable[str] = ()) -> RunConfig:
-    """Validate a plain dict (from YAML, JSON, DAG params) into a RunConfig."""
-    try:
-        cfg = RunConfig.model_validate(apply_overrides(data, overrides))
-    except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
-    for message in cfg.warnings:
-        warnings.warn(message, ConfigWarning, stacklevel=2)
-    return cfg
-
-
-def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
-    """Load YAML or JSON from `path` (or defaults), then apply `key=value` overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text)  # YAML is a superset of JSON
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
-        data = loaded or {}
-    return config_from_dict(data, overrides)

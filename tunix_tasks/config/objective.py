@@ -1,7 +1,6 @@
 """`ObjectiveConfig`: the learner's RL objective (off-policy correction, advantages,
-stability terms). `LearnerConfig` (`tunix_tasks.config`) inherits these fields, so they
-stay flat `learner.*` keys (`learner.correction`, `learner.kl_coef`, ...); split out so
-each module stays small. The corrections are a registry in `tunix_tasks.learner.objective`
+stability terms). `LearnerConfig` (`run.py`) inherits these fields, so they stay flat
+`learner.*` keys (`learner.correction`, `learner.kl_coef`, ...). The corrections are a registry in `tunix_tasks.learner.objective`
 (the maths in `tunix_tasks.learner.rl_math`); this module validates `learner.correction`
 without importing JAX: a built-in name, or the import path of your own.
 """
@@ -13,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tunix_tasks.config_model import _Frozen
+from tunix_tasks.config.base import Frozen
 
 __all__ = ["BUILTIN_CORRECTIONS", "ObjectiveConfig"]
 
@@ -25,7 +24,7 @@ BUILTIN_CORRECTIONS = ("none", "token_tis", "sequence_tis", "ppo", "decoupled_pp
 _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
-class ObjectiveConfig(_Frozen):
+class ObjectiveConfig(Frozen):
     """What the learner optimises on (possibly stale) actor data."""
 
     rho_max: float = Field(2.0, gt=0.0, description="truncation of importance ratios")

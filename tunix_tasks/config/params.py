@@ -2,7 +2,7 @@
 
 An orchestrator's form (the Airflow DAG params) is a flat list of fields, each one a
 dotted `RunConfig` key. Their type, default, bounds, enumeration and description are
-read from `RunConfig.model_json_schema()`, so they are declared once, in `config.py`:
+read from `RunConfig.model_json_schema()`, so they are declared once, in `tunix_tasks/config/`:
 
     specs = form_specs()                    # {"num_actors": FieldSpec(key="actor.num_actors", ...)}
     specs["num_actors"].schema()            # {"type": "integer", "minimum": 1, "maximum": 1024, ...}
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tunix_tasks.config import RunConfig
+from tunix_tasks.config.run import RunConfig
 
 __all__ = [
     "FORM_KEYS",

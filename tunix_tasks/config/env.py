@@ -1,0 +1,88 @@
+"""`EnvConfig`, and the environment names a config accepts, read from entry points.
+
+Every environment, built-in or plug-in, is an entry point: the built-ins are declared in
+tunix-tasks' own pyproject.toml, under the same groups a plug-in package uses
+(`tunix_tasks.envs` for the asynchronous ones, `tunix_tasks.vec_envs` for the JAX ones).
+So the names are known without importing any environment (the learner reads config.json
+and imports none), and a plug-in is valid as soon as it is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from tunix_tasks.config.base import Frozen
+
+__all__ = [
+    "ENV_GROUP",
+    "VEC_ENV_GROUP",
+    "EnvConfig",
+    "builtin_env_names",
+    "known_env_names",
+    "known_vec_env_names",
+]
+
+ENV_GROUP = "tunix_tasks.envs"
+VEC_ENV_GROUP = "tunix_tasks.vec_envs"
+_OWN_DISTRIBUTION = "tunix-tasks"
+
+
+def _entry_points(group: str) -> list[importlib.metadata.EntryPoint]:
+    with contextlib.suppress(Exception):  # a broken distribution must not break loading
+        return list(importlib.metadata.entry_points(group=group))
+    return []
+
+
+def known_env_names() -> list[str]:
+    """Valid `env.name` values: the `tunix_tasks.envs` entry points (built-ins included)."""
+    return sorted({ep.name for ep in _entry_points(ENV_GROUP)})
+
+
+def known_vec_env_names() -> list[str]:
+    """Valid `env.name` values for `actor.kind=vectorized` (`tunix_tasks.vec_envs`)."""
+    return sorted({ep.name for ep in _entry_points(VEC_ENV_GROUP)})
+
+
+def builtin_env_names() -> list[str]:
+    """The environments tunix-tasks itself ships (what the JSON schema, and so the
+    Airflow form, offers)."""
+    eps = _entry_points(ENV_GROUP)
+    return sorted({ep.name for ep in eps if ep.dist and ep.dist.name == _OWN_DISTRIBUTION})
+
+
+def _offer_builtins(schema: dict[str, Any]) -> None:
+    schema["enum"] = builtin_env_names()
+
+
+class EnvConfig(Frozen):
+    """Which environment the actors step, and how slow it is (simulated remote latency)."""
+
+    name: str = Field(
+        "calculator",
+        description="the environment the actors step (a built-in or a registered plug-in)",
+        json_schema_extra=_offer_builtins,
+    )
+    max_turns: int = Field(4, ge=1, le=64, description="turns before an episode is truncated")
+    latency_s: float = Field(0.0, ge=0.0, description="added delay per env step (seconds)")
+    latency_jitter: float = Field(
+        0.0, ge=0.0, description="relative jitter of the delay: uniform in [1-j, 1+j]"
+    )
+    step_timeout_s: float = Field(
+        30.0, gt=0.0, description="an env reset/step slower than this ends the episode (dropped)"
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra env constructor args")
+
+    @field_validator("name")
+    @classmethod
+    def _known_env(cls, value: str) -> str:
+        names = known_env_names()
+        if value not in names:
+            raise ValueError(
+                f"unknown environment; valid: {', '.join(names)} (or a plug-in "
+                f"of the entry-point group {ENV_GROUP!r})"
+            )
+        return value
