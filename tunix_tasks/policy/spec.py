@@ -18,32 +18,56 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from tunix_tasks.config import ModelConfig
 
 __all__ = [
-    "HF_ARCHITECTURES",
+    "HF_FAMILIES",
     "LORA_TARGETS",
     "DecoderSpec",
+    "HfFamily",
     "Llama3Scaling",
     "LoraSpec",
     "UnsupportedCheckpoint",
+    "register_family",
     "rope_inv_freq",
     "spec_from_hf_config",
     "spec_from_preset",
 ]
 
-Family = Literal["char", "llama", "qwen2", "qwen3"]
-#: Hugging Face `architectures[0]` / `model_type` -> family.
-HF_ARCHITECTURES: dict[str, Family] = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-_MODEL_TYPES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+@dataclasses.dataclass(frozen=True)
+class HfFamily:
+    """What one Hugging Face model family changes in the shared decoder, and how its
+    config.json names it. A new family that fits the decoder is one `register_family`."""
+
+    name: str
+    architectures: tuple[str, ...]  # config.json `architectures` entries
+    model_type: str  # config.json `model_type` (when `architectures` is absent)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    qkv_bias: bool = False  # q/k/v projections always biased (Qwen2)
+    attention_bias: bool = True  # config.json `attention_bias: true` (q/k/v biases) accepted
+
+
+#: Family name -> its options; `char` (the presets) is not a Hugging Face family.
+HF_FAMILIES: dict[str, HfFamily] = {}
+
+
+def register_family(family: HfFamily) -> HfFamily:
+    """Add a Hugging Face family (its name and architectures must be new)."""
+    taken = {a for f in HF_FAMILIES.values() for a in f.architectures}
+    if family.name in HF_FAMILIES or taken & set(family.architectures):
+        raise ValueError(f"model family {family.name!r} or its architectures are registered")
+    HF_FAMILIES[family.name] = family
+    return family
+
+
+register_family(HfFamily("llama", ("LlamaForCausalLM",), "llama", attention_bias=False))
+register_family(HfFamily("qwen2", ("Qwen2ForCausalLM",), "qwen2", qkv_bias=True))
+register_family(HfFamily("qwen3", ("Qwen3ForCausalLM",), "qwen3", qk_norm=True))
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -62,7 +86,7 @@ class Llama3Scaling:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderSpec:
-    family: Family
+    family: str  # "char" or a key of HF_FAMILIES
     vocab_size: int
     d_model: int
     n_layers: int
@@ -133,16 +157,17 @@ def spec_from_preset(cfg: ModelConfig, *, vocab_size: int) -> DecoderSpec:
     )
 
 
-def _family(config: Mapping[str, Any]) -> Family:
-    for arch in config.get("architectures") or ():
-        if arch in HF_ARCHITECTURES:
-            return HF_ARCHITECTURES[arch]
-    model_type = config.get("model_type")
-    if model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
+def _family(config: Mapping[str, Any]) -> HfFamily:
+    for family in HF_FAMILIES.values():
+        if set(config.get("architectures") or ()) & set(family.architectures):
+            return family
+    for family in HF_FAMILIES.values():
+        if config.get("model_type") == family.model_type:
+            return family
+    supported = [a for f in HF_FAMILIES.values() for a in f.architectures]
     raise UnsupportedCheckpoint(
         f"config.json: unsupported architecture {config.get('architectures')} "
-        f"(model_type {model_type!r}); supported: {', '.join(HF_ARCHITECTURES)}"
+        f"(model_type {config.get('model_type')!r}); supported: {', '.join(supported)}"
     )
 
 
@@ -184,8 +209,10 @@ def spec_from_hf_config(config: Mapping[str, Any], *, max_seq_len: int) -> Decod
 
     if config.get("mlp_bias"):
         raise UnsupportedCheckpoint("config.json: mlp_bias=true is not supported")
-    if family == "llama" and config.get("attention_bias"):
-        raise UnsupportedCheckpoint("config.json: attention_bias=true is not supported for llama")
+    if config.get("attention_bias") and not family.attention_bias:
+        raise UnsupportedCheckpoint(
+            f"config.json: attention_bias=true is not supported for {family.name}"
+        )
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedCheckpoint(
             f"config.json: hidden_act {config['hidden_act']!r} is not supported (silu)"
@@ -195,7 +222,7 @@ def spec_from_hf_config(config: Mapping[str, Any], *, max_seq_len: int) -> Decod
     d_model, n_heads = need("hidden_size"), need("num_attention_heads")
     theta, scaling = _rope(config)
     return DecoderSpec(
-        family=family,
+        family=family.name,
         vocab_size=need("vocab_size"),
         d_model=d_model,
         n_layers=need("num_hidden_layers"),
@@ -207,8 +234,8 @@ def spec_from_hf_config(config: Mapping[str, Any], *, max_seq_len: int) -> Decod
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        qk_norm=family == "qwen3",
-        qkv_bias=family == "qwen2" or bool(config.get("attention_bias")),
+        qk_norm=family.qk_norm,
+        qkv_bias=family.qkv_bias or bool(config.get("attention_bias")),
         # Hugging Face's default is tied when the key is absent.
         tie_embeddings=bool(config.get("tie_word_embeddings", True)),
     )
