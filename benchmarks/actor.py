@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
-from tunix_tasks.actor.actor import Actor
+from tunix_tasks.actor.asynchronous.actor import Actor
 from tunix_tasks.config import ModelConfig, config_from_dict
 from tunix_tasks.policy.build import build_policy, build_sampler, model_meta
 from tunix_tasks.policy.params import flat_params
@@ -86,8 +86,8 @@ def measure_actor(root: str, envs: int, warmup_s: float, window_s: float) -> dic
         flat_params(model), version=0, step=0, model=model_meta(cfg.model, model)
     )
     actor = Actor(cfg, store, actor_id=f"bench-{envs}")
-    warm_sampler(actor.sampler, envs, cfg.actor.max_episode_tokens, cfg.actor.max_new_tokens)
-    compiles = actor.sampler.compile_count
+    warm_sampler(actor.engine, envs, cfg.actor.max_episode_tokens, cfg.actor.max_new_tokens)
+    compiles = actor.engine.compile_count
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(actor.run()))
     thread.start()

@@ -43,9 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_tasks.actor.actor import Actor
+from tunix_tasks.actor.asynchronous.actor import Actor
 from tunix_tasks.actor.runtime import ActorRuntime
-from tunix_tasks.actor.vectorized import VectorizedActor
+from tunix_tasks.actor.vectorized.actor import VectorizedActor
 from tunix_tasks.config import RunConfig, config_from_dict
 from tunix_tasks.episode import Episode
 from tunix_tasks.learner.source import EpisodeSource
@@ -105,8 +105,8 @@ def measure(cfg: RunConfig, cls: type[ActorRuntime], warmup_s: float, window_s: 
     # The asynchronous sampler compiles a program per new (batch, chunk, window) shape as
     # it meets them: measure once no new program came for `warmup_s` (at most 3 min).
     compiles = -1
-    while actor.sampler.compile_count != compiles and time.monotonic() - t0 < 180:
-        compiles = actor.sampler.compile_count
+    while actor.engine.compile_count != compiles and time.monotonic() - t0 < 180:
+        compiles = actor.engine.compile_count
         time.sleep(warmup_s)
     (eps0, steps0), t1 = _committed(actor), time.monotonic()
     rows0 = (getattr(actor, "row_steps", 0), getattr(actor, "collected_at", 0.0))

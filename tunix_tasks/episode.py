@@ -54,7 +54,16 @@ class ShardRow(NamedTuple):
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Episode:
     """Arrays are per token and of equal length; `loss_mask` is 1 on policy tokens and
-    `behavior_logprobs` is the sampler's log-prob there (0 elsewhere)."""
+    `behavior_logprobs` is the sampler's log-prob there (0 elsewhere).
+
+    `seed` is the environment seed that reproduces the episode's task, the same for every
+    member of a GRPO group (`group_id`): `env.reset(seed)` for an asyncio environment,
+    `vec_env.reset(jax.random.key(seed))` for a vectorized one (the twins draw different
+    tasks from one seed). Actors derive it per group (< 2**31, new ones each incarnation):
+    the asynchronous actor as `actor.runtime.episode_seed(run_seed, actor_key, group)`
+    (actor_key: `<actor_id>/<incarnation>`), the vectorized one on the device from its env
+    key (`actor.vectorized.device_loop.group_seed`). Demonstrations use seeds >= 2**31.
+    `actor.episodes.EpisodeBuilder` assembles every episode an actor writes."""
 
     episode_id: str
     tokens: np.ndarray  # int32 [n]

@@ -7,8 +7,8 @@ import asyncio
 
 import numpy as np
 
-import tunix_tasks.actor.actor as actor_module
-from tunix_tasks.actor.actor import Actor
+import tunix_tasks.actor.asynchronous.actor as actor_module
+from tunix_tasks.actor.asynchronous.actor import Actor
 from tunix_tasks.config import load_config
 from tunix_tasks.episode import Episode
 from tunix_tasks.storage.store import open_store
@@ -24,8 +24,8 @@ def _groups(actor: Actor, n: int) -> list[tuple[int, str]]:
 
 
 def test_restarted_actor_never_replays_seeds_or_group_ids(tmp_path, monkeypatch):
-    async def fake_episode(env, policy, *, seed, group_id, **kw) -> Episode:
-        return Episode("e", np.ones(2), np.zeros(2), np.zeros(2), seed=seed, group_id=group_id)
+    async def fake_episode(env, policy, *, seed, builder, group, **kw) -> Episode:
+        return builder(np.ones(2), np.zeros(2), np.zeros(2), group=group, seed=seed)
 
     monkeypatch.setattr(actor_module, "play_episode", fake_episode)
     cfg = load_config(None, ["actor.group_size=2"])

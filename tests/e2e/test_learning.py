@@ -23,8 +23,8 @@ import sys
 import pytest
 from flax import nnx
 
-from tunix_tasks.actor.batching import BatchingPolicy
-from tunix_tasks.actor.rollout import EpisodeLimits, play_episode
+from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
+from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, play_episode
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import Action, ArithmeticEnv, StepResult
 from tunix_tasks.frontdoor.evaluate import evaluate_params, evaluate_snapshot, held_out_seeds

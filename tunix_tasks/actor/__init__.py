@@ -1,7 +1,15 @@
-"""Actors: play many environments concurrently with the current policy, write shards.
+"""Actors: play many environments with the current policy, write shards. One folder per
+actor kind (`actor.kind`), the runtime and the records they share beside them:
 
-actor.py           the actor process: episodes, weight reloads, stop rules, metrics
-rollout.py         one episode's token layout and loop -> `Episode`
-batching.py        concurrent policy calls -> one batched sampler call
+runtime.py         `ActorRuntime`: lifecycle and stop rules, weights reload, shards, metrics
+engine.py          `RolloutEngine`: what the runtime asks of a kind's engine (its call loop)
+episodes.py        `EpisodeBuilder`: the one place an `Episode` is assembled (field meanings)
 demonstrations.py  expert episodes for the learner's warm start (`demos/` shards)
+asynchronous/      `actor.kind: async`: asyncio environments, the batched `Sampler`
+vectorized/        `actor.kind: vectorized`: JAX environments and the policy in one jitted loop
+
+A new actor engine is a new folder here: an engine satisfying `RolloutEngine` and an
+`ActorRuntime` subclass (`_build_engine`, `_serve`), registered under its `actor.kind`
+in `frontdoor/entrypoints.py: ACTOR_KINDS` and `config.py: ActorConfig.kind`
+(docs/architecture.md, "A new actor engine").
 """

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from tunix_tasks.actor.rollout import EpisodeLimits, ScriptedPolicy, play_episode
+from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, ScriptedPolicy, play_episode
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.episode import Episode

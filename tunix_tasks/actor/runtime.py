@@ -2,23 +2,23 @@
 
 An actor process waits for the first weights, then serves (the kind's own loop) until the
 run's DONE marker, its deadline or a signal, and always flushes its last shard and
-metrics. This class owns that lifecycle, the weights reload, the shard writer and the
-metrics; `actor.Actor` (asyncio environments, the batched sampler) and
-`vectorized.VectorizedActor` (JAX environments and the policy on the device) own how
-episodes are made:
+metrics. This class owns that lifecycle, the weights reload, the shard writer, the
+metrics and the `EpisodeBuilder` that stamps every episode (`self.episodes`);
+`asynchronous.actor.Actor` (asyncio environments, the batched sampler) and
+`vectorized.actor.VectorizedActor` (JAX environments and the policy on the device) own
+how episodes are made:
 
     class MyActor(ActorRuntime):
-        def __init__(self, cfg, store, **kw):
-            super().__init__(cfg, store, **kw)
-            self.sampler = ...            # update_params(flat, version=, only=), compile_count
-        def _serve(self):                 # until self._should_stop()
+        def _build_engine(self) -> RolloutEngine:   # once, at the end of __init__
+            return ...                              # engine.py: update_params, compile_count
+        def _serve(self):                           # until self._should_stop()
             ... self._maybe_reload() ... self._commit(group_of_episodes) ... self._watch_once()
 
 Store outages: the actor keeps its episodes buffered and retries with backoff (a
 blocked commit also stops it from producing more) for up to an hour, then exits with
 `StoreUnavailable`; polls of weights, DONE and metrics just try again later (outage.py).
 
-Weights: the engine polls `weights/LATEST` (at most every `weight_poll_s`) and swaps in a
+Weights: the runtime polls `weights/LATEST` (at most every `weight_poll_s`) and swaps in a
 new snapshot once its checksum, tensor names, shapes and dtypes check out (a bad snapshot
 or pointer is refused once; the actor keeps its weights). An episode's `policy_version` is
 the OLDEST version that produced any of its tokens, so staleness is never underestimated.
@@ -39,6 +39,8 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from tunix_tasks.actor.engine import RolloutEngine
+from tunix_tasks.actor.episodes import EpisodeBuilder
 from tunix_tasks.config import RunConfig
 from tunix_tasks.episode import Episode
 from tunix_tasks.policy.build import base_fingerprint
@@ -82,8 +84,6 @@ class ActorStats:
 class ActorRuntime:
     """The lifecycle, weights, shards and metrics of an actor (module docstring)."""
 
-    sampler: Any  # the engine: update_params(flat, version=, only=) and compile_count
-
     def __init__(
         self,
         cfg: RunConfig,
@@ -124,12 +124,20 @@ class ActorRuntime:
         self.stats = ActorStats()
         self._last_metrics = 0.0
         self._last_counts = (0, 0, 0, 0.0)
+        self.episodes = EpisodeBuilder(
+            actor_id=actor_id, env=cfg.env.name, group_key=self._seed_key
+        )
+        self.engine: RolloutEngine = self._build_engine()
 
     @functools.cached_property
     def base_fingerprint(self) -> str:
         """The base this actor's adapters apply to; read (checkpoint headers) only when an
         adapter snapshot first arrives, not at every actor's start."""
         return base_fingerprint(self.cfg.model, self.cfg.seed)
+
+    def _build_engine(self) -> RolloutEngine:
+        """The kind's engine, built once the runtime's fields (seeds, ids) are set."""
+        raise NotImplementedError
 
     # -- lifecycle -----------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -169,7 +177,7 @@ class ActorRuntime:
             "reward_mean": self.stats.reward_sum / max(1, self.stats.episodes),
             "last_version": self.version,
             "stop_reason": self._stop_reason,
-            "compile_count": self.sampler.compile_count,
+            "compile_count": self.engine.compile_count,
             "wall_s": time.monotonic() - t0,
         }
 
@@ -223,9 +231,9 @@ class ActorRuntime:
                     f"({(manifest.base or {}).get('uri', '?')}), this actor runs base "
                     f"{self.base_fingerprint[:12]}... ({self.cfg.model.checkpoint or 'preset'})"
                 )
-            self.sampler.update_params(flat, version=manifest.version, only=nnx.LoRAParam)
+            self.engine.update_params(flat, version=manifest.version, only=nnx.LoRAParam)
         else:
-            self.sampler.update_params(flat, version=manifest.version)
+            self.engine.update_params(flat, version=manifest.version)
         self.stats.reload_bytes = self.weights.last_reload_bytes
         self.stats.publish_to_reload_s = max(0.0, time.time() - manifest.created_at)
         self.version = manifest.version
@@ -291,7 +299,7 @@ class ActorRuntime:
             reload_bytes=s.reload_bytes,
             publish_to_reload_s=s.publish_to_reload_s,
             reloads=s.reloads,
-            compile_count=self.sampler.compile_count,
+            compile_count=self.engine.compile_count,
             shards=len(self.writer.shards_written),
             final=wall is not None,
             **self._engine_metrics(),

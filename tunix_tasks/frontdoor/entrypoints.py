@@ -11,6 +11,7 @@ it in a fresh process; nothing here imports Airflow.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +22,14 @@ from tunix_tasks.storage.runs import read_config, write_config
 from tunix_tasks.storage.store import open_store
 
 log = logging.getLogger(__name__)
+
+
+# `actor.kind` -> its `ActorRuntime` subclass, imported only by the process that runs it
+# (each kind pulls in its own engine); a new kind adds a line here and to `actor.kind`.
+ACTOR_KINDS: dict[str, str] = {
+    "async": "tunix_tasks.actor.asynchronous.actor:Actor",
+    "vectorized": "tunix_tasks.actor.vectorized.actor:VectorizedActor",
+}
 
 
 def actor_name(actor_id: int | str) -> str:
@@ -69,11 +78,9 @@ def run_actor(
         cfg = config_from_dict(
             {**cfg.model_dump(), "actor": {**cfg.actor.model_dump(), "kind": kind}}
         )
-    if cfg.actor.kind == "vectorized":
-        from tunix_tasks.actor.vectorized import VectorizedActor as Actor
-    else:
-        from tunix_tasks.actor.actor import Actor
-    actor = Actor(
+    module, name = ACTOR_KINDS[cfg.actor.kind].split(":")
+    actor_cls = getattr(importlib.import_module(module), name)
+    actor = actor_cls(
         cfg, store, actor_id=actor_name(actor_id), deadline_s=deadline_s or cfg.deadline_s or None
     )
     if handle_signals:

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from tunix_tasks.actor.batching import BatchingPolicy
-from tunix_tasks.actor.rollout import EpisodeLimits, play_episode
+from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
+from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, play_episode
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.policy.build import build_sampler

@@ -1,4 +1,4 @@
-"""Tests for tunix_tasks.actor.actor: real actors on a real store (file:// and gs://), no mocks.
+"""Tests for tunix_tasks.actor.asynchronous.actor: real actors on a real store (file:// and gs://), no mocks.
 
 Each test publishes weight snapshots with `WeightsPublisher`, runs an `Actor` in a thread
 (or `run_actor` in a subprocess) and checks what it wrote: valid shards, exact behaviour
@@ -32,7 +32,7 @@ from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
 from tests.paths import REPO
-from tunix_tasks.actor.actor import Actor
+from tunix_tasks.actor.asynchronous.actor import Actor
 from tunix_tasks.config import RunConfig, config_from_dict
 from tunix_tasks.envs import Action, StepResult, function_tool, register_env
 from tunix_tasks.episode import Episode
@@ -296,12 +296,12 @@ def test_actor_writes_valid_shards_with_exact_logprobs(store_uri):
     # Compilations: bounded by the shapes the run can use: batch buckets up to the envs,
     # prefill (chunk <= window) and decode (window) length buckets up to the episode length.
     assert max(actor.policy.batch_sizes) <= cfg.actor.envs_per_actor
-    buckets = actor.sampler.batch_buckets
+    buckets = actor.engine.batch_buckets
     batches = [b for b in buckets if b < cfg.actor.envs_per_actor]
     batches.append(next(b for b in buckets if b >= cfg.actor.envs_per_actor))
-    lengths = [p for p in actor.sampler.prompt_buckets if p < cfg.actor.max_episode_tokens]
+    lengths = [p for p in actor.engine.prompt_buckets if p < cfg.actor.max_episode_tokens]
     lengths.append(
-        next(p for p in actor.sampler.prompt_buckets if p >= cfg.actor.max_episode_tokens)
+        next(p for p in actor.engine.prompt_buckets if p >= cfg.actor.max_episode_tokens)
     )
     n = len(lengths)
     assert 1 <= summary["compile_count"] <= len(batches) * (n * (n + 1) // 2 + n)
@@ -370,7 +370,7 @@ def test_actor_reloads_weights_and_refuses_corrupt_snapshot(store_uri, caplog, r
     )
     final = read_metrics(store, "actor/actor-w")[-1]
     assert final["weights_version"] == 1 and final["reloads"] == 2
-    samplers = getattr(actor.sampler, "replicas", [actor.sampler])
+    samplers = getattr(actor.engine, "replicas", [actor.engine])
     assert len(samplers) == replicas and all(s.stats.decode_steps for s in samplers)
     assert {s.version for s in samplers} == {1}
 
@@ -624,7 +624,7 @@ def test_no_episodes_before_the_first_snapshot(tmp_path):
     try:
         time.sleep(3.0)  # the learner's warm start
         assert actor.stats.episodes == 0 and actor.version == -1
-        assert actor.sampler.compile_count == 0 and not store.list("shards/")
+        assert actor.engine.compile_count == 0 and not store.list("shards/")
         _publish(store, cfg, _peaky(1, cfg), version=3)  # e.g. a resumed run's first
         run.episodes_at_least(4)
     finally:

@@ -17,8 +17,8 @@ import pytest
 from flax import nnx
 
 from tests.paths import HF_FIXTURES
-from tunix_tasks.actor.batching import BatchingPolicy
-from tunix_tasks.actor.rollout import EpisodeLimits, ScriptedPolicy, play_episode
+from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
+from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, ScriptedPolicy, play_episode
 from tunix_tasks.config import ModelConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.envs.calculator import safe_eval

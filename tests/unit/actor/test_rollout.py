@@ -1,4 +1,4 @@
-"""Tests for tunix_tasks.actor.rollout: the episode token layout and how episodes end.
+"""Tests for tunix_tasks.actor.asynchronous.rollout: the episode token layout and how episodes end.
 
 Real environments registered through `tunix_tasks.envs.register_env` (unique names) are
 built with `make_env` and driven by a scripted policy that returns fixed actions with
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tunix_tasks.actor.rollout import EpisodeLimits, ScriptedPolicy, play_episode
+from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, ScriptedPolicy, play_episode
 from tunix_tasks.envs import Action, StepResult, make_env, register_env
 from tunix_tasks.policy.tokenizer import CharChat, CharTokenizer
 

@@ -11,6 +11,7 @@ trains on the shards of both actor kinds of one run without telling them apart.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from tests.unit.actor.test_actor import (
@@ -23,10 +24,13 @@ from tests.unit.actor.test_actor import (
     compile_cache,  # noqa: F401  (module fixture: a shared XLA cache)
 )
 from tests.unit.learner.test_learner import _ledger
-from tunix_tasks.actor.actor import Actor
-from tunix_tasks.actor.vectorized import VectorizedActor
+from tunix_tasks.actor.asynchronous.actor import Actor
+from tunix_tasks.actor.vectorized.actor import VectorizedActor
+from tunix_tasks.actor.vectorized.token_layout import TokenLayout
 from tunix_tasks.config import RunConfig, config_from_dict
+from tunix_tasks.envs.vectorized import make_vec_env
 from tunix_tasks.frontdoor.entrypoints import run_learner
+from tunix_tasks.policy.build import build_chat
 from tunix_tasks.storage.runs import mark_done, write_config
 
 
@@ -67,6 +71,21 @@ def _groups_are_whole(episodes, group_size: int) -> None:
         assert len(firsts) == 1
 
 
+def _seeds_reproduce_the_tasks(cfg: RunConfig, episodes) -> None:
+    """An episode's `seed` is its group's env seed: `reset(jax.random.key(seed))` lays out
+    exactly its first prompt; groups (and only groups) share one."""
+    groups = {e.group_id: e for e in episodes}
+    assert len({e.seed for e in groups.values()}) == len(groups)
+    assert all(e.seed == groups[e.group_id].seed for e in episodes)
+    env = make_vec_env(cfg.env.name, **cfg.env.kwargs)
+    layout = TokenLayout.from_chat(build_chat(cfg.model))
+    for e in groups.values():
+        _, obs = env.reset(jax.random.key(e.seed))
+        ids = np.asarray(layout.code_to_id)[np.asarray(obs.codes)[: int(obs.length)]]
+        prompt = [*layout.start_prefix, *ids, *layout.start_suffix]
+        assert e.tokens[: np.argmax(e.loss_mask)].tolist() == prompt, e.group_id
+
+
 def test_vectorized_actor_writes_valid_shards_with_exact_logprobs(tmp_path):
     cfg = _config(f"file://{tmp_path}/runs")
     store = write_config(cfg)
@@ -84,6 +103,7 @@ def test_vectorized_actor_writes_valid_shards_with_exact_logprobs(tmp_path):
     assert {e.policy_version for e in episodes} == {0}
     assert {(e.actor_id, e.env) for e in episodes} == {("actor-vec", "calculator")}
     _groups_are_whole(episodes, cfg.actor.group_size)
+    _seeds_reproduce_the_tasks(cfg, episodes)
     tok_bos, tok_eos = 1, 2
     for e in episodes:
         assert e.tokens[0] == tok_bos and e.tokens[-1] == tok_eos
@@ -133,7 +153,7 @@ def test_reload_mid_episode_keeps_every_logprob_exact(tmp_path):
         if e.policy_version == 1:
             assert np.all(under1)
     assert straddling > 0, "no episode was in flight during the reload"
-    assert actor.sampler.compile_count == 3  # start, segment, one refill program
+    assert actor.engine.compile_count == 3  # start, segment, one refill program
 
 
 def test_learner_trains_on_shards_of_both_actor_kinds(tmp_path):

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from tests.unit.envs.conftest import call, demo_policy, play, random_baseline, rollout
-from tunix_tasks.actor.rollout import EpisodeLimits, ScriptedPolicy, play_episode
+from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, ScriptedPolicy, play_episode
 from tunix_tasks.envs import Action, ArithmeticEnv, ToolCall, make_env
 from tunix_tasks.policy.tokenizer import CharChat
 

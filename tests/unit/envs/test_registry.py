@@ -64,7 +64,9 @@ def test_register_custom_env():
 
 def test_entry_point_plugin(monkeypatch):
     ep = importlib.metadata.EntryPoint(
-        name="echo_plugin", value="tests.unit.envs.test_registry:_EchoEnv", group=envs.ENTRY_POINT_GROUP
+        name="echo_plugin",
+        value="tests.unit.envs.test_registry:_EchoEnv",
+        group=envs.ENTRY_POINT_GROUP,
     )
 
     def fake_entry_points(**kw):

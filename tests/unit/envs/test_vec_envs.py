@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tunix_tasks.actor.token_layout import TokenLayout
+from tunix_tasks.actor.vectorized.token_layout import TokenLayout
 from tunix_tasks.envs import CalculatorEnv, SortingEnv
 from tunix_tasks.envs.calculator import safe_eval
 from tunix_tasks.envs.vectorized import available_vec_envs, make_vec_env, register_vec_env

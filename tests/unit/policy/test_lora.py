@@ -130,7 +130,7 @@ def test_checkpoint_base_with_fresh_adapters():
 
 
 def test_actor_reloads_adapters_only_and_refuses_another_base(tmp_path):
-    from tunix_tasks.actor.actor import Actor
+    from tunix_tasks.actor.asynchronous.actor import Actor
     from tunix_tasks.storage.runs import write_config
     from tunix_tasks.storage.weights import WeightsPublisher
 
@@ -140,7 +140,7 @@ def test_actor_reloads_adapters_only_and_refuses_another_base(tmp_path):
     store = write_config(cfg)
     actor = Actor(cfg, store, actor_id="a", incarnation="x")
     adapters = {
-        k: np.full_like(v, 0.01) for k, v in flat_params(actor.sampler.model, nnx.LoRAParam).items()
+        k: np.full_like(v, 0.01) for k, v in flat_params(actor.engine.model, nnx.LoRAParam).items()
     }
     publisher = WeightsPublisher(store)
     wrong = {"fingerprint": "f" * 64, "uri": "another base"}
@@ -150,10 +150,10 @@ def test_actor_reloads_adapters_only_and_refuses_another_base(tmp_path):
     right = {"fingerprint": base_fingerprint(cfg.model, cfg.seed), "uri": "preset tiny"}
     publisher.publish(adapters, version=1, step=1, model={}, kind="adapter", base=right)
     assert actor.weights.poll(actor._load) is not None and actor.version == 1
-    loaded = flat_params(actor.sampler.model, nnx.LoRAParam)
+    loaded = flat_params(actor.engine.model, nnx.LoRAParam)
     assert all(np.array_equal(loaded[k], adapters[k]) for k in adapters)
     assert (
         0
         < actor.weights.last_reload_bytes
-        < 0.2 * 4 * sum(v.size for v in flat_params(actor.sampler.model).values())
+        < 0.2 * 4 * sum(v.size for v in flat_params(actor.engine.model).values())
     )  # the adapters' bytes, not the model's

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tunix_tasks.actor.episodes import EpisodeBuilder
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs.base import Environment, StepResult
 from tunix_tasks.episode import Episode, EpisodeStatus
@@ -100,40 +101,38 @@ async def play_episode(
     limits: EpisodeLimits,
     chat: ChatFormat,
     episode_id: str | None = None,
-    env_name: str | None = None,
-    actor_id: str = "",
-    group_id: str = "",
+    builder: EpisodeBuilder | None = None,
+    group: int | None = None,
     default_version: int = 0,
     on_env_step: Callable[[float], None] | None = None,
 ) -> Episode:
     """Run one episode. Environment errors end it with status `env_error`, a reset or step
     slower than `step_timeout_s` with `env_timeout` (the learner drops both: slow
     infrastructure is no evidence about the policy), the token or turn budget with
-    `truncated`; none raises. `env_name` defaults to `env.name`
-    (the actor passes the registry name it was made by); `default_version` is the
-    episode's policy version when no policy call was made; `on_env_step(seconds)` sees
-    every step's duration."""
+    `truncated`; none raises. `builder` stamps the episode (the actor's: its id, the
+    env's registry name, `group`'s id; by default none and `env.name`); `default_version`
+    is the episode's policy version when no policy call was made; `on_env_step(seconds)`
+    sees every step's duration."""
     rec = _Transcript()
     tools = list(getattr(env, "tools", ()))
     episode_id = episode_id or uuid.uuid4().hex
+    builder = builder or EpisodeBuilder(env=getattr(env, "name", ""))
 
     def episode() -> Episode:
         if not rec.tokens:  # the env never started: an empty first prompt keeps it non-empty
             rec.extend(chat.start([{"role": "user", "content": ""}], tools), policy=False)
         rec.extend(chat.end_ids, policy=False)
-        return Episode(
-            episode_id,
+        return builder(
             rec.tokens,
             rec.loss_mask,
             rec.logprobs,
+            group=group,
+            seed=seed,
             reward=rec.reward,
             policy_version=min(rec.versions, default=default_version),
-            actor_id=actor_id,
-            env=env_name if env_name is not None else getattr(env, "name", ""),
-            group_id=group_id,
-            seed=seed,
             num_turns=rec.turns,
             status=rec.status,
+            episode_id=episode_id,
         )
 
     loop = asyncio.get_running_loop()

@@ -1,7 +1,7 @@
 """The on-device actor's program: E environments and the policy, one token per row per step.
 
 Every row is one episode laid out in a token buffer `[E, T]` exactly as the asynchronous
-rollout lays it out (`actor/rollout.py`: start prompt, sampled turn, close, reply, ...,
+rollout lays it out (`actor/asynchronous/rollout.py`: start prompt, sampled turn, close, reply, ...,
 end). Per row, `fed` tokens have been through the model (their keys and values are
 cached) and `filled` are written; tokens in between are forced (template pieces and the
 environment's observation). One step, for all rows at once:
@@ -19,7 +19,9 @@ per (E, T, ...) for the whole run. A segment runs `steps` steps or until its `Fi
 buffer could overflow, then hands the finished episodes to the host.
 
 Tickets number the episodes an actor starts; GRPO groups are `ticket // group_size`, and a
-group's members get the same env key (the same task), `fold_in(env_key, group)`. Tokens are
+group's members get the same env seed (the same task), `group_seed(env_key, group)`: an int
+< 2**31, each row's env reset with `jax.random.key(seed)`, so the seed an `Episode` stores
+reproduces its task (`vec_env.reset(jax.random.key(episode.seed))`). Tokens are
 drawn with `decoding.draw`, keyed by (ticket, position): unique per token, independent of E.
 A row's `version` is the weights version current when its episode started (the oldest it
 was sampled with: weights only change between segments).
@@ -33,12 +35,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_tasks.actor.token_layout import TokenLayout
+from tunix_tasks.actor.vectorized.token_layout import TokenLayout
 from tunix_tasks.envs.vectorized.base import Chars, VecEnv, concat, fit, pick
 from tunix_tasks.policy.decoding import RowParams, draw
 from tunix_tasks.policy.model import KVCache, Transformer
 
-__all__ = ["Finished", "Loop", "Shape", "advance", "empty_finished", "refill", "start"]
+__all__ = [
+    "Finished",
+    "Loop",
+    "Shape",
+    "advance",
+    "empty_finished",
+    "group_seed",
+    "refill",
+    "start",
+]
 
 
 class Shape(NamedTuple):
@@ -64,6 +75,7 @@ class Rows(NamedTuple):
     turns: jax.Array  # [E]
     reward: jax.Array  # [E] float32
     ticket: jax.Array  # [E] the episode's number in this actor
+    seed: jax.Array  # [E] its group's env seed
     version: jax.Array  # [E] weights version when it started
     env: Any  # the environments' states, [E, ...] leaves
 
@@ -85,6 +97,7 @@ class Finished(NamedTuple):
     turns: jax.Array
     truncated: jax.Array
     ticket: jax.Array
+    seed: jax.Array
     version: jax.Array
     count: jax.Array
 
@@ -97,6 +110,13 @@ class Sampling(NamedTuple):
     temperature: jax.Array
     top_k: jax.Array
     version: jax.Array
+
+
+def group_seed(env_key: jax.Array, group: jax.Array) -> jax.Array:
+    """The env seed of GRPO group `group`: an int32 in [0, 2**31), drawn from the actor's
+    env key, so groups get distinct tasks and the seed alone reproduces one."""
+    bits = jax.random.bits(jax.random.fold_in(env_key, group), dtype=jnp.uint32)
+    return (bits >> 1).astype(jnp.int32)
 
 
 def _ids(layout_piece: tuple[int, ...]) -> Chars:
@@ -146,8 +166,8 @@ def _reset(
     """Start a new episode in every row of `which`: the next tickets, in row order."""
     rank = jnp.cumsum(which) - 1
     ticket = jnp.where(which, next_ticket + rank, rows.ticket).astype(jnp.int32)
-    keys = jax.vmap(lambda t: jax.random.fold_in(s.env_key, t // shape.group_size))(ticket)
-    env_state, obs = jax.vmap(env.reset)(keys)
+    seed = jax.vmap(lambda t: group_seed(s.env_key, t // shape.group_size))(ticket)
+    env_state, obs = jax.vmap(lambda x: env.reset(jax.random.key(x)))(seed)
     prompt = jax.vmap(
         lambda o: concat(_ids(layout.start_prefix), _obs_ids(layout, o), _ids(layout.start_suffix))
     )(obs)
@@ -161,6 +181,7 @@ def _reset(
         turns=zero,
         reward=jnp.zeros_like(rows.reward),
         ticket=ticket,
+        seed=seed,
         version=jnp.full_like(rows.version, s.version),
         env=env_state,
     )
@@ -188,6 +209,7 @@ def start(model: Transformer, env: VecEnv, layout: TokenLayout, shape: Shape, s:
         jnp.zeros((e,), jnp.float32),
         z,
         z,
+        z,
         env_state,
     )
     rows, next_ticket = _reset(rows, jnp.ones((e,), bool), jnp.int32(0), env, layout, shape, s)
@@ -207,6 +229,7 @@ def empty_finished(shape: Shape) -> Finished:
         jnp.zeros((c,), bool),
         z,
         z,
+        z,
         jnp.int32(0),
     )
 
@@ -223,6 +246,7 @@ def _emit(out: Finished, rows: Rows, which: jax.Array, truncated: jax.Array) -> 
         put(out.turns, rows.turns),
         put(out.truncated, truncated),
         put(out.ticket, rows.ticket),
+        put(out.seed, rows.seed),
         put(out.version, rows.version),
         out.count + jnp.sum(which).astype(jnp.int32),
     )

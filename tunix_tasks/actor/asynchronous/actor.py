@@ -9,9 +9,10 @@ the same shard, which is what group-normalised advantages need.
     actor = Actor(cfg, store, actor_id="actor-0")
     summary = actor.run()          # until DONE marker, deadline, SIGTERM/SIGINT/SIGHUP
 
-The lifecycle, weights reload, shards and metrics are `ActorRuntime`'s (runtime.py).
-Before each policy batch the sampler polls for new weights; actors swap weights between
-policy batches, possibly mid-episode (the episode keeps the oldest version).
+The lifecycle, weights reload, shards and metrics are `ActorRuntime`'s (actor/runtime.py);
+the engine is the run's `Sampler` (or `SamplerReplicas`). Before each policy batch the
+engine thread polls for new weights; actors swap weights between policy batches, possibly
+mid-episode (the episode keeps the oldest version).
 
 Synchronous mode (`mode=sync`): the actor generates one batch of episodes per weights
 version, commits it, and waits for the learner to publish the next version.
@@ -24,31 +25,29 @@ from typing import Any
 
 import numpy as np
 
-from tunix_tasks.actor.batching import BatchingPolicy
-from tunix_tasks.actor.rollout import EpisodeLimits, play_episode
-from tunix_tasks.actor.runtime import FINAL_FLUSH_S, ActorRuntime, ActorStats, episode_seed
+from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
+from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, play_episode
+from tunix_tasks.actor.runtime import ActorRuntime, episode_seed
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.episode import Episode
 from tunix_tasks.policy.build import build_sampler
+from tunix_tasks.policy.replicas import SamplerReplicas
+from tunix_tasks.policy.sampling import Sampler
 from tunix_tasks.storage.store import ObjectStore
 
-__all__ = ["FINAL_FLUSH_S", "Actor", "ActorStats", "episode_seed"]
+__all__ = ["Actor"]
 
 
 class Actor(ActorRuntime):
     """`actor.kind: async` (module docstring)."""
 
+    engine: Sampler | SamplerReplicas
+
     def __init__(self, cfg: RunConfig, store: ObjectStore, **kwargs: Any) -> None:
         super().__init__(cfg, store, **kwargs)
-        self.chat, self.sampler = build_sampler(
-            cfg.model,
-            seed=cfg.seed,
-            max_sequences=cfg.actor.cache_slots,
-            replicas=cfg.actor.sampler_replicas,
-        )
         self.policy = BatchingPolicy(
-            self.sampler,
+            self.engine,
             max_new_tokens=cfg.actor.max_new_tokens,
             temperature=cfg.actor.temperature,
             top_k=cfg.actor.top_k,
@@ -59,6 +58,16 @@ class Actor(ActorRuntime):
         )
         self._group_counter = 0
         self.limits = EpisodeLimits.from_config(cfg)
+
+    def _build_engine(self) -> Sampler | SamplerReplicas:
+        # The rollout renders with the sampler's own chat format (stop ids, template).
+        self.chat, sampler = build_sampler(
+            self.cfg.model,
+            seed=self.cfg.seed,
+            max_sequences=self.cfg.actor.cache_slots,
+            replicas=self.cfg.actor.sampler_replicas,
+        )
+        return sampler
 
     def _serve(self) -> None:
         asyncio.run(self._main())
@@ -82,14 +91,14 @@ class Actor(ActorRuntime):
                 break
             await asyncio.sleep(1.0)
 
-    def _next_group(self) -> tuple[int, str]:
-        """(env seed, group id) of the next group: unique per actor incarnation."""
+    def _next_group(self) -> tuple[int, int]:
+        """(group number, env seed) of the next group: unique per actor incarnation."""
         group = self._group_counter
         self._group_counter += 1
-        return episode_seed(self.cfg.seed, self._seed_key, group), f"{self._seed_key}/{group}"
+        return group, episode_seed(self.cfg.seed, self._seed_key, group)
 
     async def _play_group(self) -> list[Episode]:
-        seed, group_id = self._next_group()
+        group, seed = self._next_group()
         envs = [self._make_env(seed, k) for k in range(self.cfg.actor.group_size)]
         episodes = await asyncio.gather(
             *(
@@ -99,9 +108,8 @@ class Actor(ActorRuntime):
                     seed=seed,
                     limits=self.limits,
                     chat=self.chat,
-                    env_name=self.cfg.env.name,
-                    actor_id=self.actor_id,
-                    group_id=group_id,
+                    builder=self.episodes,
+                    group=group,
                     default_version=max(self.version, 0),
                     on_env_step=self.stats.env_step_s.append,
                 )

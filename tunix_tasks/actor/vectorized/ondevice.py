@@ -1,4 +1,4 @@
-"""`OnDeviceRollout`: the device loop (device_loop.py) as an engine the actor drives.
+"""`OnDeviceRollout`: the device loop (device_loop.py) as the vectorized actor's `RolloutEngine`.
 
     engine = OnDeviceRollout(model, env, layout, shape, temperature=1.0, top_k=0,
                              token_seed=7, env_seed=8)
@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tunix_tasks.actor import device_loop
-from tunix_tasks.actor.device_loop import Finished, Loop, Sampling, Shape
-from tunix_tasks.actor.token_layout import TokenLayout
+from tunix_tasks.actor.vectorized import device_loop
+from tunix_tasks.actor.vectorized.device_loop import Finished, Loop, Sampling, Shape
+from tunix_tasks.actor.vectorized.token_layout import TokenLayout
 from tunix_tasks.envs.vectorized.base import VecEnv
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.params import load_flat_params

@@ -3,23 +3,24 @@
     actor = VectorizedActor(cfg, store, actor_id="actor-0")
     summary = actor.run()          # until DONE marker, deadline, SIGTERM/SIGINT/SIGHUP
 
-`envs_per_actor` rows step in one jitted loop (`ondevice.OnDeviceRollout`,
+`envs_per_actor` rows step in one jitted loop (the engine, `ondevice.OnDeviceRollout`,
 `device_loop.py`); between segments the actor reloads weights, and while the device runs
-the next segment it turns the last one's finished episodes into `Episode`s and commits
-each GRPO group (`group_size` episodes of one task) once all its members are in. The
-shards are the asynchronous actor's: same schema, same validation, one learner for both.
+the next segment it turns the last one's finished episodes into `Episode`s (the runtime's
+`EpisodeBuilder`; `seed` is the group's env seed: `env.reset(jax.random.key(seed))` is
+its task) and commits each GRPO group (`group_size` episodes of one task) once all its
+members are in. The shards are the asynchronous actor's: same schema, same validation,
+one learner for both.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
-from tunix_tasks.actor.device_loop import Finished, Shape
-from tunix_tasks.actor.ondevice import OnDeviceRollout
 from tunix_tasks.actor.runtime import ActorRuntime, episode_seed
-from tunix_tasks.actor.token_layout import TokenLayout
+from tunix_tasks.actor.vectorized.device_loop import Finished, Shape
+from tunix_tasks.actor.vectorized.ondevice import OnDeviceRollout
+from tunix_tasks.actor.vectorized.token_layout import TokenLayout
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs.vectorized import make_vec_env
 from tunix_tasks.episode import Episode, EpisodeStatus
@@ -32,16 +33,26 @@ __all__ = ["VectorizedActor"]
 class VectorizedActor(ActorRuntime):
     """`actor.kind: vectorized` (module docstring)."""
 
+    engine: OnDeviceRollout
+
     def __init__(self, cfg: RunConfig, store: ObjectStore, **kwargs: Any) -> None:
         super().__init__(cfg, store, **kwargs)
-        a = cfg.actor
+        self.segment_steps = cfg.actor.max_episode_tokens  # about one episode per row per segment
+        self._groups: dict[int, list[Episode]] = {}
+        # Every row feeds one token per step: row steps/s is the loop's speed.
+        self.row_steps = 0  # since the start, as of `collected_at` (a segment's end)
+        self.collected_at = time.monotonic()
+        self._rate_from = (0, self.collected_at)  # at the previous metrics record
+
+    def _build_engine(self) -> OnDeviceRollout:
+        cfg, a = self.cfg, self.cfg.actor
         chat, model = build_policy(cfg.model, seed=cfg.seed)
         env = make_vec_env(cfg.env.name, **cfg.env.kwargs)
         e = a.envs_per_actor
         shape = Shape(
             e, a.max_episode_tokens, a.max_new_tokens, cfg.env.max_turns, a.group_size, 2 * e
         )
-        self.sampler = OnDeviceRollout(
+        return OnDeviceRollout(
             model,
             env,
             TokenLayout.from_chat(chat),
@@ -51,49 +62,39 @@ class VectorizedActor(ActorRuntime):
             token_seed=episode_seed(cfg.seed, self._seed_key, -1),
             env_seed=episode_seed(cfg.seed, self._seed_key, -2),
         )
-        self.segment_steps = a.max_episode_tokens  # about one episode per row per segment
-        self._groups: dict[int, list[Episode]] = {}
-        # Every row feeds one token per step: row steps/s is the loop's speed.
-        self.row_steps = 0  # since the start, as of `collected_at` (a segment's end)
-        self.collected_at = time.monotonic()
-        self._rate_from = (0, self.collected_at)  # at the previous metrics record
 
     def _serve(self) -> None:
-        pending = self.sampler.launch(self.segment_steps)
+        pending = self.engine.launch(self.segment_steps)
         last_watch = 0.0
         try:
             while not self._should_stop():
                 self._maybe_reload()  # rows in flight continue under the new weights
-                launched = self.sampler.launch(self.segment_steps)
-                self._collect(*self.sampler.fetch(pending))
+                launched = self.engine.launch(self.segment_steps)
+                self._collect(*self.engine.fetch(pending))
                 pending = launched
                 if time.monotonic() - last_watch >= 1.0:
                     last_watch = time.monotonic()
                     if self._watch_once():
                         break
         finally:  # what already finished on the device is not lost
-            self._collect(*self.sampler.fetch(pending))
+            self._collect(*self.engine.fetch(pending))
 
     def _collect(self, out: Finished, ran: int) -> None:
         """Episodes of a segment; commit every group whose members are all in."""
         g = self.cfg.actor.group_size
-        self.row_steps += ran * self.sampler.shape.envs
+        self.row_steps += ran * self.engine.shape.envs
         self.collected_at = time.monotonic()
         for i in range(int(out.count)):
-            n, ticket = int(out.length[i]), int(out.ticket[i])
-            group = ticket // g
-            ep = Episode(
-                uuid.uuid4().hex,
+            n, group = int(out.length[i]), int(out.ticket[i]) // g
+            ep = self.episodes(
                 out.tokens[i, :n],
                 out.mask[i, :n],
                 out.logprobs[i, :n],
-                reward=float(out.reward[i]),
-                policy_version=int(out.version[i]),
-                actor_id=self.actor_id,
-                env=self.cfg.env.name,
-                group_id=f"{self._seed_key}/{group}",
-                seed=group,
-                num_turns=int(out.turns[i]),
+                group=group,
+                seed=int(out.seed[i]),
+                reward=out.reward[i],
+                policy_version=out.version[i],
+                num_turns=out.turns[i],
                 status=EpisodeStatus.TRUNCATED if out.truncated[i] else EpisodeStatus.OK,
             )
             members = self._groups.setdefault(group, [])
@@ -107,7 +108,7 @@ class VectorizedActor(ActorRuntime):
         rate = (self.row_steps - steps) / dt if dt > 0 else None
         self._rate_from = (self.row_steps, self.collected_at)
         return {
-            "envs": self.sampler.shape.envs,
+            "envs": self.engine.shape.envs,
             "groups_open": len(self._groups),
             "row_steps_per_s": rate,
         }

@@ -1,0 +1,59 @@
+"""`RolloutEngine`: what an actor's runtime asks of the engine that makes its tokens.
+
+`ActorRuntime` (runtime.py) builds the engine once (its kind's `_build_engine`) and keeps
+it as `self.engine`. The runtime itself only ever calls three things on it; everything
+else is the kind's serve loop:
+
+    engine = self._build_engine()                      # once, in ActorRuntime.__init__
+    # runtime, on each new verified snapshot (WeightsClient.poll -> ActorRuntime._load):
+    engine.update_params(flat, version=v)              # full weights
+    engine.update_params(flat, version=v, only=nnx.LoRAParam)   # an adapter snapshot
+    #   a ValueError (names, shapes, dtypes) keeps the old weights; the client refuses v
+    # runtime, in every metrics record and the run's summary:
+    engine.compile_count                               # XLA compilations so far
+    engine.model                                       # the Transformer it samples with
+    # the kind's own figures go into metrics through ActorRuntime._engine_metrics
+
+    # asynchronous/ (Sampler, SamplerReplicas): `BatchingPolicy` steps the engine from
+    # its engine thread, `submit(...)` then `step()` while `busy`, and calls the runtime's
+    # `_maybe_reload` between steps, so weights change between decode segments.
+    # vectorized/ (OnDeviceRollout): the serve loop `launch(steps)`es a segment, reloads
+    # (`_maybe_reload`), `fetch`es the previous segment's `Finished` and commits groups.
+
+`policy.sampling.Sampler`, `policy.replicas.SamplerReplicas` and
+`vectorized.ondevice.OnDeviceRollout` satisfy it structurally: policy/ never imports actor/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+from flax import nnx
+
+from tunix_tasks.policy.model import Transformer
+
+__all__ = ["RolloutEngine"]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """The engine behind an actor (module docstring)."""
+
+    @property
+    def model(self) -> Transformer:
+        """The policy the engine samples with (its params are the loaded snapshot)."""
+        ...
+
+    @property
+    def compile_count(self) -> int:
+        """Programs traced so far (== XLA compilations): bounded for a healthy run."""
+        ...
+
+    def update_params(
+        self, flat: Mapping[str, np.ndarray], *, version: int, only: type[nnx.Variable] = nnx.Param
+    ) -> None:
+        """Check, then swap in, a snapshot's tensors of kind `only` as weights `version`;
+        a ValueError (names, shapes, dtypes) leaves the current weights."""
+        ...
