@@ -308,9 +308,18 @@ class Sampler(BlockingSample):
         n_gen = np.zeros(batch, np.int32)
         n_gen[: len(rows)] = [len(r.generated) for r in rows]
         self._cache, tok, lp, done = self._prefill(
-            self._state, self._cache, slots, tokens, starts, last, n_gen, self._key, params,
-            window=window, max_seq_len=self.max_seq_len,
-        )  # fmt: skip
+            self._state,
+            self._cache,
+            slots,
+            tokens,
+            starts,
+            last,
+            n_gen,
+            self._key,
+            params,
+            window=window,
+            max_seq_len=self.max_seq_len,
+        )
         tok, lp, done = jax.device_get((tok, lp, done))
         for i, (r, seq) in enumerate(zip(rows, seqs, strict=True)):
             self._slots.hold(r.slot, seq)
@@ -331,10 +340,15 @@ class Sampler(BlockingSample):
             dtype = self._cache.k[0].dtype
             work = jax.device_put(self._model.init_cache(batch, window, dtype), self._device)
         self._cache, work, out_tok, out_lp, done, pos = self._decode(
-            self._state, self._cache, work, *plan.arrays, self._key,
+            self._state,
+            self._cache,
+            work,
+            *plan.arrays,
+            self._key,
             row_params(plan.rows, batch, _MAX_STOP_IDS),
-            steps=steps, max_seq_len=self.max_seq_len,
-        )  # fmt: skip
+            steps=steps,
+            max_seq_len=self.max_seq_len,
+        )
         self._lanes.keep(work)
         out_tok, out_lp, done, pos = jax.device_get((out_tok, out_lp, done, pos))
         self.stats.segments += 1

@@ -6,7 +6,7 @@
 A vectorized env is the functional twin of an asynchronous env of the same name (same task
 and reward; `base.VecEnv` is the contract, docs/vectorized.md shows how to write one).
 `actor.kind: vectorized` steps E of them with the policy in one jitted loop
-(`actor/ondevice.py`). Plug-ins register with ``@register_vec_env("name")`` or an entry
+(`actor/vectorized/ondevice.py`). Plug-ins register with ``@register_vec_env("name")`` or an entry
 point in the ``tunix_tasks.vec_envs`` group; the run's `env.name` must also name an
 asynchronous env (its `demonstration` feeds the learner's warm start).
 """

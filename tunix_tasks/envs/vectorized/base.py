@@ -12,7 +12,7 @@ whole episode can run inside a jitted loop on the accelerator, beside the policy
 Environments see text as `Chars`: character codes (ASCII for printable text) with a
 length, plus three negative codes for the chat format's markers: `TOOL` before a tool
 call's argument, `ANSWER` before an answer, `SPECIAL` for any other special token. The
-actor translates token ids to codes and back (`actor/ondevice.py`), so an environment never
+actor translates token ids to codes and back (`actor/vectorized/ondevice.py`), so an environment never
 sees a tokenizer and the same task runs under any character-level chat format.
 
 `parse_action` reads a sampled turn exactly as `CharChat.parse` does (strip, then a leading
