@@ -1,7 +1,7 @@
 # tunix-tasks: every target sets up the virtual environment it needs first.
 #   make demo    set up, then run the default local training run (file:// store, CPU)
 #   make test    set up, then lint and run the whole test suite (what CI runs)
-#   make test-fast  the same without the slow end-to-end tests
+#   make test-fast  the unit layer only (tests/unit: one part at a time, a few minutes)
 #   make bench   run the benchmarks (prints ratios against in-run baselines)
 #   make airflow start Airflow locally with the tunix DAGs
 #   make airflow-cluster  the same with Celery workers, Redis and PostgreSQL
@@ -48,7 +48,7 @@ test: $(STAMP) bwrap browser services
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 test-fast: $(STAMP) bwrap
-	$(BIN)/python -m pytest -q -ra -m "not slow"
+	$(BIN)/python -m pytest -q -ra --durations=10 tests/unit
 
 demo: $(STAMP) bwrap
 	$(BIN)/tunix-tasks train --config configs/demo.yaml

@@ -3,7 +3,7 @@
 One global ("data", "fsdp") mesh of 8 devices either way: the parameters after N steps on
 2 processes equal those of one process with 8 devices; a SIGKILL of either process
 stops both, and the restarted pair resumes with every episode accounted exactly once.
-Shards are written directly (`tests/test_learner.py`'s helpers); no actors.
+Shards are written directly (`tests/unit/learner/test_learner.py`'s helpers); no actors.
 """
 
 from __future__ import annotations

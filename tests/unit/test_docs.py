@@ -3,7 +3,7 @@
 Each ```python block is executed, in its own namespace, in a temporary folder that holds
 a small real run under `runs/demo` (shards written by `ShardWriter`, metrics records by
 `MetricsWriter`), with examples/plugin_env importable as if installed (the plug-in
-environment's own install is tested in tests/test_plugin_env.py). A block fenced
+environment's own install is tested in tests/e2e/test_plugin_env.py). A block fenced
 ```python no-run is shown only (it needs credentials or a service): it is skipped here,
 except the GCS block, which is run against the fake-gcs-server. Shell blocks are not run.
 """

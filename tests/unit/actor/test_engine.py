@@ -11,7 +11,6 @@ import typing
 import numpy as np
 import pytest
 from flax import nnx
-from tunix_tasks.storage.weight_delta import Manifest
 
 from tunix_tasks.actor.engine import RolloutEngine
 from tunix_tasks.actor.episodes import EpisodeBuilder
@@ -25,6 +24,7 @@ from tunix_tasks.frontdoor.entrypoints import ACTOR_KINDS
 from tunix_tasks.policy.build import build_policy
 from tunix_tasks.policy.replicas import SamplerReplicas
 from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.storage.snapshot_format import Manifest
 from tunix_tasks.storage.store import open_store
 
 ENGINES = (Sampler, SamplerReplicas, OnDeviceRollout)
