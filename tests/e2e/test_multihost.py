@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 
 from tests.paths import REPO
-from tests.unit.learner.test_learner import (
+from tests.runs import (
     PER_STEP,
-    _checkpoint_steps,
-    _episodes,
-    _ledger,
-    _prepare,
-    _write,
+    checkpoint_steps,
+    make_episodes,
+    prepare_tiny_run,
+    read_ledger_ids,
+    write_shards,
 )
 from tunix_tasks.frontdoor.entrypoints import run_learner
 from tunix_tasks.learner.multihost import process_group
@@ -107,11 +107,11 @@ def test_two_processes_train_as_one(tmp_path, pairs):
     """3 steps on the same shards: 1 process x 8 devices vs 2 processes x 4 devices, the
     latter stopped after step 2 and resumed from its (multi-process) checkpoint."""
     rng = np.random.default_rng(3)
-    shards = [_episodes(rng, PER_STEP) for _ in range(3)]
+    shards = [make_episodes(rng, PER_STEP) for _ in range(3)]
     uris = {}
     for name in ("one", "two"):
-        uris[name] = _prepare(str(tmp_path), name=name, max_steps=3, checkpoint_every=2)
-        _write(open_store(uris[name]), shards)
+        uris[name] = prepare_tiny_run(str(tmp_path), name=name, max_steps=3, checkpoint_every=2)
+        write_shards(open_store(uris[name]), shards)
 
     t0 = time.monotonic()
     assert run_learner(uris["one"], handle_signals=False)["steps"] == 3
@@ -136,14 +136,16 @@ def test_two_processes_train_as_one(tmp_path, pairs):
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=5e-7, err_msg=k)
     initial, _ = load_snapshot(one, 0)
     assert any(not np.array_equal(initial[k], want[k]) for k in want)  # it did train
-    assert _ledger(one) == _ledger(two)  # the same episodes, trained in the same steps
+    assert read_ledger_ids(one) == read_ledger_ids(
+        two
+    )  # the same episodes, trained in the same steps
 
 
 def _kill_one(procs: list[subprocess.Popen], victim: int, run_dir: Path, after: int) -> float:
     """SIGKILL `procs[victim]` once a checkpoint after step `after` exists; seconds the
     other one took to exit."""
     deadline = time.monotonic() + 120
-    while (_checkpoint_steps(run_dir) or [0])[-1] <= after:
+    while (checkpoint_steps(run_dir) or [0])[-1] <= after:
         assert time.monotonic() < deadline, "no checkpoint"
         assert all(p.poll() is None for p in procs), "a process ended before the kill"
         time.sleep(0.05)
@@ -158,7 +160,7 @@ def _kill_one(procs: list[subprocess.Popen], victim: int, run_dir: Path, after: 
 @pytest.mark.slow
 def test_sigkill_of_either_process_stops_both_and_resumes_exactly_once(tmp_path, pairs):
     steps = 8
-    uri = _prepare(
+    uri = prepare_tiny_run(
         str(tmp_path),
         max_steps=steps,
         checkpoint_every=2,
@@ -168,14 +170,14 @@ def test_sigkill_of_either_process_stops_both_and_resumes_exactly_once(tmp_path,
     )
     store = open_store(uri)
     rng = np.random.default_rng(5)
-    shards = [_episodes(rng, PER_STEP) for _ in range(steps)]
-    _write(store, shards)
+    shards = [make_episodes(rng, PER_STEP) for _ in range(steps)]
+    write_shards(store, shards)
     written = {ep.episode_id for shard in shards for ep in shard}
 
     exits = []
     for victim in (1, 0):  # the follower first (found by heartbeat), then the leader
         procs = pairs.start(uri)
-        after = (_checkpoint_steps(tmp_path / "r") or [0])[-1]
+        after = (checkpoint_steps(tmp_path / "r") or [0])[-1]
         exits.append(_kill_one(procs, victim, tmp_path / "r", after))
         assert procs[1 - victim].returncode != 0  # it stopped because its peer died
     print(
@@ -184,9 +186,9 @@ def test_sigkill_of_either_process_stops_both_and_resumes_exactly_once(tmp_path,
     assert max(exits) < 60
 
     pairs.run(uri)
-    trained, dropped = _ledger(store)
+    trained, dropped = read_ledger_ids(store)
     accounted = trained + [i for ids in dropped.values() for i in ids]
     assert len(accounted) == len(set(accounted)), "an episode was accounted twice"
     assert set(trained) == written and not dropped
-    assert store.exists(RunLayout.DONE) and _checkpoint_steps(tmp_path / "r")[-1] == steps
+    assert store.exists(RunLayout.DONE) and checkpoint_steps(tmp_path / "r")[-1] == steps
     assert json.loads(store.read_bytes(RunLayout.LEASE))["released"] is True

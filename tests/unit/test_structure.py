@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import ast
-import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests.paths import REPO
@@ -121,59 +119,26 @@ def test_storage_and_policy_do_not_import_the_roles_above_them():
             assert not bad, f"{module} imports {bad}"
 
 
+def _imported(path: Path) -> list[str]:
+    """Every module name an `import` or `from` statement of `path` names."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+    return names
+
+
 def test_nothing_in_the_library_imports_airflow():
     for path in PACKAGE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            assert not any(n.split(".")[0] == "airflow" for n in names), path
+        assert not any(n.split(".")[0] == "airflow" for n in _imported(path)), path
 
 
-@pytest.mark.slow
-def test_learner_process_imports_no_environment_or_sandbox(tmp_path):
-    """A real learner (warm start on the run's demonstration shards, then RL steps) in its
-    own process: afterwards no `tunix_tasks.envs` module is loaded there."""
-    from tunix_tasks.frontdoor.entrypoints import prepare_run
-    from tunix_tasks.storage.layout import RunLayout
-    from tunix_tasks.storage.shards import ShardWriter
-    from tunix_tasks.storage.store import open_store
-    from tunix_tasks.testing.shard_factory import make_episode
-
-    uri = prepare_run(
-        {
-            "store": f"file://{tmp_path}",
-            "env": {"name": "calculator"},
-            "warm_start_steps": 2,
-            "learner": {"max_steps": 2, "batch_rows": 8, "min_episodes_per_step": 8},
-        },
-        run_name="roles",
-    )
-    store = open_store(uri)
-    assert store.list(RunLayout.DEMOS), "prepare writes the demonstration shards"
-    writer = ShardWriter(store, actor_id="actor-0000", max_episodes=64)
-    rng = np.random.default_rng(0)
-    for i in range(32):
-        writer.add(make_episode(rng, length=40, group_id=f"g{i // 4}", vocab_size=100))
-    writer.close()
-    script = (
-        "import json, sys\n"
-        "from tunix_tasks.frontdoor.entrypoints import run_learner\n"
-        f"summary = run_learner({uri!r}, handle_signals=False)\n"
-        "mods = sorted(m for m in sys.modules if m.startswith('tunix_tasks'))\n"
-        "print(json.dumps({'steps': summary['steps'], 'modules': mods}))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["steps"] == 2
-    assert "tunix_tasks.learner.warm_start" in result["modules"]
-    leaked = [m for m in result["modules"] if m.startswith("tunix_tasks.envs")]
-    assert not leaked, leaked
+def test_nothing_in_the_library_imports_the_testing_helpers():
+    for path in PACKAGE.rglob("*.py"):
+        if not path.is_relative_to(PACKAGE / "testing"):
+            assert not any(n.startswith("tunix_tasks.testing") for n in _imported(path)), path
 
 
 def test_public_api_is_small_documented_and_light():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from tests.runs import read_ledger_ids
 from tests.unit.actor.test_actor import (
     LOGPROB_ATOL,
     _peaky,
@@ -23,7 +24,6 @@ from tests.unit.actor.test_actor import (
     _Running,
     compile_cache,  # noqa: F401  (module fixture: a shared XLA cache)
 )
-from tests.unit.learner.test_learner import _ledger
 from tunix_tasks.actor.asynchronous.actor import Actor
 from tunix_tasks.actor.vectorized.actor import VectorizedActor
 from tunix_tasks.actor.vectorized.token_layout import TokenLayout
@@ -177,5 +177,5 @@ def test_learner_trains_on_shards_of_both_actor_kinds(tmp_path):
     summary = run_learner(cfg.run_uri, max_steps=6, handle_signals=False)
     assert summary["steps"] == 6
     assert not store.list("quarantine/")
-    trained, _ = _ledger(store)
+    trained, _ = read_ledger_ids(store)
     assert {produced[i] for i in trained} == {"actor-async", "actor-vec"}

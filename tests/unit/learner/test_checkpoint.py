@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.unit.learner.test_learner import PER_STEP, _episodes, _learner, _ledger, _prepare, _write
+from tests.runs import (
+    PER_STEP,
+    learner_of,
+    make_episodes,
+    prepare_tiny_run,
+    read_ledger_ids,
+    write_shards,
+)
 from tunix_tasks.learner.checkpoint import Checkpointer, read_ledger
 from tunix_tasks.learner.learner import Learner
 from tunix_tasks.learner.startup import start_learner
@@ -32,7 +39,7 @@ STEPS = 4
 
 def _shards(seed: int = 0):
     rng = np.random.default_rng(seed)
-    return [_episodes(rng, PER_STEP) for _ in range(STEPS)]
+    return [make_episodes(rng, PER_STEP) for _ in range(STEPS)]
 
 
 class _Recording(Learner):
@@ -61,10 +68,10 @@ def test_resume_matches_an_uninterrupted_run(tmp_path):
     and runs steps 3..4. B's steps after the restart equal A's (loss and params)."""
     shards = _shards()
     common = {"checkpoint_every": 2, "max_staleness": 10_000, "max_steps": STEPS}
-    uri_a = _prepare(str(tmp_path / "a"), **common)
-    uri_b = _prepare(str(tmp_path / "b"), **common)
-    _write(open_store(uri_a), shards)
-    keys = _write(open_store(uri_b), shards)
+    uri_a = prepare_tiny_run(str(tmp_path / "a"), **common)
+    uri_b = prepare_tiny_run(str(tmp_path / "b"), **common)
+    write_shards(open_store(uri_a), shards)
+    keys = write_shards(open_store(uri_b), shards)
 
     _, steps_a, _ = _run(uri_a, STEPS)
     first, _, learner1 = _run(uri_b, 2)
@@ -100,7 +107,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path):
             np.testing.assert_allclose(
                 steps_b[step]["params"][name], value, rtol=1e-5, atol=1e-7, err_msg=name
             )
-    trained, dropped = _ledger(open_store(uri_b))
+    trained, dropped = read_ledger_ids(open_store(uri_b))
     assert sorted(trained) == sorted(e.episode_id for s in shards for e in s)
     assert not dropped
 
@@ -110,9 +117,11 @@ def test_resume_under_another_kl_coef(tmp_path, saved_kl, resumed_kl):
     """The KL reference is checkpointed only with kl_coef > 0. A resume that turns it on
     takes the reference from the restored params; one that turns it off ignores the
     saved reference. Either way the run resumes and trains on."""
-    uri = _prepare(str(tmp_path), checkpoint_every=2, max_staleness=10_000, kl_coef=saved_kl)
+    uri = prepare_tiny_run(
+        str(tmp_path), checkpoint_every=2, max_staleness=10_000, kl_coef=saved_kl
+    )
     store = open_store(uri)
-    _write(store, _shards()[:3])
+    write_shards(store, _shards()[:3])
     _, _, learner1 = _run(uri, 2)
     saved = learner1.parts.trainer.flat_params()
     raw = json.loads(store.read_bytes(RunLayout.CONFIG))
@@ -142,23 +151,23 @@ def test_ledger_of_a_crash_before_the_first_checkpoint_is_discarded(tmp_path):
     """A learner killed between writing ledger S and committing checkpoint S leaves a
     ledger file with no checkpoint; when no checkpoint exists at all, the restart must
     drop it (its episodes are about to be trained again), or they would count twice."""
-    uri = _prepare(str(tmp_path), max_steps=1, max_staleness=10_000)
+    uri = prepare_tiny_run(str(tmp_path), max_steps=1, max_staleness=10_000)
     store = open_store(uri)
     eps = _shards()[0]
-    _write(store, [eps])
+    write_shards(store, [eps])
     ghost = {"trained": [e.episode_id for e in eps[:5]], "dropped": {"stale": ["x"]}}
     store.write_bytes(RunLayout.ledger(3), json.dumps(ghost).encode())
 
-    summary = _learner(uri).run()
+    summary = learner_of(uri).run()
     assert summary["steps"] == 1
-    trained, dropped = _ledger(store)
+    trained, dropped = read_ledger_ids(store)
     assert sorted(trained) == sorted(e.episode_id for e in eps)  # each once
     assert not dropped
     assert len(read_ledger(store)) == 1
 
 
 def test_checkpointer_round_trip_keeps_values_and_shardings(tmp_path):
-    uri = _prepare(str(tmp_path))
+    uri = prepare_tiny_run(str(tmp_path))
     cfg, store = read_config(uri)
     _, model = build_policy(cfg.model, seed=1)
     trainer = Trainer(cfg, model)

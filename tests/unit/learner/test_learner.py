@@ -12,23 +12,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import random
-import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.paths import REPO
+from tests.runs import (
+    EP_LEN,
+    PER_STEP,
+    learner_of,
+    make_episodes,
+    prepare_tiny_run,
+    prepublish,
+    read_ledger_ids,
+    step_records,
+    write_shards,
+)
 from tunix_tasks.episode import Episode
-from tunix_tasks.frontdoor.entrypoints import prepare_run, run_learner
-from tunix_tasks.learner.checkpoint import read_ledger
+from tunix_tasks.frontdoor.entrypoints import run_learner
 from tunix_tasks.learner.learner import Learner
 from tunix_tasks.policy.build import build_policy
 from tunix_tasks.policy.distribution import token_logprobs
@@ -37,7 +40,6 @@ from tunix_tasks.storage.lease import LeaseHeldError, LeaseLost
 from tunix_tasks.storage.metrics import read_metrics
 from tunix_tasks.storage.runs import read_config
 from tunix_tasks.storage.shards import (
-    ShardWriter,
     episodes_to_table,
     table_to_parquet_bytes,
 )
@@ -45,179 +47,7 @@ from tunix_tasks.storage.store import ObjectStore, PreconditionFailed, open_stor
 from tunix_tasks.storage.weights import PublishConflict, WeightsPublisher, read_latest
 from tunix_tasks.testing.shard_factory import make_episode
 
-EP_LEN = 32  # two episodes per row of the 64 bucket: 16 episodes per step of 8 rows
-PER_STEP = 16
-
-
-def _prepare(root: str, name: str = "r", **learner) -> str:
-    """A run with the tiny model, buckets (64, 128), 8 rows, 16 episodes a step."""
-    lc = {
-        "buckets": [64, 128],
-        "batch_rows": 8,
-        "min_episodes_per_step": PER_STEP,
-        "publish_every": 1,
-        "checkpoint_every": 1000,
-        "data_timeout_s": 60,
-        **learner,
-    }
-    store = root if "://" in root else f"file://{root}"
-    return prepare_run({"store": store, "model": {"preset": "tiny"}, "learner": lc}, run_name=name)
-
-
-def _episodes(rng, n, *, length=EP_LEN, version=0, group=4, **kw) -> list[Episode]:
-    return [
-        make_episode(rng, length=length, policy_version=version, group_id=f"g{i // group}", **kw)
-        for i in range(n)
-    ]
-
-
-def _write(store: ObjectStore, shards: list[list[Episode]], actor: str = "actor-0") -> list[str]:
-    """One shard per list, committed in order (distinct creation-ms names keep the order)."""
-    keys = []
-    for eps in shards:
-        writer = ShardWriter(store, actor_id=actor, max_episodes=len(eps) + 1)
-        for e in eps:
-            writer.add(e)
-        keys.append(writer.close())
-        time.sleep(0.003)
-    return keys
-
-
-def _prepublish(store: ObjectStore, version: int) -> None:
-    """Pretend weights `version` exist already, so the learner starts at version + 1."""
-    WeightsPublisher(store).publish(
-        {"w": np.zeros(1, np.float32)}, version=version, step=0, model={}
-    )
-
-
-def _ledger(store: ObjectStore) -> tuple[list[str], dict[str, list[str]]]:
-    trained: list[str] = []
-    dropped: dict[str, list[str]] = {}
-    for entry in read_ledger(store):
-        trained += entry["trained"]
-        for reason, ids in entry["dropped"].items():
-            dropped.setdefault(reason, []).extend(ids)
-    return trained, dropped
-
-
-def _step_records(store: ObjectStore) -> list[dict]:
-    return [r for r in read_metrics(store, "learner") if "step" in r and "loss" in r]
-
-
-def _learner(uri: str, **kw) -> Learner:
-    cfg, store = read_config(uri)
-    return Learner(cfg, store, **kw)
-
-
 # ------------------------------------------------------------------- exactly once
-
-
-def _checkpoint_steps(run_dir: Path) -> list[int]:
-    d = run_dir / "learner" / "checkpoints"
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
-
-
-@pytest.mark.slow
-def test_exactly_once_across_sigkills(tmp_path):
-    """SIGKILL a learner subprocess 3 times at random moments; restart it each time.
-
-    Data: 15 shards, each 32 fresh episodes (policy_version 1000) + 8 stale ones
-    (policy_version 0). Weights v1000 are pre-published, so the learner runs at versions
-    > 1000: with max_staleness=500 the stale ones are always dropped, the fresh ones are
-    always trained, 16 per step, i.e. exactly 30 steps; max_steps=30 ends the final run
-    once everything is consumed. The stale rows are shorter, so they sort first in each
-    shard and every one of them is read before the last fresh one.
-
-    lease_ttl_s=300: a restart can only take the lease over because the killed pid is
-    gone (same host), never by expiry, within this test.
-    """
-    n_shards, fresh_per, stale_per = 15, 32, 8
-    steps = n_shards * fresh_per // PER_STEP
-    uri = _prepare(
-        str(tmp_path),
-        checkpoint_every=3,
-        max_steps=steps,
-        max_staleness=500,
-        lease_ttl_s=300,
-        data_timeout_s=120,
-    )
-    store = open_store(uri)
-    run_dir = tmp_path / "r"
-    _prepublish(store, 1000)
-    rng = np.random.default_rng(7)
-    fresh, stale, shards = set(), set(), []
-    for s in range(n_shards):
-        f = _episodes(rng, fresh_per, version=1000)
-        st = [
-            dataclasses.replace(e, group_id=f"stale{s}")
-            for e in _episodes(rng, stale_per, length=24, version=0)
-        ]
-        fresh |= {e.episode_id for e in f}
-        stale |= {e.episode_id for e in st}
-        shards.append(f + st)
-    _write(store, shards)
-
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-        "PYTHONPATH": str(REPO),
-    }
-    code = (
-        "import json, logging; logging.basicConfig(level=logging.WARNING); "
-        "from tunix_tasks.frontdoor.entrypoints import run_learner; "
-        f"print('SUMMARY', json.dumps(run_learner({uri!r})))"
-    )
-
-    def start() -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-c", code],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-
-    chooser = random.Random(1234)
-    kills, last_step = [], 0
-    for _ in range(3):
-        proc = start()
-        deadline = time.monotonic() + 90
-        while proc.poll() is None and time.monotonic() < deadline:
-            done = _checkpoint_steps(run_dir)
-            if done and done[-1] > last_step:  # progress since the last restart
-                break
-            time.sleep(0.05)
-        if proc.poll() is not None:  # finished before we could kill it
-            break
-        assert time.monotonic() < deadline, "learner made no progress after a restart"
-        time.sleep(chooser.uniform(0.0, 0.8))
-        if proc.poll() is not None:
-            break
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)  # reap it: a zombie pid would still look alive to the lease
-        last_step = (_checkpoint_steps(run_dir) or [0])[-1]
-        kills.append(last_step)
-    else:
-        proc = start()
-    out, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 0, out[-3000:]
-    summary = json.loads(out.split("SUMMARY ", 1)[1].splitlines()[0])
-    print(f"killed after checkpoints {kills}; final run: {summary}")
-    assert kills, "the learner finished before it could be killed once"
-    assert summary["steps"] == steps and summary["stop_reason"] == "max_steps"
-
-    trained, dropped = _ledger(store)
-    accounted = trained + [i for ids in dropped.values() for i in ids]
-    assert len(accounted) == len(set(accounted)), "an episode was accounted twice"
-    assert set(trained) == fresh
-    assert set(dropped) == {"stale"} and set(dropped["stale"]) == stale
-    assert set(accounted) == fresh | stale
-    assert store.exists(RunLayout.DONE)
-    lease = json.loads(store.read_bytes(RunLayout.LEASE))
-    assert lease["released"] is True
-    assert read_latest(store)[0] > 1000 + steps  # every restart published a newer version
 
 
 # ------------------------------------------------------------------------ lease
@@ -249,12 +79,12 @@ def test_second_learner_refused_and_stolen_lease_stops_publishing(store_uri):
     """A second learner on a run is refused (LeaseHeldError naming the holder); when the
     lease is then taken by someone else, the first learner stops and never overwrites the
     new owner's weights pointer."""
-    uri = _prepare(store_uri, max_steps=10_000, lease_ttl_s=1.5, max_staleness=10_000)
+    uri = prepare_tiny_run(store_uri, max_steps=10_000, lease_ttl_s=1.5, max_staleness=10_000)
     store = open_store(uri)
     rng = np.random.default_rng(0)
-    _write(store, [_episodes(rng, 64) for _ in range(8)])
+    write_shards(store, [make_episodes(rng, 64) for _ in range(8)])
 
-    first = _learner(uri)
+    first = learner_of(uri)
     thread, box = _run_in_thread(first)
     _wait_for(lambda: (read_latest(store) or (-1,))[0] >= 2, 60, "the first learner to publish")
 
@@ -303,18 +133,18 @@ def _bad_shards(store: ObjectStore, rng) -> dict[str, str]:
     store.write_bytes(key, b"PAR1 this is not parquet at all" * 10)
     bad[key] = "corrupt"
 
-    table = episodes_to_table(_episodes(rng, 4)).drop_columns(["reward"])
+    table = episodes_to_table(make_episodes(rng, 4)).drop_columns(["reward"])
     key = "shards/actor-9/0000000000002-noreward.parquet"
     store.write_bytes(key, table_to_parquet_bytes(table))
     bad[key] = "missing_columns"
 
-    eps = _episodes(rng, 4)
+    eps = make_episodes(rng, 4)
     eps[2] = dataclasses.replace(eps[2], reward=math.nan)
     key = "shards/actor-9/0000000000003-nanreward.parquet"
     store.write_bytes(key, table_to_parquet_bytes(episodes_to_table(eps)))
     bad[key] = "non_finite"
 
-    eps = _episodes(rng, 4)
+    eps = make_episodes(rng, 4)
     eps[1].tokens[5] = 500  # vocabulary is 103
     key = "shards/actor-9/0000000000004-oov.parquet"
     store.write_bytes(key, table_to_parquet_bytes(episodes_to_table(eps)))
@@ -323,17 +153,17 @@ def _bad_shards(store: ObjectStore, rng) -> dict[str, str]:
 
 
 def test_bad_shards_are_quarantined_good_ones_trained(tmp_path):
-    uri = _prepare(str(tmp_path), max_steps=2)
+    uri = prepare_tiny_run(str(tmp_path), max_steps=2)
     store = open_store(uri)
     rng = np.random.default_rng(1)
     bad = _bad_shards(store, rng)  # their names sort before the good shards
-    good = _episodes(rng, 2 * PER_STEP)
-    _write(store, [good[:PER_STEP], good[PER_STEP:]])
+    good = make_episodes(rng, 2 * PER_STEP)
+    write_shards(store, [good[:PER_STEP], good[PER_STEP:]])
 
-    learner = _learner(uri)
+    learner = learner_of(uri)
     summary = learner.run()
     assert summary["steps"] == 2 and summary["trained_episodes"] == 2 * PER_STEP
-    trained, dropped = _ledger(store)
+    trained, dropped = read_ledger_ids(store)
     assert set(trained) == {e.episode_id for e in good} and not dropped
 
     got = {q["shard"]: q["reason"] for q in summary["quarantined"]}
@@ -354,22 +184,24 @@ def test_compile_count_bounded_by_buckets_and_truncation_counted(tmp_path):
     """Lengths 5..192 (some > the 128 bucket; 192 = actor.max_episode_tokens, longer ones
     are quarantined): at most one RL compilation per bucket, and each truncated episode
     that was trained is counted once."""
-    uri = _prepare(str(tmp_path), max_steps=6, max_staleness=10_000, min_episodes_per_step=8)
+    uri = prepare_tiny_run(
+        str(tmp_path), max_steps=6, max_staleness=10_000, min_episodes_per_step=8
+    )
     store = open_store(uri)
     rng = np.random.default_rng(2)
     lengths = np.concatenate([rng.integers(5, 128, 150), rng.integers(129, 193, 20)])
     rng.shuffle(lengths)
     eps = [make_episode(rng, length=int(n), group_id=f"g{i // 4}") for i, n in enumerate(lengths)]
-    _write(store, [eps[i : i + 34] for i in range(0, len(eps), 34)])
+    write_shards(store, [eps[i : i + 34] for i in range(0, len(eps), 34)])
 
-    learner = _learner(uri)
+    learner = learner_of(uri)
     summary = learner.run()
     assert summary["steps"] == 6
     assert 1 <= summary["compile_count"] <= 2
     assert learner.parts.trainer.total_compiles == summary["compile_count"]  # no supervised step
     buckets = {r["bucket"] for r in read_metrics(store, "learner") if "bucket" in r}
     assert buckets <= {64, 128}
-    trained, _ = _ledger(store)
+    trained, _ = read_ledger_ids(store)
     by_id = {e.episode_id: e for e in eps}
     long_trained = sum(by_id[i].length > 128 for i in trained)
     assert learner.acct.counters["truncated_sequences"] == long_trained
@@ -381,19 +213,19 @@ def test_compile_count_bounded_by_buckets_and_truncation_counted(tmp_path):
 
 def test_stale_data_dropped_and_counted(tmp_path):
     """max_staleness=1: data more than one policy version old is dropped (not trained)."""
-    uri = _prepare(str(tmp_path), max_steps=2, max_staleness=1, publish_every=100)
+    uri = prepare_tiny_run(str(tmp_path), max_steps=2, max_staleness=1, publish_every=100)
     store = open_store(uri)
-    _prepublish(store, 3)  # the learner runs at version 4
+    prepublish(store, 3)  # the learner runs at version 4
     rng = np.random.default_rng(3)
-    old = _episodes(rng, 12, version=2)
-    older = _episodes(rng, 4, version=1)
-    new = _episodes(rng, 2 * PER_STEP, version=4)
-    _write(store, [old + older, new[:PER_STEP], new[PER_STEP:]])
+    old = make_episodes(rng, 12, version=2)
+    older = make_episodes(rng, 4, version=1)
+    new = make_episodes(rng, 2 * PER_STEP, version=4)
+    write_shards(store, [old + older, new[:PER_STEP], new[PER_STEP:]])
 
-    summary = _learner(uri).run()
+    summary = learner_of(uri).run()
     assert summary["steps"] == 2 and summary["trained_episodes"] == 2 * PER_STEP
     assert summary["dropped"] == {"stale": 16}
-    trained, dropped = _ledger(store)
+    trained, dropped = read_ledger_ids(store)
     assert set(trained) == {e.episode_id for e in new}
     assert set(dropped["stale"]) == {e.episode_id for e in old + older}
     for r in (r for r in read_metrics(store, "learner") if "step" in r):
@@ -411,7 +243,7 @@ def test_future_replayed_and_too_long_shards_never_trained(tmp_path):
     trained. Now: quarantined as `future_version` / `too_long`, the replay dropped as
     `duplicate`. #11.11: old snapshots are pruned (keep the newest 2) and, with
     `delete_consumed_shards`, the consumed shards are deleted after the final checkpoint."""
-    uri = _prepare(
+    uri = prepare_tiny_run(
         str(tmp_path),
         max_steps=2,
         max_staleness=10,
@@ -420,36 +252,36 @@ def test_future_replayed_and_too_long_shards_never_trained(tmp_path):
         delete_consumed_shards=True,
     )
     store = open_store(uri)
-    _prepublish(store, 3)  # the learner runs at versions 4..6
+    prepublish(store, 3)  # the learner runs at versions 4..6
     rng = np.random.default_rng(11)
     bad = {
         "shards/actor-9/0000000000001-future.parquet": (
             "future_version",
-            _episodes(rng, 4, version=1_000_004),
+            make_episodes(rng, 4, version=1_000_004),
         ),
         "shards/actor-9/0000000000002-long.parquet": (
             "too_long",
-            _episodes(rng, 4, length=193, version=4),
+            make_episodes(rng, 4, length=193, version=4),
         ),
     }
     for key, (_, eps) in bad.items():
         store.write_bytes(key, table_to_parquet_bytes(episodes_to_table(eps)))
-    good = [_episodes(rng, PER_STEP, version=4) for _ in range(2)]
-    keys = _write(store, good)
+    good = [make_episodes(rng, PER_STEP, version=4) for _ in range(2)]
+    keys = write_shards(store, good)
     replay = "shards/actor-0/9999999999999-replay.parquet"
     store.write_bytes(replay, store.read_bytes(keys[0]))
 
-    summary = _learner(uri).run()
+    summary = learner_of(uri).run()
     assert summary["steps"] == 2 and summary["trained_episodes"] == 2 * PER_STEP
     assert summary["dropped"] == {"duplicate": PER_STEP}
     assert {q["shard"]: q["reason"] for q in summary["quarantined"]} == {
         k: reason for k, (reason, _) in bad.items()
     }
-    trained, dropped = _ledger(store)
+    trained, dropped = read_ledger_ids(store)
     assert sorted(trained) == sorted(e.episode_id for eps in good for e in eps)  # once each
     assert set(dropped) == {"duplicate"}
     assert set(dropped["duplicate"]) == {e.episode_id for e in good[0]}
-    for r in _step_records(store):
+    for r in step_records(store):
         assert all(int(s) >= 0 for s in r["staleness"]), r["staleness"]
     # Retention: v3..v6 were published, the newest two are kept (LATEST is v6).
     assert read_latest(store)[0] == 6
@@ -465,13 +297,15 @@ def test_future_replayed_and_too_long_shards_never_trained(tmp_path):
 
 
 def test_bfloat16_compute_trains_with_finite_loss(tmp_path):
-    uri = _prepare(str(tmp_path), max_steps=3, compute_dtype="bfloat16", max_staleness=10_000)
+    uri = prepare_tiny_run(
+        str(tmp_path), max_steps=3, compute_dtype="bfloat16", max_staleness=10_000
+    )
     store = open_store(uri)
     rng = np.random.default_rng(4)
-    _write(store, [_episodes(rng, PER_STEP) for _ in range(3)])
-    learner = _learner(uri)
+    write_shards(store, [make_episodes(rng, PER_STEP) for _ in range(3)])
+    learner = learner_of(uri)
     summary = learner.run()
-    records = _step_records(store)
+    records = step_records(store)
     assert summary["steps"] == 3 and len(records) == 3
     assert learner.parts.trainer.model.compute_dtype == jnp.bfloat16
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
@@ -488,7 +322,7 @@ def _on_policy_episodes(uri: str, rng, n: int) -> list[Episode]:
     learner's model at step 0: same config, same seed), by a full forward pass."""
     cfg, _ = read_config(uri)
     _, model = build_policy(cfg.model, seed=cfg.seed)
-    eps = _episodes(rng, n)
+    eps = make_episodes(rng, n)
     tokens = jnp.asarray(np.stack([e.tokens for e in eps]))
     pos = jnp.broadcast_to(jnp.arange(EP_LEN, dtype=jnp.int32), tokens.shape)
     logits = model(tokens, pos, jnp.ones_like(tokens))
@@ -502,11 +336,11 @@ def _on_policy_episodes(uri: str, rng, n: int) -> list[Episode]:
 
 def test_fresh_data_has_unit_importance_weights(tmp_path):
     """Data from the current policy (staleness 0): pi/mu is 1 on every token."""
-    uri = _prepare(str(tmp_path), max_steps=1, max_staleness=1)
+    uri = prepare_tiny_run(str(tmp_path), max_steps=1, max_staleness=1)
     store = open_store(uri)
-    _write(store, [_on_policy_episodes(uri, np.random.default_rng(5), PER_STEP)])
-    summary = _learner(uri).run()
-    records = _step_records(store)
+    write_shards(store, [_on_policy_episodes(uri, np.random.default_rng(5), PER_STEP)])
+    summary = learner_of(uri).run()
+    records = step_records(store)
     assert summary["steps"] == 1 and summary["dropped"] == {}
     (r,) = records
     assert r["staleness"] == {"0": PER_STEP}
@@ -528,17 +362,17 @@ def test_a_failed_checkpoint_stops_the_learner_without_training_a_step_twice(tmp
     """The checkpoint after step 2 fails (as a store outage made it in CI): the learner
     stops with that error. Before, the loop's cleanup completed the same update a second
     time: a step 3 record of the step-2 batch and its episodes acknowledged twice."""
-    uri = _prepare(str(tmp_path), max_steps=4, checkpoint_every=2, max_staleness=10_000)
+    uri = prepare_tiny_run(str(tmp_path), max_steps=4, checkpoint_every=2, max_staleness=10_000)
     store = open_store(uri)
     rng = np.random.default_rng(7)
-    _write(store, [_episodes(rng, PER_STEP) for _ in range(4)])
+    write_shards(store, [make_episodes(rng, PER_STEP) for _ in range(4)])
 
     def failing(self, *, final: bool = False) -> None:
         raise FileNotFoundError("checkpoints/2/meta/metadata")
 
     monkeypatch.setattr(Learner, "_checkpoint", failing)
-    learner = _learner(uri)
+    learner = learner_of(uri)
     with pytest.raises(FileNotFoundError, match="checkpoints/2"):
         learner.run()
     assert learner.step == 2
-    assert [r["step"] for r in _step_records(store)] == [1, 2]
+    assert [r["step"] for r in step_records(store)] == [1, 2]

@@ -1,29 +1,13 @@
-"""tunix_tasks/testing/: light to import, never imported by the library, a clear error
-when the fake-gcs-server wheel is missing."""
+"""tunix_tasks/testing/: light to import, and a clear error when the fake-gcs-server wheel
+is missing (that the library never imports it: tests/unit/test_structure.py)."""
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
 
 from tests.paths import REPO
-
-PACKAGE = REPO / "tunix_tasks"
-
-
-def test_nothing_in_the_library_imports_the_testing_helpers():
-    for path in PACKAGE.rglob("*.py"):
-        if path.is_relative_to(PACKAGE / "testing"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            assert not any(n.startswith("tunix_tasks.testing") for n in names), path
 
 
 def test_import_loads_no_jax_and_a_missing_wheel_is_named():
