@@ -17,7 +17,8 @@ STAMP  := $(VENV)/.installed
 bwrap:
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" != 0 ] && echo "warning: bubblewrap (bwrap) is missing: python_exec refuses to run (docs/sandbox.md)"; } || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap)
 
-# The browser test (tests/airflow/test_browser.py) drives Debian's chromium through Selenium;
+# The scheduler test (tests/airflow/test_scheduler.py) fills the trigger form in Debian's chromium
+# through Selenium;
 # as root, install it (Playwright's own browser download does not work everywhere).
 browser:
 	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { [ "$$(id -u)" != 0 ] && echo "warning: chromium/chromedriver are missing: the Airflow browser test is skipped"; } || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver)
