@@ -7,8 +7,8 @@ run size N (shards already in the run, all consumed by the reader):
            per actor every `--interval-s` seconds of simulated time, so a W=10 run of
            100k shards spans 14 h and its time folders). On file:// they are hard links
            of one real shard (writing 100k files through fsync would dominate the run);
-           on gs:// they are uploaded (fake-gcs-server with its memory backend: see
-           `MemoryGcs`). The reader's position is the one a learner that
+           on gs:// they are uploaded (fake-gcs-server with its memory backend:
+           `FakeGcs(backend="memory")`). The reader's position is the one a learner that
            consumed them all checkpoints (watermarks trailing by the 10 s grace window).
   write    `--live` new shards (32 episodes of log-normal length, ~2 KB each before
            compression, encoded once in a pool) written round-robin by the W writers
@@ -67,17 +67,6 @@ from tunix_tasks.testing.gcs_server import FakeGcs
 from tunix_tasks.testing.shard_factory import make_episode, realistic_lengths
 
 UPLOADS_IN_FLIGHT = 8
-
-
-class MemoryGcs(FakeGcs):
-    """fake-gcs-server keeping objects in memory. Its filesystem backend (`FakeGcs`'s) reads
-    every object's metadata from disk for every listing, whatever the prefix or offset:
-    4 ms per request at 1k objects, 14 ms at 5k on this machine, an emulator cost that
-    real GCS (a sorted key index) does not have and that would drown the client's."""
-
-    def _launch(self) -> None:
-        self._argv[self._argv.index("filesystem")] = "memory"
-        super()._launch()
 
 
 class Counting:
@@ -371,7 +360,7 @@ def main() -> None:
             if args.size_shards:
                 sizes["file"] = shard_sizes(uri(), [8, 32, 128, 512], args.size_shards)
         if "gs" in args.stores:
-            with MemoryGcs() as gcs:
+            with FakeGcs(backend="memory") as gcs:
                 rows += bench_store(gcs.new_bucket_uri, "gs", args, pool, args.gcs_shards)
                 if args.size_shards:
                     sizes["gs"] = shard_sizes(

@@ -10,6 +10,7 @@ axes. `step(batch)` runs one batch's updates (`learner.updates_per_batch`, defau
     trainer = Trainer(cfg, model)
     metrics = trainer.step(packed_batch, supervised=False)
     flat = trainer.flat_params()          # for a weight snapshot
+    trainer.lower_step(packed_batch).compile().memory_analysis()   # XLA's accounting
 """
 
 from __future__ import annotations
@@ -328,6 +329,19 @@ class Trainer:
                 self.model, self.optimizer, placed, self.reference
             )
         return metrics, t0
+
+    def lower_step(
+        self, batch: PackedBatch, *, supervised: bool = False, version: int | None = None
+    ) -> jax.stages.Lowered:
+        """The update `step` runs on `batch`'s shape, lowered but neither compiled nor run:
+        `.compile().memory_analysis()` / `.cost_analysis()` are XLA's accounting of it
+        (temp, argument and output bytes; FLOPs). Lowering traces the step once more,
+        which `traces` counts."""
+        placed = self.device_batch(batch, version)
+        with jax.set_mesh(self.mesh):
+            return self._step_fns["supervised" if supervised else "rl"].lower(
+                self.model, self.optimizer, placed, self.reference
+            )
 
     def collect(self, pending: tuple[dict[str, jax.Array], float]) -> dict[str, float]:
         """Wait for a dispatched update; returns float metrics, `step_s` from dispatch."""

@@ -10,6 +10,8 @@ their final sharding: host memory holds one tensor at a time, never a second mod
     ckpt = HFCheckpoint("gs://team/models/qwen3-1.7b")
     spec = ckpt.spec(max_seq_len=4096)               # DecoderSpec from config.json
     model = ckpt.load_model(spec, mesh=mesh)         # params sharded over mesh's "fsdp"
+    for name, param in ckpt.tensors(spec): ...       # or one param at a time, unplaced
+    flat = params_from_hf(load_file(path), spec)     # a state dict already in memory
 
 Errors (`CheckpointError`) name the file and the tensor: a missing tensor, a shape that does
 not match config.json, an unknown dtype, a corrupt header, a truncated file.
@@ -21,7 +23,7 @@ import dataclasses
 import functools
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +45,7 @@ from tunix_tasks.policy.spec import (
 )
 from tunix_tasks.storage.store import NotFound, ObjectStore, StoreError, open_store
 
-__all__ = ["CheckpointError", "HFCheckpoint", "hf_tensor_shapes"]
+__all__ = ["CheckpointError", "HFCheckpoint", "hf_tensor_shapes", "params_from_hf"]
 
 _DTYPES: dict[str, Any] = {
     "F64": np.float64,
@@ -96,6 +98,10 @@ def _to_ours(w: jax.Array, *, layout: str, dims: tuple[int, ...]) -> jax.Array:
     return w
 
 
+def _convert(target: _Target, stored: np.ndarray) -> jax.Array:
+    return _to_ours(jnp.asarray(stored), layout=target.layout, dims=target.dims)
+
+
 def _targets(spec: DecoderSpec) -> dict[str, _Target]:
     """Our param name -> the HF tensor, its expected shape and the layout transform."""
     d, h, kv, hd, ff = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.d_ff
@@ -132,6 +138,25 @@ def _targets(spec: DecoderSpec) -> dict[str, _Target]:
 def hf_tensor_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
     """The Hugging Face tensors (name -> shape) a checkpoint of this spec must hold."""
     return {t.hf_name: t.hf_shape for t in _targets(spec).values()}
+
+
+def params_from_hf(tensors: Mapping[str, np.ndarray], spec: DecoderSpec) -> dict[str, jax.Array]:
+    """A Hugging Face state dict already in memory (HF name -> array, as
+    `safetensors.numpy.load_file` returns) as our flat params (`flat_params` names, float32,
+    our layout, on the default device); `Sampler.update_params` / `load_flat_params` take
+    it. Unlike `HFCheckpoint.tensors` it holds every tensor at once. A tensor missing or
+    of the wrong shape: `CheckpointError` naming it."""
+    targets = _targets(spec)
+    missing = [t.hf_name for t in targets.values() if t.hf_name not in tensors]
+    if missing:
+        raise CheckpointError(f"missing tensor(s) {', '.join(missing)}")
+    for t in targets.values():
+        if tuple(tensors[t.hf_name].shape) != t.hf_shape:
+            raise CheckpointError(
+                f"tensor {t.hf_name} has shape {list(tensors[t.hf_name].shape)}, the spec "
+                f"implies {list(t.hf_shape)}"
+            )
+    return {ours: _convert(t, tensors[t.hf_name]) for ours, t in targets.items()}
 
 
 def _parse_header(raw: bytes, file: str, size: int) -> dict[str, _Entry]:
@@ -279,8 +304,12 @@ class HFCheckpoint:
         self._plan(spec)
         return spec
 
-    def _tensors(self, spec: DecoderSpec) -> Iterator[tuple[str, _Target, np.ndarray]]:
-        """(our name, its target, the tensor as stored), one at a time, file by file."""
+    def tensors(self, spec: DecoderSpec) -> Iterator[tuple[str, jax.Array]]:
+        """Every param of `spec` (`flat_params` names; no LoRA adapters): (name, the
+        tensor read and converted to float32 in our layout on the default device), one at
+        a time, file by file in offset order, so host memory holds one tensor at a time.
+        `load_model` places each into its sharding; alone it streams the weights (e.g. to
+        time the read + convert apart from placement). Checked first as `verify` does."""
         by_file = self._plan(spec)
         for file in sorted(by_file):
             with self._open(file.rsplit("/", 1)[-1]) as f:
@@ -289,7 +318,7 @@ class HFCheckpoint:
                     raw = f.read(e.end - e.begin)
                     if len(raw) != e.end - e.begin:
                         raise CheckpointError(f"{file}: tensor {target.hf_name}: file truncated")
-                    yield ours, target, np.frombuffer(raw, dtype=e.dtype).reshape(e.shape)
+                    yield ours, _convert(target, np.frombuffer(raw, e.dtype).reshape(e.shape))
 
     def load_model(
         self,
@@ -310,10 +339,9 @@ class HFCheckpoint:
         specs = nnx.get_partition_spec(state)
         flat_specs = {"/".join(map(str, p)): s for p, s in nnx.to_flat_state(specs)}
         values = {}
-        for name, target, stored in self._tensors(spec):
+        for name, ours in self.tensors(spec):
             spec_ = flat_specs[name]
             pspec = spec_.get_value() if hasattr(spec_, "get_value") else spec_
-            ours = _to_ours(jnp.asarray(stored), layout=target.layout, dims=target.dims)
             values[name] = (
                 ours if mesh is None else jax.device_put(ours, NamedSharding(mesh, pspec))
             )

@@ -17,9 +17,9 @@ environment's reply) instead of the whole episode. Idle slots are reused least r
 used first; a new weights version invalidates every slot, since keys and values computed
 with old weights would condition new tokens on the old policy.
 
-Continuous batching. `step()` first admits waiting requests into free slots (one prefill
-call for all of them, which also draws their first token), then runs one decode segment of
-at most `segment_steps` tokens for every active row. A row that finishes hands back its
+Continuous batching. `step()` first admits waiting requests into free slots (`admit()`:
+one prefill call for all of them, which also draws their first token), then runs one
+decode segment of at most `segment_steps` tokens for every active row. A row that finishes hands back its
 `Sample` at the end of the segment and its slot takes the next request; nobody waits for
 the slowest row of a batch. Rows in flight when the weights change are re-admitted: their
 context so far is prefilled again under the new weights and generation continues, so each
@@ -28,8 +28,8 @@ token's log-prob is exact under the version that drew it (`Sample.version` is th
 Shapes. Batches are padded to a batch bucket; a prefill chunk to a chunk bucket (the
 `prompt_buckets`); attention reads a window of the cache: the smallest bucket holding every
 position the call can touch (decode attends over the live positions' bucket, not the whole
-cache). Compiles are bounded by |batch buckets| x |buckets|^2; weights, temperature, top-k,
-budgets and stop ids are traced, so `update_params` never recompiles.
+cache: `decode_window`). Compiles are bounded by |batch buckets| x |buckets|^2; weights,
+temperature, top-k, budgets and stop ids are traced, so `update_params` never recompiles.
 
 Devices. A sampler's weights, cache and programs live on one device (`device`, default
 the default one); `SamplerReplicas` (policy/replicas.py) runs one sampler per device.
@@ -241,6 +241,18 @@ class Sampler(BlockingSample):
         return len(self._active)
 
     @property
+    def decode_window(self) -> int:
+        """The cache window (a prompt bucket) the next decode segment attends over: the
+        smallest bucket holding the furthest live row's position plus a segment of new
+        ones (module docstring, Shapes); 0 while no row decodes."""
+        if not self._active:
+            return 0
+        furthest = max(len(r.sequence) - 1 for r in self._active)
+        return _bucket(
+            min(furthest + self.segment_steps + 1, self.max_seq_len), self.prompt_buckets
+        )
+
+    @property
     def load(self) -> int:
         """Requests waiting or decoding."""
         return len(self._waiting) + len(self._active)
@@ -254,7 +266,7 @@ class Sampler(BlockingSample):
     def step(self) -> int:
         """Admit waiting requests (one prefill), then decode one segment for active rows.
         Returns how many rows this step computed for."""
-        admitted = self._admit()
+        admitted = self.admit()
         decoded = len(self._active)
         if decoded:
             self._decode_active()
@@ -265,7 +277,12 @@ class Sampler(BlockingSample):
             self._slots.release(row.slot, row.session)
             row.slot = -1
 
-    def _admit(self) -> int:
+    def admit(self) -> int:
+        """Run the admission prefill of queued requests now: as many as free slots and the
+        largest batch bucket allow, in one prefill call that also draws each one's first
+        token (a row done at that token hands back its `Sample` here). `step()` is this
+        plus one decode segment; alone it times or schedules the prefill apart from
+        decoding. Returns how many requests were admitted."""
         rows: list[Request] = []
         with self._lock:
             while self._waiting and len(self._active) + len(rows) < self.max_batch:
@@ -332,8 +349,7 @@ class Sampler(BlockingSample):
     def _decode_active(self) -> None:
         batch = _bucket(len(self._active), self.batch_buckets)
         steps = self.segment_steps
-        furthest = max(len(r.sequence) - 1 for r in self._active)
-        window = _bucket(min(furthest + steps + 1, self.max_seq_len), self.prompt_buckets)
+        window = self.decode_window
         plan = self._lanes.plan(self._active, batch, window, scratch=self._slots.slots)
         work = self._lanes.work
         if work is None:

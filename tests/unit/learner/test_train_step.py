@@ -124,6 +124,25 @@ def test_compiles_once_per_bucket_shape():
     assert trainer.total_compiles == 3
 
 
+def test_lower_step_gives_xla_accounting_without_running_the_step():
+    cfg = _cfg()
+    _, model = build_policy(cfg.model, seed=cfg.seed)
+    trainer = Trainer(cfg, model, mesh=make_mesh(MeshConfig(data=1, fsdp=1), jax.devices()[:1]))
+    batch = _batches(2, 1, buckets=(64,))[0]
+    before = trainer.flat_params()
+    compiled = trainer.lower_step(batch).compile()
+    assert trainer.traces == {"rl": 1} and trainer.steps == 0
+    for name, value in trainer.flat_params().items():  # lowered and compiled, never run
+        np.testing.assert_array_equal(value, before[name])
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    assert cost["flops"] > 2 * sum(v.size for v in before.values()) * batch.tokens.size
+    memory = compiled.memory_analysis()
+    assert memory.argument_size_in_bytes >= sum(v.nbytes for v in before.values())
+    trainer.lower_step(batch, supervised=True)
+    assert trainer.traces == {"rl": 1, "supervised": 1}
+
+
 def test_batch_rows_must_divide_over_the_mesh():
     cfg = config_from_dict({"learner": {"batch_rows": 6, "buckets": [64]}})
     _, model = build_policy(cfg.model)
@@ -151,8 +170,16 @@ def _sampled_episodes(model, *, n: int, length: int, temperature: float, top_k: 
     out = []
     for i in range(n):
         lp = np.concatenate([[0.0], np.where(mask[1:] == 1, blp[i], 0.0)])
-        out.append(Episode(f"s{i}", np.asarray(tokens[i]), mask, lp, advantage=1.0 - 2 * (i % 2),
-                           policy_version=2 * (i % 2)))  # fmt: skip
+        out.append(
+            Episode(
+                f"s{i}",
+                np.asarray(tokens[i]),
+                mask,
+                lp,
+                advantage=1.0 - 2 * (i % 2),
+                policy_version=2 * (i % 2),
+            )
+        )
     # The learner's check below would notice a top-k it ignored: full-softmax log-probs differ.
     assert np.abs(np.asarray(token_logprobs(logits, tokens, temperature)) - blp).max() > 0.05
     return out
@@ -178,8 +205,13 @@ def test_topk_sampled_fresh_data_has_unit_ratios_and_staleness_split():
 def test_decoupled_ppo_mini_epochs_kl_reference_and_entropy():
     """Several updates per batch make the decoupled clip bite; the KL reference is the
     params as RL starts (0 before any update, > 0 after), re-taken by freeze_reference."""
-    cfg = _cfg(correction="decoupled_ppo", updates_per_batch=2, learning_rate=0.05,
-               kl_coef=0.1, entropy_coef=0.01)  # fmt: skip
+    cfg = _cfg(
+        correction="decoupled_ppo",
+        updates_per_batch=2,
+        learning_rate=0.05,
+        kl_coef=0.1,
+        entropy_coef=0.01,
+    )
     _, model = build_policy(cfg.model, seed=cfg.seed)
     trainer = Trainer(cfg, model, mesh=make_mesh(MeshConfig(data=1), jax.devices()[:1]))
     (batch,) = _batches(2, 1, buckets=(64,))

@@ -20,7 +20,8 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from tests.paths import HF_FIXTURES, REPO
-from tunix_tasks.policy.hf_checkpoint import CheckpointError, HFCheckpoint
+from tunix_tasks.policy.hf_checkpoint import CheckpointError, HFCheckpoint, params_from_hf
+from tunix_tasks.policy.params import flat_params
 from tunix_tasks.policy.sampling import Sampler
 from tunix_tasks.policy.spec import UnsupportedCheckpoint, spec_from_hf_config
 
@@ -110,6 +111,26 @@ def _copy(tmp_path: Path, name: str = "tiny-qwen3") -> Path:
     dst = tmp_path / name
     shutil.copytree(FIXTURES / name, dst)
     return dst
+
+
+def test_streamed_and_in_memory_conversions_give_the_loaded_params():
+    """`HFCheckpoint.tensors` (one at a time, over a sharded checkpoint here) and
+    `params_from_hf` (a whole state dict) give exactly the params `load_model` holds."""
+    d = FIXTURES / "tiny-llama3"
+    ckpt = HFCheckpoint(str(d))
+    spec = ckpt.spec(max_seq_len=64)
+    loaded = flat_params(ckpt.load_model(spec))
+    streamed = dict(ckpt.tensors(spec))
+    state = {k: v for p in sorted(d.glob("*.safetensors")) for k, v in load_file(p).items()}
+    in_memory = params_from_hf(state, spec)
+    assert streamed.keys() == in_memory.keys() == loaded.keys()
+    for name, value in loaded.items():
+        assert streamed[name].dtype == in_memory[name].dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(streamed[name]), value, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(in_memory[name]), value, err_msg=name)
+    del state["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(CheckpointError, match=r"missing tensor.*layers\.1\.mlp\.up_proj"):
+        params_from_hf(state, spec)
 
 
 def test_missing_tensor_is_named(tmp_path):

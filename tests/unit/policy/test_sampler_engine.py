@@ -55,9 +55,13 @@ def _full_logprobs(model, context, generated, temperature=1.0) -> np.ndarray:
 def _run(sampler: Sampler, context, *, session=None, max_new=10, seed=0, temperature=1.0):
     got = []
     sampler.submit(
-        context, max_new_tokens=max_new, session=session, seed=seed, temperature=temperature,
+        context,
+        max_new_tokens=max_new,
+        session=session,
+        seed=seed,
+        temperature=temperature,
         on_done=got.append,
-    )  # fmt: skip
+    )
     while sampler.busy:
         sampler.step()
     return got[0]
@@ -126,8 +130,10 @@ def test_continuous_batching_refills_finished_rows_without_waiting():
     assert order == ["short", "late", "long"]
     # Each row equals its run alone (the same seed: the same random stream).
     for name, context, max_new, seed in (
-        ("long", [1, 5, 6], 40, 0), ("short", [1, 7, 8, 9], 3, 1), ("late", [1, 11, 12], 12, 2),
-    ):  # fmt: skip
+        ("long", [1, 5, 6], 40, 0),
+        ("short", [1, 7, 8, 9], 3, 1),
+        ("late", [1, 11, 12], 12, 2),
+    ):
         alone = _sampler(model)
         alone.seed(jax.random.key(3))
         got = []
@@ -170,9 +176,13 @@ def test_per_row_settings_in_one_batch(top_k):
     got: dict[float, object] = {}
     for temperature in (0.5, 1.5):
         s.submit(
-            [1, 5, 6], max_new_tokens=8, temperature=temperature, top_k=top_k, stop_ids=(),
+            [1, 5, 6],
+            max_new_tokens=8,
+            temperature=temperature,
+            top_k=top_k,
+            stop_ids=(),
             on_done=lambda x, t=temperature: got.__setitem__(t, x),
-        )  # fmt: skip
+        )
     while s.busy:
         s.step()
     for temperature, sample in got.items():
@@ -180,6 +190,37 @@ def test_per_row_settings_in_one_batch(top_k):
         seq[0, : 3 + len(sample.tokens)] = [1, 5, 6, *sample.tokens]
         lp = token_logprobs(_forward(model, jnp.asarray(seq)), jnp.asarray(seq), temperature, top_k)
         np.testing.assert_allclose(sample.logprobs, np.asarray(lp[0, 2 : 2 + 8]), atol=ATOL)
+
+
+def test_admit_is_the_prefill_of_step_and_decode_window_follows_the_live_rows():
+    """`admit()` alone prefills (and draws the first token) without decoding; then `step()`
+    decodes over `decode_window`, the bucket of the furthest row + a segment; the sample
+    equals the one `step()` alone gives."""
+    model = _model(4)
+    s = _sampler(model)  # segment_steps 4, prompt buckets (16, 32, 96)
+    s.seed(jax.random.key(2))
+    got = []
+    s.submit([1, 5, 6], max_new_tokens=1, stop_ids=(), on_done=got.append)
+    s.submit([1, 7, 8], max_new_tokens=30, stop_ids=(), on_done=got.append)
+    assert s.decode_window == 0
+    assert s.admit() == 2
+    # The 1-token request finished at its prefill; the other decodes from position 3.
+    assert len(got) == 1 and s.active_rows == 1 and s.stats.segments == 0
+    assert s.stats.prefill_tokens == 6
+    windows = []
+    while s.busy:
+        windows.append(s.decode_window)
+        s.step()
+    # Positions 3, 7, 11 (+ 4 + 1) fit 16; 15 .. 27 fit 32; then the 96-position cache.
+    assert windows == [16, 16, 16, 32, 32, 32, 32, 96]
+    assert s.admit() == 0 and s.decode_window == 0
+    alone = _sampler(model)
+    alone.seed(jax.random.key(2))
+    want = []
+    alone.submit([1, 7, 8], max_new_tokens=30, stop_ids=(), on_done=want.append)
+    while alone.busy:
+        alone.step()
+    assert want[0].tokens == got[1].tokens
 
 
 def test_decode_working_set_copies_only_new_rows_and_stays_exact():
@@ -193,9 +234,13 @@ def test_decode_working_set_copies_only_new_rows_and_stays_exact():
 
     def submit(name, context, max_new, session=None):
         s.submit(
-            context, max_new_tokens=max_new, session=session, seed=len(samples) + len(name),
-            stop_ids=(), on_done=lambda sample: samples.__setitem__(name, (context, sample)),
-        )  # fmt: skip
+            context,
+            max_new_tokens=max_new,
+            session=session,
+            seed=len(samples) + len(name),
+            stop_ids=(),
+            on_done=lambda sample: samples.__setitem__(name, (context, sample)),
+        )
 
     for i in range(4):
         submit(f"steady{i}", [1, 2 + i, 3], 4 * 3 + 2)  # 4 segments, the first 3 in window 16
