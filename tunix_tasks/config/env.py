@@ -4,7 +4,9 @@ Every environment, built-in or plug-in, is an entry point: the built-ins are dec
 tunix-tasks' own pyproject.toml, under the same groups a plug-in package uses
 (`tunix_tasks.envs` for the asynchronous ones, `tunix_tasks.vec_envs` for the JAX ones).
 So the names are known without importing any environment (the learner reads config.json
-and imports none), and a plug-in is valid as soon as it is installed.
+and imports none), and a plug-in is valid as soon as it is installed. An environment
+registered in code (`@register_env` in a test or a notebook) is valid in that process:
+the registry tells this module its name (`declare_env_name`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "VEC_ENV_GROUP",
     "EnvConfig",
     "builtin_env_names",
+    "declare_env_name",
     "known_env_names",
     "known_vec_env_names",
 ]
@@ -29,6 +32,8 @@ __all__ = [
 ENV_GROUP = "tunix_tasks.envs"
 VEC_ENV_GROUP = "tunix_tasks.vec_envs"
 _OWN_DISTRIBUTION = "tunix-tasks"
+#: Names registered in code in this process, per entry-point group.
+_DECLARED: dict[str, set[str]] = {ENV_GROUP: set(), VEC_ENV_GROUP: set()}
 
 
 def _entry_points(group: str) -> list[importlib.metadata.EntryPoint]:
@@ -37,14 +42,25 @@ def _entry_points(group: str) -> list[importlib.metadata.EntryPoint]:
     return []
 
 
+def declare_env_name(group: str, name: str) -> None:
+    """Make `name` valid in this process: the envs registries call this for what is
+    registered in code (`group`: `ENV_GROUP` or `VEC_ENV_GROUP`)."""
+    _DECLARED[group].add(name)
+
+
+def _names(group: str) -> list[str]:
+    return sorted({ep.name for ep in _entry_points(group)} | _DECLARED[group])
+
+
 def known_env_names() -> list[str]:
-    """Valid `env.name` values: the `tunix_tasks.envs` entry points (built-ins included)."""
-    return sorted({ep.name for ep in _entry_points(ENV_GROUP)})
+    """Valid `env.name` values: the `tunix_tasks.envs` entry points (built-ins included)
+    and the names registered in code in this process."""
+    return _names(ENV_GROUP)
 
 
 def known_vec_env_names() -> list[str]:
     """Valid `env.name` values for `actor.kind=vectorized` (`tunix_tasks.vec_envs`)."""
-    return sorted({ep.name for ep in _entry_points(VEC_ENV_GROUP)})
+    return _names(VEC_ENV_GROUP)
 
 
 def builtin_env_names() -> list[str]:
