@@ -16,10 +16,18 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "registered_in_code"]
 
 logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
+#: Entry-point group -> the names registered in code in this process (by any Registry of
+#: that group), so a reader of names (the config) needs no import of the registry's owner.
+_IN_CODE: dict[str, set[str]] = {}
+
+
+def registered_in_code(group: str) -> set[str]:
+    """The names registered in code in this process under entry-point group `group`."""
+    return set(_IN_CODE.get(group, ()))
 
 
 class Registry:
@@ -40,6 +48,7 @@ class Registry:
             if existing is not None and existing is not factory:
                 raise ValueError(f"{self.what} {name!r} is already registered to {existing!r}")
             self._factories[name] = factory
+            _IN_CODE.setdefault(self.group, set()).add(name)
             return factory
 
         return deco

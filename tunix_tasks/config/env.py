@@ -5,8 +5,8 @@ tunix-tasks' own pyproject.toml, under the same groups a plug-in package uses
 (`tunix_tasks.envs` for the asynchronous ones, `tunix_tasks.vec_envs` for the JAX ones).
 So the names are known without importing any environment (the learner reads config.json
 and imports none), and a plug-in is valid as soon as it is installed. An environment
-registered in code (`@register_env` in a test or a notebook) is valid in that process:
-the registry tells this module its name (`declare_env_name`).
+registered in code (`@register_env` in a test or a notebook) is valid in that process
+(`tunix_tasks.registry.registered_in_code`, standard library only).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from tunix_tasks.config.base import Frozen
+from tunix_tasks.registry import registered_in_code
 
 __all__ = [
     "ENV_GROUP",
     "VEC_ENV_GROUP",
     "EnvConfig",
     "builtin_env_names",
-    "declare_env_name",
     "known_env_names",
     "known_vec_env_names",
 ]
@@ -32,8 +32,6 @@ __all__ = [
 ENV_GROUP = "tunix_tasks.envs"
 VEC_ENV_GROUP = "tunix_tasks.vec_envs"
 _OWN_DISTRIBUTION = "tunix-tasks"
-#: Names registered in code in this process, per entry-point group.
-_DECLARED: dict[str, set[str]] = {ENV_GROUP: set(), VEC_ENV_GROUP: set()}
 
 
 def _entry_points(group: str) -> list[importlib.metadata.EntryPoint]:
@@ -42,14 +40,8 @@ def _entry_points(group: str) -> list[importlib.metadata.EntryPoint]:
     return []
 
 
-def declare_env_name(group: str, name: str) -> None:
-    """Make `name` valid in this process: the envs registries call this for what is
-    registered in code (`group`: `ENV_GROUP` or `VEC_ENV_GROUP`)."""
-    _DECLARED[group].add(name)
-
-
 def _names(group: str) -> list[str]:
-    return sorted({ep.name for ep in _entry_points(group)} | _DECLARED[group])
+    return sorted({ep.name for ep in _entry_points(group)} | registered_in_code(group))
 
 
 def known_env_names() -> list[str]:

@@ -40,7 +40,6 @@ import random
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tunix_tasks.config.env import ENV_GROUP, declare_env_name
 from tunix_tasks.envs.arithmetic import ArithmeticEnv
 from tunix_tasks.envs.base import (
     Action,
@@ -78,7 +77,7 @@ __all__ = [
     "register_env",
 ]
 
-ENTRY_POINT_GROUP = ENV_GROUP
+ENTRY_POINT_GROUP = "tunix_tasks.envs"
 EnvFactory = Callable[..., Environment]
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -87,9 +86,7 @@ _REGISTRY = Registry(ENTRY_POINT_GROUP, "environment")
 
 def register_env(name: str) -> Callable[[F], F]:
     """Decorator: register a class or factory under ``name`` (re-registering the same
-    object is a no-op; a different object under a taken name is an error). The name is
-    then a valid `env.name` in this process's configs too."""
-    declare_env_name(ENTRY_POINT_GROUP, name)
+    object is a no-op; a different object under a taken name is an error)."""
     return _REGISTRY.register(name)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tunix_tasks.config.env import VEC_ENV_GROUP, declare_env_name
 from tunix_tasks.envs.vectorized.base import Chars, VecEnv
 from tunix_tasks.envs.vectorized.calculator import VecCalculator
 from tunix_tasks.envs.vectorized.sorting import VecSorting
@@ -33,14 +32,12 @@ __all__ = [
     "register_vec_env",
 ]
 
-VEC_ENTRY_POINT_GROUP = VEC_ENV_GROUP
+VEC_ENTRY_POINT_GROUP = "tunix_tasks.vec_envs"
 _REGISTRY = Registry(VEC_ENTRY_POINT_GROUP, "vectorized environment")
 
 
 def register_vec_env(name: str) -> Callable[[Any], Any]:
-    """Decorator: register a `VecEnv` class or factory under ``name`` (then a valid
-    `env.name` of `actor.kind=vectorized` in this process's configs too)."""
-    declare_env_name(VEC_ENTRY_POINT_GROUP, name)
+    """Decorator: register a `VecEnv` class or factory under ``name``."""
     return _REGISTRY.register(name)
 
 
