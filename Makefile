@@ -17,16 +17,16 @@ STAMP  := $(VENV)/.installed
 bwrap:
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" != 0 ] && echo "warning: bubblewrap (bwrap) is missing: python_exec refuses to run (docs/sandbox.md)"; } || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap)
 
-# The scheduler test (tests/airflow/test_scheduler.py) fills the trigger form in Debian's chromium
+# The deployment test (tests/airflow/test_cluster.py) fills the trigger form in Debian's chromium
 # through Selenium;
 # as root, install it (Playwright's own browser download does not work everywhere).
 browser:
-	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { [ "$$(id -u)" != 0 ] && echo "warning: chromium/chromedriver are missing: the Airflow browser test is skipped"; } || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver)
+	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { [ "$$(id -u)" != 0 ] && echo "warning: chromium/chromedriver are missing: the Airflow deployment test is skipped"; } || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver)
 
-# The Celery cluster (infra/airflow/celery_cluster.py, tests/airflow/test_celery.py) starts its own
+# The Celery cluster (infra/airflow/celery_cluster.py, tests/airflow/test_cluster.py) starts its own
 # throwaway Redis broker and PostgreSQL metadata DB; as root, install the Debian servers.
 services:
-	@pkgs=""; command -v redis-server >/dev/null || pkgs="redis-server"; ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || pkgs="$$pkgs postgresql"; [ -z "$$pkgs" ] || { [ "$$(id -u)" != 0 ] && echo "warning:$$pkgs missing: the Airflow Celery test (tests/airflow/test_celery.py) is skipped"; } || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$pkgs)
+	@pkgs=""; command -v redis-server >/dev/null || pkgs="redis-server"; ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || pkgs="$$pkgs postgresql"; [ -z "$$pkgs" ] || { [ "$$(id -u)" != 0 ] && echo "warning:$$pkgs missing: the Airflow deployment test (tests/airflow/test_cluster.py) is skipped"; } || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$pkgs)
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -77,7 +77,7 @@ airflow-clean: ## Delete airflow_home/ (metadata DB, logs)
 test-airflow: $(STAMP) ## DAG import/structure/params/parse-time tests (seconds)
 	.venv/bin/python -m pytest tests/airflow -m "not slow" -q
 
-test-airflow-e2e: $(STAMP) browser services ## dag.test() of each DAG + a real scheduler run + the browser test + the Celery cluster (~10 min)
+test-airflow-e2e: $(STAMP) browser services ## dag.test() of each DAG + the Celery cluster: the form in a browser, a worker killed mid-run (~6 min)
 	.venv/bin/python -m pytest tests/airflow -m slow -q
 
 clean:

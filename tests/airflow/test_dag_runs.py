@@ -3,7 +3,7 @@
 `dag.test()` runs tasks one after another, so the actors (which run until the run is
 DONE) are marked successful instead of run (`mark_success_pattern`): this checks the
 wiring prepare/resume -> learner -> stop_fleet -> report and the eval DAG's params path.
-Actors and learner running *concurrently* are checked by `test_scheduler.py`.
+Actors and learner running *concurrently* are checked by `test_cluster.py`.
 """
 
 from __future__ import annotations

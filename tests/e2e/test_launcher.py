@@ -4,7 +4,7 @@ stopped, Ctrl-C and SIGHUP stopping a run that resumes, children that die with a
 launcher.
 
 The first tests use real child processes but no training; the others (marked slow) run
-the real command on the tiny preset, as `tests/test_train_e2e.py` does.
+the real command on the tiny preset, as `tests/e2e/test_train_e2e.py` does.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_train_e2e import _cmd, _run
+from tests.e2e.test_train_e2e import _cmd
 from tests.paths import REPO
 from tunix_tasks.config import config_from_dict
 from tunix_tasks.frontdoor.supervision import ActorPool, close_logs, spawn
@@ -217,40 +217,15 @@ def _overrides(tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_killed_actor_is_restarted_and_the_run_finishes(tmp_path):
-    """Issue #12.1: an actor killed mid-run (SIGKILL, as by the OOM killer) is reported
-    and restarted; the run finishes normally and accounts every episode once."""
-    cmd = _cmd(str(tmp_path / "runs"), "restart", "learner.max_steps=40")
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    run_uri = f"file://{tmp_path}/runs/restart"
-    try:
-        _until(lambda: max(_steps(run_uri), default=0) >= 2, "step 2", 300)
-        victim = next(p for p, c in _children(proc.pid).items() if "--actor-id 1" in c)
-        os.kill(victim, signal.SIGKILL)
-        out, err = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, err[-3000:]
-    summary = json.loads(out[out.index("\n{") + 1 :])
-    assert summary["actor_restarts"] == {"actor-0001": 1}
-    assert summary["actor_exit_codes"] == [0, 0] and summary["last_step"]["step"] == 40
-    assert "actor-0001 killed by SIGKILL; restarting it in 5s (1/3)" in err
-    ids = [i for e in read_ledger(open_store(run_uri)) for i in e["trained"]]
-    assert len(ids) == len(set(ids)) > 0
-
-
-@pytest.mark.slow
-def test_sigint_and_sighup_stop_cleanly_the_run_resumes_and_sigkill_takes_the_children(tmp_path):
-    """Issue #11.9: Ctrl-C (SIGINT) stops the run: exit 130, the learner checkpointed, not
-    DONE. The same command resumes it from that checkpoint; SIGHUP (the terminal closed)
-    stops it the same way; resumed again, a SIGKILL of the launcher takes its learner and
-    actors with it within seconds; a last run finishes, every episode trained once."""
+def test_signals_stop_cleanly_the_run_resumes_and_a_killed_actor_is_restarted(tmp_path):
+    """One run, four launches of the same command. Issue #11.9: Ctrl-C (SIGINT) stops the
+    run: exit 130, the learner checkpointed, not DONE. The same command resumes it from
+    that checkpoint; SIGHUP (the terminal closed) stops it the same way; resumed again, a
+    SIGKILL of the launcher takes its learner and actors with it within seconds. Issue
+    #12.1: in the last launch an actor is SIGKILLed (as by the OOM killer): it is reported
+    and restarted, and the run finishes normally with every episode trained once."""
     cmd = _cmd(
-        str(tmp_path / "runs"), "stops", "learner.max_steps=30", "learner.checkpoint_every=3"
+        str(tmp_path / "runs"), "stops", "learner.max_steps=40", "learner.checkpoint_every=3"
     )
     run_uri = f"file://{tmp_path}/runs/stops"
 
@@ -308,8 +283,26 @@ def test_sigint_and_sighup_stop_cleanly_the_run_resumes_and_sigkill_takes_the_ch
             proc.kill()
         proc.communicate()
 
-    summary = _run(cmd, tmp_path)  # and the run still finishes
+    # The last launch: an actor SIGKILLed mid-run is restarted and the run still finishes.
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        again = max(_steps(run_uri)) + 1
+        _until(lambda: max(_steps(run_uri), default=0) > again, "resumed steps", 300)
+        victim = next(p for p, c in _children(proc.pid).items() if "--actor-id 1" in c)
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out[out.index("\n{") + 1 :])
+    assert summary["actor_restarts"] == {"actor-0001": 1}
+    assert summary["actor_exit_codes"] == [0, 0] and summary["last_step"]["step"] == 40
+    assert "actor-0001 killed by SIGKILL; restarting it in 5s (1/3)" in err
     steps = [r["step"] for r in read_metrics(open_store(run_uri), "learner") if "loss" in r]
-    assert max(steps) == 30 and summary["last_step"]["step"] == 30
+    assert max(steps) == 40
     trained = [i for e in read_ledger(open_store(run_uri)) for i in e["trained"]]
     assert len(trained) == len(set(trained)) > 0

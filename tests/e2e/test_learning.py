@@ -5,6 +5,9 @@
 shortened (140 supervised warm-start steps + 30 asynchronous RL steps), greedy decoding on
 128 held-out seeds must reach a reward of at least 0.30 above it; the same with the
 vectorized actor (`actor.kind=vectorized`: JAX calculator and policy in one jitted loop).
+Each of these runs is also the end-to-end check of `tunix-tasks train` (file://, 2 actor
+processes): the live display, DONE, both actors' shards, reloaded weights, the
+exactly-once ledger and the report (`_check_the_run`).
 
 `arithmetic` (the harder task, 2-4 digit operands): in under 90 s the tiny policy does not
 learn to copy long numbers reliably (held-out reward 0.00 after this short warm start,
@@ -28,17 +31,50 @@ from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, play_episode
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import Action, ArithmeticEnv, StepResult
 from tunix_tasks.frontdoor.evaluate import evaluate_params, evaluate_snapshot, held_out_seeds
+from tunix_tasks.learner.checkpoint import read_ledger
 from tunix_tasks.policy.build import build_sampler
-from tunix_tasks.storage.runs import read_config
+from tunix_tasks.storage.metrics import read_metrics
+from tunix_tasks.storage.runs import is_done, read_config
+from tunix_tasks.storage.store import open_store
 from tunix_tasks.storage.weights import load_snapshot, read_latest
 
 pytestmark = pytest.mark.slow
 MARGIN = 0.30
 
 
+def _check_the_run(summary: dict, shown: str, steps: int) -> None:
+    """What a finished `tunix-tasks train` run of `steps` steps and 2 actors leaves."""
+    store = open_store(summary["run_uri"])
+    assert summary["learner_exit_code"] == 0 and summary["actor_exit_codes"] == [0, 0]
+    # Not --quiet: stdout is a pipe, so the live display falls back to plain lines read
+    # from the learner's metrics records: its last line is the last step.
+    lines = [line for line in shown.splitlines() if line.startswith("time ")]
+    assert lines and f"step {steps}/{steps}" in lines[-1] and "actors" in lines[-1], shown[-2000:]
+    assert summary["last_step"]["step"] == steps
+    lag = summary["display"]["lag_s"]
+    assert lag["records"] >= steps and lag["max"] < 60, summary["display"]
+    assert is_done(store)["reason"].startswith("learner max_steps")
+    shards = [i.key for i in store.list("shards/")]
+    assert {k.split("/")[1] for k in shards} == {"actor-0000", "actor-0001"}
+    assert read_latest(store)[0] >= steps // 2  # publish_every: 2
+    actor_versions = [r["weights_version"] for r in read_metrics(store, "actor/")]
+    assert max(actor_versions) >= 2, "actors should have reloaded published weights"
+    # The ledger accounts each trained/dropped episode once.
+    ledger = read_ledger(store)
+    ids = [i for e in ledger for i in e["trained"]]
+    ids += [i for e in ledger for dropped in e["dropped"].values() for i in dropped]
+    assert len(ids) == len(set(ids)) > 0
+    report = json.loads(store.read_bytes("report/summary.json"))
+    assert report["steps"] == steps
+    assert report["reward_first"] is not None and report["reward_last"] is not None
+    assert report["compile_count"] <= 2  # one program per bucket
+    html = store.read_bytes("report/index.html").decode()
+    assert html.count("data:image/png;base64,") >= 5
+
+
 def _train_beats_random(tmp_path, *overrides: str) -> None:
     cmd = [
-        sys.executable, "-m", "tunix_tasks.frontdoor.cli", "train", "--quiet", "--json",
+        sys.executable, "-m", "tunix_tasks.frontdoor.cli", "train", "--json",
         "--config", "configs/demo.yaml",
         "--store", str(tmp_path / "runs"), "--run-name", "learn",
         "--set", "learner.max_steps=30", "--set", "env.latency_s=0",
@@ -50,7 +86,10 @@ def _train_beats_random(tmp_path, *overrides: str) -> None:
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    run_uri = json.loads(out.stdout[out.stdout.index("\n{") + 1 :])["run_uri"]
+    i = out.stdout.index("\n{") + 1
+    summary = json.loads(out.stdout[i:])
+    _check_the_run(summary, out.stdout[:i], steps=30)
+    run_uri = summary["run_uri"]
     cfg, _ = read_config(run_uri)
     seeds = held_out_seeds(128)
     random_reward = evaluate_params(cfg, None, seeds)["reward_mean"]

@@ -1,6 +1,9 @@
 """End-to-end: `tunix-tasks train` with a learner and actor processes (marked slow).
 
 Each test runs the real command in a subprocess, as a user would, on the tiny preset.
+The async run on file:// with the live display, the report and the ledger checks is the
+learning test's (tests/e2e/test_learning.py: `_check_the_run`); here the sync mode on delta
+snapshots and a gs:// run through a store outage.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import read_metrics
 from tunix_tasks.storage.runs import is_done
 from tunix_tasks.storage.store import open_store
-from tunix_tasks.storage.weights import read_latest
+from tunix_tasks.storage.weights import read_latest, read_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -65,49 +68,34 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> dict:
     return _run_out(cmd, cwd, timeout)[0]
 
 
-def test_async_train_end_to_end(tmp_path):
-    # Not --quiet: stdout is a pipe, so the live display falls back to plain lines.
-    summary, shown = _run_out(
-        _cmd(str(tmp_path / "runs"), "e2e", "learner.max_steps=12", quiet=False), tmp_path
+def test_sync_mode_runs_lockstep_on_delta_snapshots(tmp_path):
+    """Sync mode, full fine-tuning publishing deltas between full snapshots every 2
+    versions: actors rebuild each delta and sample only with the newest weights."""
+    summary = _run(
+        _cmd(
+            str(tmp_path / "runs"),
+            "sync",
+            "learner.max_steps=4",
+            "learner.full_snapshot_every=2",
+            mode="sync",
+        ),
+        tmp_path,
     )
     store = open_store(summary["run_uri"])
     assert summary["learner_exit_code"] == 0 and summary["actor_exit_codes"] == [0, 0]
-    # The display read the learner's metrics records: its last line is the last step.
-    lines = [line for line in shown.splitlines() if line.startswith("time ")]
-    assert lines and "step 12/12" in lines[-1] and "actors" in lines[-1], shown[-2000:]
-    assert summary["last_step"]["step"] == 12
-    lag = summary["display"]["lag_s"]
-    assert lag["records"] >= 12 and lag["max"] < 60, summary["display"]
-    assert is_done(store)["reason"].startswith("learner max_steps")
-    shards = [i.key for i in store.list("shards/")]
-    assert {k.split("/")[1] for k in shards} == {"actor-0000", "actor-0001"}
-    assert read_latest(store)[0] >= 12  # v0 + one per step (+ final)
-    actor_versions = [r["weights_version"] for r in read_metrics(store, "actor/")]
-    assert max(actor_versions) >= 2, "actors should have reloaded published weights"
-    # The ledger accounts each trained/dropped episode once.
-    ledger = read_ledger(store)
-    ids = [i for e in ledger for i in e["trained"]] + [
-        i for e in ledger for ids in e["dropped"].values() for i in ids
-    ]
-    assert len(ids) == len(set(ids)) > 0
-    report = json.loads(store.read_bytes("report/summary.json"))
-    assert report["steps"] == 12
-    assert report["reward_first"] is not None and report["reward_last"] is not None
-    assert report["compile_count"] <= 2
-    html = store.read_bytes("report/index.html").decode()
-    assert html.count("data:image/png;base64,") >= 5
-
-
-def test_sync_mode_runs_lockstep(tmp_path):
-    summary = _run(
-        _cmd(str(tmp_path / "runs"), "sync", "learner.max_steps=4", mode="sync"), tmp_path
-    )
-    store = open_store(summary["run_uri"])
     steps = [r for r in read_metrics(store, "learner") if "loss" in r]
     assert len(steps) == 4
     # Synchronous: every trained episode came from the newest weights.
     assert all(set(r["staleness"]) == {"0"} for r in steps)
     assert all(r["is_weight_mean"] == pytest.approx(1.0, abs=1e-6) for r in steps)
+    kinds = {}
+    for info in store.list("weights/"):
+        if info.key.endswith("manifest.json"):
+            m = read_manifest(store, int(info.key.split("/")[1][1:]))
+            kinds[m.version] = m.kind
+    assert "delta" in kinds.values() and "full" in kinds.values(), kinds
+    versions = {r["weights_version"] for r in read_metrics(store, "actor/")}
+    assert any(kinds.get(v) == "delta" for v in versions), (versions, kinds)  # rebuilt one
 
 
 @pytest.mark.gcs

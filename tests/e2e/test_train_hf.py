@@ -1,6 +1,8 @@
 """End-to-end with a Hugging Face checkpoint: `tunix-tasks train --config configs/qwen3-tiny.yaml`
-(the committed tiny Qwen3, 2 actors, the multi-turn calculator tool env) on file:// and on
-gs:// (fake-gcs-server; there the checkpoint itself is read from the bucket too).
+(the committed tiny Qwen3, 2 actors, the multi-turn calculator tool env) on gs://
+(fake-gcs-server), the checkpoint itself read from the bucket too. One run: a checkpoint on
+a local path is what the unit tests load (tests/unit/policy/), and a train run on file://
+is every other end-to-end test's.
 """
 
 from __future__ import annotations
@@ -24,15 +26,15 @@ IM_START, IM_END = 392, 393  # ids in the fixture's tokenizer
 
 
 def _checkpoint_uri(store_uri: str) -> str:
-    if store_uri.startswith("file://"):
-        return str(CHECKPOINT)
+    """The fixture checkpoint copied into the bucket."""
     dst = open_store(f"{store_uri}/models/tiny-qwen3")
     for f in CHECKPOINT.iterdir():
         dst.write_bytes(f.name, f.read_bytes())
     return f"{store_uri}/models/tiny-qwen3"
 
 
-def test_train_qwen3_checkpoint_end_to_end(tmp_path, store_uri):
+def test_train_qwen3_checkpoint_end_to_end(tmp_path, gcs_server):
+    store_uri = gcs_server.new_bucket_uri()
     cmd = [sys.executable, "-m", "tunix_tasks.frontdoor.cli", "train", "--quiet", "--json"]
     cmd += ["--config", str(REPO / "configs" / "qwen3-tiny.yaml"), "--store", store_uri]
     cmd += ["--set", f"model.checkpoint={_checkpoint_uri(store_uri)}"]

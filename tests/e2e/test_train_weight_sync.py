@@ -1,5 +1,6 @@
-"""End to end: LoRA runs sync adapters only; full fine-tuning with deltas between full
-snapshots. Both through `tunix-tasks train` with real actor and learner processes."""
+"""End to end: a LoRA run syncs adapters only, through `tunix-tasks train` with real actor
+and learner processes. (Full fine-tuning with deltas between full snapshots is the sync
+run's of tests/e2e/test_train_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -37,15 +38,3 @@ def test_lora_run_syncs_adapters_only(tmp_path):
     assert all(r["publish_to_reload_s"] < 60 for r in records)
     page = store.read_bytes("report/index.html").decode()
     assert "Publish -&gt; actor reload latency" in page and "Weights version in use" in page
-
-
-def test_full_fine_tuning_with_delta_snapshots(tmp_path):
-    _, store = _train(tmp_path, "delta", "learner.full_snapshot_every=4")
-    kinds = {}
-    for info in store.list("weights/"):
-        if info.key.endswith("manifest.json"):
-            m = read_manifest(store, int(info.key.split("/")[1][1:]))
-            kinds[m.version] = m.kind
-    assert "delta" in kinds.values() and "full" in kinds.values(), kinds
-    records = read_metrics(store, "actor/")
-    assert max(r["weights_version"] for r in records) >= 2  # actors rebuilt deltas
