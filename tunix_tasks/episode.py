@@ -59,9 +59,10 @@ class Episode:
     `seed` is the environment seed that reproduces the episode's task, the same for every
     member of a GRPO group (`group_id`): `env.reset(seed)` for an asyncio environment,
     `vec_env.reset(jax.random.key(seed))` for a vectorized one (the twins draw different
-    tasks from one seed). Actors derive it per group (< 2**31, new ones each incarnation):
-    the asynchronous actor as `actor.runtime.episode_seed(run_seed, actor_key, group)`
-    (actor_key: `<actor_id>/<incarnation>`), the vectorized one on the device from its env
+    tasks from one seed). Actors derive it per group (new ones each incarnation): the
+    asynchronous actor as `actor.runtime.episode_seed(run_seed, actor_key, group)`
+    (actor_key: `<actor_id>/<incarnation>`; below `HELD_OUT_SEED_BASE`, where held-out
+    evaluation's seeds start), the vectorized one (< 2**31) on the device from its env
     key (`actor.vectorized.device_loop.group_seed`). Demonstrations use seeds >= 2**31.
     `actor.episodes.EpisodeBuilder` assembles every episode an actor writes."""
 

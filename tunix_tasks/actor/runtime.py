@@ -52,19 +52,26 @@ from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import ObjectStore, StoreError
 from tunix_tasks.storage.weights import Manifest, WeightsClient
 
-__all__ = ["FINAL_FLUSH_S", "ActorRuntime", "ActorStats", "episode_seed"]
+__all__ = ["FINAL_FLUSH_S", "HELD_OUT_SEED_BASE", "ActorRuntime", "ActorStats", "episode_seed"]
 
 log = logging.getLogger(__name__)
 
 FINAL_FLUSH_S = 30.0  # how long the last shard is retried in an outage when stopping
 
 
+# Env seed ranges: actors' groups [0, HELD_OUT_SEED_BASE), held-out evaluation
+# [HELD_OUT_SEED_BASE, 2**31) (frontdoor/evaluate.py), demonstrations >= 2**31
+# (actor/demonstrations.py). Disjoint, so evaluation never scores a training seed.
+HELD_OUT_SEED_BASE = 3 << 29
+
+
 def episode_seed(run_seed: int, actor_id: str, group: int) -> int:
-    """Deterministic, distinct env seeds per (run, actor, group); < 2**31. The actor
-    passes `<actor_id>/<incarnation>` as `actor_id`, so a restarted actor (same id, new
-    incarnation) never replays the seeds of its previous life."""
+    """Deterministic, distinct env seeds per (run, actor, group); < HELD_OUT_SEED_BASE.
+    The actor passes `<actor_id>/<incarnation>` as `actor_id`, so a restarted actor (same
+    id, new incarnation) never replays the seeds of its previous life."""
     h = hashlib.blake2b(f"{run_seed}/{actor_id}/{group}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & 0x7FFFFFFF
+    # The remainder of a 64-bit hash: uniform to within 2**-33 over the training range.
+    return int.from_bytes(h, "little") % HELD_OUT_SEED_BASE
 
 
 @dataclass

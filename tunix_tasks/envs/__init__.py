@@ -25,6 +25,8 @@ arithmetic.py    built-in: multi-digit arithmetic, reliably solved only with the
 calculator.py    built-in: arithmetic with a calculator tool
 guess_number.py  built-in: guess a number from higher/lower hints
 python_exec.py   built-in: a program whose output is the target, run in the sandbox
+reasoning_gym.py built-in: any reasoning-gym task generator, scored by its own scorer
+                 (reasoning-gym itself is imported on the first construction, not here)
 sorting.py       built-in: sort digits by swaps (a longer horizon)
 sandbox/         running model-written Python under bubblewrap
 vectorized/      pure JAX environments for the on-device actor
@@ -53,6 +55,7 @@ from tunix_tasks.envs.calculator import CalculatorEnv
 from tunix_tasks.envs.guess_number import GuessNumberEnv
 from tunix_tasks.envs.latency import LatencyWrapper
 from tunix_tasks.envs.python_exec import PythonExecEnv
+from tunix_tasks.envs.reasoning_gym import ReasoningGymEnv
 from tunix_tasks.envs.sorting import SortingEnv
 from tunix_tasks.messages import function_tool
 from tunix_tasks.registry import Registry
@@ -66,6 +69,7 @@ __all__ = [
     "GuessNumberEnv",
     "LatencyWrapper",
     "PythonExecEnv",
+    "ReasoningGymEnv",
     "SortingEnv",
     "StepResult",
     "ToolCall",

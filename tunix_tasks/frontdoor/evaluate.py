@@ -1,7 +1,8 @@
 """Evaluation of a weight snapshot on held-out environment seeds.
 
-Seeds come from a range neither actors nor warm start use, so the figure measures
-generalisation over tasks, not memorisation. Decoding is greedy (top_k=1) by default.
+Seeds come from a range neither actors nor warm start use (`actor.runtime.HELD_OUT_SEED_BASE`
+and up, below the demonstrations' 2**31), so the figure measures generalisation over
+tasks, not memorisation. Decoding is greedy (top_k=1) by default.
 The result is written to `eval/v<version>.json` beside the run and returned.
 
     result = evaluate_snapshot("file:///tmp/runs/demo", version=None, seeds=None)
@@ -20,6 +21,7 @@ from flax import nnx
 
 from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
 from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, play_episode
+from tunix_tasks.actor.runtime import HELD_OUT_SEED_BASE
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.policy.build import build_sampler
@@ -29,11 +31,13 @@ from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.runs import read_config
 from tunix_tasks.storage.weights import WeightsError, load_snapshot, read_latest
 
-HELD_OUT_SEED_BASE = 3 << 29
 DEFAULT_EPISODES = 64
 
 
 def held_out_seeds(n: int = DEFAULT_EPISODES) -> list[int]:
+    """The first `n` held-out seeds (at most 2**31 - HELD_OUT_SEED_BASE)."""
+    if not 0 <= n <= (1 << 31) - HELD_OUT_SEED_BASE:
+        raise ValueError(f"held-out seeds: need 0 <= n <= {(1 << 31) - HELD_OUT_SEED_BASE}")
     return [HELD_OUT_SEED_BASE + i for i in range(n)]
 
 

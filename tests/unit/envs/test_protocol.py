@@ -7,7 +7,7 @@ import pytest
 from tests.unit.envs.conftest import demo_policy, rollout
 from tunix_tasks.envs import Action, Environment, check_tools, make_env
 
-BUILTINS = ["arithmetic", "calculator", "guess_number", "python_exec"]
+BUILTINS = ["arithmetic", "calculator", "guess_number", "python_exec", "reasoning_gym"]
 
 
 @pytest.mark.parametrize("name", BUILTINS)
@@ -35,6 +35,7 @@ def test_the_builtin_tools():
         "calculator": ["calculate"],
         "guess_number": [],
         "python_exec": ["run_python"],
+        "reasoning_gym": [],  # its calculator is opt-in: `tools="calculator"`
     }
 
 

@@ -1,0 +1,211 @@
+"""``reasoning_gym``: any task generator of the reasoning-gym package, scored by its own scorer.
+
+Owns the adapter from reasoning-gym's procedural datasets (PyPI ``reasoning-gym``: ~100
+generators such as ``chain_sum``, ``products``, ``leg_counting``, ``sudoku``) to the
+``Environment`` protocol, and the optional calculator tool for its arithmetic tasks.
+
+    env = make_env("reasoning_gym", task="chain_sum", config={"min_terms": 2, "max_terms": 3})
+    question = await env.reset(7)       # the generator's question + the answer-format line
+    result = await env.step(Action(content="-4"))   # scored by the dataset: reward in [0, 1]
+
+    env = make_env("reasoning_gym", task="products", tools="calculator", max_turns=3)
+    # calculate({"expression": "1663 * 5242"}) -> "8717446", then the answer as above
+
+The task of ``seed`` is the first item of the task's dataset built with ``seed=seed,
+size=1``: reasoning-gym draws item ``i`` of a dataset seeded ``s`` from ``Random(s + i)``,
+so this is the item a dataset seeded 0 has at index ``seed`` for most tasks, without a
+dataset of that size (some tasks draw per-dataset choices of length ``size`` at
+construction). Distinct env seeds give distinct random streams, so the project's seed
+ranges (training, demonstrations, held-out evaluation) carry over unchanged; equal
+questions from different seeds remain possible where a task's configuration allows few.
+
+Answer: the content of a turn without tool calls. When it contains ``<answer>...</answer>``
+the last such span is the answer (reasoning-gym's own ``extract_answer`` convention, so a
+chat model may think first), otherwise the whole content, stripped (what the character
+presets' ``<|answer|>`` turn carries). The prompt ends with ``instruction`` saying so
+(``instruction=""``: the bare question). Reward: the dataset's ``score_answer``, clipped
+to [0, 1]; a scorer that raises on a malformed answer gives 0.
+
+Without tools an episode is one turn: any action ends it (a tool call earns 0). With
+``tools="calculator"`` (only for the integer-expression tasks in ``CALCULATOR_TASKS``) the
+env offers the project's ``calculate`` tool (``envs/calculator.py``'s schema and
+``safe_eval``), runs the first call of a tool turn and continues until an answer or
+``max_turns``. ``demonstration(seed)``: the reference answer (after a ``calculate`` call of
+the item's expression in the tool variant); tasks without a reference answer (their scorer
+accepts several, e.g. ``graph_color``) raise ``ValueError``: run them with no warm start.
+
+reasoning-gym (sympy, matplotlib, ...; about 1 s) is imported on the first construction,
+never by ``import tunix_tasks.envs``: config validation and the learner do not pay for it.
+Generation and scoring run in a worker thread: a few tasks take up to ~0.6 s per item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+from tunix_tasks.envs.base import StepResult, string_argument
+from tunix_tasks.envs.calculator import calculate_tool, safe_eval
+from tunix_tasks.messages import Action, ToolCall
+
+__all__ = ["ANSWER_INSTRUCTION", "CALCULATOR_TASKS", "ReasoningGymEnv", "task_names"]
+
+ANSWER_INSTRUCTION = "Reply with the final answer only, or put it in <answer></answer>."
+# Tasks whose question is an integer expression of + - * (and /, which basic_arithmetic's
+# generator evaluates as floor division), so `calculate` can compute the answer exactly.
+CALCULATOR_TASKS = frozenset({"basic_arithmetic", "chain_sum", "products"})
+_ENV_SET_FIELDS = ("seed", "size")  # chosen per episode by the env, never by the config
+
+
+def _datasets() -> dict[str, tuple[type, type]]:
+    """reasoning-gym's registry: task name -> (dataset class, config dataclass)."""
+    from reasoning_gym.factory import DATASETS  # importing the package registers every task
+
+    return DATASETS
+
+
+def task_names() -> list[str]:
+    """Every task reasoning-gym registers (imports reasoning-gym)."""
+    return sorted(_datasets())
+
+
+def _extract(content: str) -> str:
+    from reasoning_gym.utils import extract_answer
+
+    tagged = extract_answer(content)
+    return tagged if tagged is not None else content.strip()
+
+
+def _tool_expression(item: Mapping[str, Any]) -> str:
+    """The ``calculate`` argument that computes the item's answer (floor division, as
+    basic_arithmetic's generator computes ``/``)."""
+    return str(item["metadata"]["expression"]).replace("/", "//")
+
+
+class ReasoningGymEnv:
+    """One reasoning-gym task as an environment (module docstring: seeds, answers, tools)."""
+
+    name = "reasoning_gym"
+
+    def __init__(
+        self,
+        task: str = "chain_sum",
+        config: Mapping[str, Any] | None = None,
+        tools: str | None = None,
+        max_turns: int = 3,
+        instruction: str = ANSWER_INSTRUCTION,
+    ) -> None:
+        datasets = _datasets()
+        if task not in datasets:
+            close = difflib.get_close_matches(task, datasets, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ValueError(
+                f"unknown reasoning_gym task {task!r}{hint}; valid: {', '.join(sorted(datasets))}"
+            )
+        if tools not in (None, "", "calculator"):
+            raise ValueError(f"reasoning_gym: tools must be 'calculator' or unset, got {tools!r}")
+        if tools and task not in CALCULATOR_TASKS:
+            raise ValueError(
+                f"reasoning_gym: tools='calculator' does not fit task {task!r} (its answers "
+                f"are not integer expressions); it fits {', '.join(sorted(CALCULATOR_TASKS))}"
+            )
+        if max_turns < 1:
+            raise ValueError("reasoning_gym: need max_turns >= 1")
+        self.task = task
+        self._dataset_cls, self._config = datasets[task][0], _build_config(task, datasets, config)
+        self.tools = (calculate_tool("4 + 3 * 2"),) if tools else ()
+        # Without a tool there is nothing to do but answer: one turn.
+        self.max_turns = max_turns if self.tools else 1
+        self.instruction = instruction
+        self._dataset: Any = None
+        self._item: dict[str, Any] = {}
+        self._turns, self._used_tool, self._done = 0, False, True
+
+    def item(self, seed: int) -> tuple[Any, dict[str, Any]]:
+        """(dataset, item) of ``seed``: the first item of the dataset seeded ``seed``."""
+        dataset = self._dataset_cls(config=dataclasses.replace(self._config, seed=seed, size=1))
+        return dataset, dataset[0]
+
+    async def reset(self, seed: int) -> str:
+        self._dataset, self._item = await asyncio.to_thread(self.item, seed)
+        self._turns, self._used_tool, self._done = 0, False, False
+        question = str(self._item["question"]).rstrip()
+        return f"{question}\n\n{self.instruction}" if self.instruction else question
+
+    async def step(self, action: Action) -> StepResult:
+        if self._done:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        self._turns += 1
+        info: dict[str, Any] = {"turns": self._turns}
+        reward = 0.0
+        if action.tool_calls:
+            info["kind"] = "tool"
+            self._used_tool = True
+            try:
+                obs = str(safe_eval(string_argument(action.tool_calls[0], self.tools)))
+            except ValueError as e:  # ToolError too; an unknown tool when none is offered
+                obs = f"error: {e}"
+        else:
+            info.update(kind="answer", used_tool=self._used_tool)
+            reward = await asyncio.to_thread(self._score, _extract(action.content), info)
+            obs = "correct" if reward >= 1.0 else f"wrong (score {reward:.2f})"
+        self._done = info["kind"] == "answer" or self._turns >= self.max_turns
+        return StepResult(obs, reward, self._done, info)
+
+    def _score(self, answer: str, info: dict[str, Any]) -> float:
+        try:
+            score = float(self._dataset.score_answer(answer, self._item))
+        except Exception as e:  # some scorers parse the answer and raise when it is malformed
+            info["score_error"] = repr(e)
+            return 0.0
+        return min(max(score, 0.0), 1.0)
+
+    def demonstration(self, seed: int) -> list[Action]:
+        _, item = self.item(seed)
+        answer = item["answer"]
+        if answer is None:
+            raise ValueError(
+                f"reasoning_gym task {self.task!r} has no reference answer (its scorer accepts "
+                "several): no demonstrations; run it with warm_start_steps: 0"
+            )
+        final = Action(content=str(answer))
+        if not self.tools:
+            return [final]
+        expression = _tool_expression(item)
+        try:
+            computes = str(safe_eval(expression)) == str(answer)
+        except ValueError:  # longer than the tool accepts: answer without it
+            computes = False
+        call = ToolCall("calculate", {"expression": expression})
+        return [Action(tool_calls=(call,)), final] if computes else [final]
+
+
+def _build_config(
+    task: str, datasets: Mapping[str, tuple[type, type]], config: Mapping[str, Any] | None
+) -> Any:
+    """The task's config dataclass from ``config``, validated; ``ValueError`` naming the
+    bad key or the failed check otherwise."""
+    config = dict(config or {})
+    config_cls = datasets[task][1]
+    valid = [f.name for f in dataclasses.fields(config_cls) if f.name not in _ENV_SET_FIELDS]
+    for key in config:
+        if key in _ENV_SET_FIELDS:
+            raise ValueError(
+                f"reasoning_gym task {task!r}: config key {key!r} is set by the environment "
+                "(seed = the episode's env seed, size = 1); remove it"
+            )
+        if key not in valid:
+            raise ValueError(
+                f"reasoning_gym task {task!r}: unknown config key {key!r}; "
+                f"valid: {', '.join(valid)}"
+            )
+    try:
+        built = config_cls(**config)
+        if callable(getattr(built, "validate", None)):
+            built.validate()  # reasoning-gym checks with assert: AssertionError
+    except (AssertionError, TypeError, ValueError) as e:
+        raise ValueError(f"reasoning_gym task {task!r}: invalid config {config}: {e}") from e
+    return built
