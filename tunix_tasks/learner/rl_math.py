@@ -177,24 +177,43 @@ def regularized_loss(
     entropy: ArrayLike | None = None,
     kl_coef: float = 0.0,
     entropy_coef: float = 0.0,
+    logp_behavior: ArrayLike | None = None,
+    rho_max: float = 2.0,
 ) -> tuple[Array, dict[str, Array]]:
     """The policy loss plus the stability terms, each a mean over loss tokens::
 
-        loss = pg_loss + kl_coef * mean_t k3(logp_ref_t - logp_t) - entropy_coef * mean_t H_t
+        loss = pg_loss + kl_coef * mean_t w_t k3(logp_ref_t - logp_t) - entropy_coef * mean_t H_t
 
-    The KL term is GRPO's penalty to a frozen reference policy (Shao et al. 2024): the k3
-    estimate of ``KL(pi || pi_ref)`` with samples taken as from ``pi``, differentiated
-    through ``logp`` (gradient ``(1 - pi_ref/pi) * grad logp``). ``H_t`` is the entropy
-    of the sampling distribution at position t (``entropy``, with its gradient): the
-    bonus keeps the policy from collapsing early. A term is skipped when its input is
-    None. Metrics: ``kl_ref``, ``entropy`` (those computed).
+    The KL term is GRPO's penalty to a frozen reference policy (Shao et al. 2024). Its
+    VALUE is the k3 estimate of ``KL(pi || pi_ref)``; its GRADIENT (through ``logp``, the
+    sampled tokens fixed) is ``(1 - pi_ref/pi) * grad logp`` per token, whose expectation
+    over tokens drawn from ``pi`` is ``-sum_x pi_ref(x) grad log pi(x)``, i.e.
+    ``grad KL(pi_ref || pi)``: the reverse direction, not ``grad KL(pi || pi_ref)``
+    (which would need the score-function term ``log(pi/pi_ref) * grad logp``). Both vanish
+    at ``pi == pi_ref`` and pull towards it; this one is mass-covering (it penalises
+    ``pi`` for losing tokens the reference likes), as in GRPO's implementations. Kept
+    as is, and said here (`tests/unit/learner/test_rl_math.py` checks the direction).
+
+    The expectation above is over ``pi``, but stale tokens were drawn from the behaviour
+    policy ``mu``: with ``logp_behavior`` each token's term is weighted by the truncated
+    importance weight ``w_t = sg(min(pi/mu, rho_max))`` (exactly 1 on fresh data), so
+    the gradient stays ``grad KL(pi_ref || pi)`` on stale data up to the truncation;
+    without it ``w_t = 1``. ``H_t`` is the entropy of the sampling distribution at
+    position t (``entropy``, with its gradient), an exact per-position quantity that
+    needs no weight: the bonus keeps the policy from collapsing early. A term is skipped
+    when its input is None. Metrics: ``kl_ref`` (the weighted k3 mean), ``entropy``
+    (those computed).
     """
     loss = jnp.asarray(pg_loss)
     metrics: dict[str, Array] = {}
     if logp_ref is not None:
         logp = finite_logprobs(logp_new, mask)
         lr = jnp.where(jnp.asarray(mask) > 0, finite_logprobs(logp_ref, mask) - logp, 0.0)
-        kl = masked_mean(k3(lr), mask)
+        per_token = k3(lr)
+        if logp_behavior is not None:
+            w, _ = truncated_importance_weights(logp, logp_behavior, mask, rho_max=rho_max)
+            per_token = w * per_token
+        kl = masked_mean(per_token, mask)
         loss = loss + kl_coef * kl
         metrics["kl_ref"] = jax.lax.stop_gradient(kl)
     if entropy is not None:

@@ -189,6 +189,8 @@ def _loss(
             entropy=entropy,
             kl_coef=hp.kl_coef,
             entropy_coef=hp.entropy_coef,
+            logp_behavior=blp,  # the KL term's tokens came from mu: importance-weighted
+            rho_max=hp.correction_params.rho_max,
         )
         m.update(extra)
         rho_max = hp.correction_params.rho_max

@@ -321,6 +321,47 @@ def test_k3_and_regularized_loss_against_numpy() -> None:
     assert float(plain) == 0.5 and none == {}
 
 
+def test_k3_gradient_is_grad_kl_ref_to_pi_and_is_importance_weighted_on_stale_data() -> None:
+    """On a 5-way categorical, the KL term's expected gradient (mask = the sampling
+    probabilities: an exact expectation over sampled tokens) is grad KL(ref || pi) =
+    pi - ref for softmax logits, not grad KL(pi || ref). Tokens drawn from a stale mu
+    give that gradient only through the importance weight pi/mu."""
+    theta = jnp.array([0.3, -1.0, 0.8, 0.0, -0.4])
+    ref = jax.nn.softmax(jnp.array([0.0, 0.5, -0.5, 1.0, 0.2]))
+    mu = jax.nn.softmax(jnp.array([1.0, 0.0, 0.0, -1.0, 0.5]))
+    pi = jax.nn.softmax(theta)
+
+    def kl_term(th, sampler, behaviour):
+        logp = jax.nn.log_softmax(th)[None]
+        loss, _ = regularized_loss(
+            0.0,
+            logp,
+            sampler[None],
+            logp_ref=jnp.log(ref)[None],
+            kl_coef=1.0,
+            logp_behavior=behaviour,
+            rho_max=1e6,
+        )
+        return loss
+
+    @jax.jit
+    def grads(th):
+        g = jax.grad(kl_term)
+        fresh = g(th, pi, jax.nn.log_softmax(th)[None])
+        return g(th, pi, None), g(th, mu, jnp.log(mu)[None]), g(th, mu, None), fresh
+
+    def kl_pi_ref(th):  # KL(pi || ref), exact
+        return jnp.sum(jax.nn.softmax(th) * (jax.nn.log_softmax(th) - jnp.log(ref)))
+
+    on_policy, stale, unweighted, fresh = grads(theta)
+    grad_ref_pi = pi - ref  # grad_theta KL(ref || softmax(theta))
+    np.testing.assert_allclose(on_policy, grad_ref_pi, atol=1e-6)
+    assert np.abs(np.asarray(on_policy - jax.grad(kl_pi_ref)(theta))).max() > 0.05
+    np.testing.assert_allclose(stale, grad_ref_pi, atol=1e-6)  # weighted by pi/mu
+    assert np.abs(np.asarray(unweighted - grad_ref_pi)).max() > 0.05  # mu's tokens, no weight
+    np.testing.assert_allclose(fresh, on_policy, rtol=1e-6)  # fresh data: every weight is 1
+
+
 def test_staleness_stats_against_numpy() -> None:
     rng = np.random.default_rng(4)
     shape = (2, 9)
