@@ -32,6 +32,8 @@ __all__ = [
     "k3",
     "masked_mean",
     "regularized_loss",
+    "sequence_mean",
+    "sequence_mean_weights",
     "staleness_stats",
     "truncated_importance_weights",
 ]
@@ -80,6 +82,33 @@ def _sequence_sum(x: Array, segment_ids: Array | None) -> Array:
     return sums[flat].reshape(x.shape)
 
 
+def sequence_mean(x: ArrayLike, mask: ArrayLike, segment_ids: ArrayLike | None) -> Array:
+    """Mean of ``x`` over each sequence's loss tokens, broadcast back to its tokens
+    (differentiable in ``x``). Sequences: rows (``segment_ids=None``) or the segments of
+    packed rows (``PackedBatch.segment_ids``)."""
+    mask = jnp.asarray(mask, jnp.float32)
+    ids = None if segment_ids is None else jnp.asarray(segment_ids)
+    count = jnp.maximum(_sequence_sum(mask, ids), 1.0)
+    return _sequence_sum(jnp.where(mask > 0, jnp.asarray(x), 0.0), ids) / count
+
+
+def sequence_mean_weights(mask: ArrayLike, segment_ids: ArrayLike | None) -> Array:
+    """Per-token factors ``c_t = N / (G * n_seq(t))`` (``N`` loss tokens, ``G`` sequences
+    with at least one, ``n_seq(t)`` the loss tokens of t's sequence), 0 off the mask.
+
+    The loss averages a per-token objective over the batch's loss tokens
+    (`objective.loss.policy_loss`), which weighs a sequence by its length; a per-sequence
+    objective ``J_i`` broadcast to its tokens and multiplied by ``c_t`` averages to
+    ``mean_i J_i`` instead: every sequence counts once, whatever its length.
+    """
+    mask = jnp.asarray(mask, jnp.float32)
+    ids = None if segment_ids is None else jnp.asarray(segment_ids)
+    per_seq = jnp.maximum(_sequence_sum(mask, ids), 1.0)
+    inv = jnp.where(mask > 0, 1.0 / per_seq, 0.0)
+    sequences = jnp.maximum(jnp.sum(inv), 1.0)  # each sequence's tokens sum to 1
+    return jnp.sum(mask) * inv / sequences
+
+
 # --------------------------------------------------------------------------- IS weights
 
 
@@ -106,6 +135,14 @@ def truncated_importance_weights(
     ratios would grow exponentially with the length (a 0.01 log-ratio per token is a
     weight of 2.7 after 100 tokens) and truncate almost every long sequence.
 
+    In the sequence mean each token's log-ratio is bounded below by ``-log(rho_max)``
+    (its ratio by ``1 / rho_max``), symmetric to the truncation above: a sampled token
+    outside the learner's top k has ``log pi`` floored at ``LOGP_FLOOR`` (-50), and one
+    such token would otherwise pull a sequence of 8 from 0.917 to 0.004 and drop all of
+    its tokens. Bounded, it lowers the weight by at most ``rho_max^(1/n)`` (0.917 ->
+    0.850 for that sequence, ``rho_max`` 2). Token level keeps the raw ratio: a token's
+    tiny weight silences that token alone.
+
     Computed in log space, so a huge sequence ratio truncates instead of overflowing.
     Weights are 0 where ``mask`` is 0. Stats over masked tokens: ``is_weight_mean``,
     ``is_weight_max``, ``is_clipped_frac`` (fraction of tokens whose weight was truncated).
@@ -115,12 +152,11 @@ def truncated_importance_weights(
     # where() before exp: padding/prompt positions may hold garbage log-probs.
     log_ratio = jnp.where(on, jnp.asarray(logp_new) - jnp.asarray(logp_behavior), 0.0)
     log_ratio = jax.lax.stop_gradient(log_ratio)
+    log_rho = jnp.log(jnp.asarray(rho_max, jnp.float32))
     if level == "sequence":
-        count = jnp.maximum(_sequence_sum(mask, segment_ids), 1.0)
-        log_ratio = _sequence_sum(log_ratio, segment_ids) / count
+        log_ratio = sequence_mean(jnp.maximum(log_ratio, -log_rho), mask, segment_ids)
     elif level != "token":
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
-    log_rho = jnp.log(jnp.asarray(rho_max, jnp.float32))
     clipped = on & (log_ratio > log_rho)
     weights = jnp.where(on, jnp.exp(jnp.minimum(log_ratio, log_rho)), 0.0)
     stats = {
@@ -147,22 +183,31 @@ def k3(log_ratio: ArrayLike) -> Array:
 
 
 def clipped_surrogate(
-    ratio: ArrayLike, advantages: ArrayLike, *, clip: float, dual_clip: float
+    ratio: ArrayLike,
+    advantages: ArrayLike,
+    *,
+    clip: float,
+    dual_clip: float | None,
+    clip_high: float | None = None,
 ) -> tuple[Array, Array]:
     """PPO's clipped surrogate per token (an objective: maximise it), with a dual clip::
 
-        s = min(r * A, clip(r, 1 - eps, 1 + eps) * A)           (Schulman et al. 2017)
+        s = min(r * A, clip(r, 1 - eps, 1 + eps_high) * A)      (Schulman et al. 2017)
         s = max(s, c * A)   where A < 0                         (Ye et al. 2020, c > 1)
 
-    Without the dual clip the A < 0 side is unbounded: ``min`` picks ``r * A`` for every
+    ``eps_high`` is ``clip_high``, ``eps`` (``clip``) when None. Without the dual clip
+    (``dual_clip=None``) the A < 0 side is unbounded: ``min`` picks ``r * A`` for every
     ``r > 1 + eps``, so a token that became 3x likelier gets 3x the weight. With it a
     token's loss is at most ``-c * A``. Returns ``(s, clipped)``, ``clipped`` marking the
     tokens whose gradient a clip removed.
     """
     r = jnp.asarray(ratio)
     adv = jnp.asarray(advantages, jnp.float32)
-    clipped_r = jnp.clip(r, 1.0 - clip, 1.0 + clip)
+    high = clip if clip_high is None else clip_high
+    clipped_r = jnp.clip(r, 1.0 - clip, 1.0 + high)
     surrogate = jnp.minimum(r * adv, clipped_r * adv)
+    if dual_clip is None:
+        return surrogate, r * adv > clipped_r * adv
     floor = dual_clip * adv
     dual = (adv < 0) & (surrogate < floor)
     return jnp.where(dual, floor, surrogate), (r * adv > clipped_r * adv) | dual

@@ -139,6 +139,72 @@ def test_sequence_weights_on_a_packed_batch_match_per_episode() -> None:
         np.testing.assert_allclose(np.asarray(w)[sel], math.exp(float(diff.mean())), rtol=1e-5)
 
 
+@functools.partial(jax.jit, static_argnames="correction")
+def _loss_grad(logp, logp_b, adv, mask, segment_ids=None, *, correction: str):
+    """The gradient of `policy_loss` w.r.t. ``logp``, and its metrics (jitted: faster
+    than op-by-op dispatch even with the compile)."""
+
+    def loss(x):
+        return policy_loss(x, logp_b, adv, mask, correction=correction, segment_ids=segment_ids)
+
+    return jax.grad(loss, has_aux=True)(logp)
+
+
+def test_one_token_outside_the_top_k_no_longer_zeroes_its_sequence() -> None:
+    """A sequence of 8 with weight 0.917; its last token (behaviour log-prob -6.03) falls
+    outside the learner's top k (log pi = -inf, floored at -50). Unbounded, that token
+    alone pulled the geometric mean to 0.0038; bounded at 1/rho_max it is 0.850."""
+    logp_b = jnp.array([[-1.0] * 7 + [-6.03]])
+    logp = logp_b + math.log(0.917)
+    adv, mask = jnp.ones((1, 8)), jnp.ones((1, 8))
+    _, before = policy_loss(logp, logp_b, adv, mask, correction="sequence_tis")
+    np.testing.assert_allclose(before["is_weight_mean"], 0.917, rtol=1e-5)
+    outside = logp.at[0, 7].set(-jnp.inf)
+    grad, after = _loss_grad(outside, logp_b, adv, mask, correction="sequence_tis")
+    bounded = math.exp((7 * math.log(0.917) - math.log(2.0)) / 8)  # 0.850
+    unbounded = math.exp((7 * math.log(0.917) - 50 + 6.03) / 8)  # 0.0038
+    assert unbounded < 0.004 and bounded > 0.84
+    np.testing.assert_allclose(after["is_weight_mean"], bounded, rtol=1e-5)
+    np.testing.assert_allclose(grad[0, :7], -bounded / 8, rtol=1e-5)  # the others still learn
+    assert grad[0, 7] == 0.0
+
+
+def _three_sequences(deltas):
+    """One packed row of three sequences of 3, 6 and 9 loss tokens, every token of
+    sequence i with log(pi/mu) = deltas[i]; advantage 1."""
+    seg = jnp.array([[1] * 3 + [2] * 6 + [3] * 9])
+    logp_b = -jnp.linspace(0.5, 2.0, 18)[None]
+    logp = logp_b + jnp.asarray(deltas, jnp.float32)[seg - 1]
+    return logp, logp_b, jnp.ones((1, 18)), jnp.ones((1, 18)), seg
+
+
+def _shares(correction: str, deltas) -> tuple[np.ndarray, dict]:
+    """Each sequence's summed gradient of the loss w.r.t. its log-probs (its weight in
+    the update), and the metrics."""
+    grad, m = _loss_grad(*_three_sequences(deltas), correction=correction)
+    return -np.array([grad[0, :3].sum(), grad[0, 3:9].sum(), grad[0, 9:].sum()]), m
+
+
+def test_gspo_is_the_published_sequence_objective_one_share_per_sequence() -> None:
+    """GSPO: loss = -mean_i min(s_i A, clip(s_i, 1 - 3e-4, 1 + 4e-4) A) with s_i the
+    sequence's length-normalised ratio; each sequence of 3/6/9 tokens gets the same share
+    of the gradient (1/3 each), where sequence_tis gives 3/18, 6/18, 9/18."""
+    deltas = [1e-4, -2e-4, 2e-4]  # inside the clip range
+    logp, logp_b, adv, mask, seg = _three_sequences(deltas)
+    loss, _ = policy_loss(logp, logp_b, adv, mask, correction="gspo", segment_ids=seg)
+    np.testing.assert_allclose(loss, -np.mean(np.exp(deltas)), rtol=1e-6)
+    gspo_shares, m = _shares("gspo", deltas)
+    np.testing.assert_allclose(gspo_shares, np.exp(deltas) / 3, rtol=1e-4)
+    assert m["ppo_clip_frac"] == 0.0
+    tis_shares, _ = _shares("sequence_tis", deltas)
+    np.testing.assert_allclose(tis_shares, np.exp(deltas) * [3 / 18, 6 / 18, 9 / 18], rtol=1e-4)
+    # Outside the range: above 1 + 4e-4 with A > 0 the sequence is clipped (no gradient),
+    # below 1 - 3e-4 it is not (min picks s A): PPO's rule at the sequence level.
+    clipped_shares, m = _shares("gspo", [-1e-3, 0.0, 1e-3])
+    np.testing.assert_allclose(clipped_shares, [math.exp(-1e-3) / 3, 1 / 3, 0.0], atol=1e-6)
+    np.testing.assert_allclose(m["ppo_clip_frac"], 9 / 18)
+
+
 # --------------------------------------------------------------------------- advantages
 
 
@@ -461,7 +527,7 @@ def test_policy_loss_jit_and_metrics() -> None:
 
 
 @pytest.mark.parametrize(
-    "correction", ["none", "token_tis", "sequence_tis", "ppo", "decoupled_ppo"]
+    "correction", ["none", "token_tis", "sequence_tis", "gspo", "ppo", "decoupled_ppo"]
 )
 def test_out_of_top_k_logprobs_give_finite_loss_and_gradient(correction: str) -> None:
     """With top-k the learner's log-prob of a prompt / padding target is -inf (mask 0),
