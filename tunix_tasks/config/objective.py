@@ -50,6 +50,12 @@ class ObjectiveConfig(Frozen):
         1, ge=1, le=16, description="optimizer updates on each batch (PPO mini-epochs)"
     )
     advantage: Literal["group", "batch"] = "group"
+    normalize_advantage_std: bool = Field(
+        True,
+        description="divide advantages by their group's (or batch's) std, as GRPO does; "
+        "false: only centre them (Dr. GRPO, Liu et al. 2025: the std over-weights groups "
+        "that are almost all solved or all failed)",
+    )
     filter_zero_variance_groups: bool = Field(
         False, description="drop groups whose rewards are all equal (no signal) as zero_variance"
     )

@@ -98,14 +98,11 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
     p.ckpt = Checkpointer(store) if channel is None else LeaderCheckpointer(store, channel)
     p.channel = channel  # only now are the followers waiting for announcements (STOP)
     p.source = PrefetchingSource(
-        EpisodeSource(
+        EpisodeSource.from_config(
             store,
+            cfg.learner,
             vocab_size=model.vocab_size,
-            advantage=cfg.learner.advantage,
             max_length=cfg.actor.max_episode_tokens,  # <= model.max_seq_len (validated)
-            dedup_window=cfg.learner.dedup_window,
-            delete_consumed=cfg.learner.delete_consumed_shards,
-            filter_zero_variance=cfg.learner.filter_zero_variance_groups,
         )
     )
     p.metrics = MetricsWriter(store, "learner")

@@ -28,7 +28,7 @@ GROUPS = {
 }
 
 
-def _source(tmp_path, *, filter_zero_variance: bool):
+def _write_groups(tmp_path):
     store = open_store(str(tmp_path))
     rng = np.random.default_rng(0)
     writer = ShardWriter(store, actor_id="actor-0", max_episodes=100)
@@ -42,10 +42,31 @@ def _source(tmp_path, *, filter_zero_variance: bool):
             ]
         )
     writer.close()
+    return store
+
+
+def _source(tmp_path, *, filter_zero_variance: bool):
     source = EpisodeSource(
-        store, vocab_size=103, advantage="group", filter_zero_variance=filter_zero_variance
+        _write_groups(tmp_path),
+        vocab_size=103,
+        advantage="group",
+        filter_zero_variance=filter_zero_variance,
     )
     return PrefetchingSource(source)
+
+
+@pytest.mark.parametrize(("normalize", "magnitude"), [("true", 1.0), ("false", 0.5)])
+def test_normalize_advantage_std_reaches_the_advantages(tmp_path, normalize, magnitude):
+    """`learner.normalize_advantage_std: false` (Dr. GRPO) reaches the source the learner
+    builds: the kept rewards 1 and 0 of a group get +-0.5 (centred), not +-1 (over the
+    std 0.5)."""
+    cfg = load_config(None, [f"learner.normalize_advantage_std={normalize}"])
+    source = EpisodeSource.from_config(_write_groups(tmp_path), cfg.learner, vocab_size=103)
+    got = {(e.group_id, e.status, e.reward): e.advantage for e in source.poll()}
+    source.close()
+    for group in ("mixed", "signal"):
+        assert got[(group, "ok", 1.0)] == pytest.approx(magnitude, abs=1e-4)
+        assert got[(group, "ok", 0.0)] == pytest.approx(-magnitude, abs=1e-4)
 
 
 @pytest.mark.parametrize("filter_zero_variance", [False, True])
