@@ -272,27 +272,29 @@ def staleness_stats(
     logp_new: ArrayLike,
     logp_behavior: ArrayLike,
     mask: ArrayLike,
-    staleness: ArrayLike,
+    lag: ArrayLike,
     *,
     rho_max: float,
 ) -> dict[str, Array]:
-    """Mismatch metrics per staleness bucket (``STALENESS_BUCKETS``), gradient-free.
+    """Mismatch metrics per bucket of ``STALENESS_BUCKETS``, gradient-free.
 
-    ``staleness[r, p]``: learner version minus the policy version of the token's episode.
-    For each bucket ``b``: ``tokens_b`` (loss tokens), ``approx_kl_b`` (k3 of
-    ``KL(mu || pi)``), ``max_abs_logprob_diff_b`` (``max |log pi - log mu|``),
-    ``ratio_mean_b`` (``pi/mu``), ``is_clipped_frac_b`` (``pi/mu > rho_max``). At
-    staleness 0 the behaviour policy IS the learner's current weights, so ``approx_kl_s0``
-    and ``max_abs_logprob_diff_s0`` measure the sampler-vs-learner numerical mismatch
-    alone (dtype, e.g. bfloat16 sampling; kernels; a temperature or top-k mismatch): the
-    mean cost and the worst token. Stale buckets add the policy's drift. Empty buckets
-    give zeros (``tokens_b == 0`` says so).
+    ``lag[r, p]``: learner steps since the behaviour weights of the token's episode were
+    published (`staleness.updates_since`), not versions: a version is published every
+    ``publish_every`` steps, and the weights move at each. For each bucket ``b``:
+    ``tokens_b`` (loss tokens), ``approx_kl_b`` (k3 of ``KL(mu || pi)``),
+    ``max_abs_logprob_diff_b`` (``max |log pi - log mu|``), ``ratio_mean_b``
+    (``pi/mu``), ``is_clipped_frac_b`` (``pi/mu > rho_max``). At lag 0 the behaviour
+    policy IS the learner's current weights, so ``approx_kl_s0`` and
+    ``max_abs_logprob_diff_s0`` measure the sampler-vs-learner numerical mismatch alone
+    (dtype, e.g. bfloat16 sampling; kernels; a temperature or top-k mismatch): the mean
+    cost and the worst token. Later buckets add the policy's drift. Empty buckets give
+    zeros (``tokens_b == 0`` says so).
     """
     on = jnp.asarray(mask) > 0
     lr = jax.lax.stop_gradient(
         jnp.where(on, finite_logprobs(logp_new, on) - jnp.asarray(logp_behavior), 0.0)
     )
-    s = jnp.asarray(staleness)
+    s = jnp.asarray(lag)
     out: dict[str, Array] = {}
     for name, lo, hi in STALENESS_BUCKETS:
         sel = on & (s >= lo) & (s <= (hi if hi is not None else jnp.iinfo(jnp.int32).max))

@@ -27,6 +27,7 @@ from tunix_tasks.learner.rl_math import (
     staleness_stats,
     truncated_importance_weights,
 )
+from tunix_tasks.learner.staleness import UNKNOWN_LAG, updates_since
 
 # --------------------------------------------------------------------------- references
 
@@ -449,6 +450,30 @@ def test_staleness_stats_against_numpy() -> None:
     empty = staleness_stats(pi, mu, mask, np.zeros(shape, int), rho_max=1.5)
     assert empty["tokens_s3p"] == 0 and empty["approx_kl_s3p"] == 0
     assert empty["max_abs_logprob_diff_s3p"] == 0
+
+
+def test_mismatch_buckets_count_learner_steps_since_the_behaviour_weights() -> None:
+    """publish_every 2: version v is published after step 2v. The update after step 8
+    (before version 4 is published) runs two steps after version 3's weights: its tokens
+    are not the sampler-vs-learner bucket s0 although their version lag is 0. A version
+    the learner has no publish step for goes to the oldest bucket."""
+    published_at = {0: 0, 1: 2, 2: 4, 3: 6}
+    ones = np.ones(6, np.int8)
+    eps = [Episode(f"e{v}", ones, ones, np.zeros(6), policy_version=v) for v in (3, 2, 1, 9)]
+    (batch,) = pack(eps, buckets=(8,), batch_rows=4).batches
+    lag = updates_since(8, batch.policy_versions, published_at)
+    by_version = dict(zip(batch.policy_versions.tolist(), lag.tolist(), strict=True))
+    assert by_version == {3: 2, 2: 4, 1: 6, 9: UNKNOWN_LAG}
+    assert updates_since(6, [3], published_at).tolist() == [0]
+    m = staleness_stats(
+        np.zeros(batch.shape),
+        np.zeros(batch.shape),
+        batch.loss_mask,
+        batch.per_token(lag),
+        rho_max=2.0,
+    )
+    assert m["tokens_s0"] == 0 and m["tokens_s1_2"] == 5  # version 3, 2 steps on
+    assert m["tokens_s3p"] == 15  # versions 2, 1 and the unknown 9
 
 
 def test_max_abs_logprob_diff_by_hand() -> None:

@@ -194,7 +194,7 @@ def test_topk_sampled_fresh_data_has_unit_ratios_and_staleness_split():
     eps = _sampled_episodes(model, n=ROWS, length=24, temperature=0.7, top_k=5)
     (batch,) = pack(eps, buckets=(64,), batch_rows=ROWS, flush=True).batches
     trainer = Trainer(cfg, model, mesh=make_mesh(MeshConfig(data=1), jax.devices()[:1]))
-    m = trainer.step(batch, version=2)
+    m = trainer.step(batch, lag=2 - batch.policy_versions)  # learner steps since mu
     for key in ("is_weight_max", "is_weight_mean", "ratio_max", "ratio_mean"):
         assert m[key] == pytest.approx(1.0, abs=1e-5), key
     assert m["is_clipped_frac"] == 0.0 and abs(m["approx_kl"]) < 1e-6
