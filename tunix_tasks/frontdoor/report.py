@@ -91,8 +91,8 @@ def sampler_mismatch(steps: list[dict[str, Any]], cfg: RunConfig) -> dict[str, A
         "approx_kl_s0_mean": float(np.mean([r["approx_kl_s0"] for r in fresh])),
         "max_abs_logprob_diff_s0_max": max(worst) if worst else None,
         "explained": "Fresh tokens (no learner step between sampling and training) were "
-        "scored by the very weights that sampled them, so this gap is numerics alone: 0 up to float noise (~1e-6) when model.dtype equals "
-        "learner.compute_dtype; with bfloat16 sampling it is what bf16 costs, each fresh "
+        "scored by the very weights that sampled them, so this gap is numerics alone: 0 "
+        "up to float noise (~1e-6) when model.dtype equals learner.compute_dtype; with bfloat16 sampling it is what bf16 costs, each fresh "
         "importance ratio pi/mu being off 1 by up to exp(max diff) - 1 (learner.correction "
         "reweights it).",
     }
