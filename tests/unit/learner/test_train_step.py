@@ -188,7 +188,7 @@ def _sampled_episodes(model, *, n: int, length: int, temperature: float, top_k: 
 def test_topk_sampled_fresh_data_has_unit_ratios_and_staleness_split():
     """Actor-side top-k (k=5) at T=0.7: through the real loss path every ratio is 1 (the
     learner scores with the sampling distribution), and the mismatch metrics split the
-    batch's tokens by staleness (episodes of versions 0 and 2 at learner version 2)."""
+    batch's tokens by learner steps since their behaviour weights (here 2 and 0)."""
     cfg = _cfg({"temperature": 0.7, "top_k": 5})
     _, model = build_policy(cfg.model, seed=cfg.seed)
     eps = _sampled_episodes(model, n=ROWS, length=24, temperature=0.7, top_k=5)
