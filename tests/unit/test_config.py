@@ -31,7 +31,7 @@ def test_defaults_and_presets():
         ("run_name=../x", "run_name must be"),
         ("learner.buckets=[512]", "exceeds model.max_seq_len"),
         ("model.n_heads=5", "divisible by model.n_heads"),
-        ("learner.correction=sequence", "'none', 'token_tis', 'sequence_tis', 'ppo', 'decoupled"),
+        ("learner.correction=sequence", "'none', 'token_tis', 'sequence_tis', 'gspo', 'ppo'"),
         ("learner.correction=my_pkg.mod", "or 'package.module:function'"),
         ("learner.ppo_clip=0", "learner.ppo_clip: Input should be greater than 0"),
     ],

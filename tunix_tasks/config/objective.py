@@ -18,7 +18,7 @@ __all__ = ["BUILTIN_CORRECTIONS", "ObjectiveConfig"]
 
 #: The corrections `tunix_tasks/learner/objective/corrections.py` registers (a test
 #: checks the two agree): named here so that loading a config never imports JAX.
-BUILTIN_CORRECTIONS = ("none", "token_tis", "sequence_tis", "ppo", "decoupled_ppo")
+BUILTIN_CORRECTIONS = ("none", "token_tis", "sequence_tis", "gspo", "ppo", "decoupled_ppo")
 #: `package.module:function`: a correction registered with `@register_correction()` in
 #: your module, which the learner imports when it builds its trainer.
 _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
@@ -31,7 +31,8 @@ class ObjectiveConfig(Frozen):
     correction: str = Field(
         "token_tis",
         description="off-policy correction: none (plain REINFORCE), token_tis (token "
-        "truncated IS), sequence_tis (length-normalised sequence ratio, truncated), ppo "
+        "truncated IS), sequence_tis (length-normalised sequence ratio, truncated), gspo "
+        "(GSPO: the sequence ratio clipped PPO-style, one term per sequence), ppo "
         "(dual-clipped surrogate against the behaviour policy), decoupled_ppo (AReaL), or "
         "package.module:function, your own registered with @register_correction()",
     )
@@ -39,10 +40,22 @@ class ObjectiveConfig(Frozen):
     ppo_dual_clip: float = Field(
         3.0, gt=1.0, description="dual-clip bound c on the A<0 side: the loss is at most -c*A"
     )
+    gspo_clip_low: float = Field(
+        3e-4, gt=0.0, lt=1.0, description="GSPO sequence-ratio clip below 1 (gspo): 1 - low"
+    )
+    gspo_clip_high: float = Field(
+        4e-4, gt=0.0, description="GSPO sequence-ratio clip above 1 (gspo): 1 + high"
+    )
     updates_per_batch: int = Field(
         1, ge=1, le=16, description="optimizer updates on each batch (PPO mini-epochs)"
     )
     advantage: Literal["group", "batch"] = "group"
+    normalize_advantage_std: bool = Field(
+        True,
+        description="divide advantages by their group's (or batch's) std, as GRPO does; "
+        "false: only centre them (Dr. GRPO, Liu et al. 2025: the std over-weights groups "
+        "that are almost all solved or all failed)",
+    )
     filter_zero_variance_groups: bool = Field(
         False, description="drop groups whose rewards are all equal (no signal) as zero_variance"
     )

@@ -97,8 +97,9 @@ def report_plots(
         if any("approx_kl" in r for r in steps):
 
             def mismatch_panel(ax: Any) -> None:
-                # Staleness 0: sampler vs learner numerics alone; older: plus policy drift.
-                for suffix, label in (("_s0", "staleness 0"), ("_s1_2", "1-2"), ("_s3p", "3+")):
+                # 0 learner steps since the behaviour weights: sampler vs learner numerics
+                # alone; later: plus the policy's drift.
+                for suffix, label in (("_s0", "0 steps"), ("_s1_2", "1-2"), ("_s3p", "3+")):
                     pts = [
                         (r["step"], r[f"approx_kl{suffix}"])
                         for r in steps
@@ -110,7 +111,7 @@ def report_plots(
                 ax.legend(fontsize=8)
 
             panel(
-                "Behaviour vs learner policy: k3 KL(mu || pi) by staleness",
+                "Behaviour vs learner policy: k3 KL(mu || pi) by learner steps since mu",
                 mismatch_panel,
                 "approx KL per loss token",
                 "learner step",

@@ -76,8 +76,10 @@ def steady_duty_cycle(steps: list[dict[str, Any]]) -> float | None:
 
 
 def sampler_mismatch(steps: list[dict[str, Any]], cfg: RunConfig) -> dict[str, Any] | None:
-    """What the actors' numerics cost, from the steps that trained fresh tokens (staleness
-    0): the mean of their `approx_kl_s0` and the largest `max_abs_logprob_diff_s0`."""
+    """What the actors' numerics cost, from the steps that trained fresh tokens (bucket
+    s0: tokens trained by the very weights that sampled them, no learner step in between;
+    a version lag of 0 is not enough, the weights move within a version): the mean of
+    their `approx_kl_s0` and the largest `max_abs_logprob_diff_s0`."""
     fresh = [r for r in steps if "approx_kl_s0" in r]
     if not fresh:
         return None
@@ -88,9 +90,9 @@ def sampler_mismatch(steps: list[dict[str, Any]], cfg: RunConfig) -> dict[str, A
         "steps_with_fresh_tokens": len(fresh),
         "approx_kl_s0_mean": float(np.mean([r["approx_kl_s0"] for r in fresh])),
         "max_abs_logprob_diff_s0_max": max(worst) if worst else None,
-        "explained": "Fresh tokens were scored by the very weights that sampled them, so "
-        "this gap is numerics alone: 0 up to float noise (~1e-6) when model.dtype equals "
-        "learner.compute_dtype; with bfloat16 sampling it is what bf16 costs, each fresh "
+        "explained": "Fresh tokens (no learner step between sampling and training) were "
+        "scored by the very weights that sampled them, so this gap is numerics alone: 0 "
+        "up to float noise (~1e-6) when model.dtype equals learner.compute_dtype; with bfloat16 sampling it is what bf16 costs, each fresh "
         "importance ratio pi/mu being off 1 by up to exp(max diff) - 1 (learner.correction "
         "reweights it).",
     }
@@ -250,7 +252,7 @@ def render_html(summary: dict[str, Any], plots: list[tuple[str, str]]) -> str:
     )
     procs = [{"process": n, **p} for n, p in (h.get("processes") or {}).items()]
     mismatch = dict(summary.get("sampler_mismatch") or {})
-    numerics = "<p>No step trained fresh (staleness 0) tokens.</p>"
+    numerics = "<p>No step trained fresh tokens (on the very weights that sampled them).</p>"
     if mismatch:
         numerics = f"<p>{html.escape(mismatch.pop('explained'))}</p>{_table(mismatch)}"
     imgs = "".join(

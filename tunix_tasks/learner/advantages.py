@@ -71,9 +71,14 @@ def group_advantages(
 
 
 def batch_advantages(
-    rewards: ArrayLike, *, keep: ArrayLike | None = None, eps: float = 1e-6
+    rewards: ArrayLike,
+    *,
+    keep: ArrayLike | None = None,
+    eps: float = 1e-6,
+    normalize_std: bool = True,
 ) -> np.ndarray:
-    """Batch-normalised advantages ``(r - mean) / (std + eps)`` over the kept episodes.
+    """Batch-normalised advantages ``(r - mean) / (std + eps)`` over the kept episodes
+    (``normalize_std=False``: ``r - mean``).
 
     Use when episodes have no meaningful groups (e.g. one episode per env seed).
     """
@@ -82,7 +87,8 @@ def batch_advantages(
     if not k.any():
         return np.zeros(r.size, np.float32)
     kept = r[k]
-    return np.where(k, (r - kept.mean()) / (kept.std() + eps), 0.0).astype(np.float32)
+    scale = kept.std() + eps if normalize_std else 1.0
+    return np.where(k, (r - kept.mean()) / scale, 0.0).astype(np.float32)
 
 
 def zero_variance_mask(
@@ -103,9 +109,16 @@ def zero_variance_mask(
 
 
 def shard_advantages(
-    rewards: ArrayLike, group_ids: Sequence[object], mode: str, keep: ArrayLike | None = None
+    rewards: ArrayLike,
+    group_ids: Sequence[object],
+    mode: str,
+    keep: ArrayLike | None = None,
+    *,
+    normalize_std: bool = True,
 ) -> np.ndarray:
-    """Advantages for the episodes of one shard: group-normalised (GRPO) or over the shard."""
+    """Advantages for the episodes of one shard: group-normalised (GRPO) or over the
+    shard; ``normalize_std=False`` only centres them (Dr. GRPO,
+    ``learner.normalize_advantage_std``)."""
     if mode == "group":
-        return group_advantages(rewards, group_ids, keep=keep)
-    return batch_advantages(rewards, keep=keep)
+        return group_advantages(rewards, group_ids, keep=keep, normalize_std=normalize_std)
+    return batch_advantages(rewards, keep=keep, normalize_std=normalize_std)

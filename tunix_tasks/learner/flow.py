@@ -69,7 +69,7 @@ def _drop_env_error(episode: Episode) -> DropReason | None:
 
 
 def _fresh(episode: Episode, version: int) -> bool:
-    """Played with the learner's current weights (staleness 0)?"""
+    """Played with the learner's current version (staleness 0; its weights may have moved since)?"""
     return bool(staleness(version, episode.policy_version) == 0)
 
 

@@ -27,7 +27,7 @@ from tunix_tasks.learner.accounting import Accounting
 from tunix_tasks.learner.batcher import Batcher, DataTimeout
 from tunix_tasks.learner.flow import flow_from_config
 from tunix_tasks.learner.packing import PackedBatch
-from tunix_tasks.learner.staleness import STALENESS_BUCKETS, staleness
+from tunix_tasks.learner.staleness import STALENESS_BUCKETS, staleness, updates_since
 from tunix_tasks.learner.startup import start_learner
 from tunix_tasks.storage.metrics import Stopwatch
 from tunix_tasks.storage.runs import mark_done
@@ -45,11 +45,15 @@ RECORD_METRICS = (
     *("approx_kl", "ppo_clip_frac", "kl_ref", "entropy"),
 )
 _PER_BUCKET = ("tokens", "approx_kl", "max_abs_logprob_diff", "ratio_mean", "is_clipped_frac")
+#: Versions whose publish step the learner remembers (and checkpoints), newest first: an
+#: older version is far staler than any bound, and goes to the oldest bucket.
+_PUBLISHED_KEPT = 1024
 
 
 def trainer_metrics(m: dict[str, float]) -> dict[str, float]:
     """A step's trainer metrics for its record: `RECORD_METRICS`, and the mismatch
-    metrics of each staleness bucket that had loss tokens (`approx_kl_s0`, ...)."""
+    metrics of each bucket of learner steps since the behaviour weights that had loss
+    tokens (`approx_kl_s0`, ...; `staleness.updates_since`)."""
     out = {k: m[k] for k in RECORD_METRICS if k in m}
     for name, _, _ in STALENESS_BUCKETS:
         if m.get(f"tokens_{name}"):
@@ -137,7 +141,8 @@ class Learner:
                 if not self.batcher.usable(got[1], self.version):  # a publish just moved us
                     self.batcher.put_back(got[1])
                     continue
-                inflight = (self.parts.trainer.dispatch(got[0], version=self.version), *got)
+                lag = updates_since(self.step, got[0].policy_versions, self.parts.published_at)
+                inflight = (self.parts.trainer.dispatch(got[0], lag=lag), *got)
         finally:
             if inflight is not None:
                 self._complete(*inflight)
@@ -189,6 +194,10 @@ class Learner:
         self.parts.publisher.publish(
             self.parts.trainer.flat_params(), version=self.version, step=self.step
         )
+        published = self.parts.published_at
+        published[self.version] = self.step
+        for old in sorted(published)[:-_PUBLISHED_KEPT]:
+            del published[old]
 
     def _checkpoint(self, *, final: bool = False) -> None:
         self.parts.publisher.wait()
@@ -201,6 +210,7 @@ class Learner:
             "version": self.version,
             "counters": self.acct.counters,
             "stream": self.parts.source.get_state(),
+            "published_at": {str(v): s for v, s in self.parts.published_at.items()},
             "time": time.time(),
         }
         state, ledger = self.parts.trainer.state(), self.acct.take_ledger()

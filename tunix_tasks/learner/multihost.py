@@ -35,6 +35,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike
 
 from tunix_tasks.config import RunConfig
 from tunix_tasks.learner.checkpoint import Checkpointer
@@ -113,7 +114,7 @@ class Op(enum.IntEnum):
 #: A STEP's arrays on the wire (`Trainer.host_batch`): every process must expect the
 #: same shapes and dtypes.
 WIRE_DTYPES: dict[str, Any] = {
-    **dict.fromkeys(("tokens", "positions", "segment_ids", "targets", "staleness"), np.int32),
+    **dict.fromkeys(("tokens", "positions", "segment_ids", "targets", "lag"), np.int32),
     **dict.fromkeys(("loss_mask", "behavior_logprobs", "advantages"), np.float32),
 }
 _HEADER = 4  # op and up to 3 integer arguments
@@ -174,10 +175,10 @@ class LeaderTrainer(Trainer):
         self.channel = channel
 
     def dispatch(
-        self, batch: PackedBatch, *, supervised: bool = False, version: int | None = None
+        self, batch: PackedBatch, *, supervised: bool = False, lag: ArrayLike | None = None
     ) -> tuple[dict[str, jax.Array], float]:
         t0 = time.perf_counter()
-        arrays = self.channel.send_batch(self.host_batch(batch, version), supervised=supervised)
+        arrays = self.channel.send_batch(self.host_batch(batch, lag), supervised=supervised)
         return self.dispatch_arrays(arrays, supervised=supervised, t0=t0)
 
     def flat_params(self) -> dict[str, np.ndarray]:

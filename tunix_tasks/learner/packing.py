@@ -32,9 +32,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from tunix_tasks.episode import Episode
-from tunix_tasks.learner.staleness import staleness
 
 __all__ = [
     "PackResult",
@@ -77,12 +77,14 @@ class PackedBatch:
     def density(self) -> float:
         return self.real_tokens / self.tokens.size
 
-    def staleness(self, version: int | None) -> np.ndarray:
-        """int32 [R, L]: `version` minus each token's episode's policy version (0 on
-        padding, and everywhere when `version` is None)."""
-        if version is None or not self.episode_ids:
+    def per_token(self, values: ArrayLike | None) -> np.ndarray:
+        """int32 [R, L]: each token's episode's entry of `values` (one per `episode_ids`,
+        e.g. `staleness.updates_since`); 0 on padding, and everywhere when None. Values
+        above the int32 range are clipped to its top."""
+        if values is None or not self.episode_ids:
             return np.zeros(self.tokens.shape, np.int32)
-        lag = staleness(version, self.policy_versions[np.maximum(self.episode_index, 0)])
+        per_episode = np.minimum(np.asarray(values, np.int64), np.iinfo(np.int32).max)
+        lag = per_episode[np.maximum(self.episode_index, 0)]
         return np.where(self.episode_index >= 0, lag, 0).astype(np.int32)
 
 

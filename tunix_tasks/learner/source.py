@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from tunix_tasks.config import LearnerConfig
 from tunix_tasks.episode import DropReason, Episode, ShardRow
 from tunix_tasks.learner.accounting import RecentIds
 from tunix_tasks.learner.advantages import shard_advantages, zero_variance_mask
@@ -83,8 +84,10 @@ class EpisodeSource:
         dedup_window: int = 65_536,
         delete_consumed: bool = False,
         filter_zero_variance: bool = False,
+        normalize_std: bool = True,
     ) -> None:
         self._store = store
+        self.normalize_std = normalize_std
         self.filter_zero_variance = filter_zero_variance
         self._zero_variance: set[ShardRow] = set()  # rows handed out flagged, not acked
         self.vocab_size = vocab_size
@@ -103,6 +106,24 @@ class EpisodeSource:
         self._deleter: ThreadPoolExecutor | None = None  # finishes its deletes on close()
         self.quarantined: list[dict[str, str]] = []
         self.backlog_shards = 0
+
+    @classmethod
+    def from_config(
+        cls, store: ObjectStore, cfg: LearnerConfig, *, vocab_size: int, **kw: Any
+    ) -> EpisodeSource:
+        """The source the learner's config asks for (`learner.advantage`,
+        `normalize_advantage_std`, `filter_zero_variance_groups`, `dedup_window`,
+        `delete_consumed_shards`); `kw`: the other arguments (`max_length`, ...)."""
+        return cls(
+            store,
+            vocab_size=vocab_size,
+            advantage=cfg.advantage,
+            normalize_std=cfg.normalize_advantage_std,
+            dedup_window=cfg.dedup_window,
+            delete_consumed=cfg.delete_consumed_shards,
+            filter_zero_variance=cfg.filter_zero_variance_groups,
+            **kw,
+        )
 
     def get_state(self) -> dict[str, Any]:
         self._uncommitted += self._consumed
@@ -196,7 +217,9 @@ class EpisodeSource:
             # before a restart; only the unacknowledged rows are handed out.
             rewards, groups = table.column("reward").to_numpy(), table.column("group_id")
             keep = ~np.isin(table.column("status").to_pylist(), DROPPED_STATUSES)
-            adv = shard_advantages(rewards, groups.to_pylist(), self.advantage, keep)
+            adv = shard_advantages(
+                rewards, groups.to_pylist(), self.advantage, keep, normalize_std=self.normalize_std
+            )
             flat = zero_variance_mask(rewards, groups.to_pylist(), keep=keep)
             for i, ep in enumerate(table_episodes(table, shard=key, advantages=adv.tolist())):
                 if i in acked:

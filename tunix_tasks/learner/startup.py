@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -50,6 +50,9 @@ class LearnerParts:
     version: int = 0
     counters: dict[str, Any] | None = None
     last_checkpoint: int = -1  # step of the checkpoint resumed from
+    # version -> the step after which it was published (checkpointed): the mismatch
+    # metrics' buckets count the steps since an episode's behaviour weights.
+    published_at: dict[int, int] = field(default_factory=dict)
 
     def close(self) -> None:
         """Stop threads and release the lease, whatever part of the start succeeded."""
@@ -98,14 +101,11 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
     p.ckpt = Checkpointer(store) if channel is None else LeaderCheckpointer(store, channel)
     p.channel = channel  # only now are the followers waiting for announcements (STOP)
     p.source = PrefetchingSource(
-        EpisodeSource(
+        EpisodeSource.from_config(
             store,
+            cfg.learner,
             vocab_size=model.vocab_size,
-            advantage=cfg.learner.advantage,
             max_length=cfg.actor.max_episode_tokens,  # <= model.max_seq_len (validated)
-            dedup_window=cfg.learner.dedup_window,
-            delete_consumed=cfg.learner.delete_consumed_shards,
-            filter_zero_variance=cfg.learner.filter_zero_variance_groups,
         )
     )
     p.metrics = MetricsWriter(store, "learner")
@@ -134,6 +134,7 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
         p.trainer.load_state(state)
         p.step, p.version, p.counters = int(meta["step"]), int(meta["version"]), meta["counters"]
         p.source.set_state(meta["stream"])
+        p.published_at = {int(v): int(s) for v, s in meta.get("published_at", {}).items()}
         p.last_checkpoint = p.step
         pruned = p.ckpt.prune_ledger_after(p.step)
         log.info("resumed at step %d (v%d); %d ledger files redone", p.step, p.version, pruned)
@@ -150,5 +151,6 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
     p.version = max(p.version, published + 1)
     p.publisher.publish(p.trainer.flat_params(), version=p.version, step=p.step)
     p.publisher.wait()  # actors need the first snapshot before anything else
+    p.published_at[p.version] = p.step
     p.source.set_newest_version(p.version)  # newer policy_versions are quarantined
     p.source.start()

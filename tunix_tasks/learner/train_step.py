@@ -28,6 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike
 
 from tunix_tasks.config import LearnerConfig, MeshConfig, RunConfig
 from tunix_tasks.learner.objective import (
@@ -189,10 +190,12 @@ def _loss(
             entropy=entropy,
             kl_coef=hp.kl_coef,
             entropy_coef=hp.entropy_coef,
+            logp_behavior=blp,  # the KL term's tokens came from mu: importance-weighted
+            rho_max=hp.correction_params.rho_max,
         )
         m.update(extra)
         rho_max = hp.correction_params.rho_max
-        m.update(staleness_stats(logp, blp, mask, batch["staleness"], rho_max=rho_max))
+        m.update(staleness_stats(logp, blp, mask, batch["lag"], rho_max=rho_max))
     nll = -jnp.sum(finite_logprobs(logp, mask)) / jnp.maximum(jnp.sum(mask), 1.0)
     return loss, {**m, "nll": nll, "logp": jax.lax.stop_gradient(logp)}
 
@@ -295,28 +298,32 @@ class Trainer:
     def total_compiles(self) -> int:
         return sum(self.traces.values())
 
-    def host_batch(self, batch: PackedBatch, version: int | None = None) -> dict[str, np.ndarray]:
-        """The batch's arrays in host memory, with each token's staleness at `version`."""
+    def host_batch(self, batch: PackedBatch, lag: ArrayLike | None = None) -> dict[str, np.ndarray]:
+        """The batch's arrays in host memory, with each token's `lag`: the learner steps
+        since its episode's behaviour weights (one value per episode,
+        `staleness.updates_since`; None: 0), which bucket the mismatch metrics."""
         arrays = {name: np.asarray(getattr(batch, name)) for name in BATCH_FIELDS}
-        arrays["staleness"] = batch.staleness(version)
+        arrays["lag"] = batch.per_token(lag)
         return arrays
 
-    def device_batch(self, batch: PackedBatch, version: int | None = None) -> dict[str, jax.Array]:
+    def device_batch(
+        self, batch: PackedBatch, lag: ArrayLike | None = None
+    ) -> dict[str, jax.Array]:
         """The batch's arrays on the mesh (`host_batch`, placed)."""
-        return self._place(self.host_batch(batch, version))
+        return self._place(self.host_batch(batch, lag))
 
     def _place(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         # On several processes every one passes the whole batch and keeps its own rows.
         return {name: jax.device_put(value, self._batch_sharding) for name, value in arrays.items()}
 
     def dispatch(
-        self, batch: PackedBatch, *, supervised: bool = False, version: int | None = None
+        self, batch: PackedBatch, *, supervised: bool = False, lag: ArrayLike | None = None
     ) -> tuple[dict[str, jax.Array], float]:
         """Start one batch's updates and return at once (JAX dispatch is asynchronous),
-        so the host can prepare the next batch while the device computes. `version`: the
-        learner's weights version, for the staleness split of the mismatch metrics."""
+        so the host can prepare the next batch while the device computes. `lag`: per
+        episode, the learner steps since its behaviour weights (`host_batch`)."""
         t0 = time.perf_counter()
-        return self.dispatch_arrays(self.host_batch(batch, version), supervised=supervised, t0=t0)
+        return self.dispatch_arrays(self.host_batch(batch, lag), supervised=supervised, t0=t0)
 
     def dispatch_arrays(
         self, arrays: dict[str, np.ndarray], *, supervised: bool = False, t0: float | None = None
@@ -331,13 +338,13 @@ class Trainer:
         return metrics, t0
 
     def lower_step(
-        self, batch: PackedBatch, *, supervised: bool = False, version: int | None = None
+        self, batch: PackedBatch, *, supervised: bool = False, lag: ArrayLike | None = None
     ) -> jax.stages.Lowered:
         """The update `step` runs on `batch`'s shape, lowered but neither compiled nor run:
         `.compile().memory_analysis()` / `.cost_analysis()` are XLA's accounting of it
         (temp, argument and output bytes; FLOPs). Lowering traces the step once more,
         which `traces` counts."""
-        placed = self.device_batch(batch, version)
+        placed = self.device_batch(batch, lag)
         with jax.set_mesh(self.mesh):
             return self._step_fns["supervised" if supervised else "rl"].lower(
                 self.model, self.optimizer, placed, self.reference
@@ -354,10 +361,10 @@ class Trainer:
         return out
 
     def step(
-        self, batch: PackedBatch, *, supervised: bool = False, version: int | None = None
+        self, batch: PackedBatch, *, supervised: bool = False, lag: ArrayLike | None = None
     ) -> dict[str, float]:
         """One batch's updates; blocks until done; returns float metrics."""
-        return self.collect(self.dispatch(batch, supervised=supervised, version=version))
+        return self.collect(self.dispatch(batch, supervised=supervised, lag=lag))
 
     def flat_params(self) -> dict[str, np.ndarray]:
         """What a snapshot holds: the trained params (with LoRA, the adapters alone)."""

@@ -335,15 +335,17 @@ def _on_policy_episodes(uri: str, rng, n: int) -> list[Episode]:
 
 
 def test_fresh_data_has_unit_importance_weights(tmp_path):
-    """Data from the current policy (staleness 0): pi/mu is 1 on every token."""
-    uri = prepare_tiny_run(str(tmp_path), max_steps=1, max_staleness=1)
+    """Data from the current policy (staleness 0): pi/mu is 1 on every token. With
+    `publish_every: 2` the second step trains data of the same version one update after
+    its weights: that is not the sampler-vs-learner bucket s0 any more."""
+    uri = prepare_tiny_run(str(tmp_path), max_steps=2, max_staleness=1, publish_every=2)
     store = open_store(uri)
-    write_shards(store, [_on_policy_episodes(uri, np.random.default_rng(5), PER_STEP)])
+    write_shards(store, [_on_policy_episodes(uri, np.random.default_rng(5), 2 * PER_STEP)])
     summary = learner_of(uri).run()
     records = step_records(store)
-    assert summary["steps"] == 1 and summary["dropped"] == {}
-    (r,) = records
-    assert r["staleness"] == {"0": PER_STEP}
+    assert summary["steps"] == 2 and summary["dropped"] == {}
+    r, second = records
+    assert r["staleness"] == second["staleness"] == {"0": PER_STEP}
     assert r["is_clipped_frac"] == 0.0
     # The learner's log-probs come from a differently shaped XLA program (a packed,
     # sharded [8, 64] batch inside the gradient computation) than the behaviour ones, so
@@ -351,11 +353,14 @@ def test_fresh_data_has_unit_importance_weights(tmp_path):
     assert r["is_weight_mean"] == pytest.approx(1.0, abs=1e-6)
     assert r["is_weight_max"] == pytest.approx(1.0, abs=1e-5)
     # The mismatch metrics are in the step record (so in TensorBoard): ratio statistics,
-    # the sampler-vs-learner KL overall and per staleness bucket (only buckets with data).
+    # the sampler-vs-learner KL overall and per bucket (only buckets with data).
     assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and r["ppo_clip_frac"] == 0.0
     assert abs(r["approx_kl"]) < 1e-6 and abs(r["approx_kl_s0"]) < 1e-6
     assert 0 <= r["max_abs_logprob_diff_s0"] < 1e-5  # the worst token: float noise too
     assert r["tokens_s0"] > 0 and "tokens_s1_2" not in r and "kl_ref" not in r
+    # Step 2: version 0 still, but one update after its weights: bucket s1_2.
+    assert "tokens_s0" not in second and second["tokens_s1_2"] > 0
+    assert second["max_abs_logprob_diff_s1_2"] > 1e-4  # the update moved the policy
 
 
 def test_a_failed_checkpoint_stops_the_learner_without_training_a_step_twice(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ GROUPS = {
 }
 
 
-def _source(tmp_path, *, filter_zero_variance: bool):
+def _write_groups(tmp_path):
     store = open_store(str(tmp_path))
     rng = np.random.default_rng(0)
     writer = ShardWriter(store, actor_id="actor-0", max_episodes=100)
@@ -42,10 +42,31 @@ def _source(tmp_path, *, filter_zero_variance: bool):
             ]
         )
     writer.close()
+    return store
+
+
+def _source(tmp_path, *, filter_zero_variance: bool):
     source = EpisodeSource(
-        store, vocab_size=103, advantage="group", filter_zero_variance=filter_zero_variance
+        _write_groups(tmp_path),
+        vocab_size=103,
+        advantage="group",
+        filter_zero_variance=filter_zero_variance,
     )
     return PrefetchingSource(source)
+
+
+@pytest.mark.parametrize(("normalize", "magnitude"), [("true", 1.0), ("false", 0.5)])
+def test_normalize_advantage_std_reaches_the_advantages(tmp_path, normalize, magnitude):
+    """`learner.normalize_advantage_std: false` (Dr. GRPO) reaches the source the learner
+    builds: the kept rewards 1 and 0 of a group get +-0.5 (centred), not +-1 (over the
+    std 0.5)."""
+    cfg = load_config(None, [f"learner.normalize_advantage_std={normalize}"])
+    source = EpisodeSource.from_config(_write_groups(tmp_path), cfg.learner, vocab_size=103)
+    got = {(e.group_id, e.status, e.reward): e.advantage for e in source.poll()}
+    source.close()
+    for group in ("mixed", "signal"):
+        assert got[(group, "ok", 1.0)] == pytest.approx(magnitude, abs=1e-4)
+        assert got[(group, "ok", 0.0)] == pytest.approx(-magnitude, abs=1e-4)
 
 
 @pytest.mark.parametrize("filter_zero_variance", [False, True])
@@ -98,3 +119,33 @@ def test_chunked_entropy_against_numpy(top_k):
     np.testing.assert_allclose(logp, chunked_target_logprobs(hidden, w_out, targets, 0.7, top_k))
     grad = jax.grad(lambda h: run(h)[1].sum())(hidden)  # top-k's -inf must not leak NaN
     assert np.isfinite(np.asarray(grad)).all() and np.abs(np.asarray(grad)).max() > 0
+
+
+def test_advantages_are_recentred_over_what_survives_a_stale_drop(tmp_path):
+    """A group of 8, rewards (1, 1, 0, 0) at version 3 and (0, 0, 0, 0) at version 0: at
+    learner version 3 with max_staleness 1 the version-0 half is dropped as stale. Its
+    zeros were in the source's baseline (advantages of the survivors summed to +2.31);
+    recentred over the survivors they are +-1 and sum to 0."""
+    store = open_store(str(tmp_path))
+    rng = np.random.default_rng(1)
+    rewards_versions = [(1.0, 3), (1.0, 3), (0.0, 3), (0.0, 3)] + [(0.0, 0)] * 4
+    writer = ShardWriter(store, actor_id="actor-0", max_episodes=100)
+    writer.add_group(
+        [
+            make_episode(rng, length=12, reward=r, group_id="g", policy_version=v)
+            for r, v in rewards_versions
+        ]
+    )
+    writer.close()
+    source = PrefetchingSource(EpisodeSource(store, vocab_size=103, advantage="group"))
+    source.poll_once()
+    cfg = load_config(None, ["learner.min_episodes_per_step=100"])
+    acct = Accounting(source)
+    flow = AsyncFlow(min_episodes=100, max_staleness=1, publish_every=1)
+    batcher = Batcher(source, flow, acct, cfg.learner)
+    assert batcher.next_batch(3) is None  # drains, drops the stale half, waits for more
+    assert acct.counters["dropped"] == {"stale": 4}
+    got = sorted((e.reward, e.advantage) for e in batcher.buffer)
+    assert [r for r, _ in got] == [0.0, 0.0, 1.0, 1.0]
+    np.testing.assert_allclose([a for _, a in got], [-1.0, -1.0, 1.0, 1.0], atol=1e-4)
+    source.stop()

@@ -27,6 +27,7 @@ from tunix_tasks.learner.rl_math import (
     staleness_stats,
     truncated_importance_weights,
 )
+from tunix_tasks.learner.staleness import UNKNOWN_LAG, updates_since
 
 # --------------------------------------------------------------------------- references
 
@@ -137,6 +138,72 @@ def test_sequence_weights_on_a_packed_batch_match_per_episode() -> None:
         ids = np.asarray(batch.episode_ids)[np.maximum(batch.episode_index, 0)]
         sel = (ids == e.episode_id) & (batch.loss_mask > 0)
         np.testing.assert_allclose(np.asarray(w)[sel], math.exp(float(diff.mean())), rtol=1e-5)
+
+
+@functools.partial(jax.jit, static_argnames="correction")
+def _loss_grad(logp, logp_b, adv, mask, segment_ids=None, *, correction: str):
+    """The gradient of `policy_loss` w.r.t. ``logp``, and its metrics (jitted: faster
+    than op-by-op dispatch even with the compile)."""
+
+    def loss(x):
+        return policy_loss(x, logp_b, adv, mask, correction=correction, segment_ids=segment_ids)
+
+    return jax.grad(loss, has_aux=True)(logp)
+
+
+def test_one_token_outside_the_top_k_no_longer_zeroes_its_sequence() -> None:
+    """A sequence of 8 with weight 0.917; its last token (behaviour log-prob -6.03) falls
+    outside the learner's top k (log pi = -inf, floored at -50). Unbounded, that token
+    alone pulled the geometric mean to 0.0038; bounded at 1/rho_max it is 0.850."""
+    logp_b = jnp.array([[-1.0] * 7 + [-6.03]])
+    logp = logp_b + math.log(0.917)
+    adv, mask = jnp.ones((1, 8)), jnp.ones((1, 8))
+    _, before = policy_loss(logp, logp_b, adv, mask, correction="sequence_tis")
+    np.testing.assert_allclose(before["is_weight_mean"], 0.917, rtol=1e-5)
+    outside = logp.at[0, 7].set(-jnp.inf)
+    grad, after = _loss_grad(outside, logp_b, adv, mask, correction="sequence_tis")
+    bounded = math.exp((7 * math.log(0.917) - math.log(2.0)) / 8)  # 0.850
+    unbounded = math.exp((7 * math.log(0.917) - 50 + 6.03) / 8)  # 0.0038
+    assert unbounded < 0.004 and bounded > 0.84
+    np.testing.assert_allclose(after["is_weight_mean"], bounded, rtol=1e-5)
+    np.testing.assert_allclose(grad[0, :7], -bounded / 8, rtol=1e-5)  # the others still learn
+    assert grad[0, 7] == 0.0
+
+
+def _three_sequences(deltas):
+    """One packed row of three sequences of 3, 6 and 9 loss tokens, every token of
+    sequence i with log(pi/mu) = deltas[i]; advantage 1."""
+    seg = jnp.array([[1] * 3 + [2] * 6 + [3] * 9])
+    logp_b = -jnp.linspace(0.5, 2.0, 18)[None]
+    logp = logp_b + jnp.asarray(deltas, jnp.float32)[seg - 1]
+    return logp, logp_b, jnp.ones((1, 18)), jnp.ones((1, 18)), seg
+
+
+def _shares(correction: str, deltas) -> tuple[np.ndarray, dict]:
+    """Each sequence's summed gradient of the loss w.r.t. its log-probs (its weight in
+    the update), and the metrics."""
+    grad, m = _loss_grad(*_three_sequences(deltas), correction=correction)
+    return -np.array([grad[0, :3].sum(), grad[0, 3:9].sum(), grad[0, 9:].sum()]), m
+
+
+def test_gspo_is_the_published_sequence_objective_one_share_per_sequence() -> None:
+    """GSPO: loss = -mean_i min(s_i A, clip(s_i, 1 - 3e-4, 1 + 4e-4) A) with s_i the
+    sequence's length-normalised ratio; each sequence of 3/6/9 tokens gets the same share
+    of the gradient (1/3 each), where sequence_tis gives 3/18, 6/18, 9/18."""
+    deltas = [1e-4, -2e-4, 2e-4]  # inside the clip range
+    logp, logp_b, adv, mask, seg = _three_sequences(deltas)
+    loss, _ = policy_loss(logp, logp_b, adv, mask, correction="gspo", segment_ids=seg)
+    np.testing.assert_allclose(loss, -np.mean(np.exp(deltas)), rtol=1e-6)
+    gspo_shares, m = _shares("gspo", deltas)
+    np.testing.assert_allclose(gspo_shares, np.exp(deltas) / 3, rtol=1e-4)
+    assert m["ppo_clip_frac"] == 0.0
+    tis_shares, _ = _shares("sequence_tis", deltas)
+    np.testing.assert_allclose(tis_shares, np.exp(deltas) * [3 / 18, 6 / 18, 9 / 18], rtol=1e-4)
+    # Outside the range: above 1 + 4e-4 with A > 0 the sequence is clipped (no gradient),
+    # below 1 - 3e-4 it is not (min picks s A): PPO's rule at the sequence level.
+    clipped_shares, m = _shares("gspo", [-1e-3, 0.0, 1e-3])
+    np.testing.assert_allclose(clipped_shares, [math.exp(-1e-3) / 3, 1 / 3, 0.0], atol=1e-6)
+    np.testing.assert_allclose(m["ppo_clip_frac"], 9 / 18)
 
 
 # --------------------------------------------------------------------------- advantages
@@ -321,6 +388,47 @@ def test_k3_and_regularized_loss_against_numpy() -> None:
     assert float(plain) == 0.5 and none == {}
 
 
+def test_k3_gradient_is_grad_kl_ref_to_pi_and_is_importance_weighted_on_stale_data() -> None:
+    """On a 5-way categorical, the KL term's expected gradient (mask = the sampling
+    probabilities: an exact expectation over sampled tokens) is grad KL(ref || pi) =
+    pi - ref for softmax logits, not grad KL(pi || ref). Tokens drawn from a stale mu
+    give that gradient only through the importance weight pi/mu."""
+    theta = jnp.array([0.3, -1.0, 0.8, 0.0, -0.4])
+    ref = jax.nn.softmax(jnp.array([0.0, 0.5, -0.5, 1.0, 0.2]))
+    mu = jax.nn.softmax(jnp.array([1.0, 0.0, 0.0, -1.0, 0.5]))
+    pi = jax.nn.softmax(theta)
+
+    def kl_term(th, sampler, behaviour):
+        logp = jax.nn.log_softmax(th)[None]
+        loss, _ = regularized_loss(
+            0.0,
+            logp,
+            sampler[None],
+            logp_ref=jnp.log(ref)[None],
+            kl_coef=1.0,
+            logp_behavior=behaviour,
+            rho_max=1e6,
+        )
+        return loss
+
+    @jax.jit
+    def grads(th):
+        g = jax.grad(kl_term)
+        fresh = g(th, pi, jax.nn.log_softmax(th)[None])
+        return g(th, pi, None), g(th, mu, jnp.log(mu)[None]), g(th, mu, None), fresh
+
+    def kl_pi_ref(th):  # KL(pi || ref), exact
+        return jnp.sum(jax.nn.softmax(th) * (jax.nn.log_softmax(th) - jnp.log(ref)))
+
+    on_policy, stale, unweighted, fresh = grads(theta)
+    grad_ref_pi = pi - ref  # grad_theta KL(ref || softmax(theta))
+    np.testing.assert_allclose(on_policy, grad_ref_pi, atol=1e-6)
+    assert np.abs(np.asarray(on_policy - jax.grad(kl_pi_ref)(theta))).max() > 0.05
+    np.testing.assert_allclose(stale, grad_ref_pi, atol=1e-6)  # weighted by pi/mu
+    assert np.abs(np.asarray(unweighted - grad_ref_pi)).max() > 0.05  # mu's tokens, no weight
+    np.testing.assert_allclose(fresh, on_policy, rtol=1e-6)  # fresh data: every weight is 1
+
+
 def test_staleness_stats_against_numpy() -> None:
     rng = np.random.default_rng(4)
     shape = (2, 9)
@@ -342,6 +450,30 @@ def test_staleness_stats_against_numpy() -> None:
     empty = staleness_stats(pi, mu, mask, np.zeros(shape, int), rho_max=1.5)
     assert empty["tokens_s3p"] == 0 and empty["approx_kl_s3p"] == 0
     assert empty["max_abs_logprob_diff_s3p"] == 0
+
+
+def test_mismatch_buckets_count_learner_steps_since_the_behaviour_weights() -> None:
+    """publish_every 2: version v is published after step 2v. The update after step 8
+    (before version 4 is published) runs two steps after version 3's weights: its tokens
+    are not the sampler-vs-learner bucket s0 although their version lag is 0. A version
+    the learner has no publish step for goes to the oldest bucket."""
+    published_at = {0: 0, 1: 2, 2: 4, 3: 6}
+    ones = np.ones(6, np.int8)
+    eps = [Episode(f"e{v}", ones, ones, np.zeros(6), policy_version=v) for v in (3, 2, 1, 9)]
+    (batch,) = pack(eps, buckets=(8,), batch_rows=4).batches
+    lag = updates_since(8, batch.policy_versions, published_at)
+    by_version = dict(zip(batch.policy_versions.tolist(), lag.tolist(), strict=True))
+    assert by_version == {3: 2, 2: 4, 1: 6, 9: UNKNOWN_LAG}
+    assert updates_since(6, [3], published_at).tolist() == [0]
+    m = staleness_stats(
+        np.zeros(batch.shape),
+        np.zeros(batch.shape),
+        batch.loss_mask,
+        batch.per_token(lag),
+        rho_max=2.0,
+    )
+    assert m["tokens_s0"] == 0 and m["tokens_s1_2"] == 5  # version 3, 2 steps on
+    assert m["tokens_s3p"] == 15  # versions 2, 1 and the unknown 9
 
 
 def test_max_abs_logprob_diff_by_hand() -> None:
@@ -420,7 +552,7 @@ def test_policy_loss_jit_and_metrics() -> None:
 
 
 @pytest.mark.parametrize(
-    "correction", ["none", "token_tis", "sequence_tis", "ppo", "decoupled_ppo"]
+    "correction", ["none", "token_tis", "sequence_tis", "gspo", "ppo", "decoupled_ppo"]
 )
 def test_out_of_top_k_logprobs_give_finite_loss_and_gradient(correction: str) -> None:
     """With top-k the learner's log-prob of a prompt / padding target is -inf (mask 0),

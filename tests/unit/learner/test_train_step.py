@@ -188,13 +188,13 @@ def _sampled_episodes(model, *, n: int, length: int, temperature: float, top_k: 
 def test_topk_sampled_fresh_data_has_unit_ratios_and_staleness_split():
     """Actor-side top-k (k=5) at T=0.7: through the real loss path every ratio is 1 (the
     learner scores with the sampling distribution), and the mismatch metrics split the
-    batch's tokens by staleness (episodes of versions 0 and 2 at learner version 2)."""
+    batch's tokens by learner steps since their behaviour weights (here 2 and 0)."""
     cfg = _cfg({"temperature": 0.7, "top_k": 5})
     _, model = build_policy(cfg.model, seed=cfg.seed)
     eps = _sampled_episodes(model, n=ROWS, length=24, temperature=0.7, top_k=5)
     (batch,) = pack(eps, buckets=(64,), batch_rows=ROWS, flush=True).batches
     trainer = Trainer(cfg, model, mesh=make_mesh(MeshConfig(data=1), jax.devices()[:1]))
-    m = trainer.step(batch, version=2)
+    m = trainer.step(batch, lag=2 - batch.policy_versions)  # learner steps since mu
     for key in ("is_weight_max", "is_weight_mean", "ratio_max", "ratio_mean"):
         assert m[key] == pytest.approx(1.0, abs=1e-5), key
     assert m["is_clipped_frac"] == 0.0 and abs(m["approx_kl"]) < 1e-6

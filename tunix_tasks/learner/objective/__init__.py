@@ -2,7 +2,7 @@
 
 inputs.py       `LossInputs` (a batch's arrays), `CorrectionParams`, `CorrectionOutput`
 registry.py     `register_correction`, `get_correction`: name -> `Correction` (loss, needs)
-corrections.py  the built-ins: none, token_tis, sequence_tis, ppo, decoupled_ppo
+corrections.py  the built-ins: none, token_tis, sequence_tis, gspo, ppo, decoupled_ppo
 loss.py         `policy_loss`: the chosen correction's loss and the shared metrics
 
 A new correction: a function ``(LossInputs, CorrectionParams) -> CorrectionOutput``

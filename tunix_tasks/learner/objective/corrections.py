@@ -9,7 +9,10 @@ dual-clipped surrogate) is in `tunix_tasks.learner.rl_math`. Citations:
   (Espeholt et al. 2018, arXiv:1802.01561), as used for the sampler/learner mismatch in
   "Your efficient RL framework secretly brings you off-policy RL training" (Yao et al.
   2025, "TIS"); per sequence with GSPO's length-normalised ratio (Zheng et al. 2025,
-  arXiv:2507.18071), truncated rather than clipped.
+  arXiv:2507.18071), truncated rather than clipped. Both are REINFORCE averaged per
+  token: a sequence's weight in the loss grows with its length.
+* ``gspo``: GSPO's sequence-level objective as published (Zheng et al. 2025,
+  arXiv:2507.18071): the sequence ratio clipped PPO-style, one term per sequence.
 * ``ppo``: PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with a dual
   clip (Ye et al. 2020, arXiv:1912.09729).
 * ``decoupled_ppo``: AReaL's decoupled PPO (Fu et al. 2025, arXiv:2505.24298).
@@ -30,10 +33,12 @@ from tunix_tasks.learner.objective.registry import register_correction
 from tunix_tasks.learner.rl_math import (
     clipped_surrogate,
     masked_mean,
+    sequence_mean,
+    sequence_mean_weights,
     truncated_importance_weights,
 )
 
-__all__ = ["decoupled_ppo", "no_correction", "ppo", "sequence_tis", "token_tis"]
+__all__ = ["decoupled_ppo", "gspo", "no_correction", "ppo", "sequence_tis", "token_tis"]
 
 
 @register_correction("none")
@@ -68,8 +73,37 @@ def token_tis(x: LossInputs, params: CorrectionParams) -> CorrectionOutput:
 def sequence_tis(x: LossInputs, params: CorrectionParams) -> CorrectionOutput:
     """As `token_tis` with GSPO's length-normalised sequence weight
     (``truncated_importance_weights(level="sequence")``); its ``is_*`` metrics are the
-    sequence weights'."""
+    sequence weights'. Averaged per token like `token_tis`, so a sequence's share of the
+    gradient grows with its length (`gspo` gives each sequence one share)."""
     return _truncated_is(x, params, "sequence")
+
+
+@register_correction("gspo")
+def gspo(x: LossInputs, params: CorrectionParams) -> CorrectionOutput:
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071, eq. 5-7), the behaviour policy as the
+    old one::
+
+        s_i = exp(mean_{t in i} log(pi_t / mu_t))             (the sequence ratio)
+        J   = mean_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
+
+    with the paper's small clip range (``gspo_clip_low`` 3e-4, ``gspo_clip_high`` 4e-4)
+    and no dual clip. The gradient flows through ``s_i`` (``s_i * mean_t grad log pi_t``:
+    every token of a sequence weighted alike); each sequence counts once whatever its
+    length (`sequence_mean_weights`), the advantage being the episode's. As published, a
+    sampled token outside the learner's top k (``log pi`` floored at -50) makes ``s_i``
+    tiny and its sequence clipped: it carries no gradient, as any sequence far off-policy.
+    ``ppo_clip_frac``: the share of loss tokens whose sequence was clipped.
+    """
+    s = jnp.exp(sequence_mean(x.log_ratio, x.mask, x.segment_ids))
+    objective, clipped = clipped_surrogate(
+        s,
+        x.advantages,
+        clip=params.gspo_clip_low,
+        clip_high=params.gspo_clip_high,
+        dual_clip=None,
+    )
+    weights = sequence_mean_weights(x.mask, x.segment_ids)
+    return CorrectionOutput(weights * objective, {"ppo_clip_frac": masked_mean(clipped, x.mask)})
 
 
 def _surrogate(

@@ -23,12 +23,15 @@ __all__ = ["CorrectionOutput", "CorrectionParams", "LossInputs"]
 
 @dataclasses.dataclass(frozen=True)
 class CorrectionParams:
-    """The corrections' hyperparameters (`learner.rho_max`, `ppo_clip`, `ppo_dual_clip`).
-    Hashable, so a jitted loss can take it as a static argument."""
+    """The corrections' hyperparameters (`learner.rho_max`, `ppo_clip`, `ppo_dual_clip`,
+    `gspo_clip_low`, `gspo_clip_high`). Hashable, so a jitted loss can take it as a static
+    argument."""
 
     rho_max: float = 2.0  # truncation of importance ratios
     ppo_clip: float = 0.2  # PPO ratio clip epsilon
     dual_clip: float = 3.0  # dual-clip bound c on the A < 0 side
+    gspo_clip_low: float = 3e-4  # GSPO's sequence-ratio clip: [1 - low, 1 + high]
+    gspo_clip_high: float = 4e-4
 
     @classmethod
     def from_config(cls, objective: ObjectiveConfig) -> CorrectionParams:
@@ -36,6 +39,8 @@ class CorrectionParams:
             rho_max=float(objective.rho_max),
             ppo_clip=float(objective.ppo_clip),
             dual_clip=float(objective.ppo_dual_clip),
+            gspo_clip_low=float(objective.gspo_clip_low),
+            gspo_clip_high=float(objective.gspo_clip_high),
         )
 
 
