@@ -1,16 +1,35 @@
 """Shared pytest setup.
 
-CPU JAX with 8 simulated devices (set before JAX is imported), a session-wide real
-fake-gcs-server, and a `store_uri` fixture parametrized over file:// and gs:// so the
-same test runs on both backends.
+CPU JAX with 8 simulated devices (set before JAX is imported), one persistent XLA
+compilation cache for the session, a session-wide real fake-gcs-server, and a
+`store_uri` fixture parametrized over file:// and gs:// so the same test runs on both
+backends.
+
+The compilation cache: the suite builds the same few tiny models again and again, in
+this process and in the learner and actor processes of every end-to-end run (they
+inherit the environment), and XLA compiles each program from scratch every time. With
+one cache directory per session a program is compiled once, then loaded. Compile
+*counts* are unchanged: they count traces (`Sampler.compile_count`,
+`Trainer.compile_count`), which still happen. The directory is new for each session and
+removed after it, so no run depends on an earlier one.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="tunix-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+    # Every program, however quick to compile or small: the tiny models' are both.
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import pytest
 

@@ -69,14 +69,14 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> dict:
 
 
 def test_sync_mode_runs_lockstep_on_delta_snapshots(tmp_path):
-    """Sync mode, full fine-tuning publishing deltas between full snapshots every 2
-    versions: actors rebuild each delta and sample only with the newest weights."""
+    """Sync mode, full fine-tuning publishing deltas between full snapshots (every 3
+    versions): actors rebuild deltas and sample only with the newest weights."""
     summary = _run(
         _cmd(
             str(tmp_path / "runs"),
             "sync",
             "learner.max_steps=4",
-            "learner.full_snapshot_every=2",
+            "learner.full_snapshot_every=3",
             mode="sync",
         ),
         tmp_path,
