@@ -20,6 +20,7 @@ Plug-in authors import everything they need from here: ``Action``, ``ToolCall``,
 ``StepResult``, ``Environment``, ``function_tool`` and ``register_env``.
 
 base.py          the `Environment` protocol, `StepResult`, the schema checks
+answers.py       reading a final answer (the `<answer>` tag) and matching it to a reference
 latency.py       `LatencyWrapper`: a simulated remote environment's delay
 arithmetic.py    built-in: multi-digit arithmetic, reliably solved only with the calculator
 calculator.py    built-in: arithmetic with a calculator tool
