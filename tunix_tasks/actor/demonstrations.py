@@ -20,13 +20,13 @@ from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.episode import Episode
 from tunix_tasks.policy.build import build_chat
+from tunix_tasks.seeds import DEMO_SEED_BASE
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.shards import episodes_to_table, table_to_parquet_bytes
 from tunix_tasks.storage.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
-DEMO_SEED_BASE = 1 << 31
 DEMO_METADATA = {"tunix.kind": "demonstration", "tunix.actor_id": "demonstrations"}
 EPISODES_PER_SHARD = 256
 

@@ -44,6 +44,7 @@ from tunix_tasks.actor.episodes import EpisodeBuilder
 from tunix_tasks.config import RunConfig
 from tunix_tasks.episode import Episode
 from tunix_tasks.policy.build import base_fingerprint
+from tunix_tasks.seeds import HELD_OUT_SEED_BASE  # the seed ranges: tunix_tasks/seeds.py
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsWriter
 from tunix_tasks.storage.outage import StoreOutage
@@ -57,12 +58,6 @@ __all__ = ["FINAL_FLUSH_S", "HELD_OUT_SEED_BASE", "ActorRuntime", "ActorStats", 
 log = logging.getLogger(__name__)
 
 FINAL_FLUSH_S = 30.0  # how long the last shard is retried in an outage when stopping
-
-
-# Env seed ranges: actors' groups [0, HELD_OUT_SEED_BASE), held-out evaluation
-# [HELD_OUT_SEED_BASE, 2**31) (frontdoor/evaluate.py), demonstrations >= 2**31
-# (actor/demonstrations.py). Disjoint, so evaluation never scores a training seed.
-HELD_OUT_SEED_BASE = 3 << 29
 
 
 def episode_seed(run_seed: int, actor_id: str, group: int) -> int:

@@ -20,9 +20,12 @@ Plug-in authors import everything they need from here: ``Action``, ``ToolCall``,
 ``StepResult``, ``Environment``, ``function_tool`` and ``register_env``.
 
 base.py          the `Environment` protocol, `StepResult`, the schema checks
+answers.py       reading a final answer (the `<answer>` tag) and matching it to a reference
 latency.py       `LatencyWrapper`: a simulated remote environment's delay
 arithmetic.py    built-in: multi-digit arithmetic, reliably solved only with the calculator
 calculator.py    built-in: arithmetic with a calculator tool
+dataset.py       built-in: prompts and reference answers from a dataset file, your own task
+dataset_files.py reading a dataset's rows (JSONL, Parquet, store URIs, Hugging Face), cached
 guess_number.py  built-in: guess a number from higher/lower hints
 python_exec.py   built-in: a program whose output is the target, run in the sandbox
 reasoning_gym.py built-in: any reasoning-gym task generator, scored by its own scorer
@@ -52,6 +55,7 @@ from tunix_tasks.envs.base import (
     check_tools,
 )
 from tunix_tasks.envs.calculator import CalculatorEnv
+from tunix_tasks.envs.dataset import DatasetEnv
 from tunix_tasks.envs.guess_number import GuessNumberEnv
 from tunix_tasks.envs.latency import LatencyWrapper
 from tunix_tasks.envs.python_exec import PythonExecEnv
@@ -65,6 +69,7 @@ __all__ = [
     "Action",
     "ArithmeticEnv",
     "CalculatorEnv",
+    "DatasetEnv",
     "Environment",
     "GuessNumberEnv",
     "LatencyWrapper",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ast
 import operator
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tunix_tasks.envs.base import StepResult, string_argument
@@ -86,6 +86,15 @@ def calculate_tool(example: str) -> dict[str, Any]:
     )
 
 
+def calculate(call: ToolCall, tools: Sequence[dict]) -> str:
+    """The observation of a ``calculate`` call: the value, or ``error: ...`` (a bad
+    expression, a missing argument, or a tool ``tools`` does not offer)."""
+    try:
+        return str(safe_eval(string_argument(call, tools)))
+    except ValueError as e:  # ToolError too
+        return f"error: {e}"
+
+
 class CalculatorEnv:
     name = "calculator"
     tools = (calculate_tool("23+45"),)
@@ -128,10 +137,7 @@ class CalculatorEnv:
         if action.tool_calls:
             info["kind"] = "tool"
             self._used_tool = True
-            try:
-                obs = str(safe_eval(string_argument(action.tool_calls[0], self.tools)))
-            except ValueError as e:  # ToolError too
-                obs = f"error: {e}"
+            obs = calculate(action.tool_calls[0], self.tools)
         elif (value := parse_int(action.content)) is not None:
             info["kind"] = "answer"
             info["used_tool"] = self._used_tool  # lets evaluations tell copying from guessing

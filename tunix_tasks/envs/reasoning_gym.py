@@ -19,11 +19,11 @@ construction). Distinct env seeds give distinct random streams, so the project's
 ranges (training, demonstrations, held-out evaluation) carry over unchanged; equal
 questions from different seeds remain possible where a task's configuration allows few.
 
-Answer: the content of a turn without tool calls. When it contains ``<answer>...</answer>``
-the last such span is the answer (reasoning-gym's own ``extract_answer`` convention, so a
-chat model may think first), otherwise the whole content, stripped (what the character
-presets' ``<|answer|>`` turn carries). The prompt ends with ``instruction`` saying so
-(``instruction=""``: the bare question). Reward: the dataset's ``score_answer``, clipped
+Answer: the content of a turn without tool calls, read by ``envs/answers.py``'s
+``extract_answer``: the last ``<answer>...</answer>`` span when there is one (reasoning-gym's
+own convention, so a chat model may think first), otherwise the whole content, stripped
+(what the character presets' ``<|answer|>`` turn carries). The prompt ends with
+``instruction`` saying so (``instruction=""``: the bare question). Reward: the dataset's ``score_answer``, clipped
 to [0, 1]; a scorer that raises on a malformed answer gives 0.
 
 Without tools an episode is one turn: any action ends it (a tool call earns 0). With
@@ -47,13 +47,13 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from tunix_tasks.envs.base import StepResult, string_argument
-from tunix_tasks.envs.calculator import calculate_tool, safe_eval
+from tunix_tasks.envs.answers import ANSWER_INSTRUCTION, extract_answer
+from tunix_tasks.envs.base import StepResult
+from tunix_tasks.envs.calculator import calculate, calculate_tool, safe_eval
 from tunix_tasks.messages import Action, ToolCall
 
 __all__ = ["ANSWER_INSTRUCTION", "CALCULATOR_TASKS", "ReasoningGymEnv", "task_names"]
 
-ANSWER_INSTRUCTION = "Reply with the final answer only, or put it in <answer></answer>."
 # Tasks whose question is an integer expression of + - * (and /, which basic_arithmetic's
 # generator evaluates as floor division), so `calculate` can compute the answer exactly.
 CALCULATOR_TASKS = frozenset({"basic_arithmetic", "chain_sum", "products"})
@@ -70,13 +70,6 @@ def _datasets() -> dict[str, tuple[type, type]]:
 def task_names() -> list[str]:
     """Every task reasoning-gym registers (imports reasoning-gym)."""
     return sorted(_datasets())
-
-
-def _extract(content: str) -> str:
-    from reasoning_gym.utils import extract_answer
-
-    tagged = extract_answer(content)
-    return tagged if tagged is not None else content.strip()
 
 
 def _tool_expression(item: Mapping[str, Any]) -> str:
@@ -144,13 +137,10 @@ class ReasoningGymEnv:
         if action.tool_calls:
             info["kind"] = "tool"
             self._used_tool = True
-            try:
-                obs = str(safe_eval(string_argument(action.tool_calls[0], self.tools)))
-            except ValueError as e:  # ToolError too; an unknown tool when none is offered
-                obs = f"error: {e}"
+            obs = calculate(action.tool_calls[0], self.tools)  # no tools: "unknown tool"
         else:
             info.update(kind="answer", used_tool=self._used_tool)
-            reward = await asyncio.to_thread(self._score, _extract(action.content), info)
+            reward = await asyncio.to_thread(self._score, extract_answer(action.content), info)
             obs = "correct" if reward >= 1.0 else f"wrong (score {reward:.2f})"
         self._done = info["kind"] == "answer" or self._turns >= self.max_turns
         return StepResult(obs, reward, self._done, info)
