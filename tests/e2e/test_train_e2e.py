@@ -70,17 +70,17 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> dict:
 
 def test_sync_mode_runs_lockstep_on_delta_snapshots(tmp_path):
     """Sync mode, full fine-tuning publishing deltas between full snapshots (every 3
-    versions): actors rebuild deltas and sample only with the newest weights."""
-    summary = _run(
-        _cmd(
-            str(tmp_path / "runs"),
-            "sync",
-            "learner.max_steps=4",
-            "learner.full_snapshot_every=3",
-            mode="sync",
-        ),
-        tmp_path,
+    versions): actors rebuild deltas and sample only with the newest weights. Issue #31.1:
+    the same command again finds the run finished and leaves it alone; with max_steps
+    raised it trains on from where it stopped."""
+    cmd = _cmd(
+        str(tmp_path / "runs"),
+        "sync",
+        "learner.max_steps=4",
+        "learner.full_snapshot_every=3",
+        mode="sync",
     )
+    summary = _run(cmd, tmp_path)
     store = open_store(summary["run_uri"])
     assert summary["learner_exit_code"] == 0 and summary["actor_exit_codes"] == [0, 0]
     steps = [r for r in read_metrics(store, "learner") if "loss" in r]
@@ -96,6 +96,19 @@ def test_sync_mode_runs_lockstep_on_delta_snapshots(tmp_path):
     assert "delta" in kinds.values() and "full" in kinds.values(), kinds
     versions = {r["weights_version"] for r in read_metrics(store, "actor/")}
     assert any(kinds.get(v) == "delta" for v in versions), (versions, kinds)  # rebuilt one
+
+    kept = (RunLayout.CONFIG, RunLayout.DONE, RunLayout.REPORT, RunLayout.SUMMARY)
+    files = {key: store.read_bytes(key) for key in kept}
+    again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout)["finished"] == (
+        f"run {summary['run_uri']} is finished (step 4 of 4); "
+        "raise learner.max_steps to continue or use --run-name"
+    )
+    assert {key: store.read_bytes(key) for key in kept} == files
+    more = _run([*cmd, "--set", "learner.max_steps=5"], tmp_path, timeout=300)
+    assert more["last_step"]["step"] == 5 and more["actor_exit_codes"] == [0, 0]
+    assert [r["step"] for r in read_metrics(store, "learner") if "loss" in r] == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.gcs

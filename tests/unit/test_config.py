@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -76,21 +77,97 @@ def test_config_is_frozen():
         cfg.seed = 3  # type: ignore[misc]
 
 
+def _field_names(model, prefix=""):
+    """Dotted names of every leaf field of a config model class."""
+    for name, field in model.model_fields.items():
+        sub = field.annotation
+        if hasattr(sub, "model_fields"):
+            yield from _field_names(sub, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}"
+
+
 def test_every_field_is_documented():
     from tunix_tasks.config import RunConfig
 
     doc = (REPO / "docs/configuration.md").read_text()
-
-    def names(model, prefix=""):
-        for name, field in model.model_fields.items():
-            sub = field.annotation
-            if hasattr(sub, "model_fields"):
-                yield from names(sub, f"{prefix}{name}.")
-            else:
-                yield f"{prefix}{name}"
-
-    missing = [n for n in names(RunConfig) if f"`{n}`" not in doc]
+    missing = [n for n in _field_names(RunConfig) if f"`{n}`" not in doc]
     assert not missing, f"docs/configuration.md lacks {missing}"
+
+
+# -- what a resume may change ------------------------------------------------------------
+def test_resumable_fields_exist_and_are_documented():
+    """Every `RESUMABLE` entry is a real field (a rename would silently fix it), and the
+    docs' table 'What a resume may change' lists exactly them."""
+    from tunix_tasks.config import RESUMABLE, RunConfig
+
+    assert set(RESUMABLE) <= set(_field_names(RunConfig)), set(RESUMABLE) - set(
+        _field_names(RunConfig)
+    )
+    doc = (REPO / "docs/configuration.md").read_text()
+    section = doc.split("## What a resume may change", 1)[1].split("\n## ", 1)[0]
+    rows = [ln.split("|")[1] for ln in section.splitlines() if ln.startswith("| `")]
+    assert sorted(n for cell in rows for n in re.findall(r"`([\w.]+)`", cell)) == sorted(RESUMABLE)
+
+
+def test_a_resume_may_change_scale_time_and_cadence():
+    from tunix_tasks.config import check_resume, fixed_changes
+    from tunix_tasks.config.resume import config_changes
+
+    old = load_config(REPO / "configs/demo.yaml")
+    assert config_changes(old, old) == [] and fixed_changes(old, old) == []
+    new = load_config(
+        REPO / "configs/demo.yaml",
+        [
+            "learner.max_steps=300",
+            "deadline_s=60",
+            "actor.num_actors=4",
+            "actor.envs_per_actor=32",
+            "learner.checkpoint_every=5",
+            "learner.mesh.data=1",
+            "store=/elsewhere",
+        ],
+    )
+    changed = [c.field for c in config_changes(old, new)]
+    assert changed == [
+        "store",
+        "deadline_s",
+        "actor.num_actors",
+        "actor.envs_per_actor",
+        "learner.max_steps",
+        "learner.checkpoint_every",
+        "learner.mesh.data",
+    ]
+    assert fixed_changes(old, new) == []
+    check_resume(old, new)  # no error
+
+
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        (["mode=sync"], ["mode async -> sync"]),
+        (["actor.kind=vectorized", "env.latency_s=0"], ["actor.kind async -> vectorized"]),
+        (["model.preset=small"], ["model.preset tiny -> small", "model.d_model 64 -> 128"]),
+        (["model.lora_rank=8"], ["model.lora_rank 0 -> 8"]),
+        (["env.kwargs.difficulty=2"], ['env.kwargs {"difficulty": 1} -> {"difficulty": 2}']),
+        (["learner.correction=ppo"], ["learner.correction token_tis -> ppo"]),
+        (["seed=1", "learner.buckets=[64]"], ["seed 0 -> 1", "learner.buckets [64, 128] -> [64]"]),
+    ],
+)
+def test_a_resume_may_not_change_what_is_trained(overrides, named):
+    """Fixed fields are refused in one line naming each (old -> new) and the way out."""
+    from tunix_tasks.config import check_resume, fixed_changes
+
+    old = load_config(REPO / "configs/demo.yaml")
+    new = load_config(REPO / "configs/demo.yaml", [*overrides, "learner.max_steps=500"])
+    changes = [str(c) for c in fixed_changes(old, new)]
+    assert set(named) <= set(changes) and "learner.max_steps 200 -> 500" not in changes
+    with pytest.raises(ConfigError) as info:
+        check_resume(old, new)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"run {new.run_uri} exists")
+    assert all(n in message for n in named) and "--run-name NEW" in message
+    assert "max_steps" not in message
 
 
 def test_env_name_is_validated_with_the_valid_names(monkeypatch):

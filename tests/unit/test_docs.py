@@ -11,6 +11,7 @@ except the GCS block, which is run against the fake-gcs-server. Shell blocks are
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -113,3 +114,29 @@ def test_gcs_snippet_reads_the_emulator(gcs_server, tmp_path):
     namespace: dict = {}
     exec(compile(code, name, "exec"), namespace)
     assert namespace["t"].num_rows == 4
+
+
+def _readme_train_commands() -> list[list[str]]:
+    """The arguments of every `tunix-tasks train` line in the README's bash blocks."""
+    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S)
+    lines = [ln.split("#", 1)[0] for b in blocks for ln in b.splitlines()]
+    return [shlex.split(ln)[2:] for ln in lines if re.match(r"\S*tunix-tasks train\b", ln)]
+
+
+def test_readme_train_lines_that_start_a_new_kind_of_run_name_it():
+    """Issue #31.1: a README line that changes what its config trains (mode, actor kind,
+    model, ...) gives the run its own `--run-name`; one that reuses its config's run
+    changes only what a resume may change, so it resumes that run instead of being
+    refused."""
+    from tunix_tasks.config import fixed_changes, load_config
+    from tunix_tasks.frontdoor.cli import _config, build_parser, train_overrides
+
+    commands = _readme_train_commands()
+    assert len(commands) >= 5, commands
+    for argv in commands:
+        args = build_parser().parse_args(["train", *argv])
+        cfg = _config(args, train_overrides(args))
+        base = load_config(args.config)  # the run the config file names (e.g. make demo's)
+        if cfg.run_uri == base.run_uri:  # resumes that run: it must not be refused
+            assert [str(c) for c in fixed_changes(base, cfg)] == [], argv

@@ -15,6 +15,7 @@ model.py      `ModelConfig`: a char preset or a Hugging Face checkpoint
 objective.py  `ObjectiveConfig`: the RL objective's `learner.*` fields (correction, kl_coef, ...)
 loading.py    YAML/JSON files and dicts -> `RunConfig`, `dotted.key=value` overrides
 params.py     flat forms over `RunConfig` (the Airflow DAG params), generated from its schema
+resume.py     what a resume may change (`RESUMABLE`) and `check_resume`, which refuses the rest
 
 A new section: a `Frozen` model in its own module, a field of `RunConfig` (run.py), and
 its rules as validators there; the CLI, the DAG form and the docs read the schema.
@@ -30,16 +31,19 @@ from tunix_tasks.config.env import (
 from tunix_tasks.config.loading import apply_overrides, config_from_dict, load_config
 from tunix_tasks.config.model import CHECKPOINT_MAX_SEQ_LEN, MODEL_PRESETS, ModelConfig
 from tunix_tasks.config.objective import BUILTIN_CORRECTIONS, ObjectiveConfig
+from tunix_tasks.config.resume import RESUMABLE, FieldChange, check_resume, fixed_changes
 from tunix_tasks.config.run import ActorConfig, LearnerConfig, MeshConfig, RunConfig
 
 __all__ = [
     "BUILTIN_CORRECTIONS",
     "CHECKPOINT_MAX_SEQ_LEN",
     "MODEL_PRESETS",
+    "RESUMABLE",
     "ActorConfig",
     "ConfigError",
     "ConfigWarning",
     "EnvConfig",
+    "FieldChange",
     "Frozen",
     "LearnerConfig",
     "MeshConfig",
@@ -48,7 +52,9 @@ __all__ = [
     "RunConfig",
     "apply_overrides",
     "builtin_env_names",
+    "check_resume",
     "config_from_dict",
+    "fixed_changes",
     "known_env_names",
     "known_vec_env_names",
     "load_config",

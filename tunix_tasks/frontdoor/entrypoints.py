@@ -16,9 +16,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from tunix_tasks.config import ConfigError, RunConfig, config_from_dict
+from tunix_tasks.config import ConfigError, RunConfig, check_resume, config_from_dict
+from tunix_tasks.storage.runs import finished_step, read_config, stored_config, write_config
 from tunix_tasks.storage.runs import mark_done as _mark_done
-from tunix_tasks.storage.runs import read_config, write_config
 from tunix_tasks.storage.store import open_store
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,9 @@ def actor_name(actor_id: int | str) -> str:
 
 def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None = None) -> str:
     """Validate the config, write `<run_uri>/config.json` (idempotent), clear DONE, and
-    (with `warm_start_steps`) write the demonstration shards the learner imitates first."""
+    (with `warm_start_steps`) write the demonstration shards the learner imitates first.
+    An existing run's config may change only in the fields a resume may change
+    (`config.RESUMABLE`); another change raises `ConfigError` and writes nothing."""
     if isinstance(params, RunConfig):
         cfg = params
     else:
@@ -60,6 +62,27 @@ def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None =
         write_demonstrations(cfg, store)
     log.info("prepared run %s", cfg.run_uri)
     return cfg.run_uri
+
+
+def resume_note(cfg: RunConfig) -> str | None:
+    """What starting run `cfg` (again) would do, checked before anything is written.
+
+    Raises `ConfigError` (one line naming each field) if the run exists and `cfg` changes a
+    field a resume may not change. Returns a one-line note if the run is finished (DONE
+    with `learner.max_steps` reached: nothing to train); None for a new run or one with
+    steps to go."""
+    store = open_store(cfg.run_uri)
+    stored = stored_config(store)
+    if stored is None:
+        return None
+    check_resume(stored, cfg)
+    step = finished_step(store, cfg.learner.max_steps)
+    if step is None:
+        return None
+    return (
+        f"run {cfg.run_uri} is finished (step {step} of {cfg.learner.max_steps}); "
+        "raise learner.max_steps to continue or use --run-name"
+    )
 
 
 def run_actor(
@@ -214,6 +237,7 @@ __all__ = [
     "mark_done",
     "prepare_run",
     "report_after_eval",
+    "resume_note",
     "run_actor",
     "run_learner",
     "write_report",

@@ -30,7 +30,12 @@ from typing import Any
 
 from tunix_tasks.config import RunConfig
 from tunix_tasks.frontdoor.audit import display_line, explain_duty, latency_audit, rounded, utc
-from tunix_tasks.frontdoor.entrypoints import LEARNER_FENCED_EXIT_CODE, actor_name, prepare_run
+from tunix_tasks.frontdoor.entrypoints import (
+    LEARNER_FENCED_EXIT_CODE,
+    actor_name,
+    prepare_run,
+    resume_note,
+)
 from tunix_tasks.frontdoor.supervision import (
     ActorPool,
     close_logs,
@@ -242,7 +247,12 @@ def train_local(
 
     A failed actor is reported with the end of its log and restarted up to `max_restarts`
     times; when no actor is left the learner is stopped (it checkpoints) and the summary
-    says why in `failed` (with `interrupted` set: the run can be resumed)."""
+    says why in `failed` (with `interrupted` set: the run can be resumed). A finished run
+    (`resume_note`) is left as it is: the summary says so in `finished`, nothing runs; a
+    change a resume may not make raises `ConfigError`."""
+    note = resume_note(cfg)
+    if note is not None:
+        return {"run_uri": cfg.run_uri, "mode": cfg.mode, "finished": note, "learner_exit_code": 0}
     run_uri = prepare_run(cfg)
     store = open_store(run_uri)
     if log_dir is None:

@@ -2,7 +2,8 @@
 
 Layout under the run root (see docs/architecture.md for the full table):
 
-    config.json                  the RunConfig, written once by `prepare`
+    config.json                  the RunConfig, written by `prepare` (a resume may change
+                                 only `config.RESUMABLE` fields)
     control/DONE                 {"reason": ..., "time": ...}: actors stop when it appears
     quarantine/<shard key>       a shard that failed validation (moved here) ...
     quarantine/<shard key>.reason.json   ... and why
@@ -15,28 +16,50 @@ import json
 import time
 from typing import Any
 
-from tunix_tasks.config import ConfigError, RunConfig, config_from_dict
+from tunix_tasks.config import ConfigError, RunConfig, check_resume, config_from_dict
 from tunix_tasks.storage.layout import RunLayout
+from tunix_tasks.storage.metrics import read_metrics
 from tunix_tasks.storage.store import NotFound, ObjectStore, open_store
+from tunix_tasks.storage.uri import join_uri
 
 
 def write_config(cfg: RunConfig) -> ObjectStore:
-    """Write config.json under the run root (idempotent) and clear an old DONE marker."""
+    """Write config.json under the run root (idempotent) and clear an old DONE marker.
+
+    Of an existing run only the fields a resume may change may differ from its stored
+    config (`config.check_resume`): any other change raises `ConfigError`, nothing written."""
     store = open_store(cfg.run_uri)
+    stored = stored_config(store)
+    if stored is not None:
+        check_resume(stored, cfg)
     store.write_bytes(RunLayout.CONFIG, cfg.to_json().encode())
     store.delete(RunLayout.DONE)
     return store
 
 
-def read_config(run_uri: str) -> tuple[RunConfig, ObjectStore]:
-    store = open_store(run_uri)
+def stored_config(store: ObjectStore) -> RunConfig | None:
+    """The run's config.json (None before the run exists); `ConfigError` if corrupt."""
     try:
-        raw = json.loads(store.read_bytes(RunLayout.CONFIG))
+        data = store.read_bytes(RunLayout.CONFIG)
     except NotFound:
+        return None
+    try:
+        raw = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        where = join_uri(store.uri, RunLayout.CONFIG)
+        raise ConfigError(f"{where} is corrupt: not valid JSON ({err})") from None
+    return config_from_dict(raw)
+
+
+def read_config(run_uri: str) -> tuple[RunConfig, ObjectStore]:
+    """The config of an existing run and its store; `ConfigError` if missing or corrupt."""
+    store = open_store(run_uri)
+    cfg = stored_config(store)
+    if cfg is None:
         raise ConfigError(
             f"{run_uri} has no {RunLayout.CONFIG}; create the run first (tunix-tasks train / prepare)"
-        ) from None
-    return config_from_dict(raw), store
+        )
+    return cfg, store
 
 
 def mark_done(store: ObjectStore, reason: str) -> None:
@@ -48,6 +71,17 @@ def is_done(store: ObjectStore) -> dict[str, Any] | None:
         return json.loads(store.read_bytes(RunLayout.DONE))
     except NotFound:
         return None
+
+
+def finished_step(store: ObjectStore, max_steps: int) -> int | None:
+    """The learner's last step if the run is finished (DONE, and its step records reached
+    `max_steps`); None if it is not: running, stopped early, crashed, or `max_steps` was
+    raised since."""
+    if is_done(store) is None:
+        return None
+    records = read_metrics(store, "learner")
+    last = max((int(r["step"]) for r in records if "step" in r and "loss" in r), default=0)
+    return last if last >= max_steps else None
 
 
 def quarantine(store: ObjectStore, key: str, *, reason: str, detail: str) -> str:

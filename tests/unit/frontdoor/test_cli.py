@@ -373,3 +373,79 @@ def test_unknown_env_fails_config_and_prepare(tmp_path):
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert "env.name" in out.stderr and "calculator, guess_number, python_exec" in out.stderr
     assert not (tmp_path / "demo").exists()
+
+
+# -- resuming a run: `train` / `prepare` again with the same store and run name ---------------
+def _demo(store, *extra: str) -> list[str]:
+    """The demo's config in `store`, without its warm start (no demonstrations to play)."""
+    return [
+        "--config",
+        "configs/demo.yaml",
+        "--set",
+        f"store={store}",
+        "--set",
+        "warm_start_steps=0",
+        *extra,
+    ]
+
+
+def test_a_resume_that_changes_what_is_trained_is_refused_in_one_line(tmp_path):
+    """Issue #31.1: a new kind of run on an existing run's name is refused (exit 2), one
+    line naming each field old -> new and `--run-name`; config.json is left as it was."""
+    from tunix_tasks.frontdoor.cli import main
+
+    assert main(["prepare", *_demo(tmp_path)]) == 0
+    config = tmp_path / "demo" / "config.json"
+    before = config.read_bytes()
+    for argv in (
+        ("train", "--mode", "sync", *_demo(tmp_path)),
+        ("prepare", *_demo(tmp_path, "--set", "seed=3")),
+        (
+            "train",
+            *_demo(tmp_path, "--set", "actor.kind=vectorized", "--set", "env.latency_s=0"),
+        ),
+    ):
+        out = _cli(*argv)
+        line = _assert_one_line_error(out, 2, f"run file://{tmp_path}/demo exists", "--run-name")
+        assert out.stdout == "" and out.stderr.strip() == line, (out.stdout, out.stderr)
+        assert config.read_bytes() == before
+    assert "exists with another configuration: env.latency_s 0.2 -> 0.0, actor.kind " in line
+
+
+def test_a_finished_run_is_left_alone_until_max_steps_is_raised(monkeypatch, tmp_path, capsys):
+    """Issue #31.1: `train` of a finished run (DONE, max_steps reached) says so and exits
+    0 without launching or rewriting anything; with max_steps raised (or the fleet
+    changed: a resume may) it trains on."""
+    from tunix_tasks.frontdoor import cli, launcher
+    from tunix_tasks.storage.metrics import MetricsWriter
+    from tunix_tasks.storage.runs import mark_done
+
+    argv = ["train", *_demo(tmp_path, "--set", "learner.max_steps=3")]
+    assert cli.main(["prepare", *argv[1:]]) == 0
+    store = open_store(str(tmp_path / "demo"))
+    metrics = MetricsWriter(store, "learner", flush_interval_s=0)
+    for step in (1, 2, 3):
+        metrics.log(step=step, loss=0.1, reward_mean=0.5)
+    metrics.close()
+    launched, train_local = [], launcher.train_local
+    fake = {"run_uri": "x", "learner_exit_code": 0, "interrupted": None}
+    monkeypatch.setattr(launcher, "train_local", lambda cfg, quiet: launched.append(cfg) or fake)
+    assert cli.main([*argv, "--json"]) == 0 and len(launched) == 1  # not DONE: resumes
+    mark_done(store, "learner max_steps at step 3")
+    store.write_bytes("report/index.html", b"<html>the report</html>")
+    files = {k: store.read_bytes(k) for k in ("config.json", "report/index.html", "control/DONE")}
+    capsys.readouterr()
+    assert cli.main([*argv, "--set", "actor.num_actors=5"]) == 0
+    message = f"run file://{tmp_path}/demo is finished (step 3 of 3); raise learner.max_steps"
+    out = capsys.readouterr().out
+    assert out.startswith(message) and out.count("\n") == 1, out
+    assert cli.main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["finished"].startswith(message)
+    assert len(launched) == 1
+    assert {k: store.read_bytes(k) for k in files} == files
+    # The library call is guarded the same way.
+    summary = train_local(cli._config(cli.build_parser().parse_args(argv)), quiet=True)
+    assert summary["finished"].startswith(message) and summary["learner_exit_code"] == 0
+    assert {k: store.read_bytes(k) for k in files} == files
+    assert cli.main([*argv, "--set", "learner.max_steps=4"]) == 0
+    assert launched[-1].learner.max_steps == 4 and len(launched) == 2
