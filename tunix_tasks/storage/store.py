@@ -10,6 +10,10 @@ backend (`backends/`):
 - `write_if_generation` is a compare-and-swap for small pointer objects (`weights/LATEST`,
   the learner lease): it succeeds only if the object's generation is still the one the
   caller read (0 = must not exist), else raises `PreconditionFailed`.
+- `size` answers from metadata (no read), so a reader can refuse an object larger than
+  it expects before reading a byte of it (`weights.py`).
+- `delete` of an object also removes its folder when that leaves it empty (locally; a
+  bucket has no empty folders): a prefix with no objects is not listed by `list_folders`.
 - A remote backend retries transient errors (429, 5xx, connection resets) with
   exponential backoff for up to `retry_deadline_s()` per call, each retry logged; then
   `StoreError`.
@@ -80,6 +84,10 @@ class ObjectStore(Protocol):
     uri: str
 
     def read_bytes(self, key: str) -> bytes: ...
+    def size(self, key: str) -> int:
+        """The object's size in bytes, from its metadata (nothing read); NotFound if none."""
+        ...
+
     def write_bytes(self, key: str, data: bytes) -> None: ...
     def read_versioned(self, key: str) -> tuple[bytes, int] | None: ...
     def write_if_generation(self, key: str, data: bytes, generation: int) -> int: ...

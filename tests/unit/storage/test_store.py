@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
 from tunix_tasks.storage.backends.local import LocalStore
@@ -248,3 +249,49 @@ def test_gcs_retry_deadline_is_configurable(monkeypatch):
     with pytest.raises(StoreError, match=r"gs://nobucket/run/x"):
         store.write_bytes("x", b"1")
     assert time.monotonic() - t0 < 15
+
+
+def test_symlinks_out_of_the_run_are_refused_by_the_local_store(tmp_path):
+    """Issue #30.3: `weights/vN` as a symlink to a folder outside the run was followed.
+    Every read, write, stat, delete and listing through a link that resolves outside the
+    run root is refused (NotFound naming the key) or skipped; a run under a symlinked
+    folder (like /tmp on some systems) works as any other."""
+    from tunix_tasks.storage.snapshot_format import encode_pointer
+    from tunix_tasks.storage.weights import WeightsClient, WeightsPublisher, read_latest
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real")
+    root = tmp_path / "alias/run"
+    store = open_store(f"file://{root}")
+    flat = {"w": np.zeros(4, np.float32)}
+    WeightsPublisher(store).publish(flat, version=0, step=0, model={})
+    client = WeightsClient(store)
+    assert client.poll()[1].version == 0  # under a symlinked folder: everything works
+    outside = tmp_path / "outside"
+    WeightsPublisher(open_store(f"file://{outside}")).publish(flat, version=1, step=1, model={})
+    (root / "weights/v00000001").symlink_to(outside / "weights/v00000001")
+    (root / "weights/v00000000/stray").symlink_to(outside / "weights/v00000001/manifest.json")
+    store.write_if_generation("weights/LATEST", encode_pointer(1, 1), read_latest(store)[2])
+
+    assert client.poll() is None and client.version == 0
+    assert "outside the run root" in client.refused[1]
+    key = "weights/v00000001/manifest.json"
+    for call in (store.read_bytes, store.open_input, store.exists, store.delete):
+        with pytest.raises(NotFound, match=f"{key} resolves to .*outside the run root"):
+            call(key)
+    with pytest.raises(NotFound, match="outside the run root"):
+        store.write_bytes("weights/v00000001/new", b"x")
+    with pytest.raises(NotFound, match="outside the run root"):
+        store.read_bytes("weights/v00000000/stray")
+    with pytest.raises(NotFound, match="outside the run root"):
+        store.list("weights/v00000001/")
+    assert [i.key for i in store.list("weights/")] == [
+        "weights/LATEST",
+        "weights/v00000000/manifest.json",
+        "weights/v00000000/params.safetensors",
+    ]
+    assert store.list_folders("weights/") == ["weights/v00000000/"]
+    assert sorted(p.name for p in (outside / "weights/v00000001").iterdir()) == [
+        "manifest.json",
+        "params.safetensors",
+    ]

@@ -91,6 +91,15 @@ class GcsStore:
         except _ERRORS as err:
             raise self._wrap(key, err) from None
 
+    def size(self, key: str) -> int:
+        try:
+            blob = self._bucket.get_blob(self._name(key), retry=self._retry)
+        except _ERRORS as err:
+            raise self._wrap(key, err) from None
+        if blob is None:
+            raise NotFound(f"{join_uri(self.uri, key)} does not exist")
+        return int(blob.size or 0)
+
     def write_bytes(self, key: str, data: bytes) -> None:
         # Keys written this way are write-once or last-writer-wins, so retrying is safe.
         try:

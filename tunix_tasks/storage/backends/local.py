@@ -3,19 +3,25 @@
 Writes are atomic through a temp file renamed into place (`local_tempfiles.py`, which also
 collects the temp files of killed writers); listings from a position read only the
 folders that can hold a later key (`local_listing.py`).
+
+Nothing is opened or listed outside the root: a key whose path resolves (through a
+symlink) outside the resolved root raises `OutsideRoot` naming the key, and listings skip
+such links. Roots are compared resolved, so a run under a symlinked folder (`/tmp` on
+some systems) works as any other.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from pathlib import Path
 from urllib.parse import urlparse
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from tunix_tasks.storage.backends.local_listing import list_dirs, list_files
+from tunix_tasks.storage.backends.local_listing import inside, list_dirs, list_files
 from tunix_tasks.storage.backends.local_tempfiles import TempSweeper, write_temp
 from tunix_tasks.storage.store import (
     NotFound,
@@ -26,7 +32,12 @@ from tunix_tasks.storage.store import (
 )
 from tunix_tasks.storage.uri import join_uri, normalize_uri
 
-__all__ = ["LocalStore"]
+__all__ = ["LocalStore", "OutsideRoot"]
+
+
+class OutsideRoot(NotFound):
+    """A key whose local path resolves outside the store's root (a symlink out of the
+    run): refused as if it did not exist, so no file outside the run is read or written."""
 
 
 class LocalStore:
@@ -38,10 +49,21 @@ class LocalStore:
     def __init__(self, uri: str) -> None:
         self.uri = normalize_uri(uri)
         self.root = Path(urlparse(self.uri).path)
+        self._real_root = os.path.realpath(self.root)
         self._sweeper = TempSweeper(self.root)  # temp files of killed writers
 
     def _path(self, key: str) -> Path:
-        return self.root / check_key(key)
+        """The path of `key`; `OutsideRoot` if it resolves outside the root."""
+        path = self.root / check_key(key)
+        real = os.path.realpath(path)
+        if not inside(real, self._real_root):
+            self._real_root = os.path.realpath(self.root)  # the root may be new since
+            if not inside(real, self._real_root):
+                raise OutsideRoot(
+                    f"{join_uri(self.uri, key)} resolves to {real}, outside the run root "
+                    f"{self._real_root}: refused"
+                )
+        return path
 
     def _gens_dir(self, key: str) -> Path:
         p = self._path(key)
@@ -51,10 +73,21 @@ class LocalStore:
         versioned = self.read_versioned(key) if self._gens_dir(key).is_dir() else None
         if versioned is not None:
             return versioned[0]
+        path = self._path(key)  # OutsideRoot is a FileNotFoundError too: not in the try
         try:
-            return self._path(key).read_bytes()
+            return path.read_bytes()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise NotFound(f"{join_uri(self.uri, key)} does not exist") from None
+
+    def size(self, key: str) -> int:
+        path = self._path(key)
+        try:
+            st = path.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise NotFound(f"{join_uri(self.uri, key)} does not exist")
+        return st.st_size
 
     def write_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -106,28 +139,45 @@ class LocalStore:
     def list(self, prefix: str = "", *, start_after: str | None = None) -> list[ObjectInfo]:
         self._sweeper.maybe_sweep()  # at most every few minutes
         after = start_after.lstrip("/") if start_after else ""
+        prefix = prefix.lstrip("/")
+        self._check_folder(prefix.rsplit("/", 1)[0] if "/" in prefix else "")
         # Reads only folders that can hold keys after `after` (local_listing.py).
-        found = list_files(self.root, prefix.lstrip("/"), after)
+        found = list_files(self.root, prefix, after)
         return [ObjectInfo(key=k, size=size, updated=mtime) for k, size, mtime in found]
 
     def list_folders(self, prefix: str) -> list[str]:  # ["shards/a/", ...]
+        self._check_folder(prefix.strip("/"))
         return list_dirs(self.root, prefix)
+
+    def _check_folder(self, folder: str) -> None:
+        """`OutsideRoot` if the folder a listing starts from resolves outside the root."""
+        if folder:
+            self._path(folder)
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file() or self._latest_generation(key) > 0
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        """Delete the object, and its folder if that leaves it empty (as in a bucket, a
+        folder exists while it holds something: e.g. a snapshot folder a killed publish
+        left, once its files are collected). A writer that finds its folder removed
+        meanwhile creates it again (`write_temp`)."""
+        path = self._path(key)
+        path.unlink(missing_ok=True)
         gens = self._gens_dir(key)
         if gens.is_dir():
             for f in gens.iterdir():
                 f.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 gens.rmdir()
+        if path.parent != self.root:
+            with contextlib.suppress(OSError):  # not empty, or already gone
+                path.parent.rmdir()
 
     def open_input(self, key: str) -> pa.NativeFile:
+        path = self._path(key)
         try:
-            return pa.memory_map(str(self._path(key)), "r")
+            return pa.memory_map(str(path), "r")
         except FileNotFoundError:
             raise NotFound(f"{join_uri(self.uri, key)} does not exist") from None
 

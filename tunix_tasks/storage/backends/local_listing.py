@@ -19,15 +19,26 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["list_dirs", "list_files"]
+__all__ = ["inside", "list_dirs", "list_files"]
+
+
+def inside(real: str, real_root: str) -> bool:
+    """Whether resolved path `real` is resolved folder `real_root` or lies under it."""
+    return real == real_root or real.startswith(real_root.rstrip(os.sep) + os.sep)
+
+
+def _escapes(entry: os.DirEntry, real_root: str) -> bool:
+    """A symlink that resolves outside the root (a plain entry costs no system call)."""
+    return entry.is_symlink() and not inside(os.path.realpath(entry.path), real_root)
 
 
 def list_files(root: Path, prefix: str, after: str = "") -> list[tuple[str, int, float]]:
     """(key, size, mtime) of the files under `root` whose key starts with `prefix` and sorts
-    after `after`, by key. Hidden names (temp files, CAS generation folders) are skipped."""
+    after `after`, by key. Hidden names (temp files, CAS generation folders), symlinked
+    folders and symlinks to files outside the root are skipped."""
     base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
     out: list[tuple[str, int, float]] = []
-    _walk(root / base if base else root, base, prefix, after, out)
+    _walk(root / base if base else root, base, prefix, after, os.path.realpath(root), out)
     out.sort()
     return out
 
@@ -41,10 +52,17 @@ def list_dirs(root: Path, prefix: str) -> list[str]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     head = f"{base}/" if base else ""
-    return sorted(f"{head}{e.name}/" for e in entries if e.name[0] != "." and e.is_dir())
+    real_root = os.path.realpath(root)
+    return sorted(
+        f"{head}{e.name}/"
+        for e in entries
+        if e.name[0] != "." and e.is_dir() and not _escapes(e, real_root)
+    )
 
 
-def _walk(path: Path, key: str, prefix: str, after: str, out: list[tuple[str, int, float]]) -> None:
+def _walk(
+    path: Path, key: str, prefix: str, after: str, real_root: str, out: list[tuple[str, int, float]]
+) -> None:
     try:
         entries = list(os.scandir(path))
     except (FileNotFoundError, NotADirectoryError):
@@ -58,12 +76,12 @@ def _walk(path: Path, key: str, prefix: str, after: str, out: list[tuple[str, in
         except OSError:  # removed meanwhile
             continue
         if is_dir:
-            inside = child + "/"
+            folder = child + "/"
             if entry.is_symlink() or (after and child + "0" <= after):
                 continue  # not followed (as os.walk), or every key in it is at/before `after`
-            if inside.startswith(prefix) or prefix.startswith(inside):
-                _walk(Path(entry.path), child, prefix, after, out)
-        elif child > after and child.startswith(prefix):
+            if folder.startswith(prefix) or prefix.startswith(folder):
+                _walk(Path(entry.path), child, prefix, after, real_root, out)
+        elif child > after and child.startswith(prefix) and not _escapes(entry, real_root):
             try:
                 st = entry.stat()
             except FileNotFoundError:  # deleted between the listing and the stat

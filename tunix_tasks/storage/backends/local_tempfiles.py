@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import BinaryIO
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +34,25 @@ DEFAULT_MAX_AGE_S = 3600.0
 
 def write_temp(directory: Path, data: bytes) -> Path:
     """`data` in a new hidden temp file of `directory` (created if missing), fsynced."""
-    directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f"{PREFIX}{uuid.uuid4().hex}"
-    with open(tmp, "wb") as f:
+    with _create(tmp) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     return tmp
+
+
+def _create(path: Path, tries: int = 3) -> BinaryIO:
+    """`path` opened for writing, its folder created first: again if it was removed
+    between its creation and the file's (a delete emptied it, `LocalStore.delete`)."""
+    while True:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return open(path, "wb")  # the caller closes it
+        except FileNotFoundError:
+            tries -= 1
+            if not tries:
+                raise
 
 
 def sweep_temp_files(root: Path, max_age_s: float, *, now: float | None = None) -> list[Path]:
