@@ -35,6 +35,7 @@ from tunix_tasks.storage.layout import RunLayout
 
 __all__ = [
     "DTYPES",
+    "Blob",
     "BlobError",
     "FullBlob",
     "Manifest",
@@ -43,6 +44,7 @@ __all__ = [
     "delta_base",
     "encode_delta",
     "encode_snapshot",
+    "non_finite",
 ]
 
 Blob = bytes | np.ndarray  # a safetensors file in memory; arrays are 1-D uint8
@@ -54,7 +56,9 @@ DTYPES: dict[str, np.dtype] = {  # what snapshots may hold; the model decides wh
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "I32": np.dtype(np.int32),
 }
+_FLOATS = tuple(d for d in DTYPES.values() if d != np.int32)
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+_FINITE_CHUNK = 1 << 20  # values checked at a time: the check's temporary memory is ~1 MB
 _WORD = 4  # float32: the shuffle's word size
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -93,6 +97,8 @@ class Manifest:
             raise ValueError(f"kind {str(self.kind)[:20]} with base {str(self.base)[:80]}")
         if type(self.full_every) is not int or self.full_every < 0:
             raise ValueError(f"full_every {str(self.full_every)[:20]} is not an int >= 0")
+        if type(self.num_bytes) is not int or self.num_bytes < 0:  # readers size buffers by it
+            raise ValueError(f"num_bytes {str(self.num_bytes)[:20]} is not an int >= 0")
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
@@ -109,7 +115,7 @@ class FullBlob:
 
     version: int
     sha256: str
-    data: bytes
+    data: Blob
 
 
 def encode_snapshot(
@@ -144,6 +150,24 @@ def encode_snapshot(
         full_every=full_every,
     )
     return blob, manifest
+
+
+def non_finite(flat: dict[str, np.ndarray]) -> str | None:
+    """None if every floating-point value in `flat` is finite, else which tensor is not
+    and how many of its values are NaN/Inf. Snapshots must never carry them: an actor
+    that loads NaN weights samples garbage until the next version. Checked in chunks, so
+    the check needs ~1 MB besides the tensors, whatever their size."""
+    for name, array in flat.items():
+        if array.dtype not in _FLOATS:
+            continue
+        values = array.reshape(-1)
+        bad = sum(
+            int(np.count_nonzero(~np.isfinite(values[i : i + _FINITE_CHUNK])))
+            for i in range(0, values.size, _FINITE_CHUNK)
+        )
+        if bad:
+            return f"tensor {name!r} has {bad} NaN/Inf of {values.size} values"
+    return None
 
 
 def _header_end(blob: Blob) -> tuple[int, dict[str, Any]]:

@@ -44,6 +44,7 @@ import numpy as np
 
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.snapshot_format import (
+    Blob,
     BlobError,
     FullBlob,
     Manifest,
@@ -53,6 +54,7 @@ from tunix_tasks.storage.snapshot_format import (
     encode_delta,
     encode_pointer,
     encode_snapshot,
+    non_finite,
     parse_pointer,
     short_repr,
 )
@@ -64,11 +66,17 @@ log = logging.getLogger(__name__)
 PARAMS_FILE = "params.safetensors"
 DELTA_FILE = "delta.bin"
 MANIFEST_FILE = "manifest.json"
+_READ_CHUNK = 8 << 20  # bytes read (and hashed) at a time
 _SNAPSHOT_DIR = re.compile(re.escape(RunLayout.WEIGHTS) + r"v(\d+)/")
 
 
 class WeightsError(RuntimeError):
     """A snapshot is missing, corrupt, fails its checksum, or does not fit the model."""
+
+
+class NonFiniteWeights(WeightsError):
+    """The learner was about to publish weights holding NaN or Inf (a diverged update).
+    Nothing is published: actors keep the last good weights, and the learner stops."""
 
 
 class PointerError(WeightsError):
@@ -147,21 +155,61 @@ def read_manifest(store: ObjectStore, version: int) -> Manifest:
     return manifest
 
 
-def _read(store: ObjectStore, version: int, name: str, sha256: str | None, what: str) -> bytes:
-    """One file of a snapshot, checked against `sha256` (when given) before anything else."""
+def _read(
+    store: ObjectStore, version: int, name: str, sha256: str | None, size: int, what: str
+) -> np.ndarray:
+    """One file of a snapshot, as a read-only uint8 array. Its size is asked of the store
+    first and must be `size` (its manifest's): a file of another size is refused unread,
+    so what a manifest says bounds the time and memory a reader spends. It is then
+    hashed as it streams in (no second pass) and checked against `sha256` when given."""
+    key, where = f"{RunLayout.snapshot(version)}/{name}", _where(store, version)
     try:
-        data = store.read_bytes(f"{RunLayout.snapshot(version)}/{name}")
+        found = store.size(key)
+        if found != size:
+            raise WeightsError(
+                f"{what} {where}: {name} has {found} bytes, its manifest says "
+                f"{short_repr(size)}; not read"
+            )
+        data, digest = _read_hashed(store, key, size)
     except NotFound as err:
-        raise WeightsError(f"{what} {_where(store, version)} is incomplete: {err}") from None
-    if sha256 is not None and (mismatch := _mismatch(data, sha256)):
-        raise WeightsError(f"{what} {_where(store, version)} fails its checksum: {mismatch}")
+        raise WeightsError(f"{what} {where} is incomplete: {err}") from None
+    if sha256 is not None and digest != sha256:
+        raise WeightsError(
+            f"{what} {where} fails its checksum: sha256 {digest[:12]}… != {str(sha256)[:12]}…"
+        )
     return data
 
 
-def _mismatch(data: bytes, sha256: str) -> str | None:
+def _read_hashed(store: ObjectStore, key: str, size: int) -> tuple[np.ndarray, str]:
+    """(the `size` bytes of `key` as a read-only uint8 array, their sha256), read in
+    chunks straight into the array; WeightsError if the object turns out not to be `size`
+    bytes long (replaced since its size was asked)."""
+    out = np.empty(size, np.uint8)
+    digest, pos, extra = hashlib.sha256(), 0, b""
+    if size:
+        with store.open_input(key) as f, memoryview(out) as view:
+            while pos < size and (n := f.readinto(view[pos : pos + _READ_CHUNK])):
+                digest.update(view[pos : pos + n])
+                pos += n
+            extra = f.read(1)
+    if pos != size or extra:
+        raise WeightsError(f"{join_uri(store.uri, key)} changed while read: not {size} bytes")
+    out.flags.writeable = False
+    return out, digest.hexdigest()
+
+
+def _mismatch(data: Blob, sha256: str) -> str | None:
     """None if `data` hashes to `sha256`, else the two digests, shortened."""
     digest = hashlib.sha256(data).hexdigest()
     return None if digest == sha256 else f"sha256 {digest[:12]}… != {str(sha256)[:12]}…"
+
+
+def _base_size(store: ObjectStore, version: int, what: str) -> int:
+    """The size of full snapshot `version`'s params, as its manifest says."""
+    try:
+        return read_manifest(store, version).num_bytes
+    except WeightsError as err:
+        raise WeightsError(f"{what}: {err}") from None
 
 
 def load_params(
@@ -173,7 +221,7 @@ def load_params(
     base, else to the base's params read from `RunLayout.snapshot(base version)`."""
     version, where = manifest.version, _where(store, manifest.version)
     if manifest.kind != "delta":
-        blob = _read(store, version, PARAMS_FILE, manifest.sha256, "snapshot")
+        blob = _read(store, version, PARAMS_FILE, manifest.sha256, manifest.num_bytes, "snapshot")
         held = FullBlob(version, manifest.sha256, blob) if manifest.kind == "full" else None
         nbytes = len(blob)
     else:
@@ -181,13 +229,11 @@ def load_params(
         nbytes = 0
         if held is None or (held.version, held.sha256) != (base_version, base_sha):
             what = f"base v{base_version} of delta"
-            base = _read(store, base_version, PARAMS_FILE, base_sha, what)
+            size = _base_size(store, base_version, what)
+            base = _read(store, base_version, PARAMS_FILE, base_sha, size, what)
             held, nbytes = FullBlob(base_version, base_sha, base), len(base)
-        delta = _read(store, version, DELTA_FILE, None, "delta snapshot")
+        delta = _read(store, version, DELTA_FILE, None, manifest.num_bytes, "delta snapshot")
         nbytes += len(delta)
-        if len(delta) != manifest.num_bytes:
-            says = short_repr(manifest.num_bytes)
-            raise WeightsError(f"delta {where} has {len(delta)} bytes, its manifest says {says}")
         try:
             blob = apply_delta(delta, held.data)
         except BlobError as err:
@@ -197,9 +243,12 @@ def load_params(
                 f"delta {where} rebuilds params that fail their checksum: {mismatch}"
             )
     try:
-        return decode_safetensors(blob), held, nbytes
+        flat = decode_safetensors(blob)
     except BlobError as err:
         raise WeightsError(f"snapshot {where} is not valid safetensors: {err}") from None
+    if bad := non_finite(flat):
+        raise WeightsError(f"snapshot {where} holds non-finite weights: {bad}")
+    return flat, held, nbytes
 
 
 def load_snapshot(store: ObjectStore, version: int) -> tuple[dict[str, np.ndarray], Manifest]:
@@ -258,6 +307,11 @@ class WeightsPublisher:
         same tensor layout (else as a full one, the next base)."""
         if version <= self.latest_version:
             raise ValueError(f"version {version} is not newer than published {self.latest_version}")
+        if bad := non_finite(flat):
+            raise NonFiniteWeights(
+                f"the weights after step {step} hold non-finite values ({bad}): v{version} "
+                "is not published (actors keep their weights) and the learner stops"
+            )
         blob, manifest = encode_snapshot(
             flat,
             version=version,
