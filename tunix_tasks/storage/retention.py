@@ -6,7 +6,11 @@
   names, anything newer than it, anything at or above `protect_from()` when that is
   given (e.g. the oldest version an actor is known to hold), and the base (full)
   snapshot of every kept delta snapshot; everything else is deleted, manifest first, so
-  a reader sees a snapshot complete or incomplete, never changed.
+  a reader sees a snapshot complete or incomplete, never changed. A snapshot folder
+  older than `LATEST` that has no manifest (a publish killed midway: its params only, or
+  nothing but temp files, or nothing at all) can never be loaded: it is deleted whatever
+  the rule keeps. Its temp files go with the store's collection of killed writers' temp
+  files (`backends/local_tempfiles.py`), its then empty folder at the next prune.
 - Consumed shards: `learner.delete_consumed_shards` has the source delete a shard once a
   committed checkpoint holds it done (`learner/source.py`); a bucket lifecycle rule on
   `shards/` and `quarantine/` is the alternative (docs/configuration.md).
@@ -64,14 +68,38 @@ def plan_pruning(
     return [v for v in ordered if v not in keep and v < floor]
 
 
+def _version(key: str) -> int | None:
+    """The version of the snapshot folder `key` lies in, if any: only folders named
+    exactly `RunLayout.snapshot(version)` count."""
+    folder, sep, _ = key.partition("/")[2].partition("/")
+    if not (sep and key.startswith(RunLayout.WEIGHTS) and folder[1:].isdigit()):
+        return None
+    version = int(folder[1:])
+    return version if key.startswith(f"{RunLayout.snapshot(version)}/") else None
+
+
 def snapshot_files(store: ObjectStore) -> dict[int, list[str]]:
     """Version -> keys of its files, from one listing of `weights/`."""
     out: dict[int, list[str]] = {}
     for info in store.list(RunLayout.WEIGHTS):
-        folder, _, name = info.key[len(RunLayout.WEIGHTS) :].partition("/")
-        if name and folder.startswith("v") and folder[1:].isdigit():  # not LATEST
-            out.setdefault(int(folder[1:]), []).append(info.key)
+        version = _version(info.key)  # None: LATEST
+        if version is not None:
+            out.setdefault(version, []).append(info.key)
     return out
+
+
+def torn_snapshots(store: ObjectStore, files: dict[int, list[str]], latest: int | None) -> set[int]:
+    """Versions older than `latest` whose folder has no manifest: publishes killed midway
+    (a folder with no object at all is found by `list_folders`: only locally, where
+    folders outlive their files). Newer ones may be a publish in progress."""
+    if latest is None:
+        return set()
+    folders = {v for f in store.list_folders(RunLayout.WEIGHTS) if (v := _version(f)) is not None}
+    return {
+        v
+        for v in folders | set(files)
+        if v < latest and not any(key.endswith(f"/{MANIFEST_FILE}") for key in files.get(v, []))
+    }
 
 
 def delta_bases(store: ObjectStore, files: dict[int, list[str]], kept: Iterable[int]) -> set[int]:
@@ -113,19 +141,23 @@ class SnapshotRetention:
         time). `published` is the version just published (for the log only)."""
         try:
             latest = read_latest(self._store)
+            latest_version = None if latest is None else latest[0]
             files = snapshot_files(self._store)
             doomed = plan_pruning(
                 files,
                 keep_last=self.keep_last,
                 keep_every=self.keep_every,
-                latest=None if latest is None else latest[0],
+                latest=latest_version,
                 protect_from=self._protect_from() if self._protect_from else None,
             )
             bases = delta_bases(self._store, files, set(files) - set(doomed))
-            doomed = [v for v in doomed if v not in bases]
+            torn = torn_snapshots(self._store, files, latest_version)
+            doomed = sorted({v for v in doomed if v not in bases} | torn)
             for version in doomed:
-                # Manifest first: a reader then finds the snapshot incomplete, not torn.
-                for key in sorted(files[version], key=lambda k: not k.endswith(MANIFEST_FILE)):
+                # Manifest first: a reader then finds the snapshot incomplete, not torn. It
+                # is deleted even when absent: that removes an empty folder (LocalStore).
+                manifest = f"{RunLayout.snapshot(version)}/{MANIFEST_FILE}"
+                for key in [manifest, *(k for k in files.get(version, []) if k != manifest)]:
                     self._store.delete(key)
                 self.deleted.append(version)
         except (StoreError, WeightsError) as err:
