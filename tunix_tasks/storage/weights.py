@@ -377,7 +377,8 @@ class WeightsPublisher:
 class WeightsClient:
     """Actor side: `poll(apply)` between episodes returns new weights when LATEST moves.
 
-    A corrupt or mismatched snapshot (one that fails its checksum, or that `apply` refuses
+    A corrupt or mismatched snapshot (a file whose size is not its manifest's: refused
+    unread; one that fails its checksum, holds NaN/Inf, or that `apply` refuses
     with a ValueError: a missing / extra tensor, a wrong shape or dtype) is refused with a
     logged error and remembered, so the actor keeps its current weights and does not retry
     the same bad version. `version` only advances once `apply` succeeded. A `LATEST` that
