@@ -243,3 +243,59 @@ def test_shipped_configs_load():
     assert configs
     for path in configs:
         load_config(path)
+
+
+# -- bounds: a hostile or broken YAML file is one ConfigError, in bounded time and memory --
+def _laughs(levels: int = 10) -> str:
+    """A "billion laughs" document: each anchor repeats the previous one 9 times."""
+    lines = ['    a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"    a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "env:\n  kwargs:\n" + "\n".join(lines) + "\n"
+
+
+def _alias_chain(n: int) -> str:
+    """Anchors nested only through aliases: n levels deep once expanded."""
+    lines = ["    b0: &b0 [1]", *(f"    b{i}: &b{i} [*b{i - 1}]" for i in range(1, n))]
+    return "env:\n  kwargs:\n" + "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        (_laughs(), "expands to more than 100,000 values"),
+        ("env:\n  kwargs:\n    x: &a [*a]\n", "has a recursive alias"),
+        ("env:\n  kwargs:\n    x: " + "[" * 10_000 + "]" * 10_000 + "\n", "deeper than 64"),
+        (_alias_chain(200), "nests deeper than 64 levels (aliases expanded)"),
+        ("# " + "x" * (1 << 20) + "\n", "is larger than 1,048,576 bytes"),
+        ("seed: " + "9" * 5000 + "\n", "a value cannot be read"),
+    ],
+)
+def test_hostile_yaml_is_one_error_naming_the_file_and_the_bound(tmp_path, text, needle):
+    import time
+
+    path = tmp_path / "hostile.yaml"
+    path.write_text(text)
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert time.monotonic() - start < 2.0
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message and needle in message, message
+
+
+def test_overrides_are_bounded_too():
+    with pytest.raises(ConfigError, match=r"override 'env\.kwargs\.x=.*' has a recursive alias"):
+        load_config(None, ["env.kwargs.x=&a [*a]"])
+
+
+def test_a_config_with_a_few_aliases_still_loads(tmp_path):
+    path = tmp_path / "aliases.yaml"
+    path.write_text(
+        "env:\n  name: calculator\n  kwargs:\n    <<: &easy {difficulty: 1, ops: '+-'}\n"
+        "    max_turns: 2\n"
+        "actor: {group_size: &g 4, num_actors: *g}\n"
+        "learner: {buckets: [64, 128], min_episodes_per_step: *g}\n"
+    )
+    cfg = load_config(path)
+    assert cfg.env.kwargs == {"difficulty": 1, "ops": "+-", "max_turns": 2}
+    assert (cfg.actor.num_actors, cfg.learner.min_episodes_per_step) == (4, 4)

@@ -296,6 +296,26 @@ def test_config_file_errors_are_one_line(tmp_path):
     )
 
 
+def test_hostile_config_files_are_one_line_in_bounded_time(tmp_path):
+    """Issue #30.10: a billion-laughs file hung `config` (>90 s); a recursive alias and
+    10,000-deep nesting gave tracebacks. Each is one line naming the file and the bound
+    (every bound: tests/unit/test_config.py)."""
+    import time
+
+    from tests.unit.test_config import _laughs
+
+    files = {
+        "laughs.yaml": (_laughs(), "100,000 values"),
+        "deep.yaml": ("seed: " + "[" * 10_000 + "]" * 10_000 + "\n", "deeper than 64 levels"),
+    }
+    for name, (text, bound) in files.items():
+        (tmp_path / name).write_text(text)
+        start = time.monotonic()
+        out = _cli_env("config", "--config", str(tmp_path / name), timeout=20)
+        assert time.monotonic() - start < 5.0, name
+        _assert_one_line_error(out, 2, str(tmp_path / name), bound)
+
+
 def test_unsupported_scheme_is_one_line():
     for argv in (("inspect", "s3://bucket/shards"), ("report", "s3://bucket/run")):
         _assert_one_line_error(_cli(*argv), 2, "unsupported store scheme 's3'", "valid: file, gs")
