@@ -299,3 +299,46 @@ def test_a_config_with_a_few_aliases_still_loads(tmp_path):
     cfg = load_config(path)
     assert cfg.env.kwargs == {"difficulty": 1, "ops": "+-", "max_turns": 2}
     assert (cfg.actor.num_actors, cfg.learner.min_episodes_per_step) == (4, 4)
+
+
+# -- numbers: a boolean is not a number ----------------------------------------------------
+def _number_fields() -> list[str]:
+    from tunix_tasks.config import RunConfig
+    from tunix_tasks.config.params import field_specs
+
+    specs = field_specs(RunConfig.model_json_schema(), _field_names(RunConfig))
+    numeric = {"integer", "number"}
+    return [
+        k
+        for k, s in specs.items()
+        if numeric & set([s.type] if isinstance(s.type, str) else s.type or [])
+    ]
+
+
+def test_booleans_are_not_numbers():
+    """Issue #30.11: `--set learner.max_steps=true` was accepted as 1. Every int and float
+    field (read from the schema, so a new one is covered) refuses a boolean by name."""
+    fields = _number_fields()
+    assert {
+        "learner.max_steps",
+        "learner.learning_rate",
+        "learner.warm_start_learning_rate",
+    } <= set(fields)
+    assert {"learner.buckets", "model.preset", "learner.remat"}.isdisjoint(fields)
+    for key in fields:
+        with pytest.raises(ConfigError) as info:
+            load_config(None, [f"{key}=true"])
+        assert f"{key}: Input should be a number, not a boolean (got True)" in str(info.value)
+    with pytest.raises(ConfigError, match=r"learner\.buckets\.1: Input should be a number"):
+        load_config(None, ["learner.buckets=[64, true]"])
+
+
+def test_numbers_parse_as_before():
+    """A YAML int loads into a float field, and `--set` values parse as before: YAML reads
+    `3e-4` as a string, which a float field converts."""
+    cfg = load_config(
+        None, ["learner.learning_rate=1", "learner.warm_start_learning_rate=3e-4", "seed=7"]
+    )
+    assert cfg.learner.learning_rate == 1.0 and isinstance(cfg.learner.learning_rate, float)
+    assert (cfg.learner.warm_start_learning_rate, cfg.seed) == (3e-4, 7)
+    assert load_config(None, ["deadline_s=0.5"]).deadline_s == 0.5

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from tunix_tasks.config.base import Frozen
+from tunix_tasks.config.base import Float, Frozen, Int
 from tunix_tasks.registry import registered_in_code
 
 __all__ = [
@@ -74,12 +74,12 @@ class EnvConfig(Frozen):
         description="the environment the actors step (a built-in or a registered plug-in)",
         json_schema_extra=_offer_builtins,
     )
-    max_turns: int = Field(4, ge=1, le=64, description="turns before an episode is truncated")
-    latency_s: float = Field(0.0, ge=0.0, description="added delay per env step (seconds)")
-    latency_jitter: float = Field(
+    max_turns: Int = Field(4, ge=1, le=64, description="turns before an episode is truncated")
+    latency_s: Float = Field(0.0, ge=0.0, description="added delay per env step (seconds)")
+    latency_jitter: Float = Field(
         0.0, ge=0.0, description="relative jitter of the delay: uniform in [1-j, 1+j]"
     )
-    step_timeout_s: float = Field(
+    step_timeout_s: Float = Field(
         30.0, gt=0.0, description="an env reset/step slower than this ends the episode (dropped)"
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra env constructor args")
