@@ -204,14 +204,20 @@ def test_env_name_is_validated_with_the_valid_names(monkeypatch):
 
 def test_env_validation_imports_no_environment():
     """The learner reads config.json too and must not import environments (nor the
-    sandbox): the name check resolves names without importing tunix_tasks.envs."""
+    sandbox): the name and kwargs checks run without importing tunix_tasks.envs."""
     import subprocess
     import sys
 
     code = (
         "import sys\n"
         "from tunix_tasks.config import ConfigError, load_config\n"
-        "load_config(None, ['env.name=python_exec'])\n"
+        "load_config(None, ['env.name=python_exec', 'env.kwargs.sandbox=bwrap'])\n"
+        "try:\n"
+        "    load_config(None, ['env.name=python_exec', 'env.kwargs.sandbox=nope'])\n"
+        "except ConfigError as err:\n"
+        "    assert 'unsafe-audit-only' in str(err)\n"
+        "else:\n"
+        "    raise SystemExit('accepted an unknown sandbox mode')\n"
         "try:\n"
         "    load_config(None, ['env.name=no_such_env'])\n"
         "except ConfigError as err:\n"
@@ -225,6 +231,57 @@ def test_env_validation_imports_no_environment():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        (
+            "sandbox=nope",
+            "env.kwargs: sandbox: 'nope' is not a sandbox mode of python_exec; "
+            "valid: 'auto', 'bwrap', 'unsafe-audit-only'",
+        ),
+        ("sandbx=bwrap", "'sandbx': not a python_exec kwarg; valid: 'max_operand', 'max_turns'"),
+        ("max_turns=true", "max_turns: python_exec needs a positive integer, got True"),
+    ],
+)
+def test_env_kwargs_are_checked_when_the_config_loads(override, needle):
+    """Issue #30.11: `env.kwargs.sandbox: nope` passed `config` and failed in the actor."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["env.name=python_exec", f"env.kwargs.{override}"])
+    assert needle in str(info.value)
+
+
+def test_env_kwargs_checks_are_declared_per_environment(monkeypatch):
+    """A check is found by the environment's name in `tunix_tasks.env_kwargs`: valid
+    kwargs load, an environment without a check is not checked, a plug-in's runs."""
+    import importlib.metadata
+
+    for mode in ("auto", "bwrap", "unsafe-audit-only"):
+        cfg = load_config(None, ["env.name=python_exec", f"env.kwargs.sandbox={mode}"])
+        assert cfg.env.kwargs == {"sandbox": mode}
+    assert load_config(None, ["env.kwargs.anything=1"]).env.kwargs == {"anything": 1}
+
+    check = importlib.metadata.EntryPoint(
+        name="calculator", value="tests.unit.test_config:_no_kwargs", group="tunix_tasks.env_kwargs"
+    )
+    real = importlib.metadata.entry_points
+
+    def fake_entry_points(**kw):
+        if kw.get("group") == "tunix_tasks.env_kwargs":
+            return importlib.metadata.EntryPoints([*real(**kw), check])
+        return real(**kw)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", fake_entry_points)
+    with pytest.raises(ConfigError, match=r"env\.kwargs: 'anything': calculator takes none"):
+        load_config(None, ["env.kwargs.anything=1"])
+    assert load_config(None, []).env.kwargs == {}
+
+
+def _no_kwargs(kwargs: dict) -> None:
+    """A kwargs check as a plug-in declares one (see the test above)."""
+    if kwargs:
+        raise ValueError(f"{', '.join(map(repr, kwargs))}: calculator takes none")
 
 
 def test_async_max_staleness_0_is_refused():
