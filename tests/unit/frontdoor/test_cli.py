@@ -470,3 +470,32 @@ def test_a_finished_run_is_left_alone_until_max_steps_is_raised(monkeypatch, tmp
     assert {k: store.read_bytes(k) for k in files} == files
     assert cli.main([*argv, "--set", "learner.max_steps=4"]) == 0
     assert launched[-1].learner.max_steps == 4 and len(launched) == 2
+
+
+def test_train_writes_process_logs_with_the_run(monkeypatch, tmp_path):
+    """Issue #30.12: `train` wrote its process logs to `./runs/_logs` of the working
+    directory, wherever the run lived. A local run's are in `<run>/logs/`; a gs:// run's
+    in `~/.cache/tunix-tasks/logs/<run_name>/`."""
+    import pytest
+
+    from tunix_tasks.config import load_config
+    from tunix_tasks.frontdoor import launcher
+
+    class Launched(Exception):
+        """Raised where the launcher would start its display: the log folder exists."""
+
+    def launched(*args, **kwargs):
+        raise Launched
+
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    monkeypatch.setattr(launcher, "LiveStatus", launched)
+    cfg = load_config(None, [f"store={tmp_path / 'store'}", "run_name=r", "warm_start_steps=0"])
+    with pytest.raises(Launched):
+        launcher.train_local(cfg, quiet=True)
+    assert (tmp_path / "store/r/logs").is_dir()
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    from tunix_tasks.frontdoor.supervision import process_log_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert process_log_dir(None, "r") == tmp_path / "home/.cache/tunix-tasks/logs/r"
