@@ -95,6 +95,7 @@ def test_config_params_import_is_light():
     ).stdout
     light = {
         "tunix_tasks",
+        "tunix_tasks.env_kwargs",  # the env kwargs checks: standard library only
         "tunix_tasks.registry",
         "tunix_tasks.storage",
         "tunix_tasks.storage.uri",
