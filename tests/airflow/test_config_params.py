@@ -95,10 +95,14 @@ def test_config_params_import_is_light():
     ).stdout
     light = {
         "tunix_tasks",
+        "tunix_tasks.env_kwargs",  # the env kwargs checks: standard library only
         "tunix_tasks.registry",
         "tunix_tasks.storage",
         "tunix_tasks.storage.uri",
     }
-    light |= {f"tunix_tasks.config.{m}" for m in ("base", "env", "loading", "model", "objective")}
+    light |= {
+        f"tunix_tasks.config.{m}"
+        for m in ("base", "env", "loading", "model", "objective", "resume")
+    }
     light |= {"tunix_tasks.config", "tunix_tasks.config.params", "tunix_tasks.config.run"}
     assert set(json.loads(out.replace("'", '"'))) == light

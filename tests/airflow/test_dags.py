@@ -280,7 +280,8 @@ for path in sys.argv[2:]:
     spec = importlib.util.spec_from_file_location("probe_" + path.rsplit("/", 1)[-1][:-3], path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     out[path] = time.perf_counter() - t0
-light = {"tunix_tasks", "tunix_tasks.registry", "tunix_tasks.storage", "tunix_tasks.storage.uri"}
+light = {"tunix_tasks", "tunix_tasks.env_kwargs", "tunix_tasks.registry", "tunix_tasks.storage",
+         "tunix_tasks.storage.uri"}
 light |= {m for m in sys.modules if m == "tunix_tasks.config" or m.startswith("tunix_tasks.config.")}
 heavy = sorted(m for m in sys.modules if m not in light and m.split(".")[0] in ("jax", "jaxlib",
         "flax", "optax", "tunix_tasks", "pyarrow", "orbax", "numpy", "airflow_client"))

@@ -204,14 +204,20 @@ def test_env_name_is_validated_with_the_valid_names(monkeypatch):
 
 def test_env_validation_imports_no_environment():
     """The learner reads config.json too and must not import environments (nor the
-    sandbox): the name check resolves names without importing tunix_tasks.envs."""
+    sandbox): the name and kwargs checks run without importing tunix_tasks.envs."""
     import subprocess
     import sys
 
     code = (
         "import sys\n"
         "from tunix_tasks.config import ConfigError, load_config\n"
-        "load_config(None, ['env.name=python_exec'])\n"
+        "load_config(None, ['env.name=python_exec', 'env.kwargs.sandbox=bwrap'])\n"
+        "try:\n"
+        "    load_config(None, ['env.name=python_exec', 'env.kwargs.sandbox=nope'])\n"
+        "except ConfigError as err:\n"
+        "    assert 'unsafe-audit-only' in str(err)\n"
+        "else:\n"
+        "    raise SystemExit('accepted an unknown sandbox mode')\n"
         "try:\n"
         "    load_config(None, ['env.name=no_such_env'])\n"
         "except ConfigError as err:\n"
@@ -225,6 +231,57 @@ def test_env_validation_imports_no_environment():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        (
+            "sandbox=nope",
+            "env.kwargs: sandbox: 'nope' is not a sandbox mode of python_exec; "
+            "valid: 'auto', 'bwrap', 'unsafe-audit-only'",
+        ),
+        ("sandbx=bwrap", "'sandbx': not a python_exec kwarg; valid: 'max_operand', 'max_turns'"),
+        ("max_turns=true", "max_turns: python_exec needs a positive integer, got True"),
+    ],
+)
+def test_env_kwargs_are_checked_when_the_config_loads(override, needle):
+    """Issue #30.11: `env.kwargs.sandbox: nope` passed `config` and failed in the actor."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["env.name=python_exec", f"env.kwargs.{override}"])
+    assert needle in str(info.value)
+
+
+def test_env_kwargs_checks_are_declared_per_environment(monkeypatch):
+    """A check is found by the environment's name in `tunix_tasks.env_kwargs`: valid
+    kwargs load, an environment without a check is not checked, a plug-in's runs."""
+    import importlib.metadata
+
+    for mode in ("auto", "bwrap", "unsafe-audit-only"):
+        cfg = load_config(None, ["env.name=python_exec", f"env.kwargs.sandbox={mode}"])
+        assert cfg.env.kwargs == {"sandbox": mode}
+    assert load_config(None, ["env.kwargs.anything=1"]).env.kwargs == {"anything": 1}
+
+    check = importlib.metadata.EntryPoint(
+        name="calculator", value="tests.unit.test_config:_no_kwargs", group="tunix_tasks.env_kwargs"
+    )
+    real = importlib.metadata.entry_points
+
+    def fake_entry_points(**kw):
+        if kw.get("group") == "tunix_tasks.env_kwargs":
+            return importlib.metadata.EntryPoints([*real(**kw), check])
+        return real(**kw)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", fake_entry_points)
+    with pytest.raises(ConfigError, match=r"env\.kwargs: 'anything': calculator takes none"):
+        load_config(None, ["env.kwargs.anything=1"])
+    assert load_config(None, []).env.kwargs == {}
+
+
+def _no_kwargs(kwargs: dict) -> None:
+    """A kwargs check as a plug-in declares one (see the test above)."""
+    if kwargs:
+        raise ValueError(f"{', '.join(map(repr, kwargs))}: calculator takes none")
 
 
 def test_async_max_staleness_0_is_refused():
@@ -243,3 +300,102 @@ def test_shipped_configs_load():
     assert configs
     for path in configs:
         load_config(path)
+
+
+# -- bounds: a hostile or broken YAML file is one ConfigError, in bounded time and memory --
+def _laughs(levels: int = 10) -> str:
+    """A "billion laughs" document: each anchor repeats the previous one 9 times."""
+    lines = ['    a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"    a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "env:\n  kwargs:\n" + "\n".join(lines) + "\n"
+
+
+def _alias_chain(n: int) -> str:
+    """Anchors nested only through aliases: n levels deep once expanded."""
+    lines = ["    b0: &b0 [1]", *(f"    b{i}: &b{i} [*b{i - 1}]" for i in range(1, n))]
+    return "env:\n  kwargs:\n" + "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        (_laughs(), "expands to more than 100,000 values"),
+        ("env:\n  kwargs:\n    x: &a [*a]\n", "has a recursive alias"),
+        ("env:\n  kwargs:\n    x: " + "[" * 10_000 + "]" * 10_000 + "\n", "deeper than 64"),
+        (_alias_chain(200), "nests deeper than 64 levels (aliases expanded)"),
+        ("# " + "x" * (1 << 20) + "\n", "is larger than 1,048,576 bytes"),
+        ("seed: " + "9" * 5000 + "\n", "a value cannot be read"),
+    ],
+)
+def test_hostile_yaml_is_one_error_naming_the_file_and_the_bound(tmp_path, text, needle):
+    import time
+
+    path = tmp_path / "hostile.yaml"
+    path.write_text(text)
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert time.monotonic() - start < 2.0
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message and needle in message, message
+
+
+def test_overrides_are_bounded_too():
+    with pytest.raises(ConfigError, match=r"override 'env\.kwargs\.x=.*' has a recursive alias"):
+        load_config(None, ["env.kwargs.x=&a [*a]"])
+
+
+def test_a_config_with_a_few_aliases_still_loads(tmp_path):
+    path = tmp_path / "aliases.yaml"
+    path.write_text(
+        "env:\n  name: calculator\n  kwargs:\n    <<: &easy {difficulty: 1, ops: '+-'}\n"
+        "    max_turns: 2\n"
+        "actor: {group_size: &g 4, num_actors: *g}\n"
+        "learner: {buckets: [64, 128], min_episodes_per_step: *g}\n"
+    )
+    cfg = load_config(path)
+    assert cfg.env.kwargs == {"difficulty": 1, "ops": "+-", "max_turns": 2}
+    assert (cfg.actor.num_actors, cfg.learner.min_episodes_per_step) == (4, 4)
+
+
+# -- numbers: a boolean is not a number ----------------------------------------------------
+def _number_fields() -> list[str]:
+    from tunix_tasks.config import RunConfig
+    from tunix_tasks.config.params import field_specs
+
+    specs = field_specs(RunConfig.model_json_schema(), _field_names(RunConfig))
+    numeric = {"integer", "number"}
+    return [
+        k
+        for k, s in specs.items()
+        if numeric & set([s.type] if isinstance(s.type, str) else s.type or [])
+    ]
+
+
+def test_booleans_are_not_numbers():
+    """Issue #30.11: `--set learner.max_steps=true` was accepted as 1. Every int and float
+    field (read from the schema, so a new one is covered) refuses a boolean by name."""
+    fields = _number_fields()
+    assert {
+        "learner.max_steps",
+        "learner.learning_rate",
+        "learner.warm_start_learning_rate",
+    } <= set(fields)
+    assert {"learner.buckets", "model.preset", "learner.remat"}.isdisjoint(fields)
+    for key in fields:
+        with pytest.raises(ConfigError) as info:
+            load_config(None, [f"{key}=true"])
+        assert f"{key}: Input should be a number, not a boolean (got True)" in str(info.value)
+    with pytest.raises(ConfigError, match=r"learner\.buckets\.1: Input should be a number"):
+        load_config(None, ["learner.buckets=[64, true]"])
+
+
+def test_numbers_parse_as_before():
+    """A YAML int loads into a float field, and `--set` values parse as before: YAML reads
+    `3e-4` as a string, which a float field converts."""
+    cfg = load_config(
+        None, ["learner.learning_rate=1", "learner.warm_start_learning_rate=3e-4", "seed=7"]
+    )
+    assert cfg.learner.learning_rate == 1.0 and isinstance(cfg.learner.learning_rate, float)
+    assert (cfg.learner.warm_start_learning_rate, cfg.seed) == (3e-4, 7)
+    assert load_config(None, ["deadline_s=0.5"]).deadline_s == 0.5

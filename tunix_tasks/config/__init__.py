@@ -13,7 +13,8 @@ run.py        `RunConfig` and the `actor`, `learner`, `learner.mesh` sections; c
 env.py        `EnvConfig`; valid environment names from the entry-point groups (no env import)
 model.py      `ModelConfig`: a char preset or a Hugging Face checkpoint
 objective.py  `ObjectiveConfig`: the RL objective's `learner.*` fields (correction, kl_coef, ...)
-loading.py    YAML/JSON files and dicts -> `RunConfig`, `dotted.key=value` overrides
+loading.py    YAML/JSON files (bounded: size, aliases, nesting) and dicts -> `RunConfig`,
+              `dotted.key=value` overrides
 params.py     flat forms over `RunConfig` (the Airflow DAG params), generated from its schema
 resume.py     what a resume may change (`RESUMABLE`) and `check_resume`, which refuses the rest
 

@@ -7,6 +7,10 @@ So the names are known without importing any environment (the learner reads conf
 and imports none), and a plug-in is valid as soon as it is installed. An environment
 registered in code (`@register_env` in a test or a notebook) is valid in that process
 (`tunix_tasks.registry.registered_in_code`, standard library only).
+
+`env.kwargs` are checked the same way: an environment may declare a check of its kwargs
+in the entry-point group `tunix_tasks.env_kwargs`, a function in a light module
+(`tunix_tasks/env_kwargs.py` holds the built-ins'), called when the config is loaded.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import contextlib
 import importlib.metadata
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
-from tunix_tasks.config.base import Frozen
+from tunix_tasks.config.base import Float, Frozen, Int
+from tunix_tasks.env_kwargs import KWARGS_GROUP
 from tunix_tasks.registry import registered_in_code
 
 __all__ = [
@@ -25,6 +30,7 @@ __all__ = [
     "VEC_ENV_GROUP",
     "EnvConfig",
     "builtin_env_names",
+    "check_env_kwargs",
     "known_env_names",
     "known_vec_env_names",
 ]
@@ -62,6 +68,25 @@ def builtin_env_names() -> list[str]:
     return sorted({ep.name for ep in eps if ep.dist and ep.dist.name == _OWN_DISTRIBUTION})
 
 
+def check_env_kwargs(name: str, kwargs: dict[str, Any]) -> None:
+    """Run the checks environment `name` declares for its kwargs (entry-point group
+    `tunix_tasks.env_kwargs`); raises `ValueError` naming the bad kwarg. An environment
+    without one is not checked here (its constructor checks, in the actor)."""
+    for ep in _entry_points(KWARGS_GROUP):
+        if ep.name != name:
+            continue
+        try:
+            check = ep.load()
+        except Exception as err:  # a broken plug-in: say which, in one line
+            raise ValueError(
+                f"cannot load the kwargs check {ep.value} of {name}: {err!r}"
+            ) from None
+        try:
+            check(kwargs)
+        except (TypeError, ValueError) as err:
+            raise ValueError(str(err)) from None
+
+
 def _offer_builtins(schema: dict[str, Any]) -> None:
     schema["enum"] = builtin_env_names()
 
@@ -74,12 +99,12 @@ class EnvConfig(Frozen):
         description="the environment the actors step (a built-in or a registered plug-in)",
         json_schema_extra=_offer_builtins,
     )
-    max_turns: int = Field(4, ge=1, le=64, description="turns before an episode is truncated")
-    latency_s: float = Field(0.0, ge=0.0, description="added delay per env step (seconds)")
-    latency_jitter: float = Field(
+    max_turns: Int = Field(4, ge=1, le=64, description="turns before an episode is truncated")
+    latency_s: Float = Field(0.0, ge=0.0, description="added delay per env step (seconds)")
+    latency_jitter: Float = Field(
         0.0, ge=0.0, description="relative jitter of the delay: uniform in [1-j, 1+j]"
     )
-    step_timeout_s: float = Field(
+    step_timeout_s: Float = Field(
         30.0, gt=0.0, description="an env reset/step slower than this ends the episode (dropped)"
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra env constructor args")
@@ -93,4 +118,11 @@ class EnvConfig(Frozen):
                 f"unknown environment; valid: {', '.join(names)} (or a plug-in "
                 f"of the entry-point group {ENV_GROUP!r})"
             )
+        return value
+
+    @field_validator("kwargs")
+    @classmethod
+    def _checked_kwargs(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if "name" in info.data:  # a valid name (an unknown one is reported by itself)
+            check_env_kwargs(info.data["name"], value)
         return value

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tunix_tasks.config.base import Frozen
+from tunix_tasks.config.base import Float, Frozen, Int
 from tunix_tasks.storage.uri import normalize_uri
 
 __all__ = ["CHECKPOINT_MAX_SEQ_LEN", "MODEL_PRESETS", "ModelConfig"]
@@ -48,20 +48,20 @@ class ModelConfig(Frozen):
         description="Hugging Face checkpoint directory (path, file:// or gs://) of a Llama 3, "
         "Qwen3 or Qwen2 model; replaces the preset",
     )
-    d_model: int = Field(0, ge=0)
-    n_layers: int = Field(0, ge=0)
-    n_heads: int = Field(0, ge=0)
-    d_ff: int = Field(0, ge=0)
-    max_seq_len: int = Field(0, ge=0)
+    d_model: Int = Field(0, ge=0)
+    n_layers: Int = Field(0, ge=0)
+    n_heads: Int = Field(0, ge=0)
+    d_ff: Int = Field(0, ge=0)
+    max_seq_len: Int = Field(0, ge=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
-    lora_rank: int = Field(
+    lora_rank: Int = Field(
         0,
         ge=0,
         le=1024,
         description="rank of LoRA adapters on the target projections; 0: full fine-tuning. "
         "With LoRA only adapters train, snapshots hold only them and actors reload only them",
     )
-    lora_alpha: float = Field(16.0, gt=0.0, description="LoRA scale numerator (alpha / rank)")
+    lora_alpha: Float = Field(16.0, gt=0.0, description="LoRA scale numerator (alpha / rank)")
     lora_targets: tuple[Literal["q", "k", "v", "o", "gate", "up", "down"], ...] = Field(
         ("q", "k", "v", "o", "gate", "up", "down"),
         min_length=1,

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tunix_tasks.config.base import Frozen
+from tunix_tasks.config.base import Float, Frozen, Int
 
 __all__ = ["BUILTIN_CORRECTIONS", "ObjectiveConfig"]
 
@@ -27,7 +27,7 @@ _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 class ObjectiveConfig(Frozen):
     """What the learner optimises on (possibly stale) actor data."""
 
-    rho_max: float = Field(2.0, gt=0.0, description="truncation of importance ratios")
+    rho_max: Float = Field(2.0, gt=0.0, description="truncation of importance ratios")
     correction: str = Field(
         "token_tis",
         description="off-policy correction: none (plain REINFORCE), token_tis (token "
@@ -36,17 +36,17 @@ class ObjectiveConfig(Frozen):
         "(dual-clipped surrogate against the behaviour policy), decoupled_ppo (AReaL), or "
         "package.module:function, your own registered with @register_correction()",
     )
-    ppo_clip: float = Field(0.2, gt=0.0, description="PPO ratio clip epsilon (ppo, decoupled_ppo)")
-    ppo_dual_clip: float = Field(
+    ppo_clip: Float = Field(0.2, gt=0.0, description="PPO ratio clip epsilon (ppo, decoupled_ppo)")
+    ppo_dual_clip: Float = Field(
         3.0, gt=1.0, description="dual-clip bound c on the A<0 side: the loss is at most -c*A"
     )
-    gspo_clip_low: float = Field(
+    gspo_clip_low: Float = Field(
         3e-4, gt=0.0, lt=1.0, description="GSPO sequence-ratio clip below 1 (gspo): 1 - low"
     )
-    gspo_clip_high: float = Field(
+    gspo_clip_high: Float = Field(
         4e-4, gt=0.0, description="GSPO sequence-ratio clip above 1 (gspo): 1 + high"
     )
-    updates_per_batch: int = Field(
+    updates_per_batch: Int = Field(
         1, ge=1, le=16, description="optimizer updates on each batch (PPO mini-epochs)"
     )
     advantage: Literal["group", "batch"] = "group"
@@ -59,10 +59,10 @@ class ObjectiveConfig(Frozen):
     filter_zero_variance_groups: bool = Field(
         False, description="drop groups whose rewards are all equal (no signal) as zero_variance"
     )
-    kl_coef: float = Field(
+    kl_coef: Float = Field(
         0.0, ge=0.0, description="k3 KL penalty to the frozen reference policy; 0: off"
     )
-    entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus on loss tokens; 0: off")
+    entropy_coef: Float = Field(0.0, ge=0.0, description="entropy bonus on loss tokens; 0: off")
 
     @field_validator("correction")
     @classmethod

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tunix_tasks.config.base import Frozen
+from tunix_tasks.config.base import Float, FloatOrNone, Frozen, Int
 from tunix_tasks.config.env import EnvConfig, known_vec_env_names
 from tunix_tasks.config.model import ModelConfig
 from tunix_tasks.config.objective import ObjectiveConfig
@@ -37,33 +37,33 @@ class ActorConfig(Frozen):
         "model); vectorized: JAX environments and the policy in one jitted loop on the "
         "device (envs with a JAX twin, char presets; docs/vectorized.md)",
     )
-    num_actors: int = Field(2, ge=1, le=1024, description="actor processes")
-    envs_per_actor: int = Field(
+    num_actors: Int = Field(2, ge=1, le=1024, description="actor processes")
+    envs_per_actor: Int = Field(
         8, ge=1, le=4096, description="environments each actor steps concurrently"
     )
-    group_size: int = Field(
+    group_size: Int = Field(
         4, ge=1, le=64, description="episodes per env seed (advantages are normalized per group)"
     )
-    episodes_per_shard: int = Field(32, ge=1)
-    shard_interval_s: float = Field(
+    episodes_per_shard: Int = Field(32, ge=1)
+    shard_interval_s: Float = Field(
         30.0, gt=0.0, description="flush a partial shard after this long"
     )
-    temperature: float = Field(1.0, gt=0.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
-    max_new_tokens: int = Field(16, ge=1, description="tokens the policy may generate per turn")
-    max_episode_tokens: int = Field(192, ge=8)
-    weight_poll_s: float = Field(1.0, gt=0.0)
-    kv_cache_slots: int = Field(
+    temperature: Float = Field(1.0, gt=0.0)
+    top_k: Int = Field(0, ge=0, description="0 disables top-k")
+    max_new_tokens: Int = Field(16, ge=1, description="tokens the policy may generate per turn")
+    max_episode_tokens: Int = Field(192, ge=8)
+    weight_poll_s: Float = Field(1.0, gt=0.0)
+    kv_cache_slots: Int = Field(
         0,
         ge=0,
         le=65536,
         description="conversations whose KV cache the sampler keeps between turns (0: "
         "envs_per_actor, at most 256); fewer slots re-prefill evicted episodes",
     )
-    batch_wait_s: float = Field(
+    batch_wait_s: Float = Field(
         0.02, ge=0.0, le=1.0, description="gather policy calls this long into one sampler batch"
     )
-    sampler_replicas: int = Field(
+    sampler_replicas: Int = Field(
         1,
         ge=1,
         le=64,
@@ -81,8 +81,8 @@ class ActorConfig(Frozen):
 class MeshConfig(Frozen):
     """Device mesh for the learner. -1 on one axis means 'all remaining devices'."""
 
-    data: int = -1
-    fsdp: int = 1
+    data: Int = -1
+    fsdp: Int = 1
 
     @model_validator(mode="after")
     def _check(self) -> MeshConfig:
@@ -99,47 +99,47 @@ class LearnerConfig(ObjectiveConfig):
     """The accelerator learner: data rules, shapes, optimisation, publishing; the RL
     objective's fields (`correction`, `kl_coef`, ...) come from `ObjectiveConfig`."""
 
-    max_steps: int = Field(
+    max_steps: Int = Field(
         100, ge=1, description="total optimizer steps of the run; the run is DONE when reached"
     )
-    batch_rows: int = Field(8, ge=1, description="rows per training batch (every bucket)")
-    buckets: tuple[int, ...] = Field(
+    batch_rows: Int = Field(8, ge=1, description="rows per training batch (every bucket)")
+    buckets: tuple[Int, ...] = Field(
         (64, 128, 256), description="row lengths; sequences are packed into one of these"
     )
-    min_episodes_per_step: int = Field(8, ge=1)
-    learning_rate: float = Field(3e-4, gt=0.0)
-    warm_start_learning_rate: float | None = Field(
+    min_episodes_per_step: Int = Field(8, ge=1)
+    learning_rate: Float = Field(3e-4, gt=0.0)
+    warm_start_learning_rate: FloatOrNone = Field(
         None,
         gt=0.0,
         description="learning rate of the supervised warm start (default: learning_rate)",
     )
-    warmup_steps: int = Field(0, ge=0)
-    grad_clip: float = Field(1.0, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    max_staleness: int = Field(
+    warmup_steps: Int = Field(0, ge=0)
+    grad_clip: Float = Field(1.0, gt=0.0)
+    weight_decay: Float = Field(0.0, ge=0.0)
+    max_staleness: Int = Field(
         4, ge=0, description="async: drop episodes more than this many versions old"
     )
-    publish_every: int = Field(2, ge=1, description="async: publish weights every P steps")
-    checkpoint_every: int = Field(10, ge=1)
-    lease_ttl_s: float = Field(30.0, gt=0.0)
-    data_timeout_s: float = Field(
+    publish_every: Int = Field(2, ge=1, description="async: publish weights every P steps")
+    checkpoint_every: Int = Field(10, ge=1)
+    lease_ttl_s: Float = Field(30.0, gt=0.0)
+    data_timeout_s: Float = Field(
         600.0, gt=0.0, description="give up if no usable data arrives for this long"
     )
-    keep_snapshots: int = Field(
+    keep_snapshots: Int = Field(
         16, ge=2, le=1_000_000, description="keep the newest K weight snapshots (and LATEST's)"
     )
-    keep_every: int = Field(
+    keep_every: Int = Field(
         50, ge=0, le=1_000_000, description="also keep versions that are multiples of M; 0: none"
     )
     delete_consumed_shards: bool = Field(
         False, description="delete a shard once a committed checkpoint holds it consumed"
     )
-    dedup_window: int = Field(
+    dedup_window: Int = Field(
         65_536, ge=1, le=10_000_000, description="episode ids remembered to drop replays"
     )
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    full_snapshot_every: int = Field(
+    full_snapshot_every: Int = Field(
         1,
         ge=1,
         le=1000,
@@ -149,13 +149,13 @@ class LearnerConfig(ObjectiveConfig):
     remat: bool = Field(
         False, description="recompute each layer in the backward pass (activations of one layer)"
     )
-    logits_chunk: int = Field(
+    logits_chunk: Int = Field(
         256,
         ge=0,
         description="positions per chunk of the loss's logits (never [rows, T, V] at once); "
         "0: all at once",
     )
-    attention_block: int = Field(
+    attention_block: Int = Field(
         128,
         ge=0,
         description="rows longer than this attend in tiles of this many positions, "
@@ -192,11 +192,11 @@ class RunConfig(Frozen):
         description="async: actors never wait (AsyncFlow); sync: the lockstep baseline "
         "(SyncFlow: staleness 0, one version per batch of episodes)",
     )
-    seed: int = Field(0, ge=0, description="random seed of the run (model init, episode seeds)")
-    deadline_s: float = Field(
+    seed: Int = Field(0, ge=0, description="random seed of the run (model init, episode seeds)")
+    deadline_s: Float = Field(
         0.0, ge=0.0, description="stop everything after this long; 0: no deadline"
     )
-    warm_start_steps: int = Field(
+    warm_start_steps: Int = Field(
         0, ge=0, description="supervised steps on demonstrations before RL"
     )
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from tunix_tasks.frontdoor.supervision import process_log_dir
+
 BALANCED = 0.1  # supply within ±10% of capacity: neither side is the bottleneck
 STOPPED_EARLY_S = 30.0  # a process whose last record is this much older than the run's
 
@@ -239,11 +241,13 @@ def compare_runs(summary: dict[str, Any], baseline: dict[str, Any]) -> list[dict
 
 
 def _log_dirs(run_dir: Path | None, run_name: str) -> list[str]:
-    """Where the local launcher may have written this run's process logs."""
-    if run_dir is None:  # a remote store: the launcher logs under the working directory
-        return [os.path.join(os.getcwd(), "runs", "_logs", run_name)]
-    root = str(run_dir.parent)
-    return [os.path.join(root, "_logs", run_name), os.path.join("runs", "_logs", run_name)]
+    """Where the local launcher may have written this run's process logs: where it
+    writes them (`process_log_dir`), then where it wrote them before (`_logs/<run>` beside
+    the run, or under the working directory)."""
+    legacy = [os.path.join(os.getcwd(), "runs", "_logs", run_name)]
+    if run_dir is not None:
+        legacy.insert(0, os.path.join(run_dir.parent, "_logs", run_name))
+    return [str(process_log_dir(run_dir, run_name)), *legacy]
 
 
 def _last_lines(path: str, n: int = 3) -> list[str]:

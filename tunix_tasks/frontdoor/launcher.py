@@ -40,6 +40,7 @@ from tunix_tasks.frontdoor.supervision import (
     ActorPool,
     close_logs,
     log_tail,
+    process_log_dir,
     spawn,
     stop,
     stop_after,
@@ -255,8 +256,8 @@ def train_local(
         return {"run_uri": cfg.run_uri, "mode": cfg.mode, "finished": note, "learner_exit_code": 0}
     run_uri = prepare_run(cfg)
     store = open_store(run_uri)
-    if log_dir is None:
-        log_dir = os.path.join(os.getcwd(), "runs", "_logs", cfg.run_name)
+    if log_dir is None:  # with the run (docs/configuration.md, "Process logs")
+        log_dir = str(process_log_dir(store.local_path(), cfg.run_name))
     os.makedirs(log_dir, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     watch = Stopwatch()

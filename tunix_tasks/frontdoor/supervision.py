@@ -2,7 +2,8 @@
 
 Every child is a fresh Python running one `tunix-tasks` command (`learner ...`,
 `actor ...`) in its own session (a terminal's Ctrl-C or hang-up reaches only the
-launcher, which stops the children in order), logging to `<log_dir>/<name>.log`. It
+launcher, which stops the children in order), logging to `<log_dir>/<name>.log`
+(`process_log_dir`: the run's `logs/` folder, or a local cache for a `gs://` run). It
 starts through this module's `__main__`, which first asks the kernel for SIGTERM when
 the launcher dies (Linux `prctl(PR_SET_PDEATHSIG)`; it exits at once if the launcher is
 already gone), then runs the command: a launcher killed with SIGKILL, which can clean
@@ -32,7 +33,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
+
+from tunix_tasks.storage.layout import RunLayout
 
 PR_SET_PDEATHSIG = 1
 TAIL_LINES = 20
@@ -63,6 +67,15 @@ class Child:
     @property
     def running(self) -> bool:
         return self.proc.poll() is None
+
+
+def process_log_dir(run_dir: Path | None, run_name: str) -> Path:
+    """Where `tunix-tasks train` writes its children's logs: with the run, in its folder
+    (`<run>/logs/`), for a run on this machine (`run_dir`, the store's `local_path()`);
+    `~/.cache/tunix-tasks/logs/<run_name>/` for a remote (`gs://`) one."""
+    if run_dir is not None:
+        return run_dir / RunLayout.LOGS
+    return Path.home() / ".cache" / "tunix-tasks" / "logs" / run_name
 
 
 def spawn(name: str, args: list[str], log_dir: str, env: dict[str, str]) -> Child:

@@ -49,6 +49,7 @@ class RunLayout:
     METRICS = "metrics/"
     EVAL = "eval/"
     REPORT = "report/index.html"
+    LOGS = "logs/"  # `tunix-tasks train`'s process logs, for a run in a local folder
     SUMMARY = "report/summary.json"
 
     @staticmethod

@@ -146,3 +146,19 @@ def test_sandbox_mode_from_env_kwargs():
     a, b = (int(w) for w in task.split() if w.isdigit())
     res = asyncio.run(env.step(Action(content=f"{a}+{b}")))
     assert res.reward == 1.0 and res.observation == target
+
+
+def test_the_config_checks_the_kwargs_python_exec_takes():
+    """`tunix_tasks.env_kwargs` (what the config checks, without importing the env) lists
+    the constructor's kwargs a config can give (not `limits`, a Python object) and the
+    sandbox's modes."""
+    import inspect
+    import typing
+
+    from tunix_tasks.env_kwargs import PYTHON_EXEC_KWARGS, SANDBOX_MODES
+    from tunix_tasks.envs.python_exec import PythonExecEnv
+    from tunix_tasks.envs.sandbox import limits
+
+    params = set(inspect.signature(PythonExecEnv).parameters) - {"limits"}
+    assert params == set(PYTHON_EXEC_KWARGS)
+    assert limits.MODES == SANDBOX_MODES == typing.get_args(limits.Mode)

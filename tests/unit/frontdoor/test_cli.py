@@ -296,6 +296,26 @@ def test_config_file_errors_are_one_line(tmp_path):
     )
 
 
+def test_hostile_config_files_are_one_line_in_bounded_time(tmp_path):
+    """Issue #30.10: a billion-laughs file hung `config` (>90 s); a recursive alias and
+    10,000-deep nesting gave tracebacks. Each is one line naming the file and the bound
+    (every bound: tests/unit/test_config.py)."""
+    import time
+
+    from tests.unit.test_config import _laughs
+
+    files = {
+        "laughs.yaml": (_laughs(), "100,000 values"),
+        "deep.yaml": ("seed: " + "[" * 10_000 + "]" * 10_000 + "\n", "deeper than 64 levels"),
+    }
+    for name, (text, bound) in files.items():
+        (tmp_path / name).write_text(text)
+        start = time.monotonic()
+        out = _cli_env("config", "--config", str(tmp_path / name), timeout=20)
+        assert time.monotonic() - start < 5.0, name
+        _assert_one_line_error(out, 2, str(tmp_path / name), bound)
+
+
 def test_unsupported_scheme_is_one_line():
     for argv in (("inspect", "s3://bucket/shards"), ("report", "s3://bucket/run")):
         _assert_one_line_error(_cli(*argv), 2, "unsupported store scheme 's3'", "valid: file, gs")
@@ -450,3 +470,32 @@ def test_a_finished_run_is_left_alone_until_max_steps_is_raised(monkeypatch, tmp
     assert {k: store.read_bytes(k) for k in files} == files
     assert cli.main([*argv, "--set", "learner.max_steps=4"]) == 0
     assert launched[-1].learner.max_steps == 4 and len(launched) == 2
+
+
+def test_train_writes_process_logs_with_the_run(monkeypatch, tmp_path):
+    """Issue #30.12: `train` wrote its process logs to `./runs/_logs` of the working
+    directory, wherever the run lived. A local run's are in `<run>/logs/`; a gs:// run's
+    in `~/.cache/tunix-tasks/logs/<run_name>/`."""
+    import pytest
+
+    from tunix_tasks.config import load_config
+    from tunix_tasks.frontdoor import launcher
+
+    class Launched(Exception):
+        """Raised where the launcher would start its display: the log folder exists."""
+
+    def launched(*args, **kwargs):
+        raise Launched
+
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    monkeypatch.setattr(launcher, "LiveStatus", launched)
+    cfg = load_config(None, [f"store={tmp_path / 'store'}", "run_name=r", "warm_start_steps=0"])
+    with pytest.raises(Launched):
+        launcher.train_local(cfg, quiet=True)
+    assert (tmp_path / "store/r/logs").is_dir()
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    from tunix_tasks.frontdoor.supervision import process_log_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert process_log_dir(None, "r") == tmp_path / "home/.cache/tunix-tasks/logs/r"

@@ -248,3 +248,15 @@ def test_report_compares_with_the_sync_baseline(tmp_path):
     assert main(["report", other.uri, "--baseline", run.uri]) == 0
     compared = json.loads(other.read_bytes(RunLayout.SUMMARY))["baseline"]
     assert compared["run_uri"].endswith("/demo")
+
+
+def test_report_reads_the_logs_of_a_crashed_run_in_its_folder(tmp_path):
+    """`train` writes its process logs in `<run>/logs/` (issue #30.12); the report finds
+    them there."""
+    store = _run(tmp_path, "dead", crash=True)
+    logs = store.local_path() / "logs"
+    logs.mkdir()
+    (logs / "learner.log").write_text("Traceback (most recent call last):\nMemoryError\n")
+    write_report(store.uri)
+    h = json.loads(store.read_bytes(RunLayout.SUMMARY))["health"]
+    assert h["log_tails"]["learner"][-1] == "MemoryError"

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from tunix_tasks.env_kwargs import SANDBOX_MODES, SandboxMode
+
 Status = Literal["ok", "error", "timeout", "memory", "output_limit", "killed"]
-Mode = Literal["auto", "bwrap", "unsafe-audit-only"]
-MODES: tuple[str, ...] = ("auto", "bwrap", "unsafe-audit-only")
+Mode = SandboxMode  # defined where the config can check `env.kwargs.sandbox` without the sandbox
+MODES: tuple[str, ...] = SANDBOX_MODES
 
 INSTALL_HINT = (
     "Install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`, Fedora: "
