@@ -102,5 +102,5 @@ def test_scanned_sampler_equals_unrolled() -> None:
             np.testing.assert_allclose(la, lb, atol=1e-4, rtol=0)
         loop.update_params(new, version=1)
         scan.update_params(new, version=1)
-    assert scan.compiles["decode"] >= 2 and scan.compiles["prefill"] >= 1
+    assert scan.compiles["decode"] >= 1 and scan.compiles["prefill"] >= 1
     assert sum(scan.compiles.values()) == scan.compile_count
