@@ -4,10 +4,10 @@ script's docstring).
 
     clock = CompileClock()                           # JAX's compile events, by program kind
     rows = sampler_rows(model, args, lim, clock, scan_layers=False)
-    row = train_row(checkpoint, rows=4, length=512, lora=False, scan=False, args, lim, clock)
+    rows = train_rows(checkpoint, 4, 512, lora=0, scans=[False, True], args, lim, clock)
 
-Every case warms its programs first (the compile figures) and checks that no compile
-happened while it was timed.
+Every case warms its programs first (the compile figures; what compiles while a case is
+set up is "other") and checks that no compile happened while it was timed.
 """
 
 from __future__ import annotations
@@ -53,8 +53,12 @@ class CompileClock:
         jax.monitoring.register_event_duration_secs_listener(self._event)
 
     def watch(self, counts: Callable[[], Mapping[str, int]], prefix: str) -> None:
-        self._counts, self._prefix = counts, prefix
+        self._counts, self._prefix, self._kind = counts, prefix, "other"
         self._last = dict(counts())
+
+    def pause(self) -> None:
+        """Charge what compiles from now on (set-up: params, optimizer) to "other"."""
+        self.watch(dict, "")
 
     def _event(self, name: str, seconds: float, **_: Any) -> None:
         event = name.rsplit("/", 1)[-1]
@@ -88,6 +92,7 @@ def sampler_rows(
     (cold: its prefill compiles; warm: median of `--repeats`), then decode at each of
     `--batches` over window `--window` (`_sampler_cases.run_decode`: warm, then timed)."""
     mode = "scan" if scan_layers else "loop"
+    clock.pause()
     sampler = make_sampler(model, args.window, max(args.batches), args, scan_layers=scan_layers)
     clock.watch(lambda: sampler.compiles, f"{mode} ")
     rng = np.random.default_rng(0)
@@ -110,62 +115,68 @@ def sampler_rows(
     }
 
 
-def train_row(
+def train_rows(
     checkpoint: str,
     rows: int,
     length: int,
     *,
     lora: int,
-    scan: bool,
+    scans: list[bool],
     args,
     lim: dict,
     clock: CompileClock,
-) -> dict[str, Any]:
-    """One `Trainer.step` case on the checkpoint: [rows, length] fully packed, LoRA of rank
-    `lora` (0: full fine-tuning), layers scanned or not; the first step (compile included),
-    then `--repeats` timed steps; tokens/s against the FLOP roofline."""
-    cfg = config_from_dict(
-        {
-            "model": {"checkpoint": checkpoint, "max_seq_len": length, "lora_rank": lora},
-            "actor": {"max_episode_tokens": min(length, 192)},
-            "learner": {
-                "buckets": [length],
-                "batch_rows": rows,
-                "scan_layers": scan,
-                "compute_dtype": args.compute_dtype,
-            },
-        }
-    )
-    _, model = build_policy(cfg.model)
-    trainer = Trainer(cfg, model)
-    batch = full_batch(model.vocab_size, rows, length)
-    kind = f"{'scan' if scan else 'loop'} train {'lora' if lora else 'full'} {rows}x{length}"
-    traces = trainer.traces  # updated in place while tracing
-    clock.watch(lambda: traces, f"{kind} ")
-    t0 = time.perf_counter()
-    trainer.step(batch)
-    first = time.perf_counter() - t0
-    compiles = trainer.total_compiles
-    times = []
-    for _ in range(args.repeats):
+) -> list[dict[str, Any]]:
+    """`Trainer.step` cases on the checkpoint, one per entry of `scans` (layers scanned or
+    not), on a fully packed [rows, length] batch with LoRA of rank `lora` (0: full
+    fine-tuning): each one's first step (compile included), then `--repeats` rounds of
+    timed steps, interleaved; tokens/s against the FLOP roofline."""
+    cases = []
+    for scan in scans:
+        clock.pause()
+        cfg = config_from_dict(
+            {
+                "model": {"checkpoint": checkpoint, "max_seq_len": length, "lora_rank": lora},
+                "actor": {"max_episode_tokens": min(length, 192)},
+                "learner": {
+                    "buckets": [length],
+                    "batch_rows": rows,
+                    "scan_layers": scan,
+                    "compute_dtype": args.compute_dtype,
+                },
+            }
+        )
+        trainer = Trainer(cfg, build_policy(cfg.model)[1])
+        batch = full_batch(trainer.model.vocab_size, rows, length)
+        kind = f"{'scan' if scan else 'loop'} train {'lora' if lora else 'full'} {rows}x{length}"
+        clock.watch(lambda traces=trainer.traces: traces, f"{kind} ")  # updated in place
         t0 = time.perf_counter()
         trainer.step(batch)
-        times.append(time.perf_counter() - t0)
-    step = med(times)
-    r = {
-        "kind": kind,
-        "rows": rows,
-        "length": length,
-        "lora": lora,
-        "scan": scan,
-        "first_step_s": first,
-        "compile_s": clock.seconds[f"{kind} rl"],
-        "step_s": step,
-        "tokens_per_s": rows * length / step,
-        "compiles_during_timing": trainer.total_compiles - compiles,
-        **Roofline(model.spec, 4).train(rows, length, lim),
-    }
-    r["of_limit"] = r["tokens_per_s"] / r["limit"]
-    del trainer, model
+        first = time.perf_counter() - t0
+        clock.pause()
+        cases.append((kind, scan, trainer, batch, first, trainer.total_compiles, []))
+    for _ in range(args.repeats):
+        for _, _, trainer, batch, _, _, times in cases:
+            t0 = time.perf_counter()
+            trainer.step(batch)
+            times.append(time.perf_counter() - t0)
+    out = []
+    for kind, scan, trainer, _, first, compiles, times in cases:
+        step = med(times)
+        r = {
+            "kind": kind,
+            "rows": rows,
+            "length": length,
+            "lora": lora,
+            "scan": scan,
+            "first_step_s": first,
+            "compile_s": clock.seconds[f"{kind} rl"],
+            "step_s": step,
+            "tokens_per_s": rows * length / step,
+            "compiles_during_timing": trainer.total_compiles - compiles,
+            **Roofline(trainer.model.spec, 4).train(rows, length, lim),
+        }
+        r["of_limit"] = r["tokens_per_s"] / r["limit"]
+        out.append(r)
+    del cases
     gc.collect()
-    return r
+    return out

@@ -21,7 +21,8 @@ Measured in one run (figures are medians of `--repeats` samples after a warm-up)
                fine-tuning and LoRA (`--lora-rank`), against the FLOP roofline (costs.py's
                train FLOPs, 3 x the forward, at the measured matmul rate; LoRA computes no
                weight gradient of the base, so it could beat that line). The scanned step
-               (`learner.scan_layers`) is measured at the first shape ("vs loop").
+               (`learner.scan_layers`) is measured at the first shape, its timed steps
+               interleaved with the unrolled one's.
   5. memory    the process's peak RSS (every model, optimizer and program of the run).
 
 "compiles during timing" must be 0: every timed window runs warm programs only.
@@ -51,7 +52,7 @@ from tunix_tasks.policy.hf_checkpoint import HFCheckpoint
 from tunix_tasks.policy.packaged_models import fetch_model
 
 from _machine import machine_limits, measure_limits, peak
-from _real_model_cases import CompileClock, sampler_rows, train_row
+from _real_model_cases import CompileClock, sampler_rows, train_rows
 
 _T0 = time.perf_counter()
 
@@ -121,14 +122,16 @@ def print_tables(res: dict[str, Any], args) -> None:
         print("\nTrain step (fully packed; FLOP roofline = costs.train_flops / matmul rate)")
         head = (
             f"{'case':<34}{'first s':>9}{'compile s':>10}{'step s':>8}{'tok/s':>8}"
-            f"{'FLOP lim':>10}{'of lim':>8}"
+            f"{'FLOP lim':>10}{'of lim':>8}{'vs loop':>9}"
         )
         print(head + "\n" + "-" * len(head))
+        loop = {(r["lora"], r["rows"], r["length"]): r for r in res["train"] if not r["scan"]}
         for r in res["train"]:
+            base = loop.get((r["lora"], r["rows"], r["length"]), r)
             print(
                 f"{r['kind']:<34}{r['first_step_s']:>9.1f}{r['compile_s']:>10.1f}"
                 f"{r['step_s']:>8.1f}{r['tokens_per_s']:>8.0f}{r['limit']:>10.0f}"
-                f"{r['of_limit']:>8.2f}"
+                f"{r['of_limit']:>8.2f}{r['tokens_per_s'] / base['tokens_per_s']:>8.2f}x"
             )
     print(
         f"\nPeak RSS {res['peak_rss'] / 1e9:.2f} GB; compiles during timing: {res['timed_compiles']}"
@@ -156,13 +159,13 @@ def main() -> None:
     shapes = [tuple(map(int, s.split("x"))) for s in ([] if args.no_train else args.train_shapes)]
     for lora in sorted({0, args.lora_rank}):
         for i, (rows, length) in enumerate(shapes):
-            for scan in [m == "scan" for m in args.modes if i == 0 or m == "loop"]:
-                log(f"train {rows}x{length} lora {lora} scan {scan}")
-                res["train"].append(
-                    train_row(
-                        ckpt, rows, length, lora=lora, scan=scan, args=args, lim=lim, clock=clock
-                    )
-                )
+            scans = [m == "scan" for m in args.modes if i == 0 or m == "loop"]
+            log(
+                f"train {rows}x{length} lora {lora}: {'loop and scan' if len(scans) > 1 else 'loop'}"
+            )
+            res["train"] += train_rows(
+                ckpt, rows, length, lora=lora, scans=scans, args=args, lim=lim, clock=clock
+            )
     log("limits again")
     samples = _limits(args, samples)
     res["limits"] = lim = machine_limits(samples, 0)
