@@ -86,7 +86,9 @@ def install() -> None:
 
 def actors(args) -> str:
     """benchmarks/vectorized.py at `--envs` environments: its table."""
-    short = ["--warmup", "1", "--window", "3"] if args.smoke else ["--window", "20"]
+    short = (
+        ["--warmup", "1", "--window", "3"] if args.smoke else ["--warmup", "2", "--window", "20"]
+    )
     envs = ["--envs", str(args.envs), "--precision-envs", str(min(args.envs, 256))]
     cmd = [sys.executable, str(HERE / "vectorized.py"), *envs, *short]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
