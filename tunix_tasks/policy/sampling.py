@@ -35,9 +35,9 @@ Layers. By default the programs run the decoder's layers as a Python loop (unrol
 30-layer model's decode program takes ~6 s to compile on 2 CPU cores). `scan_layers=True`
 runs them as one `lax.scan` over the blocks' params, stacked once per weights version
 (`split_stacked`; the sampler then holds a stacked copy of the blocks besides the model's
-own), and a stacked KV cache: the same numbers, programs that compile ~3x faster whatever
+own), and a stacked KV cache: the same numbers, programs that compile ~2x faster whatever
 the depth, but on XLA:CPU each layer's weights are copied out of the stack at every step,
-so steady decode is ~0.65x at batch 1 (docs/models.md, "A real model on 2 cores"): for
+so steady decode ran at 0.41-0.78x (docs/models.md, "A real model on 2 cores"): for
 short-lived samplers (evaluation, tests), not for an actor that runs for hours.
 
 Devices. A sampler's weights, cache and programs live on one device (`device`, default
