@@ -64,11 +64,17 @@ def make_spec(args, max_seq_len: int) -> DecoderSpec:
 
 
 def make_sampler(
-    model: Transformer, max_seq_len: int, max_batch: int, args, replicas: int = 1
+    model: Transformer,
+    max_seq_len: int,
+    max_batch: int,
+    args,
+    replicas: int = 1,
+    *,
+    scan_layers: bool = False,
 ) -> Sampler | SamplerReplicas:
     """A sampler for `max_batch` rows; with `replicas` > 1, one per CPU device, the rows
     split evenly among them (`replicate`, as `build_sampler` does for
-    `actor.sampler_replicas`)."""
+    `actor.sampler_replicas`). `scan_layers`: the sampler's."""
 
     def make(device: jax.Device | None, rows: int) -> Sampler:
         return Sampler(
@@ -82,6 +88,7 @@ def make_sampler(
             segment_steps=args.segment_steps,
             kv_dtype=jnp.dtype(args.compute_dtype),
             device=device,
+            scan_layers=scan_layers,
         )
 
     return replicate(make, max_batch, replicas)
@@ -135,6 +142,7 @@ class DecodeCase:
     times: list[float] = dataclasses.field(default_factory=list)
     draw_s: float = 0.0  # `measure_draw` at this batch (per step)
     lane_copies: int = 0  # rows copied into the decode working set by timed segments
+    warm_s: float = 0.0  # the untimed first sample (`run_decode`): compiles included
 
     @classmethod
     def plan(cls, sampler: Sampler, batch: int, window: int, segments: int) -> DecodeCase:
@@ -202,6 +210,7 @@ class DecodeCase:
             "samples_tokens_per_s": tps,
             "draw_ms": 1e3 * self.draw_s,
             "lane_copies": self.lane_copies,
+            "warm_s": self.warm_s,
             **roof.decode(self.batch, self.window, lim),
         }
         r["of_limit"] = r["tokens_per_s"] / r["limit"]
@@ -215,11 +224,13 @@ def replicas(sampler: Sampler | SamplerReplicas) -> list[Sampler]:
 
 
 def run_decode(cases: list[DecodeCase], repeats: int, seed: int) -> int:
-    """Warm every case (compiles), then `repeats` interleaved rounds; returns the compiles
-    that happened during the timed rounds (must be 0)."""
+    """Warm every case (compiles; its wall time: `warm_s`), then `repeats` interleaved
+    rounds; returns the compiles that happened during the timed rounds (must be 0)."""
     rng = np.random.default_rng(seed)
     for c in cases:
+        t0 = time.perf_counter()
         c.run(rng, timed=False)
+        c.warm_s = time.perf_counter() - t0
     before = sum(s.compile_count for s in {id(c.sampler): c.sampler for c in cases}.values())
     for _ in range(repeats):
         for c in cases:

@@ -3,6 +3,7 @@ batch per `--attention-block`, its speed, XLA's memory analysis of the compiled 
 (`Trainer.lower_step`) and, in a fresh subprocess, the peak RSS growth of one step.
 
     rows = run_train(args)                          # timed, samples interleaved
+    batch = full_batch(vocab, rows=4, length=512)   # what every case trains on
     rows[0]["rss"] = run_train_rss(script, argv)    # the script re-run with --train-child
 """
 
@@ -60,26 +61,28 @@ def train_setup(args, attention_block: int = -1) -> tuple[DecoderSpec, Trainer, 
             },
         }
     )
-    trainer = Trainer(cfg, model)
+    return spec, Trainer(cfg, model), full_batch(spec.vocab_size, args.train_rows, args.train_len)
+
+
+def full_batch(vocab: int, rows: int, length: int) -> PackedBatch:
+    """A fully packed [rows, length] batch: four random episodes of length/4 per row, the
+    second half of each the policy's (behaviour log-prob: uniform over `vocab`)."""
     rng = np.random.default_rng(0)
     episodes = []
-    quarter = args.train_len // 4
-    for r in range(4 * args.train_rows):  # four episodes of T/4 fill each row exactly
+    quarter = length // 4
+    for r in range(4 * rows):  # four episodes of T/4 fill each row exactly
         mask = np.zeros(quarter, np.int8)
         mask[quarter // 2 :] = 1  # the second half is the policy's
         episodes.append(
             Episode(
                 f"e{r}",
-                rng.integers(8, spec.vocab_size, quarter).astype(np.int32),
+                rng.integers(8, vocab, quarter).astype(np.int32),
                 mask,
-                np.where(mask == 1, -math.log(spec.vocab_size), 0.0).astype(np.float32),
+                np.where(mask == 1, -math.log(vocab), 0.0).astype(np.float32),
                 advantage=float(rng.normal()),
             )
         )
-    batch = pack(
-        episodes, buckets=(args.train_len,), batch_rows=args.train_rows, flush=True
-    ).batches[0]
-    return spec, trainer, batch
+    return pack(episodes, buckets=(length,), batch_rows=rows, flush=True).batches[0]
 
 
 def run_train(args) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from tunix_tasks.policy.distribution import sampling_logits
 from tunix_tasks.policy.model import KVCache, Transformer
@@ -42,16 +43,16 @@ class RowParams(NamedTuple):
 
 def _gather(cache: KVCache, slots: jax.Array, window: int) -> KVCache:
     return KVCache(
-        k=tuple(k[slots, :, :window] for k in cache.k),
-        v=tuple(v[slots, :, :window] for v in cache.v),
+        k=tuple(k[..., slots, :, :window, :] for k in cache.k),
+        v=tuple(v[..., slots, :, :window, :] for v in cache.v),
     )
 
 
 def _scatter(cache: KVCache, slots: jax.Array, part: KVCache) -> KVCache:
-    w = part.k[0].shape[2]
+    w = part.k[0].shape[-2]
     return KVCache(
-        k=tuple(c.at[slots, :, :w].set(p) for c, p in zip(cache.k, part.k, strict=True)),
-        v=tuple(c.at[slots, :, :w].set(p) for c, p in zip(cache.v, part.v, strict=True)),
+        k=tuple(c.at[..., slots, :, :w, :].set(p) for c, p in zip(cache.k, part.k, strict=True)),
+        v=tuple(c.at[..., slots, :, :w, :].set(p) for c, p in zip(cache.v, part.v, strict=True)),
     )
 
 
@@ -66,11 +67,12 @@ def refresh(
 
     def body(i, arrays):
         lane = stale[i]
-        start = (slots[lane], 0, 0, 0)
 
-        def copy(dst, src):
-            row = jax.lax.dynamic_slice(src, start, (1, *dst.shape[1:]))
-            return jax.lax.dynamic_update_slice(dst, row, (lane, 0, 0, 0))
+        def copy(dst, src):  # [*layers, B, KV, T, hd]: one row, every layer
+            lead = (0,) * (dst.ndim - 4)
+            size = (*dst.shape[: dst.ndim - 4], 1, *dst.shape[dst.ndim - 3 :])
+            row = jax.lax.dynamic_slice(src, (*lead, slots[lane], 0, 0, 0), size)
+            return jax.lax.dynamic_update_slice(dst, row, (*lead, lane, 0, 0, 0))
 
         return tuple(copy(d, s) for d, s in zip(arrays, sources, strict=True))
 
@@ -83,14 +85,17 @@ def _write_back(
     cache: KVCache, work: KVCache, slots: jax.Array, start: jax.Array, steps: int
 ) -> KVCache:
     """Copy positions start[b] .. start[b] + steps - 1 of lane b into slot slots[b]."""
-    window = work.k[0].shape[2]
+    window = work.k[0].shape[-2]
     start = jnp.minimum(start, window - steps)  # the same values either way: lanes are fresh
     positions = start[:, None] + jnp.arange(steps, dtype=start.dtype)[None]  # [B, steps]
-    take = jax.vmap(lambda lane, s: jax.lax.dynamic_slice_in_dim(lane, s, steps, axis=1))
+    take = jax.vmap(lambda lane, s: jax.lax.dynamic_slice_in_dim(lane, s, steps, axis=-2))
 
-    def put(c: jax.Array, w: jax.Array) -> jax.Array:
-        new = take(w, start).transpose(0, 2, 1, 3)  # [B, steps, KV, hd]: index dims first
-        return c.at[slots[:, None], :, positions].set(new)  # padding lanes share scratch
+    def put(c: jax.Array, w: jax.Array) -> jax.Array:  # [*layers, B, KV, T, hd]
+        lead = c.ndim - 4
+        # [B, steps, *layers, KV, hd]: the index dims first, as the scatter below wants
+        new = jnp.moveaxis(take(jnp.moveaxis(w, lead, 0), start), -2, 1)
+        index = (slice(None),) * lead + (slots[:, None], slice(None), positions)
+        return c.at[index].set(new)  # padding lanes share scratch
 
     return KVCache(
         k=tuple(put(c, w) for c, w in zip(cache.k, work.k, strict=True)),
@@ -168,6 +173,7 @@ def prefill(
     *,
     window: int,
     max_seq_len: int,
+    layers: nnx.State | None = None,
 ):
     """Write tokens [B, C] at positions starts[b] + arange(C) into the rows' slots and draw
     each row's next token from the logits at chunk index `last[b]` (its final real token).
@@ -176,7 +182,7 @@ def prefill(
     """
     part = _gather(cache, slots, window)
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-    logits, part = model.forward_with_cache(tokens, positions, part, last=last)
+    logits, part = model.forward_with_cache(tokens, positions, part, last=last, layers=layers)
     tok, lp = draw(logits[:, 0], key, rows, n_gen)
     pos = starts + last + 1  # where the drawn token sits
     done = _finished(tok, n_gen + 1, pos, rows, max_seq_len)
@@ -199,6 +205,7 @@ def decode_segment(
     *,
     steps: int,
     max_seq_len: int,
+    layers: nnx.State | None = None,
 ):
     """Up to `steps` decode steps for lanes [B]: feed `last_tok` at `pos`, draw the next.
 
@@ -223,7 +230,9 @@ def decode_segment(
 
     def body(carry):
         step, part, out_tok, out_lp, last_tok, pos, n_gen, done = carry
-        logits, part = model.forward_with_cache(last_tok[:, None], pos[:, None], part)
+        logits, part = model.forward_with_cache(
+            last_tok[:, None], pos[:, None], part, layers=layers
+        )
         tok, lp = draw(logits[:, 0], key, rows, n_gen)
         live = ~done
         out_tok = out_tok.at[:, step].set(jnp.where(live, tok, -1))

@@ -36,7 +36,7 @@ from tunix_tasks.policy.distribution import output_logits
 from tunix_tasks.policy.lora import LowRank
 from tunix_tasks.policy.spec import DecoderSpec, LoraSpec, rope_inv_freq
 
-__all__ = ["FSDP", "KVCache", "Transformer"]
+__all__ = ["FSDP", "KVCache", "Transformer", "merge_stacked", "split_stacked", "stack_layers"]
 
 FSDP = "fsdp"  # mesh axis that shards the d_model dimension of every weight
 # Finite (not -inf) so that a fully-masked attention row gives a uniform softmax, not NaN.
@@ -53,9 +53,13 @@ _KEEP = jax.checkpoint_policies.save_from_both_policies(
 
 
 class KVCache(NamedTuple):
-    """Per-layer keys/values, each [batch, n_kv_heads, max_len, head_dim]; slot == position.
+    """Keys/values, [batch, n_kv_heads, max_len, head_dim] per layer; slot == position.
 
-    Heads before slots: the attention matmuls read the cache in place (no per-step transpose).
+    Either one array per layer, or (`init_cache(..., stacked=True)`, what a scan over the
+    layers reads: `forward_with_cache(..., layers=...)`) a single array per side with the
+    layers first, [n_layers, batch, n_kv_heads, max_len, head_dim]. Code that handles both
+    indexes from the end (`x[..., slots, :, :window, :]`). Heads before slots: the
+    attention matmuls read the cache in place (no per-step transpose).
     """
 
     k: tuple[jax.Array, ...]
@@ -185,16 +189,37 @@ class Attention(nnx.Module):
         return self._out(checkpoint_name(attend(*self._qkv(x, positions)), ATTENTION))
 
     def cached(
-        self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        layer: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Write this chunk's k/v at slots positions[:, 0].. and attend over slots <= position."""
+        """Write this chunk's k/v at slots positions[:, 0].. and attend over slots <= position.
+
+        With `layer`, the caches are the stacked ones ([L, B, ...]) and this is layer
+        `layer` of them: only the chunk is written (in place in a scan's carry)."""
         q, k, v = self._qkv(x, positions)
-        write = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (0, s, 0)))
-        k_cache = write(k_cache, k.astype(k_cache.dtype), positions[:, 0])
-        v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])
-        slots = jnp.arange(k_cache.shape[2], dtype=positions.dtype)
+        start = positions[:, 0]
+        if layer is None:
+            write = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (0, s, 0)))
+            k_cache = write(k_cache, k.astype(k_cache.dtype), start)
+            v_cache = write(v_cache, v.astype(v_cache.dtype), start)
+            k_read, v_read = k_cache, v_cache
+        else:
+            write = jax.vmap(
+                lambda c, u, s: jax.lax.dynamic_update_slice(c, u[None], (layer, 0, s, 0)),
+                in_axes=(1, 0, 0),
+                out_axes=1,
+            )
+            k_cache = write(k_cache, k.astype(k_cache.dtype), start)
+            v_cache = write(v_cache, v.astype(v_cache.dtype), start)
+            k_read = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)
+            v_read = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)
+        slots = jnp.arange(k_read.shape[2], dtype=positions.dtype)
         mask = slots[None, None, :] <= positions[:, :, None]
-        return self._out(_attend(q, k_cache, v_cache, mask)), k_cache, v_cache
+        return self._out(_attend(q, k_read, v_read, mask)), k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -246,8 +271,10 @@ class Block(nnx.Module):
         x = x + self.attn(self.attn_norm(x), positions, attend)
         return x + self.mlp(self.mlp_norm(x))
 
-    def cached(self, x, positions, k_cache, v_cache):
-        a, k_cache, v_cache = self.attn.cached(self.attn_norm(x), positions, k_cache, v_cache)
+    def cached(self, x, positions, k_cache, v_cache, layer=None):
+        a, k_cache, v_cache = self.attn.cached(
+            self.attn_norm(x), positions, k_cache, v_cache, layer
+        )
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), k_cache, v_cache
 
@@ -277,6 +304,32 @@ def _split_blocks(blocks: nnx.List) -> tuple[nnx.GraphDef, list[nnx.State]]:
     if any(g != graphdef for g, _ in splits[1:]):
         raise ValueError("the decoder blocks differ in structure: one body cannot run them")
     return graphdef, [state for _, state in splits]
+
+
+def stack_layers(blocks: nnx.List) -> nnx.State:
+    """One block's state with every leaf stacked over the layers ([L, ...]): what a scan
+    over the layers reads (`final_hidden(scan_layers=True)` stacks inside its step; a
+    sampler holds it stacked: `Transformer.forward_with_cache(..., layers=...)`)."""
+    _, states = _split_blocks(blocks)
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+
+def split_stacked(model: Transformer) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, every param outside the blocks, the blocks stacked): a scanning
+    sampler's state, which holds no per-layer copy (`merge_stacked` rebuilds the model)."""
+    graphdef, _, rest = nnx.split(model, nnx.PathContains("blocks"), ...)
+    return graphdef, rest, stack_layers(model.blocks)
+
+
+def merge_stacked(graphdef: nnx.GraphDef, rest: nnx.State, layers: nnx.State) -> Transformer:
+    """`split_stacked`'s model, inside a traced program: its blocks are slices of `layers`
+    that `forward_with_cache(..., layers=layers)` never reads (XLA drops them)."""
+    n = jax.tree.leaves(layers)[0].shape[0]
+    flat = layers.flat_state()
+    views = [
+        (("blocks", i, *p), jax.tree.map(lambda x, i=i: x[i], v)) for i in range(n) for p, v in flat
+    ]
+    return nnx.merge(graphdef, nnx.State.from_flat_path(views), rest)
 
 
 class Transformer(nnx.Module):
@@ -352,7 +405,7 @@ class Transformer(nnx.Module):
         x = self._embed(tokens)
         if scan_layers:
             body = jax.checkpoint(layer, policy=None if remat else _KEEP)
-            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)  # = stack_layers
             x, _ = jax.lax.scan(lambda x, state: (body(x, state), None), x, stacked)
         else:
             body = jax.checkpoint(layer) if remat else layer
@@ -368,10 +421,16 @@ class Transformer(nnx.Module):
             self.final_hidden(tokens, positions, segment_ids), self.output_matrix()
         )
 
-    def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> KVCache:
-        """An empty cache of static shape; `max_len` bounds the positions that can be written."""
+    def init_cache(
+        self, batch: int, max_len: int, dtype: jnp.dtype | None = None, *, stacked: bool = False
+    ) -> KVCache:
+        """An empty cache of static shape; `max_len` bounds the positions that can be written.
+        `stacked`: one [L, ...] array per side, for `forward_with_cache(..., layers=...)`."""
         shape = (batch, self.spec.n_kv_heads, max_len, self.spec.head_dim)
         dt = dtype or self.compute_dtype
+        if stacked:
+            shape = (len(self.blocks), *shape)
+            return KVCache(k=(jnp.zeros(shape, dt),), v=(jnp.zeros(shape, dt),))
         zeros = tuple(jnp.zeros(shape, dt) for _ in self.blocks)
         return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dt) for _ in self.blocks))
 
@@ -381,6 +440,8 @@ class Transformer(nnx.Module):
         positions: jax.Array,
         cache: KVCache,
         last: jax.Array | None = None,
+        *,
+        layers: nnx.State | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Process a chunk tokens [B,C] at positions [B,C]; return (logits, cache).
 
@@ -392,13 +453,29 @@ class Transformer(nnx.Module):
 
         Logits are [B,C,V]; with `last` ([B] chunk indices) only row b's logits at
         `last[b]` are computed, [B,1,V]: a prefill never materialises [B,C,V].
+
+        `layers`: the blocks' params stacked (`stack_layers`) and a stacked cache
+        (`init_cache(stacked=True)`): the layers run as one `lax.scan` (the program holds
+        one layer body, so it compiles in a time independent of depth), the same numbers.
         """
         x = self._embed(tokens)
-        ks, vs = [], []
-        for block, kc, vc in zip(self.blocks, cache.k, cache.v, strict=True):
-            x, kc, vc = block.cached(x, positions, kc, vc)
-            ks.append(kc)
-            vs.append(vc)
+        if layers is not None:
+            graphdef = nnx.graphdef(self.blocks[0])
+
+            def body(x, layer):
+                state, k, v = layer
+                x, k, v = nnx.merge(graphdef, state).cached(x, positions, k, v)
+                return x, (k, v)
+
+            x, (k, v) = jax.lax.scan(body, x, (layers, *cache.k, *cache.v))
+            cache = KVCache(k=(k,), v=(v,))
+        else:
+            ks, vs = [], []
+            for block, kc, vc in zip(self.blocks, cache.k, cache.v, strict=True):
+                x, kc, vc = block.cached(x, positions, kc, vc)
+                ks.append(kc)
+                vs.append(vc)
+            cache = KVCache(k=tuple(ks), v=tuple(vs))
         if last is not None:
             x = jnp.take_along_axis(x, last[:, None, None], axis=1)
-        return self._logits(x), KVCache(k=tuple(ks), v=tuple(vs))
+        return self._logits(x), cache
