@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from tunix_tasks.config.agent import AgentConfig
 from tunix_tasks.config.base import Float, FloatOrNone, Frozen, Int
 from tunix_tasks.config.env import EnvConfig, known_vec_env_names
 from tunix_tasks.config.model import ModelConfig
@@ -31,11 +32,13 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 class ActorConfig(Frozen):
     """The actor fleet."""
 
-    kind: Literal["async", "vectorized"] = Field(
+    kind: Literal["async", "vectorized", "agent"] = Field(
         "async",
         description="async: environments on an asyncio loop, a batched sampler (any env, any "
         "model); vectorized: JAX environments and the policy in one jitted loop on the "
-        "device (envs with a JAX twin, char presets; docs/vectorized.md)",
+        "device (envs with a JAX twin, char presets; docs/vectorized.md); agent: your "
+        "agent program (actor.agent.program) against an OpenAI-compatible endpoint over "
+        "the batched sampler (docs/agents.md)",
     )
     num_actors: Int = Field(2, ge=1, le=1024, description="actor processes")
     envs_per_actor: Int = Field(
@@ -71,6 +74,14 @@ class ActorConfig(Frozen):
         "each serving its share of the episodes (on a CPU: JAX CPU devices, a core each); "
         "the KV-cache slots are split among them",
     )
+
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+
+    @model_validator(mode="after")
+    def _check_agent(self) -> ActorConfig:
+        if self.kind == "agent" and not self.agent.program:
+            raise ValueError("actor.kind=agent needs actor.agent.program (package.module:function)")
+        return self
 
     @property
     def cache_slots(self) -> int:

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 ACTOR_KINDS: dict[str, str] = {
     "async": "tunix_tasks.actor.asynchronous.actor:Actor",
     "vectorized": "tunix_tasks.actor.vectorized.actor:VectorizedActor",
+    "agent": "tunix_tasks.actor.endpoint.actor:AgentActor",
 }
 
 

@@ -77,8 +77,11 @@ class BatchingPolicy:
         context: Sequence[int],
         *,
         session: Hashable | None = None,
+        max_new_tokens: int | None = None,
         **_conversation: object,
     ) -> tuple[list[int], list[float], int]:
+        """One turn: (tokens, behaviour log-probs, weights version); `max_new_tokens`
+        overrides the policy's budget for this call (an endpoint request's `max_tokens`)."""
         if self._thread is None:
             raise RuntimeError("use `async with BatchingPolicy(...)` before calling it")
         if self._failed is not None:
@@ -96,7 +99,7 @@ class BatchingPolicy:
 
         self.sampler.submit(
             context,
-            max_new_tokens=self.max_new_tokens,
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
             temperature=self.temperature,
             top_k=self.top_k,
             session=session,

@@ -74,7 +74,7 @@ class EpisodeLimits:
 
 
 @dataclass
-class _Transcript:
+class Transcript:
     """The episode as it is being played (mutable); `episode()` freezes it."""
 
     tokens: list[int] = field(default_factory=list)
@@ -113,7 +113,7 @@ async def play_episode(
     env's registry name, `group`'s id; by default none and `env.name`); `default_version`
     is the episode's policy version when no policy call was made; `on_env_step(seconds)`
     sees every step's duration."""
-    rec = _Transcript()
+    rec = Transcript()
     tools = list(getattr(env, "tools", ()))
     episode_id = episode_id or uuid.uuid4().hex
     builder = builder or EpisodeBuilder(env=getattr(env, "name", ""))

@@ -1,0 +1,129 @@
+"""Token fidelity: does a client's conversation extend what its episode holds? (pure)
+
+An episode records, turn by turn, the messages it has rendered or sampled (`recorded`):
+the first request's messages, then each sampled assistant turn (as its parsed message) and
+the messages the client sent after it. When the client sends the conversation again, the
+recorded prefix must come back unchanged; only what follows it is new and is rendered by
+the chat template, while the earlier assistant turns keep the ids that were sampled for
+them (they are never re-encoded):
+
+    new = match_history(recorded, client_messages)      # the messages to render now
+    # raises HistoryMismatch(index, reason): edited, truncated or reordered history
+
+Messages are compared in one normal form (`normalize`): role, text content (a list of text
+parts is joined, None is ""), and for assistant turns the tool calls' names and decoded
+arguments (ids and the client's own extra fields play no part: the template renders none
+of them). The new messages must not end with an assistant turn (there is nothing to answer), nor
+hold one after the first request: a turn the model did not sample has no behaviour
+log-probs, so it cannot be trained as if it had.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tunix_tasks.messages import Message
+
+__all__ = ["HistoryMismatch", "match_history", "normalize"]
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class HistoryMismatch(ValueError):
+    """The client's messages do not extend the episode's: `index` is the first message
+    that differs (or is missing), `reason` says how."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"message {index}: {reason}")
+        self.index = index
+        self.reason = reason
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        parts = []
+        for part in content:
+            if not (isinstance(part, Mapping) and part.get("type") == "text"):
+                raise ValueError("only text content parts are supported")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise ValueError(
+        f"content must be a string or a list of text parts, got {type(content).__name__}"
+    )
+
+
+def _arguments(raw: Any) -> dict[str, Any]:
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    try:
+        value = json.loads(raw or "{}")
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"tool call arguments are not a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("tool call arguments are not a JSON object")
+    return value
+
+
+def normalize(message: Mapping[str, Any]) -> Message:
+    """`message` in the form the chat template renders and the comparison uses
+    (module docstring); ValueError naming what is wrong with it."""
+    role = message.get("role")
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    out: Message = {"role": "system" if role == "developer" else role}
+    out["content"] = _text(message.get("content"))
+    calls = message.get("tool_calls") or []
+    if calls and role == "assistant":
+        out["tool_calls"] = []
+        for call in calls:
+            fn = call.get("function") if isinstance(call, Mapping) else None
+            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                raise ValueError("a tool call needs function.name")
+            out["tool_calls"].append(
+                {
+                    "type": "function",
+                    "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"))},
+                }
+            )
+    return out
+
+
+def match_history(
+    recorded: Sequence[Message], client: Sequence[Mapping[str, Any]]
+) -> list[Message]:
+    """The client's messages after the recorded ones, normalized; HistoryMismatch when
+    the client's conversation does not start with exactly the recorded messages, adds
+    nothing, or adds an assistant turn (module docstring). ValueError: a malformed message."""
+    messages = [normalize(m) for m in client]
+    for i, held in enumerate(recorded):
+        if i >= len(messages):
+            raise HistoryMismatch(
+                i,
+                f"truncated: the episode holds {len(recorded)} messages, the request sends {len(messages)}",
+            )
+        if messages[i] != held:
+            what = "reordered or edited" if held in messages else "edited"
+            raise HistoryMismatch(
+                i,
+                f"{what}: a {messages[i]['role']} message where the episode holds its {held['role']} message",
+            )
+    new = messages[len(recorded) :]
+    if not new:
+        raise HistoryMismatch(len(messages), "nothing new after the episode's last turn")
+    if new[-1]["role"] == "assistant":
+        raise HistoryMismatch(
+            len(messages) - 1, "the last message is an assistant turn: nothing to answer"
+        )
+    if recorded:  # the first request's assistant messages are prompt (loss-masked) context
+        for i, m in enumerate(new, start=len(recorded)):
+            if m["role"] == "assistant":
+                raise HistoryMismatch(
+                    i, "an assistant turn the model did not sample (it has no behaviour log-probs)"
+                )
+    return new

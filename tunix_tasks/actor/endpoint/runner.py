@@ -1,0 +1,145 @@
+"""Running a user's agent program: `run(client, task) -> reward`, unchanged, many at once.
+
+The program is any async function, importable as `package.module:function`, that talks to
+the model only through the OpenAI client it is given (an `openai.AsyncOpenAI` whose
+`base_url` is one episode's) and returns the episode's reward. Tasks come from the run's
+environment (`env.name`): each member of a GRPO group gets its own env instance reset
+to the group's seed, and the task is
+
+    {"prompt": <the env's first observation>, "tools": <the env's tool schemas>,
+     "seed": <the env seed>, "grade": <async (answer: str) -> float: the env's reward>}
+
+so the env decides what is asked and how an answer scores, and the program decides how
+to get there (which messages, which tools, how many turns):
+
+    runner = AgentRunner(load_program("my_pkg.agent:run"), registry, base_url, api_key)
+    await runner.play_group("g-17", seed=17, envs=[env_a, env_b])   # group_size members
+
+An episode whose program raises, or returns no finite number, is dropped as
+`agent_error` (logged once per program error type); its group is committed without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry
+from tunix_tasks.envs.base import Environment
+from tunix_tasks.messages import Action
+
+__all__ = ["AgentProgram", "AgentRunner", "load_program"]
+
+log = logging.getLogger(__name__)
+
+AgentProgram = Callable[[Any, dict[str, Any]], Awaitable[float]]
+
+
+def load_program(path: str) -> AgentProgram:
+    """The async function at `package.module:function`; ValueError naming what is wrong."""
+    module_name, _, name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"actor.agent.program {path}: cannot import {module_name}: {e}") from e
+    program = getattr(module, name, None)
+    if program is None:
+        raise ValueError(f"actor.agent.program {path}: {module_name} has no {name!r}")
+    if not inspect.iscoroutinefunction(program):
+        raise ValueError(
+            f"actor.agent.program {path}: not an async function (async def run(client, task))"
+        )
+    return program
+
+
+def _openai():
+    try:
+        import openai
+    except ImportError as e:
+        raise ImportError(
+            "actor.kind=agent gives the program an openai client: pip install openai"
+        ) from e
+    return openai
+
+
+class AgentRunner:
+    """Plays groups of a program's episodes against the endpoint (module docstring)."""
+
+    def __init__(
+        self,
+        program: AgentProgram,
+        registry: EpisodeRegistry,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        request_timeout_s: float = 600.0,
+        connections: int = 256,
+    ) -> None:
+        import httpx
+
+        self.program = program
+        self.registry = registry
+        self.base_url = base_url.rstrip("/")
+        self._api_key = api_key or "unused"
+        self._openai = _openai()
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(request_timeout_s, connect=30.0),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        )
+        self._logged: set[str] = set()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def play_group(self, group: str, *, seed: int, envs: Sequence[Environment]) -> None:
+        """One group: a program run per env, all at once, each closed or dropped."""
+        opened = [self.registry.open(group=group, group_size=len(envs), seed=seed) for _ in envs]
+        await asyncio.gather(
+            *(self._play(ep.id, env, seed) for ep, env in zip(opened, envs, strict=True))
+        )
+
+    async def _play(self, episode_id: str, env: Environment, seed: int) -> None:
+        client = self._openai.AsyncOpenAI(
+            base_url=f"{self.base_url}/episodes/{episode_id}/v1",
+            api_key=self._api_key,
+            http_client=self._http,
+        )
+        try:
+            task = await self._task(env, seed)
+            reward = await self.program(client, task)
+            if (
+                isinstance(reward, bool)
+                or not isinstance(reward, int | float)
+                or not math.isfinite(reward)
+            ):
+                raise TypeError(f"the program returned {reward!r}, not a finite number")
+        except Exception as err:  # the program's failure ends its episode, not the actor
+            kind = type(err).__name__
+            if kind not in self._logged:
+                self._logged.add(kind)
+                log.warning("agent program failed (episode dropped as agent_error): %r", err)
+            self.registry.drop(episode_id, "agent_error")
+            return
+        try:
+            self.registry.close(episode_id, reward=float(reward))
+        except Exception as err:  # ended meanwhile (abandoned, disconnected)
+            log.info("episode %s not closed: %s", episode_id, err)
+
+    @staticmethod
+    async def _task(env: Environment, seed: int) -> dict[str, Any]:
+        prompt = await env.reset(seed)
+
+        async def grade(answer: str) -> float:
+            return float((await env.step(Action(content=str(answer)))).reward)
+
+        return {
+            "prompt": prompt,
+            "tools": list(getattr(env, "tools", ())),
+            "seed": seed,
+            "grade": grade,
+        }

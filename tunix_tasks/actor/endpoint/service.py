@@ -1,0 +1,226 @@
+"""`EndpointService`: one chat-completion request of one episode, token in / token out.
+
+    service = EndpointService(chat, policy, registry, limits)
+    body = await service.complete(episode_id, request, disconnected=...)  # chat.completion
+
+The request's messages are matched against the episode (fidelity.py): only the new ones
+are rendered by the chat template (`chat.start` on the first request, `chat.reply` after a
+sampled turn) and appended to the episode's tokens; the policy (the actor's continuously
+batched sampler, `BatchingPolicy`) continues those tokens, and the sampled ids, their
+behaviour log-probs and version are recorded exactly as sampled, like `play_episode` does.
+The parsed turn (content, tool calls) is what the client receives and must send back.
+
+Sampling settings are the run's: the learner recomputes log-probs with `actor.temperature`
+and `actor.top_k`, so a request asking for another `temperature` (or `top_p` < 1, `n` > 1,
+`stream`) is refused with a 400 naming the setting rather than sampled with a distribution
+the learner would not score. `stop` strings end the turn at the first token whose text
+completes one (the kept ids are a prefix of the sample, their log-probs unchanged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry, OpenEpisode
+from tunix_tasks.actor.endpoint.fidelity import HistoryMismatch, match_history
+from tunix_tasks.actor.endpoint.wire import ApiError, ChatRequest, completion
+from tunix_tasks.policy.chat import ChatFormat
+from tunix_tasks.policy.chat_template import ChatTemplateError
+
+__all__ = ["EndpointLimits", "EndpointService"]
+
+Policy = Callable[..., Awaitable[tuple[list[int], list[float], int]]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndpointLimits:
+    """The run's sampling settings and the endpoint's bounds (docs/agents.md, "Limits")."""
+
+    model: str
+    max_episode_tokens: int
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    max_concurrent_requests: int
+
+
+class EndpointService:
+    """Serves chat completions of the registry's episodes (module docstring)."""
+
+    def __init__(
+        self,
+        chat: ChatFormat,
+        policy: Policy,
+        registry: EpisodeRegistry,
+        limits: EndpointLimits,
+    ) -> None:
+        self.chat = chat
+        self.policy = policy
+        self.registry = registry
+        self.limits = limits
+        self.in_flight = 0
+        self.requests = 0
+        self.refused: dict[str, int] = {}
+        self.overhead_s: list[float] = []  # per request: wall time minus the policy call
+
+    async def complete(
+        self,
+        episode_id: str,
+        request: ChatRequest,
+        *,
+        disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> dict:
+        """The `chat.completion` of the episode's next turn; ApiError for every refusal."""
+        t0 = time.perf_counter()
+        try:
+            ep = self.registry.get(episode_id)
+            self._check(ep, request)
+            prompt, new = self._render(ep, request)
+            room = self._room(ep, prompt)
+            max_new = min(request.max_new or self.limits.max_new_tokens, room)
+            ep.busy = True
+            self.in_flight += 1
+            try:
+                t1 = time.perf_counter()
+                got = await self._sample(ep, ep.record.tokens + prompt, max_new, disconnected)
+                policy_s = time.perf_counter() - t1
+            finally:
+                ep.busy = False
+                ep.last_active = time.monotonic()
+                self.in_flight -= 1
+        except ApiError as err:
+            code = err.body["error"]["code"] or str(err.status)
+            self.refused[code] = self.refused.get(code, 0) + 1
+            raise
+        self.requests += 1
+        body = self._record(ep, request, prompt, new, *got)
+        self.overhead_s.append(time.perf_counter() - t0 - policy_s)
+        del self.overhead_s[:-10000]
+        return body
+
+    def _check(self, ep: OpenEpisode, request: ChatRequest) -> None:
+        lim = self.limits
+        if ep.busy:
+            raise ApiError(
+                409, f"episode {ep.id} already has a request in flight", code="episode_busy"
+            )
+        if self.in_flight >= lim.max_concurrent_requests:
+            raise ApiError(
+                429,
+                f"{self.in_flight} requests in flight, the limit "
+                f"(actor.agent.max_concurrent_requests) is {lim.max_concurrent_requests}; retry",
+                type="rate_limit_error",
+                code="too_many_concurrent_requests",
+            )
+        unsupported = {
+            "n": request.n not in (None, 1) and "only n=1 (one sample per request)",
+            "stream": bool(request.stream) and "streaming is not supported; use stream=false",
+            "temperature": request.temperature not in (None, lim.temperature)
+            and f"this run samples at temperature {lim.temperature} (actor.temperature), "
+            "the one the learner scores with",
+            "top_p": request.top_p not in (None, 1.0) and "only top_p=1 (actor.top_k filters)",
+        }
+        for param, why in unsupported.items():
+            if why:
+                raise ApiError(400, f"{param}: {why}", param=param, code="unsupported_value")
+        tools = request.tools or []
+        if ep.tools is None:
+            ep.tools = tools
+        elif tools != ep.tools:
+            raise ApiError(
+                409,
+                "tools differ from the episode's first request (they are part of the rendered "
+                "prompt); open a new episode",
+                param="tools",
+                code="history_mismatch",
+            )
+
+    def _render(self, ep: OpenEpisode, request: ChatRequest) -> tuple[list[int], list]:
+        """The ids of the request's new messages (and those messages)."""
+        try:
+            new = match_history(ep.recorded, request.messages)
+        except HistoryMismatch as err:
+            raise ApiError(
+                409,
+                f"the conversation does not extend this episode's: {err} (docs/agents.md, "
+                "token fidelity); open a new episode for another conversation",
+                param=f"messages[{err.index}]",
+                code="history_mismatch",
+            ) from None
+        except ValueError as err:
+            raise ApiError(400, f"messages: {err}", param="messages") from None
+        try:
+            if ep.recorded:
+                return self.chat.reply(ep.recorded, new, ep.tools or []), new
+            return self.chat.start(new, ep.tools or []), new
+        except ChatTemplateError as err:
+            raise ApiError(400, f"messages: {err}", param="messages") from None
+
+    def _room(self, ep: OpenEpisode, prompt: Sequence[int]) -> int:
+        """New tokens the episode has room for; ApiError context_length_exceeded when none."""
+        limit = self.limits.max_episode_tokens
+        held = len(ep.record.tokens) + len(prompt)
+        room = limit - held - len(self.chat.end_ids) - 1  # closing the turn and the episode
+        if room < 1:
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {limit} tokens "
+                f"(actor.max_episode_tokens); the episode and its new messages hold {held}",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return room
+
+    async def _sample(self, ep, context, max_new, disconnected):
+        call = asyncio.ensure_future(self.policy(context, session=ep.id, max_new_tokens=max_new))
+        while disconnected is not None:
+            done, _ = await asyncio.wait({call}, timeout=0.25)
+            if done:
+                break
+            if await disconnected():
+                # The sampler finishes the row's turn and frees it; the episode is dropped.
+                self.registry.drop(ep.id, "disconnected")
+                raise ApiError(499, "client disconnected", code="client_disconnected")
+        return await call
+
+    def _record(self, ep, request, prompt, new, tokens, logprobs, version) -> dict:
+        tokens, logprobs, finish, stop = self._cut_at_stop(tokens, logprobs, request.stop)
+        rec = ep.record
+        rec.extend(prompt, policy=False)
+        rec.extend(tokens, policy=True, logprobs=logprobs)
+        rec.extend(self.chat.close_turn(tokens), policy=False)
+        rec.versions.add(version)
+        rec.turns += 1
+        action = self.chat.parse(tokens, ep.tools or [])
+        if stop is not None and stop in action.content:  # OpenAI leaves the stop text out
+            action = dataclasses.replace(
+                action, content=action.content[: action.content.index(stop)]
+            )
+        ep.recorded.extend(new)
+        ep.recorded.append(action.message())
+        decode = self.chat.tokenizer.decode
+        return completion(
+            action,
+            model=self.limits.model,
+            finish_reason=finish,
+            prompt_tokens=len(rec.tokens) - len(tokens),
+            tokens=[decode([t]) for t in tokens],
+            logprobs=logprobs if request.logprobs else None,
+        )
+
+    def _cut_at_stop(self, tokens, logprobs, stops):
+        """The turn up to the first token whose text completes a `stop` string (and that
+        string), else the whole turn; with the OpenAI finish reason."""
+        if stops:
+            decode = self.chat.tokenizer.decode
+            for k in range(1, len(tokens) + 1):
+                text = decode(tokens[:k])
+                hit = next((s for s in stops if s in text), None)
+                if hit is not None:
+                    return tokens[:k], logprobs[:k], "stop", hit
+        finish = "stop" if tokens and tokens[-1] in self.chat.stop_ids else "length"
+        return tokens, logprobs, finish, None

@@ -1,0 +1,149 @@
+"""The OpenAI wire format: the chat-completion request, the response, the error body.
+
+`ChatRequest` validates a request's known fields (a wrong type is a 400 naming the field;
+unknown fields are ignored, as OpenAI-compatible servers do); `completion` builds the
+`chat.completion` object of one sampled turn; `ApiError` is every refusal, answered as
+OpenAI answers them:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "messages",
+               "code": "context_length_exceeded"}}
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tunix_tasks.messages import Action
+
+__all__ = ["ApiError", "ChatRequest", "completion", "parse_request"]
+
+
+class ApiError(Exception):
+    """A refusal: HTTP `status` and the OpenAI error object's fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class ChatRequest(BaseModel):
+    """The fields of `POST /v1/chat/completions` this endpoint reads (docs/agents.md)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model: str = ""
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    stream: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str] | None:
+        stops = [v] if isinstance(v, str) else v
+        if stops is not None and (len(stops) > 4 or not all(stops)):
+            raise ValueError("at most 4 non-empty stop strings")
+        return stops
+
+    @property
+    def max_new(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def parse_request(raw: bytes) -> ChatRequest:
+    """The request from its body; ApiError 400 for malformed JSON or a field of the
+    wrong type (naming the field)."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return ChatRequest.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"])
+        raise ApiError(400, f"{param}: {first['msg']}", param=param) from None
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+def completion(
+    action: Action,
+    *,
+    model: str,
+    finish_reason: FinishReason,
+    prompt_tokens: int,
+    tokens: list[str],
+    logprobs: list[float] | None,
+) -> dict[str, Any]:
+    """The `chat.completion` object of one sampled turn (`tokens`: each sampled id's text,
+    for the optional `logprobs`)."""
+    message: dict[str, Any] = {"role": "assistant", "content": action.content or None}
+    if action.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": json.dumps(dict(call.arguments), ensure_ascii=False),
+                },
+            }
+            for call in action.tool_calls
+        ]
+        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": message,
+        "finish_reason": finish_reason,
+        "logprobs": None,
+    }
+    if logprobs is not None:
+        choice["logprobs"] = {
+            "content": [
+                {
+                    "token": text,
+                    "logprob": lp,
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [],
+                }
+                for text, lp in zip(tokens, logprobs, strict=True)
+            ]
+        }
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(tokens),
+            "total_tokens": prompt_tokens + len(tokens),
+        },
+    }
