@@ -32,9 +32,11 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry
 from tunix_tasks.actor.endpoint.service import EndpointService
@@ -146,7 +148,7 @@ def build_app(
         body = ApiError(500, f"internal error: {type(err).__name__}", type="server_error").body
         return JSONResponse(body, status_code=500)
 
-    app = Starlette(
+    return Starlette(
         routes=[
             Route("/episodes", open_episode, methods=["POST"]),
             Route("/episodes/{episode_id}/close", close_episode, methods=["POST"]),
@@ -159,24 +161,25 @@ def build_app(
             HTTPException: http_error,
             Exception: internal_error,
         },
+        middleware=[Middleware(_Bearer, key=api_key)] if api_key else [],
     )
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
 
-        @app.middleware("http")
-        async def bearer(request: Request, call_next):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                err = ApiError(
-                    401,
-                    "a valid bearer token is required",
-                    type="invalid_request_error",
-                    code="invalid_api_key",
-                )
-                return JSONResponse(err.body, status_code=401)
-            return await call_next(request)
 
-    return app
+class _Bearer:
+    """Refuses (401) every request without `Authorization: Bearer <key>`."""
+
+    def __init__(self, app: ASGIApp, *, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = ApiError(401, "a valid bearer token is required", code="invalid_api_key")
+                await JSONResponse(err.body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Server(uvicorn.Server):

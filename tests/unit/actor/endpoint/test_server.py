@@ -1,0 +1,264 @@
+"""Tests for tunix_tasks.actor.endpoint (service, server, episodes): the real `openai`
+client against the real endpoint (uvicorn on loopback, the tiny Qwen3 checkpoint's
+continuously batched sampler), and every refusal as an OpenAI error body."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import numpy as np
+import openai
+from flax import nnx
+
+from tests.unit.actor.endpoint.harness import MAX_EPISODE_TOKENS, TEMPERATURE, endpoint
+from tunix_tasks.policy.distribution import token_logprobs
+
+CALCULATE = {
+    "type": "function",
+    "function": {
+        "name": "calculate",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+
+
+def policy_spans(episode) -> list[tuple[int, int]]:
+    mask = episode.loss_mask.astype(int)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return list(zip(edges[::2], edges[1::2], strict=True))
+
+
+def learner_logprobs(model, episode) -> np.ndarray:
+    """The learner's recomputation over the whole episode (staleness 0): lp[t-1] scores t."""
+    tokens = episode.tokens[None]
+    positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
+    logits = nnx.jit(lambda m, t, p, s: m(t, p, s))(model, tokens, positions, np.ones_like(tokens))
+    return np.asarray(token_logprobs(logits, tokens, TEMPERATURE))[0]
+
+
+async def open_episode(http: httpx.AsyncClient, url: str, **body) -> tuple[str, str]:
+    r = await http.post(f"{url}/episodes", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["episode_id"], r.json()["base_url"]
+
+
+def test_openai_client_multi_turn_with_tools_keeps_the_sampled_tokens():
+    """Three turns through `openai.AsyncOpenAI`: the episode's policy tokens are exactly
+    the sampled ids, turn by turn (never re-encoded), and their behaviour log-probs are
+    the learner's recomputation at staleness 0; `logprobs=True` returns the same values."""
+
+    async def run():
+        async with endpoint() as ep, httpx.AsyncClient() as http:
+            episode_id, base_url = await open_episode(http, ep.url, seed=11)
+            client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
+            assert (await client.models.list()).data[0].id == "tiny-qwen3"
+            messages = [
+                {"role": "system", "content": "You are a calculator."},
+                {"role": "user", "content": "What is 23+45?"},
+            ]
+            returned = []
+            for turn in range(3):
+                r = await client.chat.completions.create(
+                    model="tiny-qwen3", messages=messages, tools=[CALCULATE], logprobs=True
+                )
+                msg = r.choices[0].message
+                returned.append([c.logprob for c in r.choices[0].logprobs.content])
+                assert r.usage.completion_tokens == len(returned[-1])
+                messages.append(msg.model_dump(exclude_none=True))
+                if msg.tool_calls:
+                    for call in msg.tool_calls:
+                        messages.append({"role": "tool", "tool_call_id": call.id, "content": "68"})
+                else:
+                    messages.append({"role": "user", "content": f"Turn {turn}: check it."})
+            r = await http.post(f"{ep.url}/episodes/{episode_id}/close", json={"reward": 1.0})
+            assert r.json() == {"status": "closed"}
+            return ep, returned
+
+    ep, returned = asyncio.run(run())
+    [[episode]] = ep.groups
+    assert episode.reward == 1.0 and episode.num_turns == 3 and episode.seed == 11
+    assert episode.group_id.startswith("actor-t/x/") and episode.actor_id == "actor-t"
+    spans = policy_spans(episode)
+    assert len(spans) == 3 == len(ep.policy.sampled)
+    for (start, end), (tokens, logprobs), wire in zip(
+        spans, ep.policy.sampled, returned, strict=True
+    ):
+        assert episode.tokens[start:end].tolist() == tokens  # the sampled ids, exactly
+        np.testing.assert_array_equal(episode.behavior_logprobs[start:end], logprobs)
+        np.testing.assert_allclose(wire, logprobs, rtol=0, atol=1e-6)
+    recomputed = learner_logprobs(ep.sampler.model, episode)
+    for start, end in spans:
+        np.testing.assert_allclose(
+            recomputed[start - 1 : end - 1], episode.behavior_logprobs[start:end], atol=1e-4
+        )
+    # The prompt the tools rendered is in the episode (loss-masked), once.
+    text = ep.chat.tokenizer.decode(episode.tokens.tolist())
+    assert text.count('"name": "calculate"') == 1 and text.count("You are a calculator.") == 1
+
+
+def _error(
+    r: httpx.Response, status: int, code: str | None = None, param: str | None = None
+) -> str:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "Traceback" not in r.text
+    assert code is None or err["code"] == code, err
+    assert param is None or err["param"] == param, err
+    return err["message"]
+
+
+def test_bad_input_gets_openai_error_bodies_and_frees_nothing_it_should_not():
+    async def run():
+        async with endpoint(max_request_bytes=4096) as ep, httpx.AsyncClient() as http:
+            episode_id, base = await open_episode(http, ep.url)
+            chat = f"{base}/chat/completions"
+            user = [{"role": "user", "content": "hi"}]
+            _error(await http.post(chat, content=b"{not json"), 400)
+            _error(
+                await http.post(chat, json={"messages": user, "temperature": "hot"}),
+                400,
+                param="temperature",
+            )
+            _error(await http.post(chat, json={"messages": "hi"}), 400, param="messages")
+            _error(
+                await http.post(chat, json={"messages": user, "n": 2}),
+                400,
+                "unsupported_value",
+                "n",
+            )
+            _error(
+                await http.post(chat, json={"messages": user, "stream": True}), 400, param="stream"
+            )
+            msg = _error(
+                await http.post(chat, json={"messages": user, "temperature": 0.2}),
+                400,
+                param="temperature",
+            )
+            assert str(TEMPERATURE) in msg
+            _error(
+                await http.post(chat, json={"messages": [{"role": "robot", "content": "x"}]}),
+                400,
+                param="messages",
+            )
+            _error(await http.post(chat, content=b"x" * 5000), 413)
+            _error(
+                await http.post(
+                    f"{ep.url}/episodes/nope/v1/chat/completions", json={"messages": user}
+                ),
+                404,
+                "episode_not_found",
+            )
+            _error(await http.get(f"{ep.url}/nowhere"), 404)
+            _error(
+                await http.post(f"{ep.url}/episodes", json={"group_size": "four"}),
+                400,
+                param="group_size",
+            )
+            _error(
+                await http.post(f"{ep.url}/episodes/{episode_id}/close", json={}),
+                400,
+                param="reward",
+            )
+
+            # Context longer than the limit: named, and the episode is still usable after.
+            big = [{"role": "user", "content": "9 " * 1500}]
+            msg = _error(
+                await http.post(chat, json={"messages": big}),
+                400,
+                "context_length_exceeded",
+                "messages",
+            )
+            assert str(MAX_EPISODE_TOKENS) in msg and "actor.max_episode_tokens" in msg
+
+            # A history that does not extend the episode's: 409, the index named.
+            r = await http.post(chat, json={"messages": user, "max_tokens": 4})
+            answer = r.json()["choices"][0]["message"]
+            edited = [
+                {"role": "user", "content": "HI"},
+                answer,
+                {"role": "user", "content": "and?"},
+            ]
+            _error(
+                await http.post(chat, json={"messages": edited}),
+                409,
+                "history_mismatch",
+                "messages[0]",
+            )
+            again = [*user, answer, {"role": "user", "content": "and?"}]
+            _error(
+                await http.post(chat, json={"messages": again, "tools": [CALCULATE]}),
+                409,
+                "history_mismatch",
+                "tools",
+            )
+            r = await http.post(chat, json={"messages": again, "max_tokens": 4})
+            assert r.status_code == 200, r.text  # the refusals recorded nothing
+            assert ep.service.refused["history_mismatch"] == 2
+
+    asyncio.run(run())
+
+
+def test_bearer_token_when_configured():
+    async def run():
+        async with endpoint(api_key="s3cret") as ep, httpx.AsyncClient() as http:
+            _error(await http.get(f"{ep.url}/v1/models"), 401, "invalid_api_key")
+            _error(
+                await http.get(f"{ep.url}/v1/models", headers={"Authorization": "Bearer nope"}), 401
+            )
+            r = await http.get(f"{ep.url}/v1/models", headers={"Authorization": "Bearer s3cret"})
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny-qwen3"
+
+    asyncio.run(run())
+
+
+def test_load_abandoned_and_disconnected_episodes_are_dropped_and_free_their_slots():
+    async def run():
+        async with (
+            endpoint(max_concurrent_requests=1, timeout_s=0.3) as ep,
+            httpx.AsyncClient() as http,
+        ):
+            ep.policy.gate = asyncio.Event()  # hold requests before the sampler
+            _, base_a = await open_episode(http, ep.url, group="g", group_size=3)
+            b, base_b = await open_episode(http, ep.url, group="g", group_size=3)
+            _, base_c = await open_episode(http, ep.url, group="g", group_size=3)
+            _error(
+                await http.post(f"{ep.url}/episodes", json={"group": "g", "group_size": 3}),
+                409,
+                "group_full",
+            )
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            first = asyncio.create_task(http.post(f"{base_a}/chat/completions", json=body))
+            while ep.service.in_flight == 0:
+                await asyncio.sleep(0.01)
+            # Too many concurrent requests: 429, nothing recorded on b.
+            _error(
+                await http.post(f"{base_b}/chat/completions", json=body),
+                429,
+                "too_many_concurrent_requests",
+            )
+            # The client of a goes away mid-request: a is dropped, the slot is freed.
+            first.cancel()
+            while ep.registry.dropped["disconnected"] == 0:
+                await asyncio.sleep(0.05)
+            assert ep.service.in_flight == 0
+            _error(await http.post(f"{base_a}/chat/completions", json=body), 409, "episode_ended")
+            ep.policy.gate.set()
+            r = await http.post(f"{base_b}/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            await http.post(f"{ep.url}/episodes/{b}/close", json={"reward": 0.5})
+            # c never comes back: abandoned after the timeout; the group is handed over without it.
+            while ep.registry.dropped["abandoned"] == 0:
+                await asyncio.sleep(0.05)
+            _error(await http.post(f"{base_c}/chat/completions", json=body), 409, "episode_ended")
+            assert len(ep.registry) == 0
+            return ep
+
+    ep = asyncio.run(run())
+    [[kept]] = ep.groups
+    assert kept.reward == 0.5 and ep.registry.dropped["disconnected"] == 1
