@@ -5,7 +5,7 @@
     tunix-tasks train   [--config run.yaml] [--set k=v ...] [--store URI] [--run-name N]
                         [--mode async|sync] [--quiet] [--json]
     tunix-tasks prepare [--config run.yaml] [--set k=v ...]   # write <run>/config.json
-    tunix-tasks actor   --run URI --actor-id N [--deadline S] [--kind async|vectorized]
+    tunix-tasks actor   --run URI --actor-id N [--deadline S] [--kind async|vectorized|agent]
     tunix-tasks learner --run URI [--max-steps N] [--deadline S]
     tunix-tasks report  RUN_URI [--baseline RUN_URI]
     tunix-tasks eval    RUN_URI [--version N] [--episodes N]
@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=None, help="stop after this many seconds")
     p.add_argument(
         "--kind",
-        choices=("async", "vectorized"),
+        choices=("async", "vectorized", "agent"),
         default=None,
         help="override the run's actor.kind for this actor (a fleet may mix both)",
     )
