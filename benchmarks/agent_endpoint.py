@@ -212,7 +212,9 @@ def main() -> None:
     if args.smoke:
         args.envs, args.latency, args.warmup, args.window, args.repeats = [4], 0.05, 3.0, 3.0, 3
     chat, sampler = build_sampler(ModelConfig(preset="tiny"), seed=0, max_sequences=max(args.envs))
-    warm_sampler(sampler, max(args.envs), MAX_EPISODE_TOKENS, args.new_tokens)
+    warm_sampler(
+        sampler, min(max(args.envs), sampler.max_batch), MAX_EPISODE_TOKENS, args.new_tokens
+    )
     rows = []
     for envs in args.envs:
         base = asyncio.run(in_process(chat, sampler, envs, args))

@@ -37,6 +37,8 @@ __all__ = ["AgentProgram", "AgentRunner", "load_program"]
 
 log = logging.getLogger(__name__)
 
+_POOL = 8  # connections per HTTP client pool
+
 AgentProgram = Callable[[Any, dict[str, Any]], Awaitable[float]]
 
 
@@ -87,14 +89,21 @@ class AgentRunner:
         self.base_url = base_url.rstrip("/")
         self._api_key = api_key or "unused"
         self._openai = _openai()
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(request_timeout_s, connect=30.0),
-            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
-        )
+        # Small pools: httpcore matches a request to a connection in time linear in the
+        # pool's connections, so one pool of 256 spent most of a 256-episode run there.
+        self._http = [
+            httpx.AsyncClient(
+                timeout=httpx.Timeout(request_timeout_s, connect=30.0),
+                limits=httpx.Limits(max_connections=_POOL, max_keepalive_connections=_POOL),
+            )
+            for _ in range(max(1, -(-connections // _POOL)))
+        ]
+        self._episodes = 0
         self._logged: set[str] = set()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for http in self._http:
+            await http.aclose()
 
     async def play_group(self, group: str, *, seed: int, envs: Sequence[Environment]) -> None:
         """One group: a program run per env, all at once, each closed or dropped."""
@@ -107,8 +116,9 @@ class AgentRunner:
         client = self._openai.AsyncOpenAI(
             base_url=f"{self.base_url}/episodes/{episode_id}/v1",
             api_key=self._api_key,
-            http_client=self._http,
+            http_client=self._http[self._episodes % len(self._http)],
         )
+        self._episodes += 1
         try:
             task = await self._task(env, seed)
             reward = await self.program(client, task)

@@ -72,6 +72,17 @@ async def _json_object(request: Request, limit: int) -> dict[str, Any]:
     return data
 
 
+def _disconnect(request: Request):
+    """An awaitable that returns once the client has gone away (ASGI `http.disconnect`;
+    the body is read already, so nothing else arrives), without polling."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
+
+
 def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
     value = data.get(name, default)
     if value is not default and (
@@ -96,7 +107,8 @@ def build_app(
     async def open_episode(request: Request) -> JSONResponse:
         data = await _json_object(request, max_request_bytes)
         group = _field(data, "group", str, None)
-        size = _field(data, "group_size", int, default_group_size)
+        # An unnamed group cannot be joined: it is a group of one unless said otherwise.
+        size = _field(data, "group_size", int, default_group_size if group is not None else 1)
         seed = _field(data, "seed", int, 0)
         if not 1 <= size <= 64:
             raise ApiError(400, f"group_size: must be in 1..64, got {size}", param="group_size")
@@ -118,7 +130,7 @@ def build_app(
     async def chat_completions(request: Request) -> JSONResponse:
         chat_request = parse_request(await _body(request, max_request_bytes))
         body = await service.complete(
-            request.path_params["episode_id"], chat_request, disconnected=request.is_disconnected
+            request.path_params["episode_id"], chat_request, disconnected=_disconnect(request)
         )
         return JSONResponse(body)
 
@@ -202,7 +214,14 @@ class EndpointServer:
     ) -> None:
         self._server = _Server(
             uvicorn.Config(
-                app, host=host, port=port, log_level="warning", lifespan="off", access_log=False
+                app,
+                host=host,
+                port=port,
+                log_level="warning",
+                lifespan="off",
+                access_log=False,
+                # Agents pause between turns (tools, envs): keep their connections open.
+                timeout_keep_alive=120,
             )
         )
         self._host = host

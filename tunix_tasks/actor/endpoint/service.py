@@ -72,9 +72,10 @@ class EndpointService:
         episode_id: str,
         request: ChatRequest,
         *,
-        disconnected: Callable[[], Awaitable[bool]] | None = None,
+        disconnected: Callable[[], Awaitable[None]] | None = None,
     ) -> dict:
-        """The `chat.completion` of the episode's next turn; ApiError for every refusal."""
+        """The `chat.completion` of the episode's next turn; ApiError for every refusal.
+        `disconnected()` returns when the client has gone away (the episode is dropped)."""
         t0 = time.perf_counter()
         try:
             ep = self.registry.get(episode_id)
@@ -177,15 +178,19 @@ class EndpointService:
 
     async def _sample(self, ep, context, max_new, disconnected):
         call = asyncio.ensure_future(self.policy(context, session=ep.id, max_new_tokens=max_new))
-        while disconnected is not None:
-            done, _ = await asyncio.wait({call}, timeout=0.25)
-            if done:
-                break
-            if await disconnected():
-                # The sampler finishes the row's turn and frees it; the episode is dropped.
-                self.registry.drop(ep.id, "disconnected")
-                raise ApiError(499, "client disconnected", code="client_disconnected")
-        return await call
+        if disconnected is None:
+            return await call
+        gone = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not call.done():
+            # The sampler finishes the row's turn and frees it; the episode is dropped.
+            call.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self.registry.drop(ep.id, "disconnected")
+            raise ApiError(499, "client disconnected", code="client_disconnected")
+        return call.result()
 
     def _record(self, ep, request, prompt, new, tokens, logprobs, version) -> dict:
         tokens, logprobs, finish, stop = self._cut_at_stop(tokens, logprobs, request.stop)

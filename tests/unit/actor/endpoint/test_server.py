@@ -262,3 +262,36 @@ def test_load_abandoned_and_disconnected_episodes_are_dropped_and_free_their_slo
     ep = asyncio.run(run())
     [[kept]] = ep.groups
     assert kept.reward == 0.5 and ep.registry.dropped["disconnected"] == 1
+
+
+def test_256_concurrent_episodes_on_one_endpoint_without_errors():
+    """256 episodes at once, two turns each, through the real openai client: every request
+    answered, every episode closed and handed over, none refused or dropped."""
+
+    async def one(http: httpx.AsyncClient, url: str, i: int) -> None:
+        episode_id, base_url = await open_episode(http, url, seed=i)
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", http_client=http)
+        messages = [{"role": "user", "content": f"{i}?"}]
+        for turn in range(2):
+            r = await client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+            messages += [
+                {"role": "assistant", "content": r.choices[0].message.content},
+                {"role": "user", "content": f"turn {turn}"},
+            ]
+        r = await http.post(f"{url}/episodes/{episode_id}/close", json={"reward": 1.0})
+        assert r.status_code == 200, r.text
+
+    async def run():
+        # Small pools: one pool of 256 connections costs httpcore quadratic time.
+        pools = [httpx.AsyncClient(timeout=120) for _ in range(32)]
+        async with endpoint(max_concurrent_requests=512) as ep:
+            await asyncio.gather(*(one(pools[i % 32], ep.url, i) for i in range(256)))
+        for pool in pools:
+            await pool.aclose()
+        return ep
+
+    ep = asyncio.run(run())
+    assert len(ep.groups) == 256 and all(len(g) == 1 for g in ep.groups)
+    assert ep.service.requests == 512 and not ep.service.refused
+    assert not any(ep.registry.dropped.values()) and len(ep.registry) == 0
+    assert all(e.num_turns == 2 for [e] in ep.groups)
