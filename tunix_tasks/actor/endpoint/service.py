@@ -196,6 +196,7 @@ class EndpointService:
         tokens, logprobs, finish, stop = self._cut_at_stop(tokens, logprobs, request.stop)
         rec = ep.record
         rec.extend(prompt, policy=False)
+        context = len(rec.tokens)  # what the turn was sampled after
         rec.extend(tokens, policy=True, logprobs=logprobs)
         rec.extend(self.chat.close_turn(tokens), policy=False)
         rec.versions.add(version)
@@ -212,7 +213,7 @@ class EndpointService:
             action,
             model=self.limits.model,
             finish_reason=finish,
-            prompt_tokens=len(rec.tokens) - len(tokens),
+            prompt_tokens=context,
             tokens=[decode([t]) for t in tokens],
             logprobs=logprobs if request.logprobs else None,
         )

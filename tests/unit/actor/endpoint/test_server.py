@@ -62,7 +62,7 @@ def test_openai_client_multi_turn_with_tools_keeps_the_sampled_tokens():
                 {"role": "system", "content": "You are a calculator."},
                 {"role": "user", "content": "What is 23+45?"},
             ]
-            returned = []
+            returned, prompt_tokens = [], []
             for turn in range(3):
                 r = await client.chat.completions.create(
                     model="tiny-qwen3", messages=messages, tools=[CALCULATE], logprobs=True
@@ -70,6 +70,7 @@ def test_openai_client_multi_turn_with_tools_keeps_the_sampled_tokens():
                 msg = r.choices[0].message
                 returned.append([c.logprob for c in r.choices[0].logprobs.content])
                 assert r.usage.completion_tokens == len(returned[-1])
+                prompt_tokens.append(r.usage.prompt_tokens)
                 messages.append(msg.model_dump(exclude_none=True))
                 if msg.tool_calls:
                     for call in msg.tool_calls:
@@ -78,14 +79,15 @@ def test_openai_client_multi_turn_with_tools_keeps_the_sampled_tokens():
                     messages.append({"role": "user", "content": f"Turn {turn}: check it."})
             r = await http.post(f"{ep.url}/episodes/{episode_id}/close", json={"reward": 1.0})
             assert r.json() == {"status": "closed"}
-            return ep, returned
+            return ep, returned, prompt_tokens
 
-    ep, returned = asyncio.run(run())
+    ep, returned, prompt_tokens = asyncio.run(run())
     [[episode]] = ep.groups
     assert episode.reward == 1.0 and episode.num_turns == 3 and episode.seed == 11
     assert episode.group_id.startswith("actor-t/x/") and episode.actor_id == "actor-t"
     spans = policy_spans(episode)
     assert len(spans) == 3 == len(ep.policy.sampled)
+    assert [int(start) for start, _ in spans] == prompt_tokens  # usage: the context sampled after
     for (start, end), (tokens, logprobs), wire in zip(
         spans, ep.policy.sampled, returned, strict=True
     ):
@@ -265,19 +267,15 @@ def test_load_abandoned_and_disconnected_episodes_are_dropped_and_free_their_slo
 
 
 def test_256_concurrent_episodes_on_one_endpoint_without_errors():
-    """256 episodes at once, two turns each, through the real openai client: every request
-    answered, every episode closed and handed over, none refused or dropped."""
+    """256 episodes at once through the real openai client: every request answered, every
+    episode closed and handed over, none refused or dropped."""
 
     async def one(http: httpx.AsyncClient, url: str, i: int) -> None:
         episode_id, base_url = await open_episode(http, url, seed=i)
         client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", http_client=http)
         messages = [{"role": "user", "content": f"{i}?"}]
-        for turn in range(2):
-            r = await client.chat.completions.create(model="m", messages=messages, max_tokens=2)
-            messages += [
-                {"role": "assistant", "content": r.choices[0].message.content},
-                {"role": "user", "content": f"turn {turn}"},
-            ]
+        r = await client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+        assert r.choices[0].finish_reason in ("stop", "length")
         r = await http.post(f"{url}/episodes/{episode_id}/close", json={"reward": 1.0})
         assert r.status_code == 200, r.text
 
@@ -292,6 +290,6 @@ def test_256_concurrent_episodes_on_one_endpoint_without_errors():
 
     ep = asyncio.run(run())
     assert len(ep.groups) == 256 and all(len(g) == 1 for g in ep.groups)
-    assert ep.service.requests == 512 and not ep.service.refused
+    assert ep.service.requests == 256 and not ep.service.refused
     assert not any(ep.registry.dropped.values()) and len(ep.registry) == 0
-    assert all(e.num_turns == 2 for [e] in ep.groups)
+    assert all(e.num_turns == 1 for [e] in ep.groups)

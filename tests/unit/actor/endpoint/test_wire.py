@@ -1,0 +1,69 @@
+"""Tests for tunix_tasks.actor.endpoint.wire: a sampled tool call as the OpenAI response,
+and back: the client's echo of it matches what the episode recorded (fidelity)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.unit.actor.endpoint.harness import tiny_qwen3
+from tunix_tasks.actor.endpoint.fidelity import normalize
+from tunix_tasks.actor.endpoint.wire import ApiError, completion, parse_request
+from tunix_tasks.messages import Action, ToolCall
+
+
+def test_a_sampled_tool_call_becomes_openai_tool_calls_and_its_echo_matches():
+    chat, _ = tiny_qwen3()
+    history = [{"role": "user", "content": "What is 23+45?"}]
+    action = Action(content="", tool_calls=(ToolCall("calculate", {"expression": "23+45"}),))
+    tokens = chat.render_action(history, action, [])  # the ids the model writes for the call
+    parsed = chat.parse(tokens, [])
+    body = completion(
+        parsed,
+        model="m",
+        finish_reason="stop",
+        prompt_tokens=7,
+        tokens=[chat.tokenizer.decode([t]) for t in tokens],
+        logprobs=None,
+    )
+    [choice] = body["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "calculate"
+    assert json.loads(call["function"]["arguments"]) == {"expression": "23+45"}
+    assert body["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": len(tokens),
+        "total_tokens": 7 + len(tokens),
+    }
+    # What the client sends back is what the endpoint recorded for the turn.
+    assert normalize(choice["message"]) == parsed.message()
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b"[1, 2]", None),
+        (b'{"messages": []}', "messages"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens"),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}',
+            "stop",
+        ),
+        (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": "yes please"}', "logprobs"),
+    ],
+)
+def test_requests_of_the_wrong_shape_name_the_field(raw, param):
+    with pytest.raises(ApiError) as err:
+        parse_request(raw)
+    assert err.value.status == 400 and err.value.body["error"]["param"] == param
+
+
+def test_unknown_fields_are_ignored_and_max_completion_tokens_wins():
+    req = parse_request(
+        b'{"messages": [{"role": "user", "content": "x"}], "store": true, "metadata": {"a": 1},'
+        b' "max_tokens": 9, "max_completion_tokens": 5, "stop": "END"}'
+    )
+    assert req.max_new == 5 and req.stop == ["END"]
