@@ -399,3 +399,30 @@ def test_numbers_parse_as_before():
     assert cfg.learner.learning_rate == 1.0 and isinstance(cfg.learner.learning_rate, float)
     assert (cfg.learner.warm_start_learning_rate, cfg.seed) == (3e-4, 7)
     assert load_config(None, ["deadline_s=0.5"]).deadline_s == 0.5
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["actor.kind=agent"], "actor.kind=agent needs actor.agent.program"),
+        (["actor.kind=agent", "actor.agent.program=my_agent"], "is not package.module:function"),
+        (["actor.agent.host=0.0.0.0"], "set actor.agent.api_key_env"),
+        (["actor.agent.api_key_env=1BAD"], "is not a variable name"),
+        (
+            [
+                "actor.kind=agent",
+                "actor.agent.program=a:run",
+                "actor.agent.max_concurrent_requests=4",
+            ],
+            "actor.agent.max_concurrent_requests=4 is below actor.envs_per_actor=8",
+        ),
+    ],
+)
+def test_agent_kind_settings_are_checked(overrides, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert needle in str(info.value)
+    ok = load_config(None, ["actor.kind=agent", "actor.agent.program=pkg.agent:run"])
+    assert ok.actor.agent.host == "127.0.0.1"
+    wide = ["actor.agent.host=0.0.0.0", "actor.agent.api_key_env=AGENT_TOKEN"]
+    assert load_config(None, wide).actor.agent.api_key_env == "AGENT_TOKEN"

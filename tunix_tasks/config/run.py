@@ -79,8 +79,17 @@ class ActorConfig(Frozen):
 
     @model_validator(mode="after")
     def _check_agent(self) -> ActorConfig:
-        if self.kind == "agent" and not self.agent.program:
+        if self.kind != "agent":
+            return self
+        if not self.agent.program:
             raise ValueError("actor.kind=agent needs actor.agent.program (package.module:function)")
+        for bound in ("max_open_episodes", "max_concurrent_requests"):
+            if getattr(self.agent, bound) < self.envs_per_actor:
+                raise ValueError(
+                    f"actor.agent.{bound}={getattr(self.agent, bound)} is below "
+                    f"actor.envs_per_actor={self.envs_per_actor}: the actor's own agents "
+                    "would be refused"
+                )
         return self
 
     @property
