@@ -47,7 +47,7 @@ class OpenEpisode:
     seed: int
     record: Transcript = field(default_factory=Transcript)
     recorded: list[Message] = field(default_factory=list)  # fidelity.match_history's
-    tools: list[dict] | None = None  # fixed by the first request
+    tools: list[dict] | None = None  # fixed by the first recorded turn
     busy: bool = False  # a request in flight
     last_active: float = field(default_factory=time.monotonic)
 

@@ -128,10 +128,7 @@ class EndpointService:
         for param, why in unsupported.items():
             if why:
                 raise ApiError(400, f"{param}: {why}", param=param, code="unsupported_value")
-        tools = request.tools or []
-        if ep.tools is None:
-            ep.tools = tools
-        elif tools != ep.tools:
+        if ep.tools is not None and (request.tools or []) != ep.tools:
             raise ApiError(
                 409,
                 "tools differ from the episode's first request (they are part of the rendered "
@@ -155,9 +152,10 @@ class EndpointService:
         except ValueError as err:
             raise ApiError(400, f"messages: {err}", param="messages") from None
         try:
+            tools = request.tools or []
             if ep.recorded:
-                return self.chat.reply(ep.recorded, new, ep.tools or []), new
-            return self.chat.start(new, ep.tools or []), new
+                return self.chat.reply(ep.recorded, new, tools), new
+            return self.chat.start(new, tools), new
         except ChatTemplateError as err:
             raise ApiError(400, f"messages: {err}", param="messages") from None
 
@@ -195,13 +193,14 @@ class EndpointService:
     def _record(self, ep, request, prompt, new, tokens, logprobs, version) -> dict:
         tokens, logprobs, finish, stop = self._cut_at_stop(tokens, logprobs, request.stop)
         rec = ep.record
+        ep.tools = request.tools or []  # fixed by the first turn recorded
         rec.extend(prompt, policy=False)
         context = len(rec.tokens)  # what the turn was sampled after
         rec.extend(tokens, policy=True, logprobs=logprobs)
         rec.extend(self.chat.close_turn(tokens), policy=False)
         rec.versions.add(version)
         rec.turns += 1
-        action = self.chat.parse(tokens, ep.tools or [])
+        action = self.chat.parse(tokens, ep.tools)
         if stop is not None and stop in action.content:  # OpenAI leaves the stop text out
             action = dataclasses.replace(
                 action, content=action.content[: action.content.index(stop)]
