@@ -8,8 +8,8 @@ followed by one env step that sleeps `--latency` s (the reset too). In-process: 
 `play_episode` loops over a `BatchingPolicy`. Endpoint: E copies of an agent program that
 makes the same turns with `client.chat.completions.create` and steps the env through the
 task's `grade` after each one. Every sampler program
-the runs can use is compiled first (benchmarks/actor.py's `warm_sampler`); both then
-run `--warmup` s, and episodes/s is counted
+the runs can use is compiled first (benchmarks/actor.py's `warm_sampler`, then one
+unmeasured pass of each path); both then run `--warmup` s, and episodes/s is counted
 over `--window` s. Overhead: at concurrency 1, the median latency of one chat completion
 through HTTP minus the median of the same call made on the policy in-process, and the
 endpoint's own bookkeeping (matching, rendering, recording; no HTTP) per request.
@@ -93,6 +93,9 @@ async def _count(loop_once, envs: int, warmup: float, window: float) -> float:
     stop = time.monotonic() + warmup + window
 
     async def loop(i: int) -> None:
+        # Staggered starts: loops in step would finish in bursts of `envs`, and a window
+        # would count a whole number of bursts.
+        await asyncio.sleep(warmup / 2 * i / envs)
         n = 0
         while time.monotonic() < stop:
             await loop_once(i, n)
@@ -210,13 +213,18 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="toy sizes: every code path in seconds")
     args = p.parse_args()
     if args.smoke:
-        args.envs, args.latency, args.warmup, args.window, args.repeats = [4], 0.05, 3.0, 3.0, 3
+        args.envs, args.latency, args.warmup, args.window, args.repeats = [4], 0.05, 3.0, 2.0, 3
     chat, sampler = build_sampler(ModelConfig(preset="tiny"), seed=0, max_sequences=max(args.envs))
     warm_sampler(
         sampler, min(max(args.envs), sampler.max_batch), MAX_EPISODE_TOKENS, args.new_tokens
     )
     rows = []
     for envs in args.envs:
+        # Both paths once, unmeasured: the programs the warm-up above missed (decode
+        # windows, batch shapes) compile here, not inside either measurement.
+        brief = argparse.Namespace(**{**vars(args), "warmup": 0.0, "window": args.warmup})
+        asyncio.run(in_process(chat, sampler, envs, brief))
+        asyncio.run(through_endpoint(chat, sampler, envs, brief))
         base = asyncio.run(in_process(chat, sampler, envs, args))
         rate, problems = asyncio.run(through_endpoint(chat, sampler, envs, args))
         rows.append((envs, base, rate, problems))
