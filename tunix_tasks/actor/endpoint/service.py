@@ -191,7 +191,7 @@ class EndpointService:
         return call.result()
 
     def _record(self, ep, request, prompt, new, tokens, logprobs, version) -> dict:
-        tokens, logprobs, finish, stop = self._cut_at_stop(tokens, logprobs, request.stop)
+        tokens, logprobs, finish, stopped = self._cut_at_stop(tokens, logprobs, request.stop)
         rec = ep.record
         ep.tools = request.tools or []  # fixed by the first turn recorded
         rec.extend(prompt, policy=False)
@@ -201,10 +201,9 @@ class EndpointService:
         rec.versions.add(version)
         rec.turns += 1
         action = self.chat.parse(tokens, ep.tools)
-        if stop is not None and stop in action.content:  # OpenAI leaves the stop text out
-            action = dataclasses.replace(
-                action, content=action.content[: action.content.index(stop)]
-            )
+        if stopped:  # OpenAI leaves the stop text out of the content
+            at = [action.content.find(x) for x in request.stop if x in action.content]
+            action = dataclasses.replace(action, content=action.content[: min(at, default=None)])
         ep.recorded.extend(new)
         ep.recorded.append(action.message())
         decode = self.chat.tokenizer.decode
@@ -218,14 +217,13 @@ class EndpointService:
         )
 
     def _cut_at_stop(self, tokens, logprobs, stops):
-        """The turn up to the first token whose text completes a `stop` string (and that
-        string), else the whole turn; with the OpenAI finish reason."""
+        """The turn up to the first token whose text completes a `stop` string, else the
+        whole turn; with the OpenAI finish reason and whether a stop string ended it."""
         if stops:
             decode = self.chat.tokenizer.decode
             for k in range(1, len(tokens) + 1):
                 text = decode(tokens[:k])
-                hit = next((s for s in stops if s in text), None)
-                if hit is not None:
-                    return tokens[:k], logprobs[:k], "stop", hit
+                if any(s in text for s in stops):
+                    return tokens[:k], logprobs[:k], "stop", True
         finish = "stop" if tokens and tokens[-1] in self.chat.stop_ids else "length"
-        return tokens, logprobs, finish, None
+        return tokens, logprobs, finish, False

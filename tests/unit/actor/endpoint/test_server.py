@@ -293,3 +293,35 @@ def test_256_concurrent_episodes_on_one_endpoint_without_errors():
     assert ep.service.requests == 256 and not ep.service.refused
     assert not any(ep.registry.dropped.values()) and len(ep.registry) == 0
     assert all(e.num_turns == 1 for [e] in ep.groups)
+
+
+def test_stop_strings_end_the_turn_at_the_token_that_completes_one():
+    """The kept ids are the shortest prefix of the sample whose text holds a stop string
+    (their log-probs unchanged), the turn is closed after them, the content leaves it out."""
+    stops = ["e", "a", "o", " "]
+
+    async def run():
+        async with endpoint(max_new_tokens=32) as ep, httpx.AsyncClient() as http:
+            episode_id, base = await open_episode(http, ep.url)
+            body = {"messages": [{"role": "user", "content": "Say something."}], "stop": stops}
+            r = await http.post(f"{base}/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            await http.post(f"{ep.url}/episodes/{episode_id}/close", json={"reward": 0.0})
+            return ep, r.json()["choices"][0]
+
+    ep, choice = asyncio.run(run())
+    [[episode]] = ep.groups
+    [(sampled, logprobs)] = ep.policy.sampled
+    decode = ep.chat.tokenizer.decode
+    [(start, end)] = policy_spans(episode)
+    kept = episode.tokens[start:end].tolist()
+    assert kept == sampled[: len(kept)]
+    np.testing.assert_array_equal(episode.behavior_logprobs[start:end], logprobs[: len(kept)])
+    if any(s in decode(sampled) for s in stops):
+        assert any(s in decode(kept) for s in stops)
+        assert not any(s in decode(kept[:-1]) for s in stops)
+        assert choice["finish_reason"] == "stop"
+        assert episode.tokens[end] == ep.chat.eot_id  # the turn closed after the cut
+        assert not any(s in (choice["message"]["content"] or "") for s in stops)
+    else:
+        assert kept == sampled
