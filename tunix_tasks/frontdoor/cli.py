@@ -26,8 +26,8 @@ its traceback (a bug). Exit codes:
          GGUF file that cannot be imported, a packaged model that cannot be fetched
     3    the learner was fenced off: another learner published over `weights/LATEST`
     4    another learner holds the run's lease (retry once it has stopped or expired)
-    5    storage failed: unreachable after retries (each retry is logged), or permission
-         denied
+    5    storage failed: unreachable after retries (each retry is logged), permission
+         denied, or no usable credentials for a gs:// store
     130  interrupted
 """
 

@@ -344,6 +344,35 @@ def test_unreachable_gcs_logs_its_retries_then_one_line():
     assert "ConnectionError" in retries[0] and last == out.stderr.strip().splitlines()[-1]
 
 
+def test_gcs_without_credentials_is_one_line(tmp_path):
+    """No credentials, no emulator (and no metadata server to ask): one line, exit 5."""
+    import os
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("GOOGLE_", "CLOUDSDK_", "GCE_")) and k != "STORAGE_EMULATOR_HOST"
+    }
+    env.update(HOME=str(tmp_path), CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), NO_GCE_CHECK="True")
+    for argv in (
+        ("train", "--store", "gs://bucket/runs", "--run-name", "nocreds"),
+        ("inspect", "gs://bucket/runs/nocreds/shards"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "tunix_tasks.frontdoor.cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            cwd=tmp_path,
+        )
+        last = _assert_one_line_error(
+            out, 5, "gs://bucket/runs/nocreds", "no usable Google Cloud credentials"
+        )
+        assert "gcloud auth application-default login" in last and "STORAGE_EMULATOR_HOST" in last
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # nothing else either
+
+
 def test_second_learner_is_refused_in_one_line(tmp_path):
     import os
     import socket
