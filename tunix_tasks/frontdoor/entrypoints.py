@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tunix_tasks.config import ConfigError, RunConfig, check_resume, config_from_dict
+from tunix_tasks.storage.outage import first_contact
 from tunix_tasks.storage.runs import finished_step, read_config, stored_config, write_config
 from tunix_tasks.storage.runs import mark_done as _mark_done
 from tunix_tasks.storage.store import open_store
@@ -68,11 +69,12 @@ def resume_note(cfg: RunConfig) -> str | None:
     """What starting run `cfg` (again) would do, checked before anything is written.
 
     Raises `ConfigError` (one line naming each field) if the run exists and `cfg` changes a
-    field a resume may not change. Returns a one-line note if the run is finished (DONE
+    field a resume may not change, `StoreUnavailable` if the store does not answer within
+    TUNIX_STORE_CONNECT_DEADLINE_S (`storage.outage.first_contact`). Returns a one-line note if the run is finished (DONE
     with `learner.max_steps` reached: nothing to train); None for a new run or one with
     steps to go."""
     store = open_store(cfg.run_uri)
-    stored = stored_config(store)
+    stored = first_contact(cfg.run_uri, stored_config, store)  # unreachable: bounded
     if stored is None:
         return None
     check_resume(stored, cfg)

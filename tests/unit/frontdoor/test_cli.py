@@ -344,6 +344,31 @@ def test_unreachable_gcs_logs_its_retries_then_one_line():
     assert "ConnectionError" in retries[0] and last == out.stderr.strip().splitlines()[-1]
 
 
+def test_unreachable_gcs_ends_train_within_the_connect_deadline(tmp_path):
+    """`train` against a dead endpoint (closed port) and a silent one (accepts, never
+    answers: each request would wait 60 s): one line, exit 5, after
+    TUNIX_STORE_CONNECT_DEADLINE_S, not the 120 s per-call retry deadline."""
+    import socket
+    import time
+
+    from tunix_tasks.testing.gcs_server import free_port
+
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as silent:  # never accepts
+        for port in (free_port(), silent.getsockname()[1]):
+            env = {
+                "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
+                "TUNIX_STORE_CONNECT_DEADLINE_S": "2",
+                "TUNIX_STORE_RETRY_DEADLINE_S": "",  # the default, 120 s
+            }
+            t0 = time.monotonic()
+            out = _cli_env("train", "--store", "gs://bucket/runs", "--run-name", "r", env=env)
+            wall = time.monotonic() - t0
+            _assert_one_line_error(
+                out, 5, "gs://bucket/runs/r: unreachable", "within 2 s", "CONNECT_DEADLINE"
+            )
+            assert wall < 30, wall  # 2 s and the start-up of a loaded machine
+
+
 def test_gcs_without_credentials_is_one_line(tmp_path):
     """No credentials, no emulator (and no metadata server to ask): one line, exit 5."""
     import os
