@@ -25,6 +25,7 @@ its traceback (a bug). Exit codes:
          invalid value or URI), a path or run that does not exist, a corrupt config.json, a
          GGUF file that cannot be imported, a packaged model that cannot be fetched
     3    the learner was fenced off: another learner published over `weights/LATEST`
+         or took over its lease
     4    another learner holds the run's lease (retry once it has stopped or expired)
     5    storage failed: unreachable after retries (each retry is logged), permission
          denied, or no usable credentials for a gs:// store

@@ -115,14 +115,15 @@ def run_actor(
 
 LEARNER_FENCED_EXIT_CODE = 3
 """Exit status of `tunix-tasks learner` when another learner published over this one's
-`weights/LATEST`: it is fenced off and stops (no traceback, one logged line). Retrying
-does not help; the run belongs to the other learner."""
+`weights/LATEST` or took its lease over: it is fenced off and stops (no traceback, one
+logged line). Retrying does not help; the run belongs to the other learner."""
 
 
 class LearnerFenced(SystemExit):
-    """Raised by `run_learner` instead of `PublishConflict`: a SystemExit whose `code` is
-    `LEARNER_FENCED_EXIT_CODE`, so the learner process exits with that status and the one
-    line logged before (`str()` of this exception), whatever command called it."""
+    """Raised by `run_learner` instead of `PublishConflict` or `LeaseLost`: a SystemExit
+    whose `code` is `LEARNER_FENCED_EXIT_CODE`, so the learner process exits with that
+    status and the one line logged before (`str()` of this exception), whatever command
+    called it."""
 
     def __init__(self, message: str) -> None:
         super().__init__(LEARNER_FENCED_EXIT_CODE)
@@ -144,7 +145,8 @@ def run_learner(
     (`MetricsTail(store, "learner")`); new weights appear as `weights/LATEST`.
 
     A learner that lost the `weights/LATEST` race (another learner published over it)
-    logs one line and raises `LearnerFenced` (SystemExit, status 3).
+    or its lease (another learner took the run over) logs one line and raises
+    `LearnerFenced` (SystemExit, status 3).
 
     Multi-host (`TUNIX_NUM_PROCESSES` > 1, with `TUNIX_COORDINATOR_ADDRESS` and
     `TUNIX_PROCESS_ID`): every process calls this; process 0 is the learner above and
@@ -158,6 +160,7 @@ def run_learner(
         initialize(group)  # before anything else touches JAX
 
     from tunix_tasks.learner.learner import Learner
+    from tunix_tasks.storage.lease import LeaseLost
     from tunix_tasks.storage.weights import PublishConflict
 
     cfg, store = read_config(run_uri)
@@ -173,8 +176,11 @@ def run_learner(
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda s, _f: learner.request_stop(signal.Signals(s).name))
     try:
-        return learner.run()
-    except PublishConflict as err:  # lost the weights/LATEST race: fenced off
+        summary = learner.run()
+        if summary["stop_reason"] == "lease lost":  # taken over while it had nothing to save
+            learner.parts.lease.ensure()  # raises the LeaseLost that names the new owner's lease
+        return summary
+    except (PublishConflict, LeaseLost) as err:  # another learner has the run: fenced off
         log.error("%s", err)
         raise LearnerFenced(str(err)) from None
 
