@@ -277,6 +277,22 @@ def test_first_contact_is_bounded_even_when_the_endpoint_hangs(monkeypatch):
     assert first_contact("x", sum, [1, 2], deadline_s=5) == 3
 
 
+def test_a_missing_bucket_is_named_when_writing(gcs_server):
+    """An upload into a bucket that does not exist says so (it said the object being
+    written did not exist: `train` printed "<run>/config.json does not exist")."""
+    from tunix_tasks.storage.store import NotFound
+
+    store = open_store("gs://no-such-bucket-for-tunix/runs/r")
+    for write in (
+        lambda: store.write_bytes("config.json", b"{}"),
+        lambda: store.write_if_generation("learner/LEASE", b"{}", 0),
+    ):
+        with pytest.raises(NotFound, match=r"bucket gs://no-such-bucket-for-tunix does not exist"):
+            write()
+    with pytest.raises(NotFound, match=r"r/config\.json does not exist$"):  # reads: the object
+        store.read_bytes("config.json")
+
+
 def test_symlinks_out_of_the_run_are_refused_by_the_local_store(tmp_path):
     """Issue #30.3: `weights/vN` as a symlink to a folder outside the run was followed.
     Every read, write, stat, delete and listing through a link that resolves outside the

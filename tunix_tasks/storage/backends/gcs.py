@@ -93,8 +93,13 @@ class GcsStore:
     def _key(self, name: str) -> str:
         return name[len(self.prefix) + 1 :] if self.prefix else name
 
-    def _wrap(self, key: str, err: Exception) -> StoreError:
+    def _wrap(self, key: str, err: Exception, *, writing: bool = False) -> StoreError:
         where = self.uri if key == "." else join_uri(self.uri, key)  # "." : a listing
+        if isinstance(err, gexc.NotFound) and writing:  # an upload finds no bucket
+            return NotFound(
+                f"{where}: bucket gs://{self.bucket_name} does not exist; create it "
+                f"(gcloud storage buckets create gs://{self.bucket_name}) or fix the store URI"
+            )
         if isinstance(err, gexc.NotFound):
             return NotFound(f"{where} does not exist")
         if isinstance(err, gexc.PreconditionFailed):
@@ -126,7 +131,7 @@ class GcsStore:
         try:
             self._bucket.blob(self._name(key)).upload_from_string(data, retry=self._retry)
         except _ERRORS as err:
-            raise self._wrap(key, err) from None
+            raise self._wrap(key, err, writing=True) from None
 
     def read_versioned(self, key: str) -> tuple[bytes, int] | None:
         try:
@@ -147,7 +152,7 @@ class GcsStore:
         try:
             blob.upload_from_string(data, if_generation_match=generation, retry=self._retry)
         except _ERRORS as err:
-            raise self._wrap(key, err) from None
+            raise self._wrap(key, err, writing=True) from None
         return int(blob.generation)
 
     def list(self, prefix: str = "", *, start_after: str | None = None) -> list[ObjectInfo]:
