@@ -23,12 +23,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import jinja2
-import jinja2.ext
-import jinja2.sandbox
 
 from tunix_tasks.messages import Action, Message
 from tunix_tasks.policy.chat import Tools
 from tunix_tasks.policy.hf_tokenizer import HFTokenizer
+from tunix_tasks.policy.template_sandbox import BoundedEnvironment, ChatTemplateError
 from tunix_tasks.policy.toolcalls import parse_hermes, parse_llama3_json
 
 __all__ = [
@@ -47,10 +46,6 @@ _PARSERS: dict[str, Callable[[str], Action]] = {
     "llama3_json": parse_llama3_json,
 }
 _PROBE = [{"role": "user", "content": "PROBE_U"}, {"role": "assistant", "content": "PROBE_A"}]
-
-
-class ChatTemplateError(ValueError):
-    """A chat template that cannot be used here, or that raised while rendering."""
 
 
 def _raise_exception(message: str) -> None:
@@ -74,12 +69,12 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-def compile_template(source: str) -> jinja2.Template:
-    """`source` compiled in the environment transformers renders chat templates in."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
+def compile_template(source: str, **budget: Any) -> jinja2.Template:
+    """`source` compiled in the environment transformers renders chat templates in, each
+    render held to a time and size budget (template_sandbox.py; `budget`: its `seconds`
+    and `chars`)."""
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, **budget)
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
@@ -194,8 +189,14 @@ class TemplateChat:
                 add_generation_prompt=add_generation_prompt,
                 **self._variables,
             )
+        except ChatTemplateError:
+            raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed to render: {e}") from e
+        except (ArithmeticError, LookupError, TypeError, ValueError) as e:  # template code's own
+            raise ChatTemplateError(
+                f"chat template failed to render: {type(e).__name__}: {e}"
+            ) from e
 
     def start(self, messages: Sequence[Message], tools: Tools = ()) -> list[int]:
         return self.tokenizer.encode(self.render(messages, tools, add_generation_prompt=True))

@@ -260,6 +260,22 @@ def test_render_writes_tools_and_special_tokens(qwen: TemplateChat) -> None:
     assert compile_template(source).render(**special_tokens(QWEN_CONFIG)) == "<|endoftext|>"
 
 
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        ("{{ 1 / 0 }}", "failed to render: ZeroDivisionError: division by zero"),
+        ("{{ ('a' * 100000000) * 40 }}", r"\* would build 100000000 characters"),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursion too deep"),
+    ],
+)
+def test_a_template_failing_any_render_is_refused_at_load(
+    qwen: TemplateChat, source: str, message: str
+) -> None:
+    """Issue #30.7: loading (what `prepare` does) renders the template under the budget."""
+    with pytest.raises(ChatTemplateError, match=message):
+        TemplateChat(qwen.tokenizer, source)
+
+
 def test_raise_exception_is_a_clear_error(qwen: TemplateChat, llama: TemplateChat) -> None:
     with pytest.raises(ChatTemplateError, match="chat template raised: unknown role bogus"):
         qwen.render([{"role": "bogus", "content": "x"}])
