@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -195,6 +196,26 @@ def _parse_header(raw: bytes, file: str, size: int) -> dict[str, _Entry]:
     return entries
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _check_against_headers(spec: DecoderSpec, entries: Mapping[str, _Entry], where: str) -> None:
+    """config.json's layer count and embedding shape against the safetensors headers."""
+    layers = {int(m.group(1)) for name in entries if (m := _LAYER.match(name))}
+    held = max(layers) + 1 if layers else 0
+    if held != spec.n_layers:
+        raise CheckpointError(
+            f"{where}: config.json says num_hidden_layers={spec.n_layers}, the safetensors "
+            f"headers hold {held} layers"
+        )
+    embed = entries.get("model.embed_tokens.weight")
+    if embed is not None and embed.shape != (spec.vocab_size, spec.d_model):
+        raise CheckpointError(
+            f"{embed.file}: tensor model.embed_tokens.weight has shape {list(embed.shape)}, "
+            f"config.json implies {[spec.vocab_size, spec.d_model]} (vocab_size, hidden_size)"
+        )
+
+
 class HFCheckpoint:
     """A Hugging Face checkpoint directory, read through the run's object stores."""
 
@@ -267,11 +288,13 @@ class HFCheckpoint:
         return entries
 
     def _plan(self, spec: DecoderSpec) -> dict[str, list[tuple[str, _Target, _Entry]]]:
-        """Every param's tensor, checked (present, shape) from the headers, by file."""
-        targets = _targets(spec)
+        """Every param's tensor, checked (present, shape) from the headers, by file. The
+        layer count and the embedding are compared before the expected tensors are listed."""
         files = self._files()
         entries = self._entries(files)
         where = INDEX if files != [SINGLE] else SINGLE
+        _check_against_headers(spec, entries, f"{self.uri}/{where}")
+        targets = _targets(spec)
         missing = [t.hf_name for t in targets.values() if t.hf_name not in entries]
         if missing:
             raise CheckpointError(f"{self.uri}/{where}: missing tensor(s) {', '.join(missing)}")
@@ -310,7 +333,11 @@ class HFCheckpoint:
         a time, file by file in offset order, so host memory holds one tensor at a time.
         `load_model` places each into its sharding; alone it streams the weights (e.g. to
         time the read + convert apart from placement). Checked first as `verify` does."""
-        by_file = self._plan(spec)
+        return self._read(self._plan(spec))
+
+    def _read(
+        self, by_file: dict[str, list[tuple[str, _Target, _Entry]]]
+    ) -> Iterator[tuple[str, jax.Array]]:
         for file in sorted(by_file):
             with self._open(file.rsplit("/", 1)[-1]) as f:
                 for ours, target, e in sorted(by_file[file], key=lambda x: x[2].begin):
@@ -332,6 +359,7 @@ class HFCheckpoint:
         """A `Transformer` holding this checkpoint's weights, each param device_put straight
         into its sharding over `mesh` (its "fsdp" annotations) or onto the default device.
         With `lora`, fresh adapters (from `seed`) sit on the frozen base."""
+        by_file = self._plan(spec)  # the headers checked before the model is built
         abstract = nnx.eval_shape(
             lambda: Transformer(spec, rngs=nnx.Rngs(0), compute_dtype=compute_dtype, lora=lora)
         )
@@ -339,7 +367,7 @@ class HFCheckpoint:
         specs = nnx.get_partition_spec(state)
         flat_specs = {"/".join(map(str, p)): s for p, s in nnx.to_flat_state(specs)}
         values = {}
-        for name, ours in self.tensors(spec):
+        for name, ours in self._read(by_file):
             spec_ = flat_specs[name]
             pspec = spec_.get_value() if hasattr(spec_, "get_value") else spec_
             values[name] = (

@@ -171,6 +171,50 @@ def test_unknown_architecture_is_refused(tmp_path):
         spec_from_hf_config(cfg, max_seq_len=64)
 
 
+def _with_config(tmp_path: Path, **changes) -> HFCheckpoint:
+    d = _copy(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return HFCheckpoint(str(d))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("num_hidden_layers", 10_000_000),
+        ("vocab_size", 10**12),
+        ("hidden_size", 2**40),
+        ("num_key_value_heads", -2),
+        ("head_dim", 1.5),
+        ("intermediate_size", True),
+    ],
+)
+def test_config_shape_fields_are_bounded(tmp_path, field, value):
+    """Issue #30.8: `num_hidden_layers: 10^7` stalled the fail-fast check past 60 s listing
+    tens of millions of expected tensors; a vocabulary of 10^12 likewise."""
+    ckpt = _with_config(tmp_path, **{field: value})
+    with pytest.raises(
+        CheckpointError, match=rf"config\.json: {field} must be a positive integer at most \d+"
+    ):
+        ckpt.verify(max_seq_len=64)
+
+
+def test_config_is_compared_with_the_headers_before_building(tmp_path):
+    """Within the bounds, a config.json that disagrees with the weights is named from the
+    headers' layer count and embedding, before any expected tensor is listed."""
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors: config\.json says num_hidden_layers=1000, the safetensors "
+        r"headers hold 2 layers",
+    ):
+        _with_config(tmp_path / "a", num_hidden_layers=1000).verify(max_seq_len=64)
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.embed_tokens\.weight has shape .*\(vocab_size, hidden_size\)",
+    ):
+        _with_config(tmp_path / "b", vocab_size=4_000_000).verify(max_seq_len=64)
+
+
 @pytest.mark.parametrize("damage", ["header_length", "header_json", "truncated"])
 def test_corrupt_safetensors_is_named(tmp_path, damage):
     d = _copy(tmp_path, "tiny-llama3")
