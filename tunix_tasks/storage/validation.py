@@ -9,7 +9,8 @@ small fraction of decoding.
 
 `max_length` (the longest episode the run allows, `actor.max_episode_tokens`) rejects a
 shard as `too_long`; `max_version` (the newest weights version the learner has
-published) rejects one whose `policy_version` is from the future as `future_version`.
+published) rejects one whose `policy_version` is from the future as `future_version`; a
+reward outside [-1e6, 1e6] (`episode.MAX_ABS_REWARD`) is `reward_out_of_range`.
 
 Size bounds come before decoding: the Parquet footer's declared sizes (each row group's
 uncompressed bytes, the `tokens` values each row group declares, the `length` column's
@@ -26,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tunix_tasks.episode import EpisodeStatus
+from tunix_tasks.episode import MAX_ABS_REWARD, EpisodeStatus
 from tunix_tasks.storage.shards import SCHEMA_VERSION, SHARD_SCHEMA
 from tunix_tasks.storage.store import NotFound, ObjectStore
 from tunix_tasks.storage.uri import join_uri
@@ -256,6 +257,14 @@ def _check_scalars(table: pa.Table, where: str, max_version: int | None) -> None
     reward = table.column("reward").to_numpy()
     if not np.isfinite(reward).all():
         raise ShardValidationError(where, "non_finite", "reward has NaN or inf")
+    if (np.abs(reward) > MAX_ABS_REWARD).any():
+        row = int(np.argmax(np.abs(reward)))
+        raise ShardValidationError(
+            where,
+            "reward_out_of_range",
+            f"row {row}: reward {float(reward[row]):g} is outside [-{MAX_ABS_REWARD:g}, "
+            f"{MAX_ABS_REWARD:g}] (episode.MAX_ABS_REWARD)",
+        )
     versions = table.column("policy_version").to_numpy()
     if (versions < 0).any():
         raise ShardValidationError(where, "bad_version", "policy_version must be >= 0")

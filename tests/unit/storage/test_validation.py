@@ -84,6 +84,9 @@ def _cases():
             _mutate_list(t, "loss_mask", lambda i, r: [2, *r[1:]] if i == 0 else r, pa.int8())
         ),
     )
+    for absurd in (3e38, -3e38, 1.5e6):  # finite float32, out of the documented range
+        rewards = pa.array([0.0, 1.0, absurd, 0, 0, 0], pa.float32())
+        yield "reward_out_of_range", _raw_bytes(_set_column(t, "reward", rewards))
     yield "bad_status", _raw_bytes(_set_column(t, "status", pa.array(["ok"] * 5 + ["weird"])))
     yield "empty", _raw_bytes(t.slice(0, 0))
     meta = t.replace_schema_metadata({"tunix.schema_version": "7"})
@@ -209,3 +212,19 @@ def test_decoded_bytes_bounded_when_strings_expand(tmp_path):
     assert pool.max_memory() < 4 << 20
     table = read_shard(store, "shards/a/wide.parquet", vocab_size=VOCAB)
     assert table.num_rows == 2_000 and table.schema.field("env").type == pa.string()
+
+
+def test_reward_range_is_documented_and_inclusive(tmp_path):
+    """Issue #30.6: finite but absurd rewards (±3e38) were trained on; the range is
+    [-1e6, 1e6] (episode.MAX_ABS_REWARD), its ends included."""
+    store = open_store(str(tmp_path))
+    t = _good_table()
+    edge = _set_column(t, "reward", pa.array([1e6, -1e6, 0, 0, 0, 0], pa.float32()))
+    store.write_bytes("shards/a/edge.parquet", table_to_parquet_bytes(edge))
+    assert read_shard(store, "shards/a/edge.parquet", vocab_size=VOCAB).num_rows == 6
+    over = _set_column(t, "reward", pa.array([0, 0, 0, -3e38, 0, 0], pa.float32()))
+    store.write_bytes("shards/a/over.parquet", table_to_parquet_bytes(over))
+    with pytest.raises(ShardValidationError) as info:
+        read_shard(store, "shards/a/over.parquet", vocab_size=VOCAB)
+    assert info.value.reason == "reward_out_of_range"
+    assert "row 3: reward -3e+38 is outside [-1e+06, 1e+06]" in info.value.detail
