@@ -259,7 +259,29 @@ def test_prepare_refuses_a_bad_checkpoint_before_any_process_starts(tmp_path):
     (d / "tokenizer.json").unlink()
     with pytest.raises(ConfigError, match=r"model\.checkpoint: .*tokenizer\.json: not found"):
         prepare_run(params, run_name="bad")
+    # Issue #30.9: a missing directory is named as such, not as a missing tokenizer.json.
+    missing = {**params, "model": {"checkpoint": str(tmp_path / "nope")}}
+    with pytest.raises(ConfigError, match=r"nope: no config\.json there: the directory does not"):
+        prepare_run(missing, run_name="bad")
     assert not (tmp_path / "runs" / "bad").exists()  # nothing written for a bad run
+
+
+def test_build_policy_raises_policy_error_for_every_checkpoint_problem(tmp_path):
+    """Issue #30.9: build_policy / build_sampler let `CheckpointError` through for problems
+    found while loading (here a tensor missing), `PolicyError` for others."""
+    from tunix_tasks.config import ModelConfig
+    from tunix_tasks.policy.build import PolicyError, build_policy
+
+    d = _copy(tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, d / "model.safetensors")
+    cfg = ModelConfig(checkpoint=str(d), max_seq_len=64)
+    with pytest.raises(PolicyError, match=r"missing tensor\(s\) model\.norm\.weight"):
+        build_policy(cfg)
+    (d / "config.json").write_text("{")
+    with pytest.raises(PolicyError, match=r"config\.json: not valid JSON"):
+        build_policy(cfg)
 
 
 def test_the_models_doc_config_validates():

@@ -65,10 +65,13 @@ HOSTILE = {
 @pytest.mark.parametrize("name", HOSTILE)
 def test_hostile_template_is_one_clear_error_within_the_budget(name: str) -> None:
     source, message = HOSTILE[name]
+    # The size bounds are tested with time to spare: a loaded machine must not trip the
+    # deadline first.
+    seconds = FAST["seconds"] if "took over" in message else 60.0
     started = time.monotonic()
     with pytest.raises(ChatTemplateError, match="chat template: .*" + message.replace("*", r"\*")):
-        compile_template(source, **FAST).render(messages=MESSAGES)
-    assert time.monotonic() - started < 3.0  # the budget and one step, on a loaded machine
+        compile_template(source, seconds=seconds).render(messages=MESSAGES)
+    assert time.monotonic() - started < 10.0  # the budget and one step, on a loaded machine
 
 
 def test_real_templates_render_unchanged_within_the_budget() -> None:
