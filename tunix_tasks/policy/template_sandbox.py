@@ -134,13 +134,32 @@ def _check_arguments(args: Iterable[Any], kwargs: Mapping[str, Any], what: str) 
 _PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
 
 
-def _check_format(fmt: str, what: str) -> None:
-    """Widths and precisions in a `{}` or `%` format string are at most MAX_ARGUMENT."""
-    specs = [spec for _, _, spec, _ in string.Formatter().parse(fmt) if spec]
-    specs += [m.group(0) for m in _PERCENT_SPEC.finditer(fmt)]
+def _format_size(fmt: str, style: str, values: Iterable[Any], what: str) -> int:
+    """The size of formatting `values` into `fmt` (`style` "{}": str.format, "%": the `%`
+    operator and the `format` filter), at most: each field as large as the largest value.
+    Widths and precisions (and `*` widths from the values) are at most MAX_ARGUMENT."""
+    if style == "{}":
+        specs = [spec for _, field, spec, _ in string.Formatter().parse(fmt) if field is not None]
+    else:
+        specs = [m.group(0) for m in _PERCENT_SPEC.finditer(fmt)]
+    values = list(values)
     for spec in specs:
         for number in re.findall(r"\d+", spec):
             _check_argument(int(number), what)
+        if "*" in spec:
+            _check_arguments(values, {}, what)
+    limit = RENDER_CHARS * CREATED_CHARS_FACTOR
+    largest = max((text_size(v, limit) for v in values), default=0)
+    return len(fmt) + len(specs) * max(largest, 24)
+
+
+def _format_values(right: Any) -> list[Any]:
+    """The values `fmt % right` formats: a tuple's items, a mapping's values, or `right`."""
+    if isinstance(right, tuple):
+        return list(right)
+    if isinstance(right, Mapping):
+        return list(right.values())
+    return [right]
 
 
 def _predicted_binop(operator: str, left: Any, right: Any) -> int:
@@ -154,11 +173,7 @@ def _predicted_binop(operator: str, left: Any, right: Any) -> int:
     elif operator == "+" and isinstance(left, sequence) and isinstance(right, sequence):
         return len(left) + len(right)
     elif operator == "%" and isinstance(left, str):
-        _check_format(left, "%")
-        if "*" in left:
-            args = right if isinstance(right, tuple) else (right,)
-            _check_arguments(args, {}, "%")
-        return len(left) + text_size(right, RENDER_CHARS * CREATED_CHARS_FACTOR)
+        return _format_size(left, "%", _format_values(right), "%")
     elif operator == "**" and _big_power(left, right):
         raise ChatTemplateError(f"chat template: {left} ** {right} has over {_BIG_INT_BITS} bits")
     return 0
@@ -209,9 +224,8 @@ def _filter_size(name: str, value: Any, args: tuple[Any, ...], kwargs: Mapping[s
     if name == "replace" and isinstance(value, str) and len(args) >= 2:
         count = args[2] if len(args) > 2 and isinstance(args[2], int) else -1
         return _replace_size(value, str(args[0]), str(args[1]), count)
-    if name == "format" and isinstance(value, str):
-        _check_format(value, "format")
-        return len(value) + text_size([args, kwargs], limit)
+    if name == "format" and isinstance(value, str):  # `value % (kwargs or args)`
+        return _format_size(value, "%", [*args, *kwargs.values()], "format")
     if name == "indent" and isinstance(value, str):
         width = args[0] if args else kwargs.get("width", 4)
         width = len(width) if isinstance(width, str) else int(width)
@@ -350,7 +364,18 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return result
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        """`str.format` / `format_map`, their result's size predicted first."""
         wrapped = super().wrap_str_format(value)
-        if wrapped is not None:
-            _check_format(value.__self__, value.__name__)
-        return wrapped
+        if wrapped is None:
+            return None
+        fmt, name = value.__self__, value.__name__
+
+        @functools.wraps(wrapped)
+        def bounded(*args: Any, **kwargs: Any) -> str:
+            values = [*args, *kwargs.values()]
+            if name == "format_map" and args and isinstance(args[0], Mapping):
+                values = list(args[0].values())
+            _budget().create(_format_size(fmt, "{}", values, name), name)
+            return wrapped(*args, **kwargs)
+
+        return bounded

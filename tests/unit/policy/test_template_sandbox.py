@@ -50,6 +50,14 @@ HOSTILE = {
         "{% set s = 'a' * 100000 %}{{ [s] * 100000 }}",
         "output would build",
     ),
+    "a format repeating one value": (
+        "{% set s = 'a' * 4000000 %}{{ ('{0}' * 1000).format(s) }}",
+        "format would build 4000003000 characters",
+    ),
+    "a % repeating one value": (
+        "{% set s = 'a' * 4000000 %}{{ ('%(a)s' * 1000) % {'a': s} }}",
+        "% would build 4000005000 characters",
+    ),
     "a width": ("{{ 'a' | center(1000000000) }}", "argument 1000000000 to filter center"),
     "a method's width": ("{{ 'a'.ljust(1000000000) }}", "argument 1000000000 to ljust"),
     "a format width": ("{{ '{:>999999999}'.format(1) }}", "argument 999999999 to format"),
@@ -79,8 +87,9 @@ def test_real_templates_render_unchanged_within_the_budget() -> None:
         "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content ~ '<|im_end|>' }}"
         "{% if not loop.last %}\\n{% endif %}{% endfor %}{{ messages | length }}"
         "{{ '%05d' % 7 }}{{ '{:>4}'.format('x') }}{{ 'a b' | replace(' ', '_') | center(5) }}"
+        "{{ '%s {' % 1 }}{{ '%s' | format('y') }}"
     )
     out = compile_template(source, **FAST).render(messages=MESSAGES[:2])
     plain = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(source)
     assert out == plain.render(messages=MESSAGES[:2])
-    assert out.endswith("<|im_end|>200007   x a_b ")
+    assert out.endswith("<|im_end|>200007   x a_b 1 {y")
