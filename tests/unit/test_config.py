@@ -20,6 +20,21 @@ def test_defaults_and_presets():
     assert custom.model.d_model == 96 and custom.model.n_layers == 2
 
 
+def test_a_preset_with_a_checkpoint_is_refused():
+    """Issue #30.9: `model.preset` with `model.checkpoint` was silently accepted, though
+    docs/models.md forbids it. The default (`tiny`) reads as unset: a stored config and the
+    DAG form write it."""
+    from tunix_tasks.config import config_from_dict
+
+    for preset in ("small", "base", "custom"):
+        with pytest.raises(
+            ConfigError, match=r"model\.checkpoint sets the architecture; remove model\.preset"
+        ):
+            load_config(None, ["model.checkpoint=/ckpt", f"model.preset={preset}"])
+    cfg = load_config(None, ["model.checkpoint=/ckpt"])
+    assert config_from_dict(cfg.model_dump()).model == cfg.model
+
+
 @pytest.mark.parametrize(
     "override,needle",
     [

@@ -94,7 +94,16 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _print_config(args: argparse.Namespace) -> int:
-    print(_config(args).to_json())
+    cfg = _config(args)
+    checkpoint = cfg.model.checkpoint
+    if checkpoint and checkpoint.startswith("file://"):  # local: a cheap check (prepare: all)
+        from tunix_tasks.policy.preflight import PolicyError, checkpoint_files
+
+        try:
+            checkpoint_files(checkpoint)
+        except PolicyError as err:
+            raise ConfigError(f"model.checkpoint: {err}") from None
+    print(cfg.to_json())
     return 0
 
 

@@ -50,7 +50,7 @@ def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None =
             data["run_name"] = run_name
         cfg = config_from_dict(data)
     if cfg.model.checkpoint:  # a bad checkpoint fails here, not in every process
-        from tunix_tasks.policy.build import PolicyError, check_policy
+        from tunix_tasks.policy.preflight import PolicyError, check_policy
 
         try:
             check_policy(cfg.model)

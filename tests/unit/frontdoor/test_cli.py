@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 
+from tests.paths import HF_FIXTURES
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.testing.shard_factory import make_episode
@@ -52,6 +53,15 @@ def test_config_errors_exit_2_with_message():
     assert "actor.num_actors" in out.stderr and "greater than or equal to 1" in out.stderr
 
 
+def test_config_names_a_missing_checkpoint_directory(tmp_path):
+    """Issue #30.9: `config` returned 0 for a checkpoint directory that does not exist."""
+    missing = tmp_path / "no-such-model"
+    out = _cli("config", "--set", f"model.checkpoint={missing}")
+    assert out.returncode == 2, out.stdout
+    assert f"model.checkpoint: file://{missing}: no config.json there" in out.stderr
+    assert "does not exist" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_config_prints_validated_json():
     out = _cli("config", "--config", "configs/demo.yaml", "--set", "learner.max_steps=7")
     assert out.returncode == 0
@@ -85,6 +95,12 @@ def test_inspect_config_and_prepare_never_import_jax(tmp_path):
     rc, heavy = _imports_after("prepare", "--set", f"store={tmp_path}/runs", "--set", "run_name=p1")
     assert (rc, heavy) == (0, [])
     assert json.loads((tmp_path / "runs/p1/config.json").read_text())["run_name"] == "p1"
+    # Issue #30.9: a checkpoint's fail-fast check (tokenizer, template, headers) needs no JAX.
+    checkpoint = f"model.checkpoint={HF_FIXTURES / 'tiny-qwen3'}"
+    rc, heavy = _imports_after(
+        "prepare", "--set", f"store={tmp_path}/runs", "--set", "run_name=p2", "--set", checkpoint
+    )
+    assert (rc, heavy) == (0, [])
 
 
 def test_every_command_parses_and_train_flags_are_overrides():
