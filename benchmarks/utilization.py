@@ -40,10 +40,11 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tunix_tasks.config import load_config
+from tunix_tasks.frontdoor.audit import learner_steps
 from tunix_tasks.frontdoor.entrypoints import prepare_run, run_learner
 from tunix_tasks.frontdoor.launcher import train_local
 from tunix_tasks.frontdoor.planning import plan_fleet
-from tunix_tasks.frontdoor.report import _learner_steps, read_records, summarize
+from tunix_tasks.frontdoor.report import read_records, summarize
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.testing.shard_factory import make_episode
@@ -81,7 +82,7 @@ class Pinner(threading.Thread):
 
 def steady_tokens_per_s(run_uri: str) -> float | None:
     """Real tokens trained per second from the end of the first step to the last."""
-    steps = _learner_steps(read_records(open_store(run_uri)))
+    steps = learner_steps(read_records(open_store(run_uri)))
     span = steps[-1]["time"] - steps[0]["time"] if len(steps) > 1 else 0.0
     return sum(r["real_tokens"] for r in steps[1:]) / span if span > 0 else None
 
@@ -89,7 +90,7 @@ def steady_tokens_per_s(run_uri: str) -> float | None:
 def learner_limit(root: str, steps: int, async_uri: str, overrides: list[str]) -> float | None:
     """Tokens/s of the learner alone (pinned to core 0) on pre-generated shards shaped like
     the async run's episodes: the most any fleet could get out of it."""
-    done = _learner_steps(read_records(open_store(async_uri)))
+    done = learner_steps(read_records(open_store(async_uri)))
     tokens, episodes = sum(r["real_tokens"] for r in done), sum(r["episodes"] for r in done)
     length = round(tokens / max(1, episodes))
     cfg = load_config(

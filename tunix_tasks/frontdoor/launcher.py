@@ -11,7 +11,9 @@ the run stops with a message instead of idling (supervision.py).
 
 The live display reads the learner's metrics records with `MetricsTail`, the same records
 (and the same reader) the report uses; there is no second telemetry channel. On a
-terminal it is a `rich` live table; otherwise a plain line every few seconds.
+terminal it is a `rich` live table; otherwise a plain line every few seconds. Its audit
+line is the latency audit of the recent records; when the run ends, the last frame and
+the summary show the report's audit of every record of the run (audit.py, `run_audit`).
 
     summary = train_local(cfg)        # blocks; shows live progress; writes the report
 """
@@ -29,7 +31,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from tunix_tasks.config import RunConfig
-from tunix_tasks.frontdoor.audit import display_line, explain_duty, latency_audit, rounded, utc
+from tunix_tasks.frontdoor.audit import (
+    display_line,
+    explain_duty,
+    latency_audit,
+    rounded,
+    run_audit,
+    utc,
+)
 from tunix_tasks.frontdoor.entrypoints import (
     LEARNER_FENCED_EXIT_CODE,
     actor_name,
@@ -85,6 +94,9 @@ class LiveStatus:
         self.warm_step = 0
         self.reward_ema: float | None = None
         self.last_record_time: float | None = None
+        # Set at the end: the audit of every record of the run (the report's), which the
+        # last frame and the summary show instead of the recent window's.
+        self.final_audit: dict[str, Any] | None = None
         # Display lag = when a record reached us - when the learner logged it.
         self.lag_n, self.lag_sum, self.lag_max = 0, 0.0, 0.0
 
@@ -113,9 +125,10 @@ class LiveStatus:
                     )
 
     def audit(self) -> dict[str, Any] | None:
-        """The latency audit of the recent records (None without the run's config)."""
-        if self.cfg is None:
-            return None
+        """The latency audit of the recent records, or `final_audit` once set (None
+        without the run's config)."""
+        if self.final_audit is not None or self.cfg is None:
+            return self.final_audit
         steps = sorted(self.steps, key=lambda r: r["step"])
         actors = [r for rs in self.actor_records.values() for r in rs]
         return latency_audit(steps, actors, self.cfg)
@@ -346,6 +359,10 @@ def train_local(
                 stop(actors, signal.SIGTERM, GRACE_S)
             poll(actors=True)  # the learner closed its metrics writer: final records there
             polls += 1
+            try:  # every process has stopped: the run's records are all there
+                status.final_audit = run_audit(MetricsTail(store).poll(), cfg)
+            except StoreError as err:  # the summary keeps the recent window's audit
+                log.warning("reading the run's metrics failed: %r", err)
             status.actors_alive = pool.alive
             display.refresh(force=True)
     finally:

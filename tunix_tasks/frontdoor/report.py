@@ -20,11 +20,14 @@ import numpy as np
 
 from tunix_tasks.config import RunConfig
 from tunix_tasks.frontdoor.audit import (
+    actor_records,
     compare_runs,
     explain_duty,
     health,
-    latency_audit,
+    learner_steps,
     rounded,
+    run_audit,
+    step_records,
     utc,
 )
 from tunix_tasks.frontdoor.plots import report_plots
@@ -37,29 +40,13 @@ from tunix_tasks.storage.uri import join_uri
 from tunix_tasks.storage.weights import PointerError, read_latest
 
 
-def _step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every learner step record, redone steps included, in time order."""
-    steps = [r for r in records if r.get("process") == "learner" and "step" in r and "loss" in r]
-    return sorted(steps, key=lambda r: r["time"])
-
-
-def _learner_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One record per learner step, in step order. A learner that crashes resumes from
-    its last checkpoint and redoes the steps after it; a redone step keeps the record of
-    the attempt that survived (the latest), so nothing counts twice."""
-    last: dict[int, dict[str, Any]] = {}
-    for r in _step_records(records):
-        last[r["step"]] = r
-    return [last[step] for step in sorted(last)]
-
-
 def step_record_gaps(records: list[dict[str, Any]]) -> tuple[int, int]:
     """(steps redone, steps without metrics). Redone: step records superseded by a later
     attempt's record of the same step (a crash after the metrics of those steps were
     flushed). Without metrics: steps up to the last one with no record at all, e.g. run
     after the last metrics flush of an attempt that then crashed past a checkpoint (such
     steps are not redone, so their metrics are lost)."""
-    every = _step_records(records)
+    every = step_records(records)
     unique = {r["step"] for r in every}
     last = max(unique, default=0)
     return len(every) - len(unique), last - len({s for s in unique if 1 <= s <= last})
@@ -118,9 +105,9 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
     cfg, _ = read_config(store.uri)
     if records is None:
         records = read_records(store)
-    steps = _learner_steps(records)  # one per step: redone steps count once
+    steps = learner_steps(records)  # one per step: redone steps count once
     steps_redone, steps_without_metrics = step_record_gaps(records)
-    actors = [r for r in records if str(r.get("process", "")).startswith("actor/")]
+    actors = actor_records(records)
     final_actor: dict[str, dict[str, Any]] = {}
     for r in actors:
         final_actor[r["process"]] = r
@@ -148,7 +135,7 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
     trained_tokens = sum(r["real_tokens"] for r in steps)
     actor_eps = sum(int(r.get("episodes", 0)) for r in final_actor.values())
     done = is_done(store)
-    audit = latency_audit(steps, actors, cfg)
+    audit = run_audit(records, cfg)
     duty_steady = steady_duty_cycle(steps)
     last_step_version = steps[-1]["version"] if steps else None
     version = latest_version(store)
@@ -296,7 +283,7 @@ def write_report(run_uri: str, baseline: str | None = None) -> str:
             "run_uri": base_store.uri,
             "comparison": compare_runs(summary, other),
         }
-    plots = report_plots(records, _learner_steps(records), summary)
+    plots = report_plots(records, learner_steps(records), summary)
     store.write_bytes(
         RunLayout.SUMMARY, json.dumps(rounded(summary), indent=2, default=str).encode()
     )

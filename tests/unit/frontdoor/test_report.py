@@ -84,12 +84,12 @@ def test_report_of_a_crashed_run_is_written(crashed_run):
 
 
 def test_learner_steps_keep_the_last_record_per_step():
-    from tunix_tasks.frontdoor.report import _learner_steps
+    from tunix_tasks.frontdoor.audit import learner_steps
 
     records = [_record(1, T0 + 1, "a"), _record(2, T0 + 2, "a"), _record(2, T0 + 9, "b")]
     records.append({"time": T0 + 3, "process": "learner", "warm_start_step": 3, "nll": 1.0})
     records.append({"time": T0 + 4, "process": "actor/actor-0000", "episodes": 8})
-    steps = _learner_steps(records)
+    steps = learner_steps(records)
     assert [(r["step"], r["attempt"]) for r in steps] == [(1, "a"), (2, "b")]
 
 
