@@ -69,6 +69,17 @@ RESTART_DELAY_S = 5.0  # doubled after each restart of the same actor
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+NARROW_BELOW = 120  # terminal columns: below this the table shows the narrow fields
+NARROW = ("step", "reward", "duty", "backlog", "staleness", "actors")
+
+
+def _phase_counts(phases: list[str]) -> str:
+    """`["compiling the sampler (3 programs)"] * 2 + ["sampling"]` ->
+    `2 compiling the sampler (3 programs), 1 sampling`."""
+    counts = collections.Counter(phases)
+    return ", ".join(f"{n} {phase}" for phase, n in counts.items())
+
+
 class LiveStatus:
     """What the live display shows, from the learner's (and actors', for the audit) records."""
 
@@ -91,6 +102,7 @@ class LiveStatus:
         self.watch = watch or Stopwatch()
         self.started_at = time.time()
         self.record: dict[str, Any] = {}  # the latest learner step record
+        self.learner_phase: dict[str, Any] = {}  # the latest learner record with a `phase`
         self.warm_step = 0
         self.reward_ema: float | None = None
         self.last_record_time: float | None = None
@@ -114,6 +126,8 @@ class LiveStatus:
                 self.warm_step = max(self.warm_step, int(r["warm_start_step"]))
             if str(r.get("process", "")).startswith("actor/"):
                 self.actor_records.setdefault(r["process"], collections.deque(maxlen=24)).append(r)
+            elif "phase" in r and r.get("time", 0.0) >= self.learner_phase.get("time", 0.0):
+                self.learner_phase = r
             if "step" in r and "loss" in r:
                 self.steps.append(r)
                 if int(r["step"]) >= int(self.record.get("step", -1)):
@@ -140,8 +154,27 @@ class LiveStatus:
             "max": self.lag_max if self.lag_n else None,
         }
 
-    def fields(self, *, now: float | None = None) -> list[tuple[str, str]]:
-        """(label, value) pairs, the same for the table and the plain line."""
+    def phase(self, *, now: float | None = None) -> str:
+        """What is happening while no step comes, from the processes' `phase` records:
+        the learner's, when newer than its last step (`waiting for the first shard`,
+        `compiling the train step for bucket 64 (1 of 2)`, ...) and the actors' latest
+        (`2 compiling the sampler (3 programs)`), with how long ago the learner's began.
+        Empty while the learner steps and every actor samples."""
+        now = time.time() if now is None else now
+        parts = []
+        lp = self.learner_phase
+        if lp and lp.get("time", 0.0) > self.record.get("time", 0.0):
+            parts.append(f"learner {lp['phase']} ({max(0.0, now - lp['time']):.0f}s)")
+        latest = [rs[-1] for rs in self.actor_records.values() if rs]
+        phases = [str(r["phase"]) for r in latest if "phase" in r]
+        if phases and (parts or any(p != "sampling" for p in phases)):
+            parts.append("actors: " + _phase_counts(phases))
+        return "; ".join(parts)
+
+    def fields(self, *, now: float | None = None, narrow: bool = False) -> list[tuple[str, str]]:
+        """(label, value) pairs, the same for the table and the plain line. `narrow`: the
+        `NARROW` ones only, the buffer folded into `backlog`, for terminals under
+        `NARROW_BELOW` columns."""
         now = time.time() if now is None else now
         r = self.record
         out = [("time", f"{self.watch.wall_s:.0f}s")]
@@ -151,37 +184,49 @@ class LiveStatus:
         elif self.warm_step:
             out.append(("step", f"warm start {self.warm_step}/{self.warm_start_steps}"))
         else:
-            out.append(("step", "starting (compile, warm start, first data)"))
+            out.append(("step", "starting"))
         if r:
             stale = {int(k): int(v) for k, v in (r.get("staleness") or {}).items()}
             n = sum(stale.values())
             mean_stale = sum(k * v for k, v in stale.items()) / n if n else 0.0
+            shards = r.get("backlog_shards", 0)
             out += [
                 ("reward", f"{self.reward_ema or 0.0:.3f}"),
                 ("duty", f"{r.get('duty_cycle', 0.0):.2f}"),
                 ("buffer", f"{r.get('buffer', 0)} eps"),
-                ("backlog", f"{r.get('backlog_shards', 0)} shards"),
+                (
+                    "backlog",
+                    f"{r.get('buffer', 0)} eps + {shards} shards" if narrow else f"{shards} shards",
+                ),
                 ("staleness", f"{mean_stale:.1f} (max {max(stale, default=0)})"),
                 ("dropped", str(sum((r.get("dropped") or {}).values()))),
             ]
         out.append(("actors", f"{self.actors_alive}/{self.actors_total}"))
         if self.last_record_time is not None:
             out.append(("updated", f"{max(0.0, now - self.last_record_time):.0f}s ago"))
-        return out
+        return [f for f in out if f[0] in NARROW] if narrow else out
 
     def line(self, *, now: float | None = None) -> str:
         text = "  ".join(f"{k} {v}" for k, v in self.fields(now=now))
+        phase = self.phase(now=now)
+        text += f"  now: {phase}" if phase else ""
         audit = display_line(self.record.get("duty_cycle"), self.audit())
         return f"{text}  | {audit}" if audit else text
 
     def render(self, *, now: float | None = None) -> Any:
-        """A rich renderable: a step progress bar over a one-row table of the fields."""
+        """A rich renderable: a step progress bar, what is happening (`phase`) and a
+        one-row table of the fields, narrow (`NARROW`) under `NARROW_BELOW` columns."""
+        return _Frame(self, now)
+
+    def frame(self, width: int, *, now: float | None = None) -> Any:
+        """The renderable for a console `width` columns wide (`render`)."""
         from rich import box
         from rich.console import Group
         from rich.progress_bar import ProgressBar
         from rich.table import Table
+        from rich.text import Text
 
-        fields = self.fields(now=now)
+        fields = self.fields(now=now, narrow=width < NARROW_BELOW)
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
         for label, _ in fields:
             table.add_column(label, justify="right", no_wrap=True)
@@ -195,8 +240,26 @@ class LiveStatus:
             ),
             f"{100 * step / max(1, self.max_steps):.0f}%",
         )
+        parts: list[Any] = [bar]
+        phase = self.phase(now=now)
+        if phase:
+            parts.append(Text(f"now: {phase}"))  # record text: never rich markup
+        parts.append(table)
         audit = display_line(self.record.get("duty_cycle"), self.audit())
-        return Group(bar, table, audit) if audit else Group(bar, table)
+        if audit:
+            parts.append(audit)
+        return Group(*parts)
+
+
+class _Frame:
+    """`LiveStatus.frame` laid out for the width rich renders it at (a resized terminal
+    switches layouts at the next refresh)."""
+
+    def __init__(self, status: LiveStatus, now: float | None) -> None:
+        self.status, self.now = status, now
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        yield self.status.frame(options.max_width, now=self.now)
 
 
 class _Display:
