@@ -103,6 +103,7 @@ class LiveStatus:
         self.started_at = time.time()
         self.record: dict[str, Any] = {}  # the latest learner step record
         self.learner_phase: dict[str, Any] = {}  # the latest learner record with a `phase`
+        self.learner_seen = 0.0  # the time of its latest other record
         self.warm_step = 0
         self.reward_ema: float | None = None
         self.last_record_time: float | None = None
@@ -126,8 +127,11 @@ class LiveStatus:
                 self.warm_step = max(self.warm_step, int(r["warm_start_step"]))
             if str(r.get("process", "")).startswith("actor/"):
                 self.actor_records.setdefault(r["process"], collections.deque(maxlen=24)).append(r)
-            elif "phase" in r and r.get("time", 0.0) >= self.learner_phase.get("time", 0.0):
-                self.learner_phase = r
+            elif "phase" in r:
+                if r.get("time", 0.0) >= self.learner_phase.get("time", 0.0):
+                    self.learner_phase = r
+            elif isinstance(t, int | float):  # a warm-start or step record ends a phase
+                self.learner_seen = max(self.learner_seen, t)
             if "step" in r and "loss" in r:
                 self.steps.append(r)
                 if int(r["step"]) >= int(self.record.get("step", -1)):
@@ -163,7 +167,7 @@ class LiveStatus:
         now = time.time() if now is None else now
         parts = []
         lp = self.learner_phase
-        if lp and lp.get("time", 0.0) > self.record.get("time", 0.0):
+        if lp and lp.get("time", 0.0) > self.learner_seen:
             parts.append(f"learner {lp['phase']} ({max(0.0, now - lp['time']):.0f}s)")
         latest = [rs[-1] for rs in self.actor_records.values() if rs]
         phases = [str(r["phase"]) for r in latest if "phase" in r]

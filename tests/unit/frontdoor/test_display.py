@@ -58,3 +58,64 @@ def test_at_160_columns_the_wide_table_shows_every_field():
     for value in ("120/140", "v60", "0.812", "797 eps", "3 shards", "3.6 (max 4)", "40", "2/2"):
         assert value in text, (value, text)
     assert "updated" in text and "dropped" in text
+
+
+def _actor(name: str, t: float, phase: str, episodes: int = 0) -> dict:
+    return {"time": t, "process": f"actor/{name}", "episodes": episodes, "phase": phase}
+
+
+def test_after_the_warm_start_the_display_says_what_it_waits_for():
+    """Issue #31.5: the display sat at `warm start 140/140` for ~6 min while the actors
+    compiled. The learner's and the actors' phase records say so."""
+    status = LiveStatus(30, warm_start_steps=140, actors_total=2)
+    compiling = "compiling the sampler (3 programs so far)"
+    status.update([{"time": T0, "process": "learner", "phase": "warm start: compiling"}])
+    status.update([{"time": T0 + 1, "process": "learner", "warm_start_step": 1, "nll": 3.0}])
+    assert status.phase(now=T0 + 2) == ""  # warm-start steps come: compiled
+    status.update(
+        [
+            {"time": T0 + 2, "process": "learner", "warm_start_step": 140, "nll": 0.5},
+            {"time": T0 + 3, "process": "learner", "phase": "waiting for the first shard"},
+            _actor("actor-0000", T0 + 3, "waiting for the first weights"),
+            _actor("actor-0000", T0 + 5, compiling),
+            _actor("actor-0001", T0 + 6, compiling),
+        ],
+        now=T0 + 7,
+    )
+    now = T0 + 363
+    phase = status.phase(now=now)
+    assert phase == f"learner waiting for the first shard (360s); actors: 2 {compiling}"
+    assert f"now: {phase}" in status.line(now=now)
+    assert "warm start 140/140" in status.line(now=now)
+    console = Console(width=80, record=True, color_system=None)
+    console.print(status.render(now=now))
+    shown = " ".join(console.export_text().split())  # the phase line wraps at 80 columns
+    assert f"now: {phase}" in shown, shown
+    # One actor samples, its first shard not written yet; the learner still waits.
+    status.update([_actor("actor-0000", now, "sampling, first shard not written yet", 8)])
+    assert status.phase(now=now).endswith(
+        f"actors: 1 sampling, first shard not written yet, 1 {compiling}"
+    )
+
+
+def test_phases_give_way_to_steps():
+    status = LiveStatus(30, actors_total=1)
+    status.update(
+        [
+            {
+                "time": T0,
+                "process": "learner",
+                "phase": "compiling the train step for bucket 64 (1 of 2)",
+            },
+            _actor("actor-0000", T0, "sampling", 16),
+        ]
+    )
+    assert status.phase(now=T0 + 20) == (
+        "learner compiling the train step for bucket 64 (1 of 2) (20s); actors: 1 sampling"
+    )
+    step = {"time": T0 + 21, "process": "learner", "step": 1, "loss": 0.1, "reward_mean": 0.5}
+    status.update([step])
+    assert status.phase(now=T0 + 22) == ""  # training, every actor sampling: nothing to say
+    assert "now:" not in status.line(now=T0 + 22)
+    status.update([{"time": T0 + 40, "process": "learner", "phase": "waiting for data"}])
+    assert status.phase(now=T0 + 45) == "learner waiting for data (5s); actors: 1 sampling"
