@@ -172,7 +172,7 @@ def run(mode: str, overrides: list[str]) -> dict:
 
 def measure(run_uri: str, *, pinned: int = 0) -> dict:
     s = summarize(open_store(run_uri))
-    dropped = sum(s["dropped_last_step"].values())
+    dropped = sum(s["dropped_total"].values())
     generated = s["trained_episodes_ledger"] + dropped
     return {
         "duty cycle": s["duty_cycle_steady"],
@@ -181,7 +181,7 @@ def measure(run_uri: str, *, pinned: int = 0) -> dict:
         "tokens/s steady": steady_tokens_per_s(run_uri),
         "reward first": s["reward_first"],
         "reward last": s["reward_last"],
-        "stale dropped": s["dropped_last_step"].get("stale", 0) / max(1, generated),
+        "stale dropped": s["dropped_total"].get("stale", 0) / max(1, generated),
         "trained episodes": s["trained_episodes_ledger"],
         "supply/capacity": s["latency_audit"]["supply_over_capacity"],
         "processes pinned": pinned,

@@ -156,7 +156,7 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
             "version_last_step_record": last_step_version,
             "trained_episodes_ledger": trained,
             "dropped_ledger": dict(dropped),
-            "dropped_last_step": steps[-1]["dropped"] if steps else {},
+            "dropped_total": steps[-1]["dropped"] if steps else {},
             "episodes_generated": actor_eps,
             "quarantined_shards": len(quarantined),
             "reward_first": float(np.mean(rewards[:k])) if rewards else None,
@@ -196,18 +196,28 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
     )
 
 
+def _cell(v: Any) -> str:
+    """A value as HTML for a table cell: text as it is, `-` for none, a flat dict as
+    `key: value` pairs, a list of dicts as a table of its own; never a JSON dump."""
+    if v is None:
+        return "-"
+    if isinstance(v, dict):
+        return html.escape(", ".join(f"{k}: {'-' if x is None else x}" for k, x in v.items()))
+    if isinstance(v, list | tuple):
+        if v and all(isinstance(x, dict) for x in v):
+            return _table(list(v))
+        return html.escape(", ".join(map(str, v)))
+    return html.escape(str(v))
+
+
 def _table(rows: list[dict[str, Any]] | dict[str, Any]) -> str:
     """An HTML table: of a dict (key, value rows) or of a list of dicts (one per row)."""
-
-    def cell(v: Any) -> str:
-        return html.escape(v if isinstance(v, str) else json.dumps(v, default=str))
-
     if isinstance(rows, dict):
-        body = "".join(f"<tr><th>{cell(k)}</th><td>{cell(v)}</td></tr>" for k, v in rows.items())
+        body = "".join(f"<tr><th>{_cell(k)}</th><td>{_cell(v)}</td></tr>" for k, v in rows.items())
         return f"<table>{body}</table>"
-    head = "".join(f"<th>{cell(k)}</th>" for k in (rows[0] if rows else {}))
+    head = "".join(f"<th>{_cell(k)}</th>" for k in (rows[0] if rows else {}))
     body = "".join(
-        "<tr>" + "".join(f"<td>{cell(v)}</td>" for v in r.values()) + "</tr>" for r in rows
+        "<tr>" + "".join(f"<td>{_cell(v)}</td>" for v in r.values()) + "</tr>" for r in rows
     )
     return f"<table><tr>{head}</tr>{body}</table>"
 
@@ -242,10 +252,12 @@ def render_html(summary: dict[str, Any], plots: list[tuple[str, str]]) -> str:
     numerics = "<p>No step trained fresh tokens (on the very weights that sampled them).</p>"
     if mismatch:
         numerics = f"<p>{html.escape(mismatch.pop('explained'))}</p>{_table(mismatch)}"
+    # The title is in each image: no caption repeats it.
     imgs = "".join(
-        f'<figure><img alt="{html.escape(t)}" src="data:image/png;base64,{b}"><figcaption>{html.escape(t)}</figcaption></figure>'
+        f'<figure><img alt="{html.escape(t)}" src="data:image/png;base64,{b}"></figure>'
         for t, b in plots
     )
+    actors = [{"actor": name, **a} for name, a in (summary.get("actors") or {}).items()]
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>tunix-tasks report</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1400px}} table{{border-collapse:collapse}}
 th,td{{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}} figure{{display:inline-block;margin:8px}}</style>
@@ -254,7 +266,7 @@ th,td{{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}} fi
 <h2>Sampler vs learner numerics</h2>{numerics}
 <p>Times: seconds since the run's first metrics record ({summary.get("started_utc")} UTC).</p>
 <h2>Plots</h2>{imgs}
-<h2>Actors</h2><pre>{html.escape(json.dumps(summary.get("actors", {}), indent=2))}</pre></body></html>"""
+<h2>Actors</h2>{_table(actors) if actors else "<p>No actor wrote metrics.</p>"}</body></html>"""
 
 
 def baseline_uri(run_uri: str) -> str | None:

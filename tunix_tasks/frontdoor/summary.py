@@ -49,12 +49,13 @@ def format_train_summary(s: dict[str, Any]) -> str:
     version = s.get("version", step.get("version", "-"))
     rows = {
         "run": f"{s.get('run_uri')} ({s.get('mode')}): {_outcome(s)} "
-        f"in {_num(s.get('wall_s'), '.0f')} s",
+        f"(wall time {_num(s.get('wall_s'), '.0f')} s)",
         "learner": f"step {step.get('step', '-')}, weights version {version}, "
         f"{_num(step.get('step_s'))} s/step, {step.get('compile_count', '-')} compiles",
         "reward": f"{_num(step.get('reward_mean'))} (mean of the last step's episodes)",
-        "data": f"episodes by staleness {_counts(step.get('staleness'))}; "
-        f"dropped {_counts(step.get('dropped'))}; quarantined shards {step.get('quarantined', 0)}",
+        "data": f"last step's episodes by staleness {_counts(step.get('staleness'))}; "
+        f"over the run: dropped {_counts(step.get('dropped'))}, quarantined shards "
+        f"{step.get('quarantined', 0)}",
         "utilization": explain_duty(step.get("duty_cycle"), None),  # the why: next line
         # Staleness 0: sampler-vs-learner numerics alone (bf16 sampling's cost; the report
         # has them over the run). "-": the last step had no fresh tokens.

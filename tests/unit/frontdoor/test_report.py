@@ -184,6 +184,21 @@ def test_report_html_and_summary_json_are_readable(tmp_path, monkeypatch):
     assert "No step trained fresh tokens" in page  # no mismatch metrics
 
 
+def test_report_sections_are_tables_not_json(tmp_path):
+    """Issue #31.9: the Summary and Actors sections were raw JSON dumps, and each plot
+    repeated its title (already in the image) as a caption."""
+    store = _run(tmp_path, "ok")
+    write_report(store.uri)
+    page = store.read_bytes(RunLayout.REPORT).decode()
+    assert "{&quot;" not in page and "<pre>" not in page and "<figcaption>" not in page
+    actors = page[page.index("<h2>Actors</h2>") :]
+    assert "<th>actor</th><th>episodes</th>" in actors
+    assert "<td>actor/actor-0000</td><td>40</td><td>0.5</td><td>0.9</td><td>3</td>" in actors
+    summary = page[page.index("<h2>Summary</h2>") : page.index("<h2>Utilization</h2>")]
+    assert "<th>staleness_histogram</th><td>0: 80</td>" in summary
+    assert "<th>done</th><td>reason: learner max_steps at step 10, time: 20" in summary
+
+
 @pytest.mark.filterwarnings("ignore:model.dtype=bfloat16")  # the expected ConfigWarning
 def test_report_shows_the_sampler_learner_mismatch(tmp_path):
     """Mean approx_kl_s0 and the largest max_abs_logprob_diff_s0 over the steps that had
