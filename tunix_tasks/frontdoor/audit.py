@@ -105,25 +105,30 @@ def actor_rate(records: Sequence[dict[str, Any]]) -> float | None:
     return episodes / span if span > 0 else None
 
 
+LATENCIES = ("env_step_p50_s", "env_step_p99_s", "policy_latency_p50_s")
+
+
 def actor_supply(actor_records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Episodes/s the actors produce (the sum of `actor_rate` over actors) and their
-    latencies (medians over actors of each actor's latest p50/p99)."""
+    latencies: per actor the median of its records' p50/p99 from its first episode on
+    (its latest record's before that), then the median over actors. Not the latest
+    record alone: an actor's final record, after it stopped, says little."""
     by_actor: dict[str, list[dict[str, Any]]] = {}
     for r in actor_records:
         by_actor.setdefault(str(r.get("process", r.get("actor_id", "?"))), []).append(r)
-    rates, latest = [], []
+    rates, latencies = [], []
     for rs in by_actor.values():
         rate = actor_rate(rs)
         if rate is not None:
             rates.append(rate)
-        latest.append(max(rs, key=lambda r: r.get("time", 0.0)))
+        producing = [r for r in rs if (r.get("episodes") or 0) > 0 and not r.get("final")]
+        steady = producing or [max(rs, key=lambda r: r.get("time", 0.0))]
+        latencies.append({k: _median(r.get(k) for r in steady) for k in LATENCIES})
     return {
         "actors_reporting": len(by_actor),
         "eps_per_s": float(sum(rates)) if rates else None,
         "per_actor_eps_per_s": float(np.mean(rates)) if rates else None,
-        "env_step_p50_s": _median(r.get("env_step_p50_s") for r in latest),
-        "env_step_p99_s": _median(r.get("env_step_p99_s") for r in latest),
-        "policy_latency_p50_s": _median(r.get("policy_latency_p50_s") for r in latest),
+        **{k: _median(a[k] for a in latencies) for k in LATENCIES},
     }
 
 

@@ -104,6 +104,10 @@ class LiveStatus:
         self.record: dict[str, Any] = {}  # the latest learner step record
         self.learner_phase: dict[str, Any] = {}  # the latest learner record with a `phase`
         self.learner_seen = 0.0  # the time of its latest other record
+        # When the phase began: its record's time, or the learner's last other record
+        # when that came after the previous phase (a wait for data starts at a step and
+        # is recorded only once it lasts WAIT_NOTED_S, learner.py).
+        self.learner_phase_from = 0.0
         self.warm_step = 0
         self.reward_ema: float | None = None
         self.last_record_time: float | None = None
@@ -129,6 +133,8 @@ class LiveStatus:
                 self.actor_records.setdefault(r["process"], collections.deque(maxlen=24)).append(r)
             elif "phase" in r:
                 if r.get("time", 0.0) >= self.learner_phase.get("time", 0.0):
+                    after_phase = self.learner_phase.get("time", 0.0) >= self.learner_seen
+                    self.learner_phase_from = r["time"] if after_phase else self.learner_seen
                     self.learner_phase = r
             elif isinstance(t, int | float):  # a warm-start or step record ends a phase
                 self.learner_seen = max(self.learner_seen, t)
@@ -168,7 +174,7 @@ class LiveStatus:
         parts = []
         lp = self.learner_phase
         if lp and lp.get("time", 0.0) > self.learner_seen:
-            parts.append(f"learner {lp['phase']} ({max(0.0, now - lp['time']):.0f}s)")
+            parts.append(f"learner {lp['phase']} ({max(0.0, now - self.learner_phase_from):.0f}s)")
         latest = [rs[-1] for rs in self.actor_records.values() if rs]
         phases = [str(r["phase"]) for r in latest if "phase" in r]
         if phases and (parts or any(p != "sampling" for p in phases)):

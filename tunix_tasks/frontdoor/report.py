@@ -199,7 +199,7 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
 def _cell(v: Any) -> str:
     """A value as HTML for a table cell: text as it is, `-` for none, a flat dict as
     `key: value` pairs, a list of dicts as a table of its own; never a JSON dump."""
-    if v is None:
+    if v is None or v == [] or v == {}:
         return "-"
     if isinstance(v, dict):
         return html.escape(", ".join(f"{k}: {'-' if x is None else x}" for k, x in v.items()))
@@ -215,9 +215,10 @@ def _table(rows: list[dict[str, Any]] | dict[str, Any]) -> str:
     if isinstance(rows, dict):
         body = "".join(f"<tr><th>{_cell(k)}</th><td>{_cell(v)}</td></tr>" for k, v in rows.items())
         return f"<table>{body}</table>"
-    head = "".join(f"<th>{_cell(k)}</th>" for k in (rows[0] if rows else {}))
+    keys = list(dict.fromkeys(k for r in rows for k in r))  # a row may lack some
+    head = "".join(f"<th>{_cell(k)}</th>" for k in keys)
     body = "".join(
-        "<tr>" + "".join(f"<td>{_cell(v)}</td>" for v in r.values()) + "</tr>" for r in rows
+        "<tr>" + "".join(f"<td>{_cell(r.get(k))}</td>" for k in keys) + "</tr>" for r in rows
     )
     return f"<table><tr>{head}</tr>{body}</table>"
 

@@ -186,6 +186,18 @@ def test_a_restarted_actor_counts_each_life():
     assert actor_rate(_bursty_actor("a0")[:12]) is None  # still compiling
 
 
+def test_latencies_are_the_producing_records_not_the_final_one():
+    """A finished run's latest actor record is its final one, logged after it stopped:
+    its policy latency (0.02 s here, 2 s while it produced) must not decide."""
+    records = _bursty_actor("a0")
+    for r in records:
+        r["policy_latency_p50_s"] = 2.0 if r["episodes"] else 30.0  # compiling: slow
+    records.append({**records[-1], "time": records[-1]["time"] + 5, "final": True})
+    records[-1]["policy_latency_p50_s"] = 0.02
+    audit = latency_audit(_steps(), records, _cfg(actors=1))
+    assert audit["policy_latency_p50_s"] == 2.0 and audit["policy_bound"] is True
+
+
 def test_a_visible_backlog_never_advises_more_actors():
     """Issue #31.2: under load the live audit advised "add 5 actors" while 797 episodes
     were buffered and staleness sat at its bound: the learner was not waiting for data."""

@@ -84,7 +84,8 @@ def test_after_the_warm_start_the_display_says_what_it_waits_for():
     )
     now = T0 + 363
     phase = status.phase(now=now)
-    assert phase == f"learner waiting for the first shard (360s); actors: 2 {compiling}"
+    # Waiting since the warm start's last step (then it published the first weights).
+    assert phase == f"learner waiting for the first shard (361s); actors: 2 {compiling}"
     assert f"now: {phase}" in status.line(now=now)
     assert "warm start 140/140" in status.line(now=now)
     console = Console(width=80, record=True, color_system=None)
@@ -117,5 +118,6 @@ def test_phases_give_way_to_steps():
     status.update([step])
     assert status.phase(now=T0 + 22) == ""  # training, every actor sampling: nothing to say
     assert "now:" not in status.line(now=T0 + 22)
-    status.update([{"time": T0 + 40, "process": "learner", "phase": "waiting for data"}])
-    assert status.phase(now=T0 + 45) == "learner waiting for data (5s); actors: 1 sampling"
+    # Recorded once the wait lasts 10 s; it began with the last step record.
+    status.update([{"time": T0 + 31, "process": "learner", "phase": "waiting for data"}])
+    assert status.phase(now=T0 + 36) == "learner waiting for data (15s); actors: 1 sampling"

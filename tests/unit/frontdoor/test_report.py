@@ -197,6 +197,11 @@ def test_report_sections_are_tables_not_json(tmp_path):
     summary = page[page.index("<h2>Summary</h2>") : page.index("<h2>Utilization</h2>")]
     assert "<th>staleness_histogram</th><td>0: 80</td>" in summary
     assert "<th>done</th><td>reason: learner max_steps at step 10, time: 20" in summary
+    assert "<th>evaluations</th><td>-</td>" in summary  # none
+    # The learner logs no `final` record: its cell is empty, the columns stay aligned.
+    processes = page[page.index("<h2>Processes</h2>") : page.index("<h2>Sampler")]
+    assert "<th>final</th></tr>" in processes and "<td>learner</td>" in processes
+    assert processes.count("<td>") == 3 * 5
 
 
 @pytest.mark.filterwarnings("ignore:model.dtype=bfloat16")  # the expected ConfigWarning
