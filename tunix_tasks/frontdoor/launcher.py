@@ -165,19 +165,25 @@ class LiveStatus:
         }
 
     def phase(self, *, now: float | None = None) -> str:
-        """What is happening while no step comes, from the processes' `phase` records:
-        the learner's, when newer than its last step (`waiting for the first shard`,
-        `compiling the train step for bucket 64 (1 of 2)`, ...) and the actors' latest
-        (`2 compiling the sampler (3 programs)`), with how long ago the learner's began.
+        """What is happening while no step comes, from the processes' `phase` records
+        since this display started (a resumed run's old ones say nothing about now): the
+        learner's, when newer than its other records (`waiting for the first shard`,
+        `compiling the train step for bucket 64 (1 of 2)`, ...), with how long it has
+        lasted, and the actors' latest (`2 compiling the sampler (3 programs so far)`);
+        `starting` for processes that have written nothing yet (imports, the model).
         Empty while the learner steps and every actor samples."""
         now = time.time() if now is None else now
         parts = []
         lp = self.learner_phase
-        if lp and lp.get("time", 0.0) > self.learner_seen:
+        if lp.get("time", 0.0) >= self.started_at and lp["time"] > self.learner_seen:
             parts.append(f"learner {lp['phase']} ({max(0.0, now - self.learner_phase_from):.0f}s)")
+        elif max(lp.get("time", 0.0), self.learner_seen) < self.started_at:
+            parts.append(f"learner starting ({max(0.0, now - self.started_at):.0f}s)")
         latest = [rs[-1] for rs in self.actor_records.values() if rs]
-        phases = [str(r["phase"]) for r in latest if "phase" in r]
-        if phases and (parts or any(p != "sampling" for p in phases)):
+        phases = [str(r["phase"]) for r in latest if "phase" in r and r["time"] >= self.started_at]
+        if not phases:
+            phases = ["starting"] * self.actors_total
+        if parts or any(p != "sampling" for p in phases):
             parts.append("actors: " + _phase_counts(phases))
         return "; ".join(parts)
 

@@ -68,10 +68,12 @@ def test_after_the_warm_start_the_display_says_what_it_waits_for():
     """Issue #31.5: the display sat at `warm start 140/140` for ~6 min while the actors
     compiled. The learner's and the actors' phase records say so."""
     status = LiveStatus(30, warm_start_steps=140, actors_total=2)
+    status.started_at = T0 - 10  # the display started before these records
+    assert status.phase(now=T0 - 5) == "learner starting (5s); actors: 2 starting"
     compiling = "compiling the sampler (3 programs so far)"
     status.update([{"time": T0, "process": "learner", "phase": "warm start: compiling"}])
     status.update([{"time": T0 + 1, "process": "learner", "warm_start_step": 1, "nll": 3.0}])
-    assert status.phase(now=T0 + 2) == ""  # warm-start steps come: compiled
+    assert status.phase(now=T0 + 2) == "actors: 2 starting"  # the learner: warm-start steps
     status.update(
         [
             {"time": T0 + 2, "process": "learner", "warm_start_step": 140, "nll": 0.5},
@@ -101,6 +103,7 @@ def test_after_the_warm_start_the_display_says_what_it_waits_for():
 
 def test_phases_give_way_to_steps():
     status = LiveStatus(30, actors_total=1)
+    status.started_at = T0 - 10
     status.update(
         [
             {
@@ -121,3 +124,20 @@ def test_phases_give_way_to_steps():
     # Recorded once the wait lasts 10 s; it began with the last step record.
     status.update([{"time": T0 + 31, "process": "learner", "phase": "waiting for data"}])
     assert status.phase(now=T0 + 36) == "learner waiting for data (15s); actors: 1 sampling"
+
+
+def test_a_resumed_runs_old_phases_say_nothing_about_now():
+    """The display reads the run's records from the start: an earlier attempt's last
+    phases (its actors `stopped`) are not what the new processes do."""
+    status = LiveStatus(30, actors_total=2)
+    status.update(
+        [
+            {"time": T0, "process": "learner", "phase": "waiting for data"},
+            _actor("actor-0000", T0, "stopped", 40),
+            _actor("actor-0001", T0, "stopped", 40),
+        ]
+    )
+    status.started_at = T0 + 100  # this display (the resume) started later
+    assert status.phase(now=T0 + 103) == "learner starting (3s); actors: 2 starting"
+    status.update([_actor("actor-0000", T0 + 104, "waiting for the first weights")])
+    assert status.phase(now=T0 + 105).endswith("actors: 1 waiting for the first weights")
