@@ -73,6 +73,7 @@ def _check_the_run(summary: dict, shown: str, steps: int) -> None:
     audit = report["latency_audit"]
     assert audit["bottleneck"] != "unknown" and audit["actor_supply_eps_per_s"] > 0, audit
     assert summary["latency_audit"] == audit
+    assert summary["duty_cycle_steady"] == report["duty_cycle_steady"] is not None
     html = store.read_bytes("report/index.html").decode()
     assert html.count("data:image/png;base64,") >= 5
 

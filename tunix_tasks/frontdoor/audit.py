@@ -2,9 +2,10 @@
 
 A pure function of the metrics records (no store, no clock). One computation serves the
 live display of `tunix-tasks train` (one line, over its recent records), its end-of-run
-summary and the run report (both `run_audit` over every record of the run, so they agree):
+summary and the run report (both `run_utilization` over every record of the run, so they
+agree):
 
-    audit = run_audit(records, cfg)            # or latency_audit(steps, actor_records, cfg)
+    audit = run_utilization(records, cfg)["latency_audit"]   # or latency_audit(steps, ...)
     audit["bottleneck"], audit["advice"]   # "actors", "actor-bound: add ~3 envs per actor ..."
 
 - learner capacity: episodes/s (and real tokens/s) it could train if it never waited for
@@ -256,10 +257,29 @@ def latency_audit(
     return out
 
 
-def run_audit(records: Sequence[dict[str, Any]], cfg: Any) -> dict[str, Any]:
-    """`latency_audit` of a whole run's metrics records (every process, any order): what
-    the report and `train`'s summary show."""
-    return latency_audit(learner_steps(records), actor_records(records), cfg)
+def steady_duty_cycle(steps: Sequence[dict[str, Any]]) -> float | None:
+    """Time in train steps over wall time, from the end of the first step (compilation
+    and start-up excluded) to the last step."""
+    if len(steps) < 3:
+        return None
+    span = steps[-1]["time"] - steps[0]["time"]
+    busy = sum(r["step_s"] for r in steps[1:])
+    return busy / span if span > 0 else None
+
+
+def run_utilization(records: Sequence[dict[str, Any]], cfg: Any) -> dict[str, Any]:
+    """The utilization figures of a whole run's metrics records (every process, any
+    order; a redone step's surviving record counts once): `duty_cycle_steady`,
+    `duty_cycle_explained` and `latency_audit`, what the report and `train`'s summary
+    show."""
+    steps = learner_steps(records)
+    audit = latency_audit(steps, actor_records(records), cfg)
+    duty = steady_duty_cycle(steps)
+    return {
+        "duty_cycle_steady": duty,
+        "duty_cycle_explained": explain_duty(duty, audit),
+        "latency_audit": audit,
+    }
 
 
 def audit_line(audit: dict[str, Any]) -> str:

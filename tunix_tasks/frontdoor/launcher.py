@@ -13,7 +13,8 @@ The live display reads the learner's metrics records with `MetricsTail`, the sam
 (and the same reader) the report uses; there is no second telemetry channel. On a
 terminal it is a `rich` live table; otherwise a plain line every few seconds. Its audit
 line is the latency audit of the recent records; when the run ends, the last frame and
-the summary show the report's audit of every record of the run (audit.py, `run_audit`).
+the summary show the report's audit of every record of the run (audit.py,
+`run_utilization`).
 
     summary = train_local(cfg)        # blocks; shows live progress; writes the report
 """
@@ -36,7 +37,7 @@ from tunix_tasks.frontdoor.audit import (
     explain_duty,
     latency_audit,
     rounded,
-    run_audit,
+    run_utilization,
     utc,
 )
 from tunix_tasks.frontdoor.entrypoints import (
@@ -392,6 +393,7 @@ def train_local(
     children = [learner, *actors]
     failed: str | None = None
     polls = 0
+    utilization: dict[str, Any] = {}  # the report's figures of the whole run (run_utilization)
     try:
         with _Display(status, quiet=quiet) as display:
             pool = ActorPool(
@@ -439,7 +441,8 @@ def train_local(
             poll(actors=True)  # the learner closed its metrics writer: final records there
             polls += 1
             try:  # every process has stopped: the run's records are all there
-                status.final_audit = run_audit(MetricsTail(store).poll(), cfg)
+                utilization = run_utilization(MetricsTail(store).poll(), cfg)
+                status.final_audit = utilization["latency_audit"]
             except StoreError as err:  # the summary keeps the recent window's audit
                 log.warning("reading the run's metrics failed: %r", err)
             status.actors_alive = pool.alive
@@ -460,8 +463,16 @@ def train_local(
         "failed": failed,
         "logs": log_dir,
         "last_step": {**status.record, "time": utc(status.record.get("time"))},
-        "latency_audit": status.audit(),
-        "duty_cycle_explained": explain_duty(status.record.get("duty_cycle"), status.audit()),
+        # The report's utilization of the whole run; the recent window's if unreadable.
+        **(
+            utilization
+            or {
+                "latency_audit": status.audit(),
+                "duty_cycle_explained": explain_duty(
+                    status.record.get("duty_cycle"), status.audit()
+                ),
+            }
+        ),
         "display": {
             "lag_s": status.lag_summary(),
             "polls": polls,

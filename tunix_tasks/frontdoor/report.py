@@ -22,11 +22,10 @@ from tunix_tasks.config import RunConfig
 from tunix_tasks.frontdoor.audit import (
     actor_records,
     compare_runs,
-    explain_duty,
     health,
     learner_steps,
     rounded,
-    run_audit,
+    run_utilization,
     step_records,
     utc,
 )
@@ -50,16 +49,6 @@ def step_record_gaps(records: list[dict[str, Any]]) -> tuple[int, int]:
     unique = {r["step"] for r in every}
     last = max(unique, default=0)
     return len(every) - len(unique), last - len({s for s in unique if 1 <= s <= last})
-
-
-def steady_duty_cycle(steps: list[dict[str, Any]]) -> float | None:
-    """Time in train steps over wall time, from the end of the first step (compilation
-    and start-up excluded) to the last step."""
-    if len(steps) < 3:
-        return None
-    span = steps[-1]["time"] - steps[0]["time"]
-    busy = sum(r["step_s"] for r in steps[1:])
-    return busy / span if span > 0 else None
 
 
 def sampler_mismatch(steps: list[dict[str, Any]], cfg: RunConfig) -> dict[str, Any] | None:
@@ -135,8 +124,7 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
     trained_tokens = sum(r["real_tokens"] for r in steps)
     actor_eps = sum(int(r.get("episodes", 0)) for r in final_actor.values())
     done = is_done(store)
-    audit = run_audit(records, cfg)
-    duty_steady = steady_duty_cycle(steps)
+    utilization = run_utilization(records, cfg)
     last_step_version = steps[-1]["version"] if steps else None
     version = latest_version(store)
     times = [r["time"] for r in records]
@@ -162,9 +150,7 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
             "reward_first": float(np.mean(rewards[:k])) if rewards else None,
             "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
             "duty_cycle": steps[-1]["duty_cycle"] if steps else None,
-            "duty_cycle_steady": duty_steady,
-            "duty_cycle_explained": explain_duty(duty_steady, audit),
-            "latency_audit": audit,
+            **utilization,  # duty_cycle_steady, duty_cycle_explained, latency_audit
             "learner_wall_s": wall,
             "trained_tokens": trained_tokens,
             "trained_tokens_per_s": trained_tokens / wall if wall else None,

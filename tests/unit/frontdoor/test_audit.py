@@ -15,7 +15,7 @@ from tunix_tasks.frontdoor.audit import (
     explain_duty,
     latency_audit,
     rounded,
-    run_audit,
+    run_utilization,
 )
 from tunix_tasks.frontdoor.launcher import LiveStatus
 from tunix_tasks.frontdoor.planning import main as planning_main
@@ -220,14 +220,19 @@ def test_a_visible_backlog_never_advises_more_actors():
     assert latency_audit(steps, _actor("a0", 4.0), _cfg())["bottleneck"] == "actors"
 
 
-def test_run_audit_reads_a_whole_run_of_records():
-    """The report's and the summary's audit: every record of the run, in any order, the
-    learner's steps once each (a redone step's surviving record)."""
+def test_run_utilization_reads_a_whole_run_of_records():
+    """The report's and the summary's figures: every record of the run, in any order,
+    the learner's steps once each (a redone step's surviving record)."""
     records = [*reversed(_steps()), *_bursty_actor("a0"), *_bursty_actor("a1")]
     redone = {**_steps()[4], "step_s": 99.0, "time": T0 - 1}  # an earlier attempt's step 5
-    audit = run_audit([*records, redone, {"time": T0, "process": "learner", "nll": 1.0}], _cfg())
+    extra = {"time": T0, "process": "learner", "phase": "waiting for the first shard"}
+    got = run_utilization([*records, redone, extra], _cfg())
+    audit = got["latency_audit"]
     assert audit == latency_audit(_steps(), _bursty_actor("a0") + _bursty_actor("a1"), _cfg())
     assert audit["actor_supply_eps_per_s"] == pytest.approx(8.0)
+    # Steps every 10 s, 0.5 s each after the first: a steady duty cycle of 0.05.
+    assert got["duty_cycle_steady"] == pytest.approx(0.05)
+    assert got["duty_cycle_explained"] == explain_duty(0.05, audit)
 
 
 def test_live_status_shows_the_run_audit_at_the_end():
