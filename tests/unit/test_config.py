@@ -58,6 +58,15 @@ def test_invalid_values_are_named(override, needle):
     assert needle in str(info.value)
 
 
+def test_a_message_that_shows_the_value_does_not_repeat_it():
+    """Issue #31.9: `got [12] (got [12])`."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["mode=fast", "learner.buckets=[12]"])
+    text = str(info.value)
+    assert "multiples of 8, got [12]\n" in text + "\n" and text.count("[12]") == 1, text
+    assert "mode: Input should be 'async' or 'sync' (got 'fast')" in text
+
+
 def test_cross_field_errors_name_the_fields():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["actor.group_size=1"])

@@ -20,11 +20,13 @@ import numpy as np
 
 from tunix_tasks.config import RunConfig
 from tunix_tasks.frontdoor.audit import (
+    actor_records,
     compare_runs,
-    explain_duty,
     health,
-    latency_audit,
+    learner_steps,
     rounded,
+    run_utilization,
+    step_records,
     utc,
 )
 from tunix_tasks.frontdoor.plots import report_plots
@@ -37,42 +39,16 @@ from tunix_tasks.storage.uri import join_uri
 from tunix_tasks.storage.weights import PointerError, read_latest
 
 
-def _step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every learner step record, redone steps included, in time order."""
-    steps = [r for r in records if r.get("process") == "learner" and "step" in r and "loss" in r]
-    return sorted(steps, key=lambda r: r["time"])
-
-
-def _learner_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One record per learner step, in step order. A learner that crashes resumes from
-    its last checkpoint and redoes the steps after it; a redone step keeps the record of
-    the attempt that survived (the latest), so nothing counts twice."""
-    last: dict[int, dict[str, Any]] = {}
-    for r in _step_records(records):
-        last[r["step"]] = r
-    return [last[step] for step in sorted(last)]
-
-
 def step_record_gaps(records: list[dict[str, Any]]) -> tuple[int, int]:
     """(steps redone, steps without metrics). Redone: step records superseded by a later
     attempt's record of the same step (a crash after the metrics of those steps were
     flushed). Without metrics: steps up to the last one with no record at all, e.g. run
     after the last metrics flush of an attempt that then crashed past a checkpoint (such
     steps are not redone, so their metrics are lost)."""
-    every = _step_records(records)
+    every = step_records(records)
     unique = {r["step"] for r in every}
     last = max(unique, default=0)
     return len(every) - len(unique), last - len({s for s in unique if 1 <= s <= last})
-
-
-def steady_duty_cycle(steps: list[dict[str, Any]]) -> float | None:
-    """Time in train steps over wall time, from the end of the first step (compilation
-    and start-up excluded) to the last step."""
-    if len(steps) < 3:
-        return None
-    span = steps[-1]["time"] - steps[0]["time"]
-    busy = sum(r["step_s"] for r in steps[1:])
-    return busy / span if span > 0 else None
 
 
 def sampler_mismatch(steps: list[dict[str, Any]], cfg: RunConfig) -> dict[str, Any] | None:
@@ -118,9 +94,9 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
     cfg, _ = read_config(store.uri)
     if records is None:
         records = read_records(store)
-    steps = _learner_steps(records)  # one per step: redone steps count once
+    steps = learner_steps(records)  # one per step: redone steps count once
     steps_redone, steps_without_metrics = step_record_gaps(records)
-    actors = [r for r in records if str(r.get("process", "")).startswith("actor/")]
+    actors = actor_records(records)
     final_actor: dict[str, dict[str, Any]] = {}
     for r in actors:
         final_actor[r["process"]] = r
@@ -148,8 +124,7 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
     trained_tokens = sum(r["real_tokens"] for r in steps)
     actor_eps = sum(int(r.get("episodes", 0)) for r in final_actor.values())
     done = is_done(store)
-    audit = latency_audit(steps, actors, cfg)
-    duty_steady = steady_duty_cycle(steps)
+    utilization = run_utilization(records, cfg)
     last_step_version = steps[-1]["version"] if steps else None
     version = latest_version(store)
     times = [r["time"] for r in records]
@@ -169,15 +144,13 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
             "version_last_step_record": last_step_version,
             "trained_episodes_ledger": trained,
             "dropped_ledger": dict(dropped),
-            "dropped_last_step": steps[-1]["dropped"] if steps else {},
+            "dropped_total": steps[-1]["dropped"] if steps else {},
             "episodes_generated": actor_eps,
             "quarantined_shards": len(quarantined),
             "reward_first": float(np.mean(rewards[:k])) if rewards else None,
             "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
             "duty_cycle": steps[-1]["duty_cycle"] if steps else None,
-            "duty_cycle_steady": duty_steady,
-            "duty_cycle_explained": explain_duty(duty_steady, audit),
-            "latency_audit": audit,
+            **utilization,  # duty_cycle_steady, duty_cycle_explained, latency_audit
             "learner_wall_s": wall,
             "trained_tokens": trained_tokens,
             "trained_tokens_per_s": trained_tokens / wall if wall else None,
@@ -209,18 +182,29 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
     )
 
 
+def _cell(v: Any) -> str:
+    """A value as HTML for a table cell: text as it is, `-` for none, a flat dict as
+    `key: value` pairs, a list of dicts as a table of its own; never a JSON dump."""
+    if v is None or v == [] or v == {}:
+        return "-"
+    if isinstance(v, dict):
+        return html.escape(", ".join(f"{k}: {'-' if x is None else x}" for k, x in v.items()))
+    if isinstance(v, list | tuple):
+        if v and all(isinstance(x, dict) for x in v):
+            return _table(list(v))
+        return html.escape(", ".join(map(str, v)))
+    return html.escape(str(v))
+
+
 def _table(rows: list[dict[str, Any]] | dict[str, Any]) -> str:
     """An HTML table: of a dict (key, value rows) or of a list of dicts (one per row)."""
-
-    def cell(v: Any) -> str:
-        return html.escape(v if isinstance(v, str) else json.dumps(v, default=str))
-
     if isinstance(rows, dict):
-        body = "".join(f"<tr><th>{cell(k)}</th><td>{cell(v)}</td></tr>" for k, v in rows.items())
+        body = "".join(f"<tr><th>{_cell(k)}</th><td>{_cell(v)}</td></tr>" for k, v in rows.items())
         return f"<table>{body}</table>"
-    head = "".join(f"<th>{cell(k)}</th>" for k in (rows[0] if rows else {}))
+    keys = list(dict.fromkeys(k for r in rows for k in r))  # a row may lack some
+    head = "".join(f"<th>{_cell(k)}</th>" for k in keys)
     body = "".join(
-        "<tr>" + "".join(f"<td>{cell(v)}</td>" for v in r.values()) + "</tr>" for r in rows
+        "<tr>" + "".join(f"<td>{_cell(r.get(k))}</td>" for k in keys) + "</tr>" for r in rows
     )
     return f"<table><tr>{head}</tr>{body}</table>"
 
@@ -255,10 +239,12 @@ def render_html(summary: dict[str, Any], plots: list[tuple[str, str]]) -> str:
     numerics = "<p>No step trained fresh tokens (on the very weights that sampled them).</p>"
     if mismatch:
         numerics = f"<p>{html.escape(mismatch.pop('explained'))}</p>{_table(mismatch)}"
+    # The title is in each image: no caption repeats it.
     imgs = "".join(
-        f'<figure><img alt="{html.escape(t)}" src="data:image/png;base64,{b}"><figcaption>{html.escape(t)}</figcaption></figure>'
+        f'<figure><img alt="{html.escape(t)}" src="data:image/png;base64,{b}"></figure>'
         for t, b in plots
     )
+    actors = [{"actor": name, **a} for name, a in (summary.get("actors") or {}).items()]
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>tunix-tasks report</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1400px}} table{{border-collapse:collapse}}
 th,td{{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}} figure{{display:inline-block;margin:8px}}</style>
@@ -267,7 +253,7 @@ th,td{{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}} fi
 <h2>Sampler vs learner numerics</h2>{numerics}
 <p>Times: seconds since the run's first metrics record ({summary.get("started_utc")} UTC).</p>
 <h2>Plots</h2>{imgs}
-<h2>Actors</h2><pre>{html.escape(json.dumps(summary.get("actors", {}), indent=2))}</pre></body></html>"""
+<h2>Actors</h2>{_table(actors) if actors else "<p>No actor wrote metrics.</p>"}</body></html>"""
 
 
 def baseline_uri(run_uri: str) -> str | None:
@@ -296,7 +282,7 @@ def write_report(run_uri: str, baseline: str | None = None) -> str:
             "run_uri": base_store.uri,
             "comparison": compare_runs(summary, other),
         }
-    plots = report_plots(records, _learner_steps(records), summary)
+    plots = report_plots(records, learner_steps(records), summary)
     store.write_bytes(
         RunLayout.SUMMARY, json.dumps(rounded(summary), indent=2, default=str).encode()
     )

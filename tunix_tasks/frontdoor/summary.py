@@ -42,6 +42,15 @@ def _actors(s: dict[str, Any]) -> str:
     return text
 
 
+def _utilization(s: dict[str, Any]) -> str:
+    """The report's steady duty cycle (start-up excluded) when the run's records were
+    read at the end, else the last step's (compilation included)."""
+    steady = s.get("duty_cycle_steady")
+    if steady is None:
+        return explain_duty((s.get("last_step") or {}).get("duty_cycle"), None)
+    return explain_duty(steady, None) + " (after its first step, as in the report)"
+
+
 def format_train_summary(s: dict[str, Any]) -> str:
     """The summary of a `train_local` run, one labelled line per topic."""
     step = s.get("last_step") or {}
@@ -49,13 +58,14 @@ def format_train_summary(s: dict[str, Any]) -> str:
     version = s.get("version", step.get("version", "-"))
     rows = {
         "run": f"{s.get('run_uri')} ({s.get('mode')}): {_outcome(s)} "
-        f"in {_num(s.get('wall_s'), '.0f')} s",
+        f"(wall time {_num(s.get('wall_s'), '.0f')} s)",
         "learner": f"step {step.get('step', '-')}, weights version {version}, "
         f"{_num(step.get('step_s'))} s/step, {step.get('compile_count', '-')} compiles",
         "reward": f"{_num(step.get('reward_mean'))} (mean of the last step's episodes)",
-        "data": f"episodes by staleness {_counts(step.get('staleness'))}; "
-        f"dropped {_counts(step.get('dropped'))}; quarantined shards {step.get('quarantined', 0)}",
-        "utilization": explain_duty(step.get("duty_cycle"), None),  # the why: next line
+        "data": f"last step's episodes by staleness {_counts(step.get('staleness'))}; "
+        f"over the run: dropped {_counts(step.get('dropped'))}, quarantined shards "
+        f"{step.get('quarantined', 0)}",
+        "utilization": _utilization(s),  # the why: the audit line
         # Staleness 0: sampler-vs-learner numerics alone (bf16 sampling's cost; the report
         # has them over the run). "-": the last step had no fresh tokens.
         "mismatch": f"fresh tokens: k3 KL {_num(step.get('approx_kl_s0'))}, max |logprob "
