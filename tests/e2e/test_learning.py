@@ -70,6 +70,7 @@ def _check_the_run(summary: dict, shown: str, steps: int) -> None:
     assert report["compile_count"] <= 2  # one program per bucket
     html = store.read_bytes("report/index.html").decode()
     assert html.count("data:image/png;base64,") >= 5
+    assert html.count("<details>") >= 3 and "[model" in html  # what the model wrote
 
 
 def _train_beats_random(tmp_path, *overrides: str) -> None:

@@ -1,6 +1,6 @@
 """`tunix-tasks` command line: parse arguments, then call the library.
 
-    tunix-tasks inspect URI [--json]
+    tunix-tasks inspect URI [--json] [--conversations N [--order best|worst|recent] [--run R]]
     tunix-tasks config  [--config run.yaml] [--set k=v ...]   # print the validated config
     tunix-tasks train   [--config run.yaml] [--set k=v ...] [--store URI] [--run-name N]
                         [--mode async|sync] [--quiet] [--json]
@@ -87,9 +87,36 @@ def _check_run_config(run_uri: str) -> None:
 def _inspect(args: argparse.Namespace) -> int:
     from tunix_tasks.frontdoor.inspect import format_summary, inspect_uri
 
+    if args.conversations is not None:
+        return _conversations(args)
     summary = inspect_uri(args.uri)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return EXIT_FAILED if summary["invalid"] else 0
+
+
+def _conversations(args: argparse.Namespace) -> int:
+    """`inspect --conversations N`: N episodes as conversations, decoded with the run's
+    tokenizer (the run: `--run`, else the folder above the URI's `shards/`)."""
+    from tunix_tasks.frontdoor.inspect import (
+        conversation,
+        format_conversation,
+        pick_episodes,
+        read_episodes,
+        run_of,
+    )
+    from tunix_tasks.policy.chat_loading import load_chat
+    from tunix_tasks.storage.runs import read_config
+
+    if args.conversations < 1:
+        raise ConfigError(f"--conversations {args.conversations}: expected a count >= 1")
+    cfg, _ = read_config(args.run or run_of(args.uri))
+    try:
+        chat = load_chat(cfg.model)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"the run's tokenizer ({cfg.model.checkpoint}): {err}") from None
+    chosen = pick_episodes(read_episodes(args.uri), args.conversations, args.order)
+    print("\n\n".join(format_conversation(ep, conversation(ep, chat)) for ep in chosen))
+    return 0
 
 
 def _print_config(args: argparse.Namespace) -> int:
@@ -256,6 +283,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("inspect", _inspect, "summarize a shard or every shard under a prefix")
     p.add_argument("uri", help="file path, file://..., or gs://... (a .parquet or a prefix)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--conversations",
+        type=int,
+        metavar="N",
+        help="print N episodes as conversations (the run's tokenizer; tool calls marked)",
+    )
+    p.add_argument(
+        "--order",
+        choices=["best", "worst", "recent"],
+        default="recent",
+        help="which episodes --conversations shows: highest reward, lowest, or latest",
+    )
+    p.add_argument("--run", help="the run whose tokenizer decodes (default: above shards/)")
 
     p = command("config", _print_config, "validate and print a run configuration")
     _add_config_args(p)

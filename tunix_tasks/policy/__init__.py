@@ -4,6 +4,7 @@ chat.py           the `Tokenizer` and `ChatFormat` protocols (token-in / token-o
 tokenizer.py      the character tokenizer and its chat format (demo presets)
 hf_tokenizer.py   a checkpoint's `tokenizer.json` through Hugging Face `tokenizers`
 chat_template.py  a checkpoint's jinja chat template, rendered as `apply_chat_template` does
+chat_loading.py   a run's chat format (char or checkpoint), without JAX
 toolcalls.py      tool calls in the models' own formats (Hermes/Qwen, Llama 3.1 JSON)
 spec.py           `DecoderSpec`: a family's architecture, from a preset or a config.json
 costs.py          a spec's cost model: parameters, FLOPs, KV-cache / weight / learner bytes

@@ -25,13 +25,12 @@ from jax.sharding import Mesh
 
 from tunix_tasks.config import ModelConfig
 from tunix_tasks.policy.chat import ChatFormat
-from tunix_tasks.policy.chat_template import load_template_chat
+from tunix_tasks.policy.chat_loading import load_chat
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, HFCheckpoint
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.replicas import SamplerReplicas, replicate, sampler_devices
 from tunix_tasks.policy.sampling import Sampler
 from tunix_tasks.policy.spec import LoraSpec, spec_from_preset
-from tunix_tasks.policy.tokenizer import CharChat, CharTokenizer
 
 __all__ = [
     "PolicyError",
@@ -51,10 +50,8 @@ class PolicyError(ValueError):
 
 def build_chat(cfg: ModelConfig) -> ChatFormat:
     """Only the chat format (tokenizer + template): what the rollout needs to render."""
-    if cfg.checkpoint is None:
-        return CharChat(CharTokenizer())
     try:
-        return load_template_chat(HFCheckpoint(cfg.checkpoint).read, tool_format=cfg.tool_format)
+        return load_chat(cfg)
     except (FileNotFoundError, ValueError) as err:  # messages name the file
         raise PolicyError(f"{cfg.checkpoint}: {err}") from None
 
