@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -139,7 +140,7 @@ def train_overrides(args: argparse.Namespace) -> list[str]:
 def _train(args: argparse.Namespace) -> int:
     from tunix_tasks.frontdoor.entrypoints import resume_note
     from tunix_tasks.frontdoor.launcher import train_local
-    from tunix_tasks.frontdoor.summary import format_train_summary
+    from tunix_tasks.frontdoor.summary import format_next_steps, format_train_summary
 
     cfg = _config(args, train_overrides(args))
     note = resume_note(cfg)  # a change a resume may not make: exit 2, nothing written
@@ -166,7 +167,17 @@ def _train(args: argparse.Namespace) -> int:
     if summary.get("interrupted"):
         print(f"interrupted; run the same command again to resume {cfg.run_uri}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    return 0 if summary["learner_exit_code"] == 0 else EXIT_FAILED
+    if summary["learner_exit_code"] != 0:
+        return EXIT_FAILED
+    if not args.json:
+        print(format_next_steps(summary, _prog()))
+    return 0
+
+
+def _prog() -> str:
+    """How `tunix-tasks` was called (`.venv/bin/tunix-tasks`), for commands to paste."""
+    called = sys.argv[0] if sys.argv else ""
+    return called if os.path.basename(called) == "tunix-tasks" else "tunix-tasks"
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 
+from tests.paths import REPO
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.testing.shard_factory import make_episode
@@ -127,10 +128,17 @@ def test_train_calls_the_launcher_with_the_config(monkeypatch, tmp_path, capsys)
     assert (cfg.mode, cfg.run_name, cfg.learner.max_steps, seen["quiet"]) == ("sync", "t", 3, True)
     out = capsys.readouterr().out
     assert "mode=sync" in out and json.loads(out[out.index("\n{") + 1 :])["run_uri"] == cfg.run_uri
+    assert "next steps" not in out  # --json prints the JSON alone
     # Without --json: labelled lines for a person, no JSON.
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "{" not in out and re.search(rf"\nrun +{re.escape(cfg.run_uri)} \(None\): finished", out)
+    # ... and then the next steps, whose commands paste and whose files exist.
+    steps = out[out.index("\nnext steps:\n") :]
+    assert f"tunix-tasks report {cfg.run_uri}\n" in steps  # no report in this fake summary
+    assert f"tunix-tasks inspect {cfg.run_uri}/shards --conversations 3 --order best" in steps
+    paths = re.findall(r"(?:docs|examples)/[\w/.-]+\.(?:md|yaml)", steps)
+    assert len(paths) == 5 and all((REPO / p).is_file() for p in paths), paths
     # Exit codes: a failed learner -> 1, an interrupted run -> 130.
     monkeypatch.setattr(
         launcher, "train_local", lambda cfg, quiet: {"learner_exit_code": 3, "interrupted": None}
