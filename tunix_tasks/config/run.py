@@ -107,7 +107,7 @@ class LearnerConfig(ObjectiveConfig):
         (64, 128, 256), description="row lengths; sequences are packed into one of these"
     )
     min_episodes_per_step: Int = Field(8, ge=1)
-    learning_rate: Float = Field(3e-4, gt=0.0)
+    learning_rate: Float = Field(3e-4, gt=0.0, description="AdamW learning rate of the RL steps")
     warm_start_learning_rate: FloatOrNone = Field(
         None,
         gt=0.0,
