@@ -372,6 +372,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        # JAX logs "Unable to initialize backend 'tpu'" at INFO on every CPU-only run.
+        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     try:
         return args.func(args)
     except KeyboardInterrupt:

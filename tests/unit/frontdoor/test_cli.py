@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -507,3 +508,23 @@ def test_train_writes_process_logs_with_the_run(monkeypatch, tmp_path):
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert process_log_dir(None, "r") == tmp_path / "home/.cache/tunix-tasks/logs/r"
+
+
+def test_no_jax_backend_noise_on_a_cpu_run():
+    """The CLI's INFO logging does not carry JAX's "Unable to initialize backend 'tpu'"
+    (every CPU-only process printed it); `-v` keeps it."""
+    code = (
+        "import sys, jax\n"
+        "from tunix_tasks.frontdoor.cli import main\n"
+        "main(sys.argv[1:])\n"
+        "jax.devices()\n"
+    )
+    argv = [sys.executable, "-c", code]
+    # As a user's shell runs it: JAX looks for a TPU (tests/conftest.py pins the CPU).
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    kw = {"capture_output": True, "text": True, "timeout": 120, "env": env}
+    quiet = subprocess.run([*argv, "config"], **kw)
+    verbose = subprocess.run([*argv, "-v", "config"], **kw)
+    assert quiet.returncode == verbose.returncode == 0, quiet.stderr + verbose.stderr
+    assert "Unable to initialize backend" not in quiet.stderr
+    assert "Unable to initialize backend 'tpu'" in verbose.stderr
