@@ -272,7 +272,8 @@ def answer_phases(
     """The episodes cut by weights version into `phases` equal version ranges (early,
     middle, late for 3). Each phase: its version range, episode
     count, reward mean, share of episodes that ended `ok`, model tokens and tool calls
-    per episode, and its best, worst and most recent episode as conversations."""
+    per episode, and its best, worst and most recent episode as conversations (each
+    chosen among those not shown yet, so equal rewards still show three episodes)."""
     if not episodes:
         return []
     versions = np.array([e.policy_version for e in episodes])
@@ -285,7 +286,10 @@ def answer_phases(
             continue
         talks = {id(e): conversation(e, chat) for e in members}
         model_turns = [[t for t in talks[id(e)] if t.role == "model"] for e in members]
-        samples = {order: pick_episodes(members, 1, order)[0] for order in ORDERS}
+        samples: dict[str, Episode] = {}
+        for order in ORDERS:  # three different episodes where the phase has them
+            rest = [e for e in members if all(e is not x for x in samples.values())]
+            samples[order] = pick_episodes(rest or members, 1, order)[0]
         out.append(
             {
                 "phase": name,

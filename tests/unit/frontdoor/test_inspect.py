@@ -137,6 +137,7 @@ def test_answer_phases_split_by_version_with_best_worst_recent(run):
     late = phases[-1]
     assert late["samples"]["best"]["episode"].episode_id == "ep-8"
     assert late["samples"]["worst"]["episode"].reward == 0.5  # the random-token episode
+    assert late["samples"]["recent"]["episode"].episode_id == "ep-7"  # the latest not shown
     assert late["reward_mean"] == pytest.approx((6 / 8 + 7 / 8 + 1 + 0.5) / 4)
     assert phases[0]["tool_calls_per_episode"] == 1.0
     assert pick_episodes(episodes, 1, "recent")[0].policy_version == 8
