@@ -30,6 +30,7 @@ __all__ = [
     "FORM_OPTIONAL",
     "FieldSpec",
     "field_specs",
+    "flat_fields",
     "form_specs",
     "recipe_defaults",
     "run_config_from_params",
@@ -197,11 +198,11 @@ def run_config_from_params(
     return out
 
 
-def _leaves(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+def flat_fields(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     """(dotted key, value) of every non-dict value of a nested dict."""
     for name, value in data.items():
         if isinstance(value, Mapping) and value:
-            yield from _leaves(value, f"{prefix}{name}.")
+            yield from flat_fields(value, f"{prefix}{name}.")
         else:
             yield f"{prefix}{name}", value
 
@@ -212,8 +213,8 @@ def recipe_defaults(recipe: RunConfig, keys: Mapping[str, str] = FORM_KEYS) -> d
     as YAML) for every other field where the recipe differs from `RunConfig`'s defaults.
     `store` and `run_name` are left to the form."""
     data = json.loads(recipe.to_json())
-    default = dict(_leaves(json.loads(RunConfig().to_json())))
-    values: dict[str, Any] = dict(_leaves(data))
+    default = dict(flat_fields(json.loads(RunConfig().to_json())))
+    values: dict[str, Any] = dict(flat_fields(data))
     shown = set(keys.values())
     form = {name: values.get(key) for name, key in keys.items() if key not in ("store", "run_name")}
     form["overrides"] = [
