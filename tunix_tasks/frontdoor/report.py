@@ -234,17 +234,21 @@ SECTIONS = (
     "sampler_mismatch",
     "answers_by_phase",
 )
-# Shards the report decodes at most, spread over the run's time: enough for each phase's
-# figures, bounded for a long run.
+# Shards the report reads and episodes it decodes at most, spread over the run's time:
+# enough for each phase's figures, bounded for a long run (8 MiB shards of long episodes).
 REPORT_SHARDS = 48
+REPORT_EPISODES = 3000
 
 
 def answers_over_training(store: ObjectStore, cfg: RunConfig) -> tuple[list[dict[str, Any]], str]:
-    """(the phases of `answer_phases` over up to `REPORT_SHARDS` of the run's shards, a
-    sentence saying where they come from or why there are none)."""
+    """(the phases of `answer_phases` over up to `REPORT_EPISODES` episodes of up to
+    `REPORT_SHARDS` of the run's shards, a sentence saying where they come from or why
+    there are none)."""
     try:
         chat = load_chat(cfg.model)
-        phases = answer_phases(read_episodes(store.uri + "/shards", max_shards=REPORT_SHARDS), chat)
+        episodes = read_episodes(store.uri + "/shards", max_shards=REPORT_SHARDS)
+        episodes = episodes[:: -(-len(episodes) // REPORT_EPISODES) or 1]
+        phases = answer_phases(episodes, chat)
     except NotFound:
         return [], "No shards left in the run (learner.delete_consumed_shards deletes them)."
     except (FileNotFoundError, ValueError) as err:
