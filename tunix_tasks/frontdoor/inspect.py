@@ -204,7 +204,7 @@ def read_episodes(uri: str, *, max_shards: int | None = None) -> list[Episode]:
         keys = [keys[i] for i in np.linspace(0, len(keys) - 1, max_shards).round().astype(int)]
     store = open_store(root)
     episodes: list[Episode] = []
-    for key in dict.fromkeys(keys):
+    for key in dict.fromkeys(keys):  # once each (rounded positions may repeat)
         try:
             episodes += table_episodes(read_shard(store, key, vocab_size=1 << 31))
         except ShardValidationError:
@@ -270,10 +270,10 @@ def answer_phases(
     episodes: Sequence[Episode], chat: ChatFormat, *, phases: int = 3
 ) -> list[dict[str, Any]]:
     """The episodes cut by weights version into `phases` equal version ranges (early,
-    middle, late for 3). Each phase: its version range, episode
-    count, reward mean, share of episodes that ended `ok`, model tokens and tool calls
-    per episode, and its best, worst and most recent episode as conversations (each
-    chosen among those not shown yet, so equal rewards still show three episodes)."""
+    middle, late for 3). Each phase: its version range, episode count, reward mean, share
+    of episodes that ended `ok`, model tokens and tool calls per episode, and its best,
+    worst and most recent episode as conversations (each chosen among those not shown
+    yet, so equal rewards still show three episodes)."""
     if not episodes:
         return []
     versions = np.array([e.policy_version for e in episodes])

@@ -249,12 +249,18 @@ def answers_over_training(store: ObjectStore, cfg: RunConfig) -> tuple[list[dict
         episodes = read_episodes(store.uri + "/shards", max_shards=REPORT_SHARDS)
         episodes = episodes[:: -(-len(episodes) // REPORT_EPISODES) or 1]
         phases = answer_phases(episodes, chat)
-    except NotFound:
-        return [], "No shards left in the run (learner.delete_consumed_shards deletes them)."
+    except NotFound:  # no shards/ folder (yet)
+        phases = []
     except (FileNotFoundError, ValueError) as err:
         return [], f"The run's tokenizer cannot be loaded: {err}"
+    if not phases:
+        return [], (
+            "No episodes in the run's shards: none written yet, or deleted once trained "
+            "(learner.delete_consumed_shards)."
+        )
     return phases, (
-        f"Episodes of up to {REPORT_SHARDS} shards spread over the run, cut by weights "
+        f"Up to {REPORT_EPISODES} episodes of up to {REPORT_SHARDS} shards spread over "
+        "the run, cut by weights "
         "version into phases; each phase's best, worst and most recent episode, decoded "
         "with the run's tokenizer (model turns are what the policy sampled). More: "
         f"tunix-tasks inspect {store.uri}/shards --conversations 5 --order best|worst|recent"
