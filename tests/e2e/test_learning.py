@@ -76,6 +76,7 @@ def _check_the_run(summary: dict, shown: str, steps: int) -> None:
     assert summary["duty_cycle_steady"] == report["duty_cycle_steady"] is not None
     html = store.read_bytes("report/index.html").decode()
     assert html.count("data:image/png;base64,") >= 5
+    assert html.count("<details>") >= 3 and "[model" in html  # what the model wrote
 
 
 def _train_beats_random(tmp_path, *overrides: str) -> None:

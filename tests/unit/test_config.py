@@ -8,7 +8,7 @@ import re
 import pytest
 
 from tests.paths import REPO
-from tunix_tasks.config import ConfigError, load_config
+from tunix_tasks.config import ConfigError, RunConfig, config_from_dict, load_config
 
 
 def test_defaults_and_presets():
@@ -423,3 +423,28 @@ def test_numbers_parse_as_before():
     assert cfg.learner.learning_rate == 1.0 and isinstance(cfg.learner.learning_rate, float)
     assert (cfg.learner.warm_start_learning_rate, cfg.seed) == (3e-4, 7)
     assert load_config(None, ["deadline_s=0.5"]).deadline_s == 0.5
+
+
+def test_the_forms_defaults_reproduce_a_recipe():
+    """The Airflow form's defaults (dags/tunix_params.py) are `recipe_defaults` of the demo:
+    its fields take the recipe's values, the rest of it is the default `overrides`, so a
+    run triggered with the defaults trains the demo (warm start included)."""
+    from tunix_tasks.config.params import (
+        FORM_KEYS,
+        FORM_OPTIONAL,
+        recipe_defaults,
+        run_config_from_params,
+    )
+
+    demo = load_config(REPO / "configs/demo.yaml")
+    form = recipe_defaults(demo)
+    assert form["warm_start_steps"] == 140 and form["env_latency_s"] == 0.2
+    assert "store" not in form and "run_name" not in form  # the form's own
+    assert "env.kwargs.difficulty=1" in form["overrides"]
+    assert not any(
+        o.startswith(("warm_start_steps=", "learner.max_steps=")) for o in form["overrides"]
+    )
+    cfg = config_from_dict(run_config_from_params(form, "demo"), form["overrides"])
+    assert cfg.model_copy(update={"store": demo.store}) == demo
+    assert recipe_defaults(RunConfig())["overrides"] == []
+    assert set(FORM_KEYS) >= FORM_OPTIONAL and "env_latency_s" in FORM_OPTIONAL

@@ -1,4 +1,6 @@
-"""The run report: summary numbers (JSON) and plots (one self-contained HTML page).
+"""The run report: summary numbers (JSON) and plots (one self-contained HTML page), and
+what the model wrote: a few episodes of each phase of training as conversations
+(`frontdoor/inspect.py: answer_phases`).
 
 Built only from what the run left in its store (metrics chunks, ledger, quarantine,
 evaluations, config), so it works for a finished, a running or a crashed run. Metrics
@@ -29,8 +31,10 @@ from tunix_tasks.frontdoor.audit import (
     step_records,
     utc,
 )
+from tunix_tasks.frontdoor.inspect import answer_phases, read_episodes, turn_label
 from tunix_tasks.frontdoor.plots import report_plots
 from tunix_tasks.learner.checkpoint import read_ledger
+from tunix_tasks.policy.preflight import build_chat
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsTail
 from tunix_tasks.storage.runs import is_done, read_config
@@ -212,10 +216,69 @@ def _table(rows: list[dict[str, Any]] | dict[str, Any]) -> str:
 SECTIONS = (
     *("actors", "latency_audit", "health", "baseline", "duty_cycle_explained"),
     "sampler_mismatch",
+    "answers_by_phase",
 )
+# Shards the report reads and episodes it decodes at most, spread over the run's time:
+# enough for each phase's figures, bounded for a long run (8 MiB shards of long episodes).
+REPORT_SHARDS = 48
+REPORT_EPISODES = 3000
 
 
-def render_html(summary: dict[str, Any], plots: list[tuple[str, str]]) -> str:
+def answers_over_training(store: ObjectStore, cfg: RunConfig) -> tuple[list[dict[str, Any]], str]:
+    """(the phases of `answer_phases` over up to `REPORT_EPISODES` episodes of up to
+    `REPORT_SHARDS` of the run's shards, a sentence saying where they come from or why
+    there are none)."""
+    try:
+        chat = build_chat(cfg.model)
+        episodes = read_episodes(store.uri + "/shards", max_shards=REPORT_SHARDS)
+        episodes = episodes[:: -(-len(episodes) // REPORT_EPISODES) or 1]
+        phases = answer_phases(episodes, chat)
+    except NotFound:  # no shards/ folder (yet)
+        phases = []
+    except ValueError as err:  # PolicyError: names the checkpoint and the file
+        return [], f"The run's tokenizer cannot be loaded: {err}"
+    if not phases:
+        return [], (
+            "No episodes in the run's shards: none written yet, or deleted once trained "
+            "(learner.delete_consumed_shards)."
+        )
+    return phases, (
+        f"Up to {REPORT_EPISODES} episodes of up to {REPORT_SHARDS} shards spread over "
+        "the run, cut by weights "
+        "version into phases; each phase's best, worst and most recent episode, decoded "
+        "with the run's tokenizer (model turns are what the policy sampled). More: "
+        f"tunix-tasks inspect {store.uri}/shards --conversations 5 --order best|worst|recent"
+    )
+
+
+def _figures(phases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each phase's numbers, without its sample episodes (what summary.json holds)."""
+    return rounded([{k: v for k, v in p.items() if k != "samples"} for p in phases])
+
+
+def _conversations_html(phases: list[dict[str, Any]], note: str) -> str:
+    out = f"<p>{html.escape(note)}</p>" + (_table(_figures(phases)) if phases else "")
+    for p in phases:
+        out += f"<h3>{p['phase']} (versions {p['versions'][0]}-{p['versions'][1]})</h3>"
+        for order, sample in p["samples"].items():
+            ep = sample["episode"]
+            talk = "".join(
+                f'<span class="{t.role}{" call" if t.tool_call else ""}">[{turn_label(t)}]</span>\n'
+                f"{html.escape(t.text)}\n"
+                for t in sample["turns"]
+            )
+            out += (
+                f"<details><summary>{order}: reward {ep.reward:.3f}, version "
+                f"{ep.policy_version}, {ep.status}, {ep.num_turns} turns</summary>"
+                f'<pre class="talk">{talk}</pre></details>'
+            )
+    return out
+
+
+def render_html(
+    summary: dict[str, Any], plots: list[tuple[str, str]], conversations: str = ""
+) -> str:
+    """The page; `conversations`: the "What the model wrote" section's HTML."""
     summary = rounded(summary)
     rows = _table({k: v for k, v in summary.items() if k not in SECTIONS})
     audit = summary.get("latency_audit") or {}
@@ -247,12 +310,14 @@ def render_html(summary: dict[str, Any], plots: list[tuple[str, str]]) -> str:
     actors = [{"actor": name, **a} for name, a in (summary.get("actors") or {}).items()]
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>tunix-tasks report</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1400px}} table{{border-collapse:collapse}}
-th,td{{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}} figure{{display:inline-block;margin:8px}}</style>
+th,td{{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}} figure{{display:inline-block;margin:8px}}
+pre.talk{{white-space:pre-wrap;background:#f6f6f6;padding:6px}} .model{{color:#1a55b0}} .call{{color:#b05a00}} .env{{color:#2a7a2a}} .prompt,.end{{color:#777}}</style>
 </head><body><h1>tunix-tasks run report</h1><p>{html.escape(summary["run_uri"])}</p>
 <h2>Summary</h2>{rows}<h2>Utilization</h2>{utilization}<h2>Processes</h2>{why}{_table(procs)}
 <h2>Sampler vs learner numerics</h2>{numerics}
 <p>Times: seconds since the run's first metrics record ({summary.get("started_utc")} UTC).</p>
 <h2>Plots</h2>{imgs}
+<h2>What the model wrote</h2>{conversations}
 <h2>Actors</h2>{_table(actors) if actors else "<p>No actor wrote metrics.</p>"}</body></html>"""
 
 
@@ -269,9 +334,11 @@ def baseline_uri(run_uri: str) -> str | None:
 def write_report(run_uri: str, baseline: str | None = None) -> str:
     """Write report/index.html and report/summary.json under the run; returns the HTML URI.
     `baseline`: a run of the same config to compare with (default: `<run>-sync` if any)."""
-    _, store = read_config(run_uri)
+    cfg, store = read_config(run_uri)
     records = read_records(store)
     summary = summarize(store, records)
+    phases, note = answers_over_training(store, cfg)
+    summary["answers_by_phase"] = _figures(phases)
     baseline = baseline or (
         None if run_uri.rstrip("/").endswith("-sync") else baseline_uri(run_uri)
     )
@@ -286,5 +353,6 @@ def write_report(run_uri: str, baseline: str | None = None) -> str:
     store.write_bytes(
         RunLayout.SUMMARY, json.dumps(rounded(summary), indent=2, default=str).encode()
     )
-    store.write_bytes(RunLayout.REPORT, render_html(summary, plots).encode())
+    page = render_html(summary, plots, _conversations_html(phases, note))
+    store.write_bytes(RunLayout.REPORT, page.encode())
     return join_uri(store.uri, RunLayout.REPORT)

@@ -4,6 +4,7 @@
 `format_train_summary` turns it into the lines the terminal shows by default:
 
     print(format_train_summary(train_local(cfg)))
+    print(format_next_steps(summary))    # after a finished run: where to go from here
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from tunix_tasks.frontdoor.audit import explain_duty
 
-__all__ = ["format_train_summary"]
+__all__ = ["format_next_steps", "format_train_summary"]
 
 
 def _num(value: Any, fmt: str = ".3g") -> str:
@@ -78,3 +79,22 @@ def format_train_summary(s: dict[str, Any]) -> str:
     }
     width = max(map(len, rows))
     return "\n".join(f"{label:<{width}}  {text}" for label, text in rows.items())
+
+
+def format_next_steps(s: dict[str, Any], prog: str = "tunix-tasks") -> str:
+    """What to do after a finished run: its report, what the model wrote, your own task,
+    scaling out (commands to copy, docs in the repository to read). `prog`: how the
+    user called `tunix-tasks`, so the commands can be pasted as they are."""
+    run = s.get("run_uri")
+    report = s.get("report")
+    rows = {
+        "report": f"{report} (open it in a browser)" if report else f"{prog} report {run}",
+        "answers": f"{prog} inspect {run}/shards --conversations 3 --order best",
+        "your task": "prompts and answers from a JSONL/Parquet file, no code: "
+        f"{prog} train --config examples/dataset_task/config.yaml "
+        "(docs/environments.md, 'Your own task from a dataset')",
+        "scale out": "actors and envs per actor (docs/scaling.md), a gs:// store and Airflow "
+        "(docs/airflow.md), a real model (docs/models.md)",
+    }
+    width = max(map(len, rows))
+    return "next steps:\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows.items())

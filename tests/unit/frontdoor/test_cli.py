@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 
 import numpy as np
 
-from tests.paths import HF_FIXTURES
+from tests.paths import HF_FIXTURES, REPO
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.testing.shard_factory import make_episode
@@ -143,10 +144,17 @@ def test_train_calls_the_launcher_with_the_config(monkeypatch, tmp_path, capsys)
     assert (cfg.mode, cfg.run_name, cfg.learner.max_steps, seen["quiet"]) == ("sync", "t", 3, True)
     out = capsys.readouterr().out
     assert "mode=sync" in out and json.loads(out[out.index("\n{") + 1 :])["run_uri"] == cfg.run_uri
+    assert "next steps" not in out  # --json prints the JSON alone
     # Without --json: labelled lines for a person, no JSON.
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "{" not in out and re.search(rf"\nrun +{re.escape(cfg.run_uri)} \(None\): finished", out)
+    # ... and then the next steps, whose commands paste and whose files exist.
+    steps = out[out.index("\nnext steps:\n") :]
+    assert f"tunix-tasks report {cfg.run_uri}\n" in steps  # no report in this fake summary
+    assert f"tunix-tasks inspect {cfg.run_uri}/shards --conversations 3 --order best" in steps
+    paths = re.findall(r"(?:docs|examples)/[\w/.-]+\.(?:md|yaml)", steps)
+    assert len(paths) == 5 and all((REPO / p).is_file() for p in paths), paths
     # Exit codes: a failed learner -> 1, an interrupted run -> 130.
     monkeypatch.setattr(
         launcher, "train_local", lambda cfg, quiet: {"learner_exit_code": 3, "interrupted": None}
@@ -569,3 +577,23 @@ def test_train_writes_process_logs_with_the_run(monkeypatch, tmp_path):
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert process_log_dir(None, "r") == tmp_path / "home/.cache/tunix-tasks/logs/r"
+
+
+def test_no_jax_backend_noise_on_a_cpu_run():
+    """The CLI's INFO logging does not carry JAX's "Unable to initialize backend 'tpu'"
+    (every CPU-only process printed it); `-v` keeps it."""
+    code = (
+        "import sys, jax\n"
+        "from tunix_tasks.frontdoor.cli import main\n"
+        "main(sys.argv[1:])\n"
+        "jax.devices()\n"
+    )
+    argv = [sys.executable, "-c", code]
+    # As a user's shell runs it: JAX looks for a TPU (tests/conftest.py pins the CPU).
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    kw = {"capture_output": True, "text": True, "timeout": 120, "env": env}
+    quiet = subprocess.run([*argv, "config"], **kw)
+    verbose = subprocess.run([*argv, "-v", "config"], **kw)
+    assert quiet.returncode == verbose.returncode == 0, quiet.stderr + verbose.stderr
+    assert "Unable to initialize backend" not in quiet.stderr
+    assert "Unable to initialize backend 'tpu'" in verbose.stderr

@@ -182,6 +182,7 @@ def test_report_html_and_summary_json_are_readable(tmp_path, monkeypatch):
     assert "Utilization" in page and "waited for data" in page
     assert "seconds since the run's first metrics record" in page
     assert "No step trained fresh tokens" in page  # no mismatch metrics
+    assert "No episodes in the run" in page  # what the model wrote: no shards
 
 
 def test_report_sections_are_tables_not_json(tmp_path):
