@@ -1,6 +1,9 @@
 # tunix-tasks: every target sets up the virtual environment it needs first.
-#   make demo    set up, then run the default local training run (file:// store, CPU)
-#   make test    set up, then lint and run the whole test suite (what CI runs)
+#   make demo    set up what a local run uses (requirements-core.lock), then run the default
+#                local training run (file:// store, CPU)
+#   make test    set up everything (requirements.lock), then lint and run the whole test suite
+#                (what CI runs)
+#   make venv-core  only the demo's environment (no Airflow, Kubernetes, Celery, test tools)
 #   make test-fast  the unit layer only (tests/unit: one part at a time, a few minutes)
 #   make bench   run the benchmarks (prints ratios against in-run baselines)
 #   make airflow start Airflow locally with the tunix DAGs
@@ -10,8 +13,9 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+CORE_STAMP := $(VENV)/.installed-core
 
-.PHONY: venv bwrap browser services test test-fast lint format demo bench airflow clean
+.PHONY: venv venv-core bwrap browser services test test-fast lint format demo bench airflow clean
 
 # python_exec runs model-written code under bubblewrap (docs/sandbox.md); as root, install it.
 bwrap:
@@ -28,14 +32,27 @@ browser:
 services:
 	@pkgs=""; command -v redis-server >/dev/null || pkgs="redis-server"; ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || pkgs="$$pkgs postgresql"; [ -z "$$pkgs" ] || { [ "$$(id -u)" != 0 ] && echo "warning:$$pkgs missing: the Airflow deployment test (tests/airflow/test_cluster.py) is skipped"; } || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$pkgs)
 
+# $(call install,LOCK,STAMPS): the venv with LOCK's pins, and tunix-tasks in editable mode
+# (without setuptools' "Editable installation" banner, a note to setuptools' own users).
+define install
+test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(BIN)/python -m pip install --quiet --upgrade pip
+$(BIN)/python -m pip install --quiet -r $(1)
+PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install --quiet --no-deps -e .
+touch $(2)
+endef
+
+# Everything: the library, Airflow and the test tools. It holds the demo's set too.
 $(STAMP): requirements.lock pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements.lock
-	$(BIN)/python -m pip install --quiet --no-deps -e .
-	touch $(STAMP)
+	$(call install,requirements.lock,$(STAMP) $(CORE_STAMP))
+
+# The demo's set: pyproject's core dependencies, pinned as in requirements.lock (a subset).
+$(CORE_STAMP): requirements-core.lock pyproject.toml
+	$(call install,requirements-core.lock,$(CORE_STAMP))
 
 venv: $(STAMP)
+
+venv-core: $(CORE_STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -51,7 +68,7 @@ test: $(STAMP) bwrap browser services
 test-fast: $(STAMP) bwrap
 	$(BIN)/python -m pytest -q -ra --durations=10 tests/unit
 
-demo: $(STAMP) bwrap
+demo: $(CORE_STAMP) bwrap
 	$(BIN)/tunix-tasks train --config configs/demo.yaml
 
 bench: $(STAMP)

@@ -219,8 +219,9 @@ def learner_episodes_per_s(root: str, steps: int) -> float:
     """Steady episodes/s of the learner alone at the small preset (utilization.py's setup)."""
     from benchmarks.utilization import overrides_for
     from tunix_tasks.config import load_config
+    from tunix_tasks.frontdoor.audit import learner_steps
     from tunix_tasks.frontdoor.entrypoints import prepare_run, run_learner
-    from tunix_tasks.frontdoor.report import _learner_steps, read_records
+    from tunix_tasks.frontdoor.report import read_records
     from tunix_tasks.storage.shards import ShardWriter
 
     ov = overrides_for(root, steps, 0.0, 1, 1, 1_000_000)
@@ -232,7 +233,7 @@ def learner_episodes_per_s(root: str, steps: int) -> float:
         writer.add(make_episode(rng, length=64, group_id=f"g{i // cfg.actor.group_size}"))
     writer.close()
     run_learner(uri, max_steps=steps, handle_signals=False)
-    done = _learner_steps(read_records(open_store(uri)))
+    done = learner_steps(read_records(open_store(uri)))
     span = done[-1]["time"] - done[0]["time"]
     return sum(r["episodes"] for r in done[1:]) / span
 

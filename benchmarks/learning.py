@@ -48,9 +48,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tunix_tasks.config import RunConfig, load_config
+from tunix_tasks.frontdoor.audit import learner_steps
 from tunix_tasks.frontdoor.evaluate import evaluate_snapshot, held_out_seeds
 from tunix_tasks.frontdoor.launcher import train_local
-from tunix_tasks.frontdoor.report import _learner_steps, read_records, summarize
+from tunix_tasks.frontdoor.report import read_records, summarize
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.store import open_store
 
@@ -137,7 +138,7 @@ def fork(base_uri: str, cfg: RunConfig) -> None:
 def measure(run_uri: str, episodes: int) -> dict[str, Any]:
     store = open_store(run_uri)
     s = summarize(store)
-    steps = _learner_steps(read_records(store))
+    steps = learner_steps(read_records(store))
     dropped = sum(s["dropped_ledger"].values())
     trained = s["trained_episodes_ledger"]
     hist = {int(k): v for k, v in s["staleness_histogram"].items()}

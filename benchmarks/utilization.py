@@ -40,10 +40,11 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tunix_tasks.config import load_config
+from tunix_tasks.frontdoor.audit import learner_steps
 from tunix_tasks.frontdoor.entrypoints import prepare_run, run_learner
 from tunix_tasks.frontdoor.launcher import train_local
 from tunix_tasks.frontdoor.planning import plan_fleet
-from tunix_tasks.frontdoor.report import _learner_steps, read_records, summarize
+from tunix_tasks.frontdoor.report import read_records, summarize
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.testing.shard_factory import make_episode
@@ -81,7 +82,7 @@ class Pinner(threading.Thread):
 
 def steady_tokens_per_s(run_uri: str) -> float | None:
     """Real tokens trained per second from the end of the first step to the last."""
-    steps = _learner_steps(read_records(open_store(run_uri)))
+    steps = learner_steps(read_records(open_store(run_uri)))
     span = steps[-1]["time"] - steps[0]["time"] if len(steps) > 1 else 0.0
     return sum(r["real_tokens"] for r in steps[1:]) / span if span > 0 else None
 
@@ -89,7 +90,7 @@ def steady_tokens_per_s(run_uri: str) -> float | None:
 def learner_limit(root: str, steps: int, async_uri: str, overrides: list[str]) -> float | None:
     """Tokens/s of the learner alone (pinned to core 0) on pre-generated shards shaped like
     the async run's episodes: the most any fleet could get out of it."""
-    done = _learner_steps(read_records(open_store(async_uri)))
+    done = learner_steps(read_records(open_store(async_uri)))
     tokens, episodes = sum(r["real_tokens"] for r in done), sum(r["episodes"] for r in done)
     length = round(tokens / max(1, episodes))
     cfg = load_config(
@@ -171,7 +172,7 @@ def run(mode: str, overrides: list[str]) -> dict:
 
 def measure(run_uri: str, *, pinned: int = 0) -> dict:
     s = summarize(open_store(run_uri))
-    dropped = sum(s["dropped_last_step"].values())
+    dropped = sum(s["dropped_total"].values())
     generated = s["trained_episodes_ledger"] + dropped
     return {
         "duty cycle": s["duty_cycle_steady"],
@@ -180,7 +181,7 @@ def measure(run_uri: str, *, pinned: int = 0) -> dict:
         "tokens/s steady": steady_tokens_per_s(run_uri),
         "reward first": s["reward_first"],
         "reward last": s["reward_last"],
-        "stale dropped": s["dropped_last_step"].get("stale", 0) / max(1, generated),
+        "stale dropped": s["dropped_total"].get("stale", 0) / max(1, generated),
         "trained episodes": s["trained_episodes_ledger"],
         "supply/capacity": s["latency_audit"]["supply_over_capacity"],
         "processes pinned": pinned,

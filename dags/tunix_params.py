@@ -5,8 +5,12 @@ Which fields the form exposes, and under which names, is `tunix_tasks.config.par
 and description come from `RunConfig`'s JSON schema, so they are declared once, in
 `tunix_tasks/config/`. This module only turns them into `airflow.sdk.Param`s and adds
 what belongs to the form alone: titles, the form's own defaults (`form_defaults()`), an
-empty `run_name` (derived from the Airflow run_id), an explicit store scheme, and the
-free-form `overrides` list.
+empty `run_name` (derived from the Airflow run_id), an explicit store scheme, fields that
+may be left empty (`FORM_OPTIONAL`), and the free-form `overrides` list.
+
+The defaults are the demo's recipe (`configs/demo.yaml`, or the file `TUNIX_FORM_RECIPE`
+names): the form's fields take its values, and what it sets beyond them is the default
+`overrides` list, so a run triggered with the defaults learns as `make demo` does.
 
 Imported at DAG parse time: only `airflow.sdk` and `tunix_tasks.config.params` (pydantic).
 """
@@ -40,8 +44,14 @@ def ensure_library_importable() -> None:
 
 ensure_library_importable()
 
-from tunix_tasks.config import known_env_names  # noqa: E402
-from tunix_tasks.config.params import FORM_KEYS, form_specs, run_config_from_params  # noqa: E402
+from tunix_tasks.config import known_env_names, load_config  # noqa: E402
+from tunix_tasks.config.params import (  # noqa: E402
+    FORM_KEYS,
+    FORM_OPTIONAL,
+    form_specs,
+    recipe_defaults,
+    run_config_from_params,
+)
 
 __all__ = [
     "FORM_KEYS",
@@ -50,6 +60,7 @@ __all__ = [
     "default_store",
     "ensure_library_importable",
     "form_defaults",
+    "form_recipe",
     "run_config_from_params",
     "sanitize_run_name",
     "training_params",
@@ -73,6 +84,8 @@ TITLES = {
     "env_latency_s": "Env latency (seconds)",
     "env_max_turns": "Max turns per episode",
     "seed": "Seed",
+    "warm_start_steps": "Warm-start steps (imitation of demonstrations before RL)",
+    "learning_rate": "Learning rate",
 }
 
 
@@ -81,9 +94,18 @@ def default_store() -> str:
     return os.environ.get("TUNIX_STORE") or f"file://{REPO_ROOT / 'runs'}"
 
 
+def form_recipe() -> Path:
+    """The recipe the form's defaults reproduce: `TUNIX_FORM_RECIPE` or configs/demo.yaml."""
+    return Path(os.environ.get("TUNIX_FORM_RECIPE") or REPO_ROOT / "configs" / "demo.yaml")
+
+
 def form_defaults() -> dict[str, Any]:
-    """Where the form's defaults differ from RunConfig's: a run from the form is short."""
-    return {"store": default_store(), "run_name": "", "max_steps": 50, "deadline_s": 3600}
+    """Where the form's defaults differ from RunConfig's: the recipe's values and
+    overrides (`form_recipe()`, when the file is there), the store, an empty run name
+    (from the run_id) and a deadline."""
+    recipe = form_recipe()
+    values = recipe_defaults(load_config(recipe)) if recipe.is_file() else {}
+    return {**values, "store": default_store(), "run_name": "", "deadline_s": 3600}
 
 
 def sanitize_run_name(text: str) -> str:
@@ -117,6 +139,8 @@ def _form_only(name: str, schema: dict[str, Any]) -> dict[str, Any]:
         return {"type": ["null", "string"], "pattern": f"^$|{schema['pattern']}", "maxLength": 128}
     if name == "store":  # the config also takes plain paths; the form wants a URI
         return {"pattern": r"^(file|gs)://", "minLength": 1}
+    if name in FORM_OPTIONAL and isinstance(schema.get("type"), str):  # empty: the default
+        return {"type": [schema["type"], "null"]}
     return {}
 
 
@@ -130,8 +154,8 @@ def training_params(
     if unknown:
         raise TypeError(f"unknown training params: {sorted(unknown)}")
     values = {name: spec.default for name, spec in specs.items()}
-    values.update(form_defaults())
     values["overrides"] = []
+    values.update(form_defaults())
     values.update(defaults)
     titles = {**TITLES, **(titles or {})}
     params = {}

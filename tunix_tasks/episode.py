@@ -24,6 +24,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+# The valid range of an episode's reward: finite and |reward| <= 1e6. Rewards are stored as
+# float32, which still resolves 1/16 at 1e6 (integers exactly up to 2^24), and every sum
+# the learner forms from them (group means and variances, reward x ratio in the loss,
+# metric totals over 10^9 episodes) stays far from float32's 3.4e38; a reward of 3e38
+# makes those inf. Built-in environments reward within [0, 1].
+MAX_ABS_REWARD = 1e6
+
 
 class EpisodeStatus(StrEnum):
     """How an episode ended (the shard's `status` column)."""

@@ -90,6 +90,8 @@ def small_train_conf(run_name: str, **changes: Any) -> dict[str, Any]:
         "publish_every": 2,
         "max_staleness": 4,
         "deadline_s": 240,
+        "warm_start_steps": 0,  # the form's default is the demo's recipe: 140
+        "env_latency_s": 0,
         "overrides": SMALL_RUN_OVERRIDES,
     }
     return {**conf, **changes}

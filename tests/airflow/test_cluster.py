@@ -79,6 +79,8 @@ FORM = {
     "envs_per_actor": "4",
     "max_steps": str(MAX_STEPS),
     "deadline_s": "300",
+    "warm_start_steps": "0",  # the form's default is the demo's recipe: 140
+    "env_latency_s": "0",
 }
 OVERRIDES = [*SMALL_RUN_OVERRIDES, "learner.checkpoint_every=4"]
 CONF = small_train_conf(RUN)  # the REST triggers' base conf
@@ -237,6 +239,7 @@ def _row_text(driver, name: str) -> str:
 
 def test_train_run_from_the_form_survives_a_dead_cpu_worker(cluster, browser, tmp_path):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
 
     af, driver = cluster, browser
     t0 = time.monotonic()
@@ -256,6 +259,7 @@ def test_train_run_from_the_form_survives_a_dead_cpu_worker(cluster, browser, tm
         assert "Run name" in run_name_row and "*" not in run_name_row, run_name_row
         assert "*" not in _row_text(driver, "overrides")  # optional too
         assert "*" in _row_text(driver, "max_steps")  # (a required field has the badge)
+        assert "*" not in _row_text(driver, "env_latency_s")  # optional: empty = none
         env = driver.find_element(By.NAME, "element_env")
         assert env.tag_name == "input" and env.get_attribute("list"), "env: free text"
 
@@ -264,6 +268,8 @@ def test_train_run_from_the_form_survives_a_dead_cpu_worker(cluster, browser, tm
         overrides = driver.find_element(By.NAME, "element_overrides")
         driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", overrides)
         overrides.click()
+        overrides.send_keys(Keys.CONTROL, "a")  # the demo recipe's overrides: replaced
+        overrides.send_keys(Keys.BACKSPACE)
         text = "\n".join(OVERRIDES)
         for char in text:  # one key at a time: the array field re-renders on each change
             overrides.send_keys(char)

@@ -52,6 +52,8 @@ def test_train_dag_in_process(airflow_db, dagbag, store):
         "envs_per_actor": 2,
         "max_steps": 2,
         "deadline_s": 20,
+        "warm_start_steps": 0,  # the form's default is the demo's recipe: 140
+        "env_latency_s": None,  # empty: the config's default, no latency
         "overrides": FAST,
     }
     dr = dag.test(run_conf=conf, mark_success_pattern=r"^actor$")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import DAGS
+from .conftest import DAGS, REPO
 
 DAG_FILES = ["tunix_train.py", "tunix_recurring.py", "tunix_eval.py"]
 HELPERS = sorted(p.name for p in DAGS.glob("*.py") if p.name not in DAG_FILES)
@@ -157,6 +157,17 @@ def test_params_reject_bad_values(dagbag, dag_id, name, value):
         params[name] = value
 
 
+def test_env_latency_may_be_left_empty(dagbag):
+    params = copy.deepcopy(dagbag.dags["tunix_train"].params)
+    params["env_latency_s"] = None  # no "required" badge; empty: no latency
+    from tunix_params import run_config_from_params
+
+    from tunix_tasks.config import config_from_dict
+
+    values = params.validate()
+    assert config_from_dict(run_config_from_params(values, "x")).env.latency_s == 0.0
+
+
 def test_run_name_empty_only_where_derived(dagbag):
     from airflow.sdk.exceptions import ParamValidationError
 
@@ -189,7 +200,7 @@ def _schema_leaf(schema: dict, dotted: str) -> dict:
 def test_form_equals_run_config_schema(dagbag):
     """Bounds, enums and descriptions of the form are RunConfig's, for every exposed key."""
     from tunix_tasks.config import RunConfig
-    from tunix_tasks.config.params import FORM_KEYS
+    from tunix_tasks.config.params import FORM_KEYS, FORM_OPTIONAL
 
     schema = RunConfig.model_json_schema()
     keywords = ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
@@ -203,6 +214,8 @@ def test_form_equals_run_config_schema(dagbag):
                 want = leaf.get(kw)
                 if (dag_id, name, kw) == ("tunix_train", "run_name", "type"):
                     want = ["null", want]  # optional: derived from the run_id
+                if name in FORM_OPTIONAL and kw == "type":  # may be left empty
+                    want = [want, "null"]
                 if (name, kw) == ("env", "enum"):  # plug-ins too: suggestions, free text
                     assert set(want) <= set(form["examples"]), form
                     want = None
@@ -232,11 +245,14 @@ def test_builtin_envs_are_registered():
 
 
 def test_form_defaults(dagbag):
+    """The demo's recipe (configs/demo.yaml), so a run from the defaults learns."""
     from tunix_params import default_store
 
     params = dagbag.dags["tunix_train"].params
     assert params["store"] == default_store() and params["run_name"] == ""
-    assert (params["max_steps"], params["deadline_s"]) == (50, 3600)
+    assert (params["max_steps"], params["deadline_s"]) == (200, 3600)
+    assert (params["warm_start_steps"], params["learning_rate"]) == (140, 0.001)
+    assert "learner.buckets=[64, 128]" in params["overrides"]
     assert (params["num_actors"], params["env"], params["model_preset"]) == (
         2,
         "calculator",
@@ -258,7 +274,13 @@ def test_run_config_from_params_matches_run_config(dagbag):
     assert cfg.env.name == params["env"] and cfg.model.preset == params["model_preset"]
     assert cfg.env.latency_s == params["env_latency_s"]
     assert cfg.env.max_turns == params["env_max_turns"] and cfg.seed == params["seed"]
-    assert cfg.deadline_s == params["deadline_s"] and cfg.learner.max_steps == 50
+    assert cfg.deadline_s == params["deadline_s"] and cfg.learner.max_steps == 200
+    # with the default overrides: the demo itself, but for where it runs and its deadline
+    from tunix_tasks.config import load_config
+
+    demo = load_config(REPO / "configs/demo.yaml")
+    cfg = config_from_dict(run_config_from_params(params, "demo"), params["overrides"])
+    assert cfg.model_copy(update={"store": demo.store, "deadline_s": 0.0}) == demo
 
 
 def test_sanitize_run_name():

@@ -68,8 +68,15 @@ def _check_the_run(summary: dict, shown: str, steps: int) -> None:
     assert report["steps"] == steps
     assert report["reward_first"] is not None and report["reward_last"] is not None
     assert report["compile_count"] <= 2  # one program per bucket
+    # One audit (issue #31.2): the report's names a bottleneck from a nonzero supply
+    # (episodes over time, start-up excluded), and it is the one train's summary shows.
+    audit = report["latency_audit"]
+    assert audit["bottleneck"] != "unknown" and audit["actor_supply_eps_per_s"] > 0, audit
+    assert summary["latency_audit"] == audit
+    assert summary["duty_cycle_steady"] == report["duty_cycle_steady"] is not None
     html = store.read_bytes("report/index.html").decode()
     assert html.count("data:image/png;base64,") >= 5
+    assert html.count("<details>") >= 3 and "[model" in html  # what the model wrote
 
 
 def _train_beats_random(tmp_path, *overrides: str) -> None:

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from tests.paths import REPO
-from tunix_tasks.config import ConfigError, load_config
+from tunix_tasks.config import ConfigError, RunConfig, config_from_dict, load_config
 
 
 def test_defaults_and_presets():
@@ -18,6 +18,21 @@ def test_defaults_and_presets():
     assert (small.model.d_model, small.model.n_layers) == (128, 4)
     custom = load_config(None, ["model.preset=tiny", "model.d_model=96", "model.n_heads=3"])
     assert custom.model.d_model == 96 and custom.model.n_layers == 2
+
+
+def test_a_preset_with_a_checkpoint_is_refused():
+    """Issue #30.9: `model.preset` with `model.checkpoint` was silently accepted, though
+    docs/models.md forbids it. The default (`tiny`) reads as unset: a stored config and the
+    DAG form write it."""
+    from tunix_tasks.config import config_from_dict
+
+    for preset in ("small", "base", "custom"):
+        with pytest.raises(
+            ConfigError, match=r"model\.checkpoint sets the architecture; remove model\.preset"
+        ):
+            load_config(None, ["model.checkpoint=/ckpt", f"model.preset={preset}"])
+    cfg = load_config(None, ["model.checkpoint=/ckpt"])
+    assert config_from_dict(cfg.model_dump()).model == cfg.model
 
 
 @pytest.mark.parametrize(
@@ -41,6 +56,15 @@ def test_invalid_values_are_named(override, needle):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
     assert needle in str(info.value)
+
+
+def test_a_message_that_shows_the_value_does_not_repeat_it():
+    """Issue #31.9: `got [12] (got [12])`."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["mode=fast", "learner.buckets=[12]"])
+    text = str(info.value)
+    assert "multiples of 8, got [12]\n" in text + "\n" and text.count("[12]") == 1, text
+    assert "mode: Input should be 'async' or 'sync' (got 'fast')" in text
 
 
 def test_cross_field_errors_name_the_fields():
@@ -399,6 +423,31 @@ def test_numbers_parse_as_before():
     assert cfg.learner.learning_rate == 1.0 and isinstance(cfg.learner.learning_rate, float)
     assert (cfg.learner.warm_start_learning_rate, cfg.seed) == (3e-4, 7)
     assert load_config(None, ["deadline_s=0.5"]).deadline_s == 0.5
+
+
+def test_the_forms_defaults_reproduce_a_recipe():
+    """The Airflow form's defaults (dags/tunix_params.py) are `recipe_defaults` of the demo:
+    its fields take the recipe's values, the rest of it is the default `overrides`, so a
+    run triggered with the defaults trains the demo (warm start included)."""
+    from tunix_tasks.config.params import (
+        FORM_KEYS,
+        FORM_OPTIONAL,
+        recipe_defaults,
+        run_config_from_params,
+    )
+
+    demo = load_config(REPO / "configs/demo.yaml")
+    form = recipe_defaults(demo)
+    assert form["warm_start_steps"] == 140 and form["env_latency_s"] == 0.2
+    assert "store" not in form and "run_name" not in form  # the form's own
+    assert "env.kwargs.difficulty=1" in form["overrides"]
+    assert not any(
+        o.startswith(("warm_start_steps=", "learner.max_steps=")) for o in form["overrides"]
+    )
+    cfg = config_from_dict(run_config_from_params(form, "demo"), form["overrides"])
+    assert cfg.model_copy(update={"store": demo.store}) == demo
+    assert recipe_defaults(RunConfig())["overrides"] == []
+    assert set(FORM_KEYS) >= FORM_OPTIONAL and "env_latency_s" in FORM_OPTIONAL
 
 
 @pytest.mark.parametrize(

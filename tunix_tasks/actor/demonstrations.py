@@ -19,7 +19,7 @@ from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, ScriptedPolicy
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.episode import Episode
-from tunix_tasks.policy.build import build_chat
+from tunix_tasks.policy.preflight import build_chat
 from tunix_tasks.seeds import DEMO_SEED_BASE
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.shards import episodes_to_table, table_to_parquet_bytes

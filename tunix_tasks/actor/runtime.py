@@ -163,9 +163,11 @@ class ActorRuntime:
     def run(self) -> dict[str, Any]:
         """Run until stopped; flushes the last shard and metrics. Returns a summary."""
         t0 = time.monotonic()
+        self._outage.tolerate("metrics", self._log_metrics, None)  # phase: waiting for weights
         got = self._wait_for_weights()
         try:
             if got is not None:  # already loaded by `_load`
+                self._outage.tolerate("metrics", self._log_metrics, None)  # phase: compiling
                 self._serve()
         finally:  # the last shard, even in an outage (bounded: the launcher's grace is 60 s)
             until = time.monotonic() + FINAL_FLUSH_S
@@ -274,6 +276,21 @@ class ActorRuntime:
         if time.monotonic() - self._last_metrics >= 5.0:
             self._log_metrics(None)
 
+    def _phase(self, final: bool) -> str:
+        """What the actor is doing, in each metrics record (the live display shows it
+        while it is not simply sampling). The sampler compiles its programs as new
+        shapes come, so their number is counted, not known ahead."""
+        if final:
+            return "stopped"
+        if self.version < 0:
+            return "waiting for the first weights"
+        if self.stats.episodes == 0:
+            n = self.engine.compile_count
+            return "compiling the sampler" + (f" ({n} programs so far)" if n else "")
+        if not self.writer.shards_written:
+            return "sampling, first shard not written yet"
+        return "sampling"
+
     def _engine_metrics(self) -> dict[str, Any]:
         """The actor kind's own figures for each metrics record."""
         return {}
@@ -304,6 +321,7 @@ class ActorRuntime:
             compile_count=self.engine.compile_count,
             shards=len(self.writer.shards_written),
             final=wall is not None,
+            phase=self._phase(wall is not None),
             **self._engine_metrics(),
         )
         self._last_metrics = now

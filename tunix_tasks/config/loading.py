@@ -54,14 +54,9 @@ def _format_error(err: ValidationError) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "config"
         msg = e["msg"].removeprefix("Value error, ")
-        lines.append(
-            f"{loc}: {msg}"
-            + (
-                f" (got {_shown.repr(e['input'])})"
-                if "input" in e and not isinstance(e["input"], dict)
-                else ""
-            )
-        )
+        # Our own validators' messages already say "got ..."; pydantic's do not.
+        shown = "input" in e and not isinstance(e["input"], dict) and "got " not in msg
+        lines.append(f"{loc}: {msg}" + (f" (got {_shown.repr(e['input'])})" if shown else ""))
     return "invalid run configuration:\n  " + "\n  ".join(lines)
 
 

@@ -80,6 +80,8 @@ class ModelConfig(Frozen):
         data = dict(data)
         if data.get("checkpoint"):
             shaped = [k for k in ("d_model", "n_layers", "n_heads", "d_ff") if data.get(k)]
+            # The default preset reads as unset: stored configs and the DAG form write it.
+            shaped += ["preset"] if data.get("preset", "tiny") != "tiny" else []
             if shaped:
                 raise ValueError(
                     f"model.checkpoint sets the architecture; remove model.{', model.'.join(shaped)}"

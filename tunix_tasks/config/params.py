@@ -8,6 +8,9 @@ read from `RunConfig.model_json_schema()`, so they are declared once, in `tunix_
     specs["num_actors"].schema()            # {"type": "integer", "minimum": 1, "maximum": 1024, ...}
     run_config_from_params({"num_actors": 4, "env": "calculator"}, run_name="r1")
     # -> {"actor": {"num_actors": 4}, "env": {"name": "calculator"}, "run_name": "r1"}
+    recipe_defaults(load_config("configs/demo.yaml"))
+    # -> {"warm_start_steps": 140, ..., "overrides": ["env.latency_jitter=0.5", ...]}:
+    #    the form's defaults that reproduce a recipe (fields it lacks go in `overrides`)
 
 Imports only pydantic (through `tunix_tasks.config`): an Airflow DAG file may import it
 at parse time.
@@ -15,7 +18,8 @@ at parse time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import json
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +27,12 @@ from tunix_tasks.config.run import RunConfig
 
 __all__ = [
     "FORM_KEYS",
+    "FORM_OPTIONAL",
     "FieldSpec",
     "field_specs",
+    "flat_fields",
     "form_specs",
+    "recipe_defaults",
     "run_config_from_params",
 ]
 
@@ -46,7 +53,15 @@ FORM_KEYS: dict[str, str] = {
     "env_latency_s": "env.latency_s",
     "env_max_turns": "env.max_turns",
     "seed": "seed",
+    "warm_start_steps": "warm_start_steps",
+    "learning_rate": "learner.learning_rate",
 }
+
+#: Form fields a run can do without: the form takes them empty (null, no "required"
+#: badge), and empty leaves the config's default (no latency, no deadline, no warm start).
+FORM_OPTIONAL: frozenset[str] = frozenset(
+    {"env_latency_s", "deadline_s", "seed", "warm_start_steps"}
+)
 
 
 @dataclass(frozen=True)
@@ -181,3 +196,30 @@ def run_config_from_params(
     if run_name is not None:
         out["run_name"] = run_name
     return out
+
+
+def flat_fields(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every non-dict value of a nested dict."""
+    for name, value in data.items():
+        if isinstance(value, Mapping) and value:
+            yield from flat_fields(value, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", value
+
+
+def recipe_defaults(recipe: RunConfig, keys: Mapping[str, str] = FORM_KEYS) -> dict[str, Any]:
+    """The form values that reproduce `recipe` (e.g. `configs/demo.yaml`): each form
+    field's value in it, and `overrides`: `key=value` (JSON, which override values read
+    as YAML) for every other field where the recipe differs from `RunConfig`'s defaults.
+    `store` and `run_name` are left to the form."""
+    data = json.loads(recipe.to_json())
+    default = dict(flat_fields(json.loads(RunConfig().to_json())))
+    values: dict[str, Any] = dict(flat_fields(data))
+    shown = set(keys.values())
+    form = {name: values.get(key) for name, key in keys.items() if key not in ("store", "run_name")}
+    form["overrides"] = [
+        f"{key}={json.dumps(value)}"
+        for key, value in values.items()
+        if key not in shown | {"store", "run_name"} and default.get(key, ...) != value
+    ]
+    return form

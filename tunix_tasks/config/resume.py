@@ -58,6 +58,7 @@ RESUMABLE: dict[str, str] = {
     "learner.data_timeout_s": _TIMEOUT,
     "learner.keep_snapshots": _RETENTION,
     "learner.keep_every": _RETENTION,
+    "tracker": "where the metrics are also sent",
     "learner.delete_consumed_shards": _RETENTION,
     "learner.dedup_window": _RETENTION,
     "learner.remat": _LAYOUT,

@@ -127,7 +127,7 @@ class LearnerConfig(ObjectiveConfig):
         (64, 128, 256), description="row lengths; sequences are packed into one of these"
     )
     min_episodes_per_step: Int = Field(8, ge=1)
-    learning_rate: Float = Field(3e-4, gt=0.0)
+    learning_rate: Float = Field(3e-4, gt=0.0, description="AdamW learning rate of the RL steps")
     warm_start_learning_rate: FloatOrNone = Field(
         None,
         gt=0.0,
@@ -219,6 +219,11 @@ class RunConfig(Frozen):
     warm_start_steps: Int = Field(
         0, ge=0, description="supervised steps on demonstrations before RL"
     )
+    tracker: str | None = Field(
+        None,
+        description="an experiment tracker the learner's metrics also go to, through "
+        "your own client and its settings (mlflow: MLFLOW_TRACKING_URI, ...); none by default",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
@@ -232,6 +237,15 @@ class RunConfig(Frozen):
                 "run_name must be 1-128 characters of letters, digits, '.', '_' or '-', "
                 f"starting with a letter or digit; got {value!r}"
             )
+        return value
+
+    @field_validator("tracker")
+    @classmethod
+    def _tracker(cls, value: str | None) -> str | None:
+        if value is not None:  # the registry is light; no tracker client is imported
+            from tunix_tasks.storage.trackers import check_tracker
+
+            check_tracker(value)
         return value
 
     @field_validator("store")

@@ -1,20 +1,27 @@
 """Latency audit: is the learner or the actor fleet the bottleneck, and by how much?
 
-A pure function of the metrics records (no store, no clock), shown by the live display of
-`tunix-tasks train` (one line), in its end-of-run summary and in the run report:
+A pure function of the metrics records (no store, no clock). One computation serves the
+live display of `tunix-tasks train` (one line, over its recent records), its end-of-run
+summary and the run report (both `run_utilization` over every record of the run, so they
+agree):
 
-    audit = latency_audit(learner_records, actor_records, cfg)
+    audit = run_utilization(records, cfg)["latency_audit"]   # or latency_audit(steps, ...)
     audit["bottleneck"], audit["advice"]   # "actors", "actor-bound: add ~3 envs per actor ..."
 
 - learner capacity: episodes/s (and real tokens/s) it could train if it never waited for
   data = episodes per step / median train-step time (steps that compiled excluded);
-- actor supply: the sum over actors of their median episodes/s (each actor's metrics
-  record carries the rate over its last ~5 s), with env step latency p50/p99 and the
-  policy (sampler) latency p50;
+- actor supply: episodes over time, per actor from its first record after its first
+  episode (start-up excluded: loading, compiling the sampler) to its last, summed over
+  actors; with env step latency p50/p99 and the policy (sampler) latency p50. Not the
+  median of the per-record `episodes_per_s`: most 5 s windows of a short run are
+  compilation or a window without a committed group, so that median is 0;
 - the ratio supply / capacity says which side waits. Below 1 the learner idles for data
   (its duty cycle is at most about that ratio): the fleet that keeps it busy is suggested
   both ways, more environments per actor (hides env latency while the sampler keeps up)
-  or more actors. Above 1 the surplus becomes backlog, staleness and dropped episodes.
+  or more actors. Above 1 the surplus becomes backlog, staleness and dropped episodes;
+- the backlog the learner's latest steps report: a whole batch (or more) buffered means
+  the learner does not wait for the actors whatever the rates say (they are noisy under
+  load), so the audit never advises more actors then.
 
 In sync mode the learner waits for each batch by design, so a low duty cycle there is the
 cost of synchrony, not a fleet that is too small.
@@ -36,6 +43,7 @@ from tunix_tasks.frontdoor.supervision import process_log_dir
 
 BALANCED = 0.1  # supply within ±10% of capacity: neither side is the bottleneck
 STOPPED_EARLY_S = 30.0  # a process whose last record is this much older than the run's
+BACKLOG_STEPS = 5  # the learner's latest steps whose buffer the audit weighs
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -69,28 +77,106 @@ def learner_capacity(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _lives(records: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """One actor's records (in time order) split where its episode count starts again:
+    a restarted actor (same id, new process) counts from 0."""
+    lives: list[list[dict[str, Any]]] = []
+    last = None
+    for r in records:
+        n = r.get("episodes")
+        if not isinstance(n, int | float):
+            continue
+        if last is None or n < last:
+            lives.append([])
+        lives[-1].append(r)
+        last = n
+    return lives
+
+
+def actor_rate(records: Sequence[dict[str, Any]]) -> float | None:
+    """Episodes/s of one actor: the episodes counted between its first record after its
+    first episode and its last record, over that time, summed over its lives. None
+    until two such records exist."""
+    episodes, span = 0.0, 0.0
+    for life in _lives(sorted(records, key=lambda r: r.get("time", 0.0))):
+        producing = [r for r in life if r["episodes"] > 0]
+        if len(producing) >= 2:
+            episodes += producing[-1]["episodes"] - producing[0]["episodes"]
+            span += producing[-1]["time"] - producing[0]["time"]
+    return episodes / span if span > 0 else None
+
+
+LATENCIES = ("env_step_p50_s", "env_step_p99_s", "policy_latency_p50_s")
+
+
 def actor_supply(actor_records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Episodes/s the actors produce (sum of per-actor medians of `episodes_per_s` over
-    records after their first episode) and their latencies (medians over actors of each
-    actor's latest p50/p99)."""
+    """Episodes/s the actors produce (the sum of `actor_rate` over actors) and their
+    latencies: per actor the median of its records' p50/p99 from its first episode on
+    (its latest record's before that), then the median over actors. Not the latest
+    record alone: an actor's final record, after it stopped, says little."""
     by_actor: dict[str, list[dict[str, Any]]] = {}
     for r in actor_records:
         by_actor.setdefault(str(r.get("process", r.get("actor_id", "?"))), []).append(r)
-    rates, latest = [], []
+    rates, latencies = [], []
     for rs in by_actor.values():
-        rs = sorted(rs, key=lambda r: r.get("time", 0.0))
-        rate = _median(r.get("episodes_per_s") for r in rs if (r.get("episodes") or 0) > 0)
+        rate = actor_rate(rs)
         if rate is not None:
             rates.append(rate)
-        latest.append(rs[-1])
+        producing = [r for r in rs if (r.get("episodes") or 0) > 0 and not r.get("final")]
+        steady = producing or [max(rs, key=lambda r: r.get("time", 0.0))]
+        latencies.append({k: _median(r.get(k) for r in steady) for k in LATENCIES})
     return {
         "actors_reporting": len(by_actor),
         "eps_per_s": float(sum(rates)) if rates else None,
         "per_actor_eps_per_s": float(np.mean(rates)) if rates else None,
-        "env_step_p50_s": _median(r.get("env_step_p50_s") for r in latest),
-        "env_step_p99_s": _median(r.get("env_step_p99_s") for r in latest),
-        "policy_latency_p50_s": _median(r.get("policy_latency_p50_s") for r in latest),
+        **{k: _median(a[k] for a in latencies) for k in LATENCIES},
     }
+
+
+def learner_backlog(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What the learner's last `BACKLOG_STEPS` step records saw waiting: the median of
+    their `buffer` (episodes buffered after the step) and `backlog_shards` (shards not
+    read yet), and the largest staleness they trained."""
+    recent = steps[-BACKLOG_STEPS:]
+    stale = [int(k) for r in recent for k, v in (r.get("staleness") or {}).items() if v]
+    buffered = _median(r.get("buffer") for r in recent)
+    shards = _median(r.get("backlog_shards") for r in recent)
+    return {
+        "buffered_episodes": None if buffered is None else round(buffered),
+        "unread_shards": None if shards is None else round(shards),
+        "staleness_max": max(stale, default=None),
+    }
+
+
+def step_records(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every learner step record, redone steps included, in time order."""
+    steps = [r for r in records if r.get("process") == "learner" and "step" in r and "loss" in r]
+    return sorted(steps, key=lambda r: r["time"])
+
+
+def learner_steps(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per learner step, in step order. A learner that crashes resumes from
+    its last checkpoint and redoes the steps after it; a redone step keeps the record of
+    the attempt that survived (the latest), so nothing counts twice."""
+    last: dict[int, dict[str, Any]] = {}
+    for r in step_records(records):
+        last[r["step"]] = r
+    return [last[step] for step in sorted(last)]
+
+
+def actor_records(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The actors' metrics records."""
+    return [r for r in records if str(r.get("process", "")).startswith("actor/")]
+
+
+def _backlog_text(out: dict[str, Any]) -> str:
+    """`797 episodes buffered (~12 steps), 3 shards unread, staleness at its bound 4`."""
+    text = (
+        f"{out['buffered_episodes']} episodes buffered (~{out['backlog_steps']:.0f} steps), "
+        f"{out['unread_shards'] or 0} shards unread"
+    )
+    at_bound = (out["staleness_max"] or 0) >= out["max_staleness"]
+    return text + (f", staleness at its bound {out['max_staleness']}" if at_bound else "")
 
 
 def latency_audit(
@@ -115,26 +201,45 @@ def latency_audit(
         "env_step_p50_s": sup["env_step_p50_s"],
         "env_step_p99_s": sup["env_step_p99_s"],
         "policy_latency_p50_s": sup["policy_latency_p50_s"],
+        **learner_backlog(steps),
+        "backlog_steps": None,
+        "max_staleness": cfg.learner.max_staleness,
         "supply_over_capacity": None,
         "bottleneck": "unknown",
         "suggest_envs_per_actor": None,
         "suggest_num_actors": None,
         "policy_bound": None,
-        "advice": "not enough metrics yet (learner steps and actor records)",
+        "advice": "not enough metrics yet (learner steps, and actor records after their "
+        "first episodes)",
     }
     capacity, supply = cap["eps_per_s"], sup["eps_per_s"]
     if not capacity or not supply:
         return out
     ratio = supply / capacity
     out["supply_over_capacity"] = ratio
-    out["suggest_envs_per_actor"] = max(1, math.ceil(envs / ratio))
-    out["suggest_num_actors"] = max(1, math.ceil(actors / ratio))
+    if out["buffered_episodes"] is not None and cap["episodes_per_step"]:
+        out["backlog_steps"] = out["buffered_episodes"] / cap["episodes_per_step"]
+    # A whole batch waiting: the learner does not wait for the actors, whatever the rates.
+    backlog = cfg.mode != "sync" and (out["backlog_steps"] or 0.0) >= 1
+    fleet = max(ratio, 1.0) if backlog else ratio  # never more actors over a backlog
+    out["suggest_envs_per_actor"] = max(1, math.ceil(envs / fleet))
+    out["suggest_num_actors"] = max(1, math.ceil(actors / fleet))
     rates = f"actors supply {supply:.3g} eps/s, learner trains up to {capacity:.3g} eps/s"
     if cfg.mode == "sync":
         out["bottleneck"] = "sync"
         out["advice"] = (
             f"sync: the learner waits for every batch by design ({rates}); "
             "async mode overlaps generation with training"
+        )
+    elif backlog or ratio > 1 + BALANCED:
+        out["bottleneck"] = "learner"
+        out["advice"] = f"learner-bound ({rates}"
+        out["advice"] += f"; {_backlog_text(out)}): " if backlog else "): "
+        out["advice"] += (
+            f"the surplus becomes backlog and staleness; ~{out['suggest_num_actors']} actors "
+            "would do"
+            if ratio > 1 + BALANCED
+            else "the learner does not wait for the actors; more actors would only add staleness"
         )
     elif ratio < 1 - BALANCED:
         out["bottleneck"] = "actors"
@@ -146,23 +251,42 @@ def latency_audit(
             if out["policy_bound"]
             else f"add ~{add_envs} envs per actor or {add_actors} actors"
         )
-    elif ratio > 1 + BALANCED:
-        out["bottleneck"] = "learner"
-        out["advice"] = (
-            f"learner-bound ({rates}): the surplus becomes backlog and staleness; "
-            f"~{out['suggest_num_actors']} actors would do"
-        )
     else:
         out["bottleneck"] = "balanced"
         out["advice"] = f"balanced ({rates})"
     return out
 
 
+def steady_duty_cycle(steps: Sequence[dict[str, Any]]) -> float | None:
+    """Time in train steps over wall time, from the end of the first step (compilation
+    and start-up excluded) to the last step."""
+    if len(steps) < 3:
+        return None
+    span = steps[-1]["time"] - steps[0]["time"]
+    busy = sum(r["step_s"] for r in steps[1:])
+    return busy / span if span > 0 else None
+
+
+def run_utilization(records: Sequence[dict[str, Any]], cfg: Any) -> dict[str, Any]:
+    """The utilization figures of a whole run's metrics records (every process, any
+    order; a redone step's surviving record counts once): `duty_cycle_steady`,
+    `duty_cycle_explained` and `latency_audit`, what the report and `train`'s summary
+    show."""
+    steps = learner_steps(records)
+    audit = latency_audit(steps, actor_records(records), cfg)
+    duty = steady_duty_cycle(steps)
+    return {
+        "duty_cycle_steady": duty,
+        "duty_cycle_explained": explain_duty(duty, audit),
+        "latency_audit": audit,
+    }
+
+
 def audit_line(audit: dict[str, Any]) -> str:
     """One short line for the live display."""
     b, ratio = audit.get("bottleneck"), audit.get("supply_over_capacity")
     if b in (None, "unknown") or ratio is None:
-        return "audit: waiting for learner steps and actor records"
+        return "audit: waiting for learner steps and actors' first episodes"
     rates = (
         f"supply {audit['actor_supply_eps_per_s']:.3g} / capacity "
         f"{audit['learner_capacity_eps_per_s']:.3g} eps/s"
@@ -174,6 +298,10 @@ def audit_line(audit: dict[str, Any]) -> str:
             return f"actor-bound (policy latency), {rates}: add ~{add_actors} actors"
         return f"actor-bound, {rates}: add ~{add_envs} envs/actor or {add_actors} actors"
     if b == "learner":
+        if (audit.get("backlog_steps") or 0.0) >= 1:
+            return (
+                f"learner-bound, {rates}, {audit['buffered_episodes']} eps buffered: no more actors"
+            )
         return f"learner-bound, {rates}: ~{audit['suggest_num_actors']} actors would do"
     return f"{b}, {rates}"
 

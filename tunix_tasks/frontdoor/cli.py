@@ -1,6 +1,6 @@
 """`tunix-tasks` command line: parse arguments, then call the library.
 
-    tunix-tasks inspect URI [--json]
+    tunix-tasks inspect URI [--json] [--conversations N [--order best|worst|recent] [--run R]]
     tunix-tasks config  [--config run.yaml] [--set k=v ...]   # print the validated config
     tunix-tasks train   [--config run.yaml] [--set k=v ...] [--store URI] [--run-name N]
                         [--mode async|sync] [--quiet] [--json]
@@ -25,9 +25,10 @@ its traceback (a bug). Exit codes:
          invalid value or URI), a path or run that does not exist, a corrupt config.json, a
          GGUF file that cannot be imported, a packaged model that cannot be fetched
     3    the learner was fenced off: another learner published over `weights/LATEST`
+         or took over its lease
     4    another learner holds the run's lease (retry once it has stopped or expired)
-    5    storage failed: unreachable after retries (each retry is logged), or permission
-         denied
+    5    storage failed: unreachable after retries (each retry is logged), permission
+         denied, or no usable credentials for a gs:// store
     130  interrupted
 """
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -87,13 +89,49 @@ def _check_run_config(run_uri: str) -> None:
 def _inspect(args: argparse.Namespace) -> int:
     from tunix_tasks.frontdoor.inspect import format_summary, inspect_uri
 
+    if args.conversations is not None:
+        return _conversations(args)
     summary = inspect_uri(args.uri)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return EXIT_FAILED if summary["invalid"] else 0
 
 
+def _conversations(args: argparse.Namespace) -> int:
+    """`inspect --conversations N`: N episodes as conversations, decoded with the run's
+    tokenizer (the run: `--run`, else the folder above the URI's `shards/`)."""
+    from tunix_tasks.frontdoor.inspect import (
+        conversation,
+        format_conversation,
+        pick_episodes,
+        read_episodes,
+        run_of,
+    )
+    from tunix_tasks.policy.preflight import build_chat
+    from tunix_tasks.storage.runs import read_config
+
+    if args.conversations < 1:
+        raise ConfigError(f"--conversations {args.conversations}: expected a count >= 1")
+    cfg, _ = read_config(args.run or run_of(args.uri))
+    try:
+        chat = build_chat(cfg.model)
+    except ValueError as err:  # PolicyError: names the checkpoint and the file
+        raise ConfigError(f"the run's tokenizer: {err}") from None
+    chosen = pick_episodes(read_episodes(args.uri), args.conversations, args.order)
+    print("\n\n".join(format_conversation(ep, conversation(ep, chat)) for ep in chosen))
+    return 0
+
+
 def _print_config(args: argparse.Namespace) -> int:
-    print(_config(args).to_json())
+    cfg = _config(args)
+    checkpoint = cfg.model.checkpoint
+    if checkpoint and checkpoint.startswith("file://"):  # local: a cheap check (prepare: all)
+        from tunix_tasks.policy.preflight import PolicyError, checkpoint_files
+
+        try:
+            checkpoint_files(checkpoint)
+        except PolicyError as err:
+            raise ConfigError(f"model.checkpoint: {err}") from None
+    print(cfg.to_json())
     return 0
 
 
@@ -112,7 +150,7 @@ def train_overrides(args: argparse.Namespace) -> list[str]:
 def _train(args: argparse.Namespace) -> int:
     from tunix_tasks.frontdoor.entrypoints import resume_note
     from tunix_tasks.frontdoor.launcher import train_local
-    from tunix_tasks.frontdoor.summary import format_train_summary
+    from tunix_tasks.frontdoor.summary import format_next_steps, format_train_summary
 
     cfg = _config(args, train_overrides(args))
     note = resume_note(cfg)  # a change a resume may not make: exit 2, nothing written
@@ -139,7 +177,17 @@ def _train(args: argparse.Namespace) -> int:
     if summary.get("interrupted"):
         print(f"interrupted; run the same command again to resume {cfg.run_uri}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    return 0 if summary["learner_exit_code"] == 0 else EXIT_FAILED
+    if summary["learner_exit_code"] != 0:
+        return EXIT_FAILED
+    if not args.json:
+        print(format_next_steps(summary, _prog()))
+    return 0
+
+
+def _prog() -> str:
+    """How `tunix-tasks` was called (`.venv/bin/tunix-tasks`), for commands to paste."""
+    called = sys.argv[0] if sys.argv else ""
+    return called if os.path.basename(called) == "tunix-tasks" else "tunix-tasks"
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -256,6 +304,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("inspect", _inspect, "summarize a shard or every shard under a prefix")
     p.add_argument("uri", help="file path, file://..., or gs://... (a .parquet or a prefix)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--conversations",
+        type=int,
+        metavar="N",
+        help="print N episodes as conversations (the run's tokenizer; tool calls marked)",
+    )
+    p.add_argument(
+        "--order",
+        choices=["best", "worst", "recent"],
+        default="recent",
+        help="which episodes --conversations shows: highest reward, lowest, or latest",
+    )
+    p.add_argument("--run", help="the run whose tokenizer decodes (default: above shards/)")
 
     p = command("config", _print_config, "validate and print a run configuration")
     _add_config_args(p)
@@ -321,6 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        # JAX logs "Unable to initialize backend 'tpu'" at INFO on every CPU-only run.
+        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     try:
         return args.func(args)
     except KeyboardInterrupt:

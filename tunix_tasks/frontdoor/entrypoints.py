@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tunix_tasks.config import ConfigError, RunConfig, check_resume, config_from_dict
+from tunix_tasks.storage.outage import first_contact
 from tunix_tasks.storage.runs import finished_step, read_config, stored_config, write_config
 from tunix_tasks.storage.runs import mark_done as _mark_done
 from tunix_tasks.storage.store import open_store
@@ -50,7 +51,7 @@ def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None =
             data["run_name"] = run_name
         cfg = config_from_dict(data)
     if cfg.model.checkpoint:  # a bad checkpoint fails here, not in every process
-        from tunix_tasks.policy.build import PolicyError, check_policy
+        from tunix_tasks.policy.preflight import PolicyError, check_policy
 
         try:
             check_policy(cfg.model)
@@ -69,11 +70,12 @@ def resume_note(cfg: RunConfig) -> str | None:
     """What starting run `cfg` (again) would do, checked before anything is written.
 
     Raises `ConfigError` (one line naming each field) if the run exists and `cfg` changes a
-    field a resume may not change. Returns a one-line note if the run is finished (DONE
+    field a resume may not change, `StoreUnavailable` if the store does not answer within
+    TUNIX_STORE_CONNECT_DEADLINE_S (`storage.outage.first_contact`). Returns a one-line note if the run is finished (DONE
     with `learner.max_steps` reached: nothing to train); None for a new run or one with
     steps to go."""
     store = open_store(cfg.run_uri)
-    stored = stored_config(store)
+    stored = first_contact(cfg.run_uri, stored_config, store)  # unreachable: bounded
     if stored is None:
         return None
     check_resume(stored, cfg)
@@ -114,14 +116,15 @@ def run_actor(
 
 LEARNER_FENCED_EXIT_CODE = 3
 """Exit status of `tunix-tasks learner` when another learner published over this one's
-`weights/LATEST`: it is fenced off and stops (no traceback, one logged line). Retrying
-does not help; the run belongs to the other learner."""
+`weights/LATEST` or took its lease over: it is fenced off and stops (no traceback, one
+logged line). Retrying does not help; the run belongs to the other learner."""
 
 
 class LearnerFenced(SystemExit):
-    """Raised by `run_learner` instead of `PublishConflict`: a SystemExit whose `code` is
-    `LEARNER_FENCED_EXIT_CODE`, so the learner process exits with that status and the one
-    line logged before (`str()` of this exception), whatever command called it."""
+    """Raised by `run_learner` instead of `PublishConflict` or `LeaseLost`: a SystemExit
+    whose `code` is `LEARNER_FENCED_EXIT_CODE`, so the learner process exits with that
+    status and the one line logged before (`str()` of this exception), whatever command
+    called it."""
 
     def __init__(self, message: str) -> None:
         super().__init__(LEARNER_FENCED_EXIT_CODE)
@@ -143,7 +146,8 @@ def run_learner(
     (`MetricsTail(store, "learner")`); new weights appear as `weights/LATEST`.
 
     A learner that lost the `weights/LATEST` race (another learner published over it)
-    logs one line and raises `LearnerFenced` (SystemExit, status 3).
+    or its lease (another learner took the run over) logs one line and raises
+    `LearnerFenced` (SystemExit, status 3).
 
     Multi-host (`TUNIX_NUM_PROCESSES` > 1, with `TUNIX_COORDINATOR_ADDRESS` and
     `TUNIX_PROCESS_ID`): every process calls this; process 0 is the learner above and
@@ -157,6 +161,7 @@ def run_learner(
         initialize(group)  # before anything else touches JAX
 
     from tunix_tasks.learner.learner import Learner
+    from tunix_tasks.storage.lease import LeaseLost
     from tunix_tasks.storage.weights import PublishConflict
 
     cfg, store = read_config(run_uri)
@@ -172,8 +177,11 @@ def run_learner(
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda s, _f: learner.request_stop(signal.Signals(s).name))
     try:
-        return learner.run()
-    except PublishConflict as err:  # lost the weights/LATEST race: fenced off
+        summary = learner.run()
+        if summary["stop_reason"] == "lease lost":  # taken over while it had nothing to save
+            learner.parts.lease.ensure()  # raises the LeaseLost that names the new owner's lease
+        return summary
+    except (PublishConflict, LeaseLost) as err:  # another learner has the run: fenced off
         log.error("%s", err)
         raise LearnerFenced(str(err)) from None
 

@@ -11,7 +11,10 @@ the run stops with a message instead of idling (supervision.py).
 
 The live display reads the learner's metrics records with `MetricsTail`, the same records
 (and the same reader) the report uses; there is no second telemetry channel. On a
-terminal it is a `rich` live table; otherwise a plain line every few seconds.
+terminal it is a `rich` live table; otherwise a plain line every few seconds. Its audit
+line is the latency audit of the recent records; when the run ends, the last frame and
+the summary show the report's audit of every record of the run (audit.py,
+`run_utilization`).
 
     summary = train_local(cfg)        # blocks; shows live progress; writes the report
 """
@@ -29,7 +32,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from tunix_tasks.config import RunConfig
-from tunix_tasks.frontdoor.audit import display_line, explain_duty, latency_audit, rounded, utc
+from tunix_tasks.frontdoor.audit import (
+    display_line,
+    explain_duty,
+    latency_audit,
+    rounded,
+    run_utilization,
+    utc,
+)
 from tunix_tasks.frontdoor.entrypoints import (
     LEARNER_FENCED_EXIT_CODE,
     actor_name,
@@ -60,6 +70,17 @@ RESTART_DELAY_S = 5.0  # doubled after each restart of the same actor
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+NARROW_BELOW = 120  # terminal columns: below this the table shows the narrow fields
+NARROW = ("step", "reward", "duty", "backlog", "staleness", "actors")
+
+
+def _phase_counts(phases: list[str]) -> str:
+    """`["compiling the sampler (3 programs)"] * 2 + ["sampling"]` ->
+    `2 compiling the sampler (3 programs), 1 sampling`."""
+    counts = collections.Counter(phases)
+    return ", ".join(f"{n} {phase}" for phase, n in counts.items())
+
+
 class LiveStatus:
     """What the live display shows, from the learner's (and actors', for the audit) records."""
 
@@ -82,9 +103,18 @@ class LiveStatus:
         self.watch = watch or Stopwatch()
         self.started_at = time.time()
         self.record: dict[str, Any] = {}  # the latest learner step record
+        self.learner_phase: dict[str, Any] = {}  # the latest learner record with a `phase`
+        self.learner_seen = 0.0  # the time of its latest other record
+        # When the phase began: its record's time, or the learner's last other record
+        # when that came after the previous phase (a wait for data starts at a step and
+        # is recorded only once it lasts WAIT_NOTED_S, learner.py).
+        self.learner_phase_from = 0.0
         self.warm_step = 0
         self.reward_ema: float | None = None
         self.last_record_time: float | None = None
+        # Set at the end: the audit of every record of the run (the report's), which the
+        # last frame and the summary show instead of the recent window's.
+        self.final_audit: dict[str, Any] | None = None
         # Display lag = when a record reached us - when the learner logged it.
         self.lag_n, self.lag_sum, self.lag_max = 0, 0.0, 0.0
 
@@ -102,6 +132,13 @@ class LiveStatus:
                 self.warm_step = max(self.warm_step, int(r["warm_start_step"]))
             if str(r.get("process", "")).startswith("actor/"):
                 self.actor_records.setdefault(r["process"], collections.deque(maxlen=24)).append(r)
+            elif "phase" in r:
+                if r.get("time", 0.0) >= self.learner_phase.get("time", 0.0):
+                    after_phase = self.learner_phase.get("time", 0.0) >= self.learner_seen
+                    self.learner_phase_from = r["time"] if after_phase else self.learner_seen
+                    self.learner_phase = r
+            elif isinstance(t, int | float):  # a warm-start or step record ends a phase
+                self.learner_seen = max(self.learner_seen, t)
             if "step" in r and "loss" in r:
                 self.steps.append(r)
                 if int(r["step"]) >= int(self.record.get("step", -1)):
@@ -113,9 +150,10 @@ class LiveStatus:
                     )
 
     def audit(self) -> dict[str, Any] | None:
-        """The latency audit of the recent records (None without the run's config)."""
-        if self.cfg is None:
-            return None
+        """The latency audit of the recent records, or `final_audit` once set (None
+        without the run's config)."""
+        if self.final_audit is not None or self.cfg is None:
+            return self.final_audit
         steps = sorted(self.steps, key=lambda r: r["step"])
         actors = [r for rs in self.actor_records.values() for r in rs]
         return latency_audit(steps, actors, self.cfg)
@@ -127,8 +165,33 @@ class LiveStatus:
             "max": self.lag_max if self.lag_n else None,
         }
 
-    def fields(self, *, now: float | None = None) -> list[tuple[str, str]]:
-        """(label, value) pairs, the same for the table and the plain line."""
+    def phase(self, *, now: float | None = None) -> str:
+        """What is happening while no step comes, from the processes' `phase` records
+        since this display started (a resumed run's old ones say nothing about now): the
+        learner's, when newer than its other records (`waiting for the first shard`,
+        `compiling the train step for bucket 64 (1 of 2)`, ...), with how long it has
+        lasted, and the actors' latest (`2 compiling the sampler (3 programs so far)`);
+        `starting` for processes that have written nothing yet (imports, the model).
+        Empty while the learner steps and every actor samples."""
+        now = time.time() if now is None else now
+        parts = []
+        lp = self.learner_phase
+        if lp.get("time", 0.0) >= self.started_at and lp["time"] > self.learner_seen:
+            parts.append(f"learner {lp['phase']} ({max(0.0, now - self.learner_phase_from):.0f}s)")
+        elif max(lp.get("time", 0.0), self.learner_seen) < self.started_at:
+            parts.append(f"learner starting ({max(0.0, now - self.started_at):.0f}s)")
+        latest = [rs[-1] for rs in self.actor_records.values() if rs]
+        phases = [str(r["phase"]) for r in latest if "phase" in r and r["time"] >= self.started_at]
+        if not phases:
+            phases = ["starting"] * self.actors_total
+        if parts or any(p != "sampling" for p in phases):
+            parts.append("actors: " + _phase_counts(phases))
+        return "; ".join(parts)
+
+    def fields(self, *, now: float | None = None, narrow: bool = False) -> list[tuple[str, str]]:
+        """(label, value) pairs, the same for the table and the plain line. `narrow`: the
+        `NARROW` ones only, the buffer folded into `backlog`, for terminals under
+        `NARROW_BELOW` columns."""
         now = time.time() if now is None else now
         r = self.record
         out = [("time", f"{self.watch.wall_s:.0f}s")]
@@ -138,37 +201,49 @@ class LiveStatus:
         elif self.warm_step:
             out.append(("step", f"warm start {self.warm_step}/{self.warm_start_steps}"))
         else:
-            out.append(("step", "starting (compile, warm start, first data)"))
+            out.append(("step", "starting"))
         if r:
             stale = {int(k): int(v) for k, v in (r.get("staleness") or {}).items()}
             n = sum(stale.values())
             mean_stale = sum(k * v for k, v in stale.items()) / n if n else 0.0
+            shards = r.get("backlog_shards", 0)
             out += [
                 ("reward", f"{self.reward_ema or 0.0:.3f}"),
                 ("duty", f"{r.get('duty_cycle', 0.0):.2f}"),
                 ("buffer", f"{r.get('buffer', 0)} eps"),
-                ("backlog", f"{r.get('backlog_shards', 0)} shards"),
+                (
+                    "backlog",
+                    f"{r.get('buffer', 0)} eps + {shards} shards" if narrow else f"{shards} shards",
+                ),
                 ("staleness", f"{mean_stale:.1f} (max {max(stale, default=0)})"),
                 ("dropped", str(sum((r.get("dropped") or {}).values()))),
             ]
         out.append(("actors", f"{self.actors_alive}/{self.actors_total}"))
         if self.last_record_time is not None:
             out.append(("updated", f"{max(0.0, now - self.last_record_time):.0f}s ago"))
-        return out
+        return [f for f in out if f[0] in NARROW] if narrow else out
 
     def line(self, *, now: float | None = None) -> str:
         text = "  ".join(f"{k} {v}" for k, v in self.fields(now=now))
+        phase = self.phase(now=now)
+        text += f"  now: {phase}" if phase else ""
         audit = display_line(self.record.get("duty_cycle"), self.audit())
         return f"{text}  | {audit}" if audit else text
 
     def render(self, *, now: float | None = None) -> Any:
-        """A rich renderable: a step progress bar over a one-row table of the fields."""
+        """A rich renderable: a step progress bar, what is happening (`phase`) and a
+        one-row table of the fields, narrow (`NARROW`) under `NARROW_BELOW` columns."""
+        return _Frame(self, now)
+
+    def frame(self, width: int, *, now: float | None = None) -> Any:
+        """The renderable for a console `width` columns wide (`render`)."""
         from rich import box
         from rich.console import Group
         from rich.progress_bar import ProgressBar
         from rich.table import Table
+        from rich.text import Text
 
-        fields = self.fields(now=now)
+        fields = self.fields(now=now, narrow=width < NARROW_BELOW)
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
         for label, _ in fields:
             table.add_column(label, justify="right", no_wrap=True)
@@ -182,8 +257,26 @@ class LiveStatus:
             ),
             f"{100 * step / max(1, self.max_steps):.0f}%",
         )
+        parts: list[Any] = [bar]
+        phase = self.phase(now=now)
+        if phase:
+            parts.append(Text(f"now: {phase}"))  # record text: never rich markup
+        parts.append(table)
         audit = display_line(self.record.get("duty_cycle"), self.audit())
-        return Group(bar, table, audit) if audit else Group(bar, table)
+        if audit:
+            parts.append(audit)
+        return Group(*parts)
+
+
+class _Frame:
+    """`LiveStatus.frame` laid out for the width rich renders it at (a resized terminal
+    switches layouts at the next refresh)."""
+
+    def __init__(self, status: LiveStatus, now: float | None) -> None:
+        self.status, self.now = status, now
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        yield self.status.frame(options.max_width, now=self.now)
 
 
 class _Display:
@@ -300,6 +393,7 @@ def train_local(
     children = [learner, *actors]
     failed: str | None = None
     polls = 0
+    utilization: dict[str, Any] = {}  # the report's figures of the whole run (run_utilization)
     try:
         with _Display(status, quiet=quiet) as display:
             pool = ActorPool(
@@ -346,6 +440,11 @@ def train_local(
                 stop(actors, signal.SIGTERM, GRACE_S)
             poll(actors=True)  # the learner closed its metrics writer: final records there
             polls += 1
+            try:  # every process has stopped: the run's records are all there
+                utilization = run_utilization(MetricsTail(store).poll(), cfg)
+                status.final_audit = utilization["latency_audit"]
+            except StoreError as err:  # the summary keeps the recent window's audit
+                log.warning("reading the run's metrics failed: %r", err)
             status.actors_alive = pool.alive
             display.refresh(force=True)
     finally:
@@ -364,8 +463,16 @@ def train_local(
         "failed": failed,
         "logs": log_dir,
         "last_step": {**status.record, "time": utc(status.record.get("time"))},
-        "latency_audit": status.audit(),
-        "duty_cycle_explained": explain_duty(status.record.get("duty_cycle"), status.audit()),
+        # The report's utilization of the whole run; the recent window's if unreadable.
+        **(
+            utilization
+            or {
+                "latency_audit": status.audit(),
+                "duty_cycle_explained": explain_duty(
+                    status.record.get("duty_cycle"), status.audit()
+                ),
+            }
+        ),
         "display": {
             "lag_s": status.lag_summary(),
             "polls": polls,

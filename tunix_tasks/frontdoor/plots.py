@@ -124,7 +124,7 @@ def report_plots(
             "trained episodes",
             "learner version - policy version",
         )
-    dropped = dict(summary.get("dropped_ledger") or summary.get("dropped_last_step") or {})
+    dropped = dict(summary.get("dropped_ledger") or summary.get("dropped_total") or {})
     dropped["quarantined shards"] = summary.get("quarantined_shards", 0)
     panel("Dropped", lambda ax: ax.bar(list(dropped), list(dropped.values())), "count", "")
     if actors:

@@ -1,4 +1,6 @@
-"""The run report: summary numbers (JSON) and plots (one self-contained HTML page).
+"""The run report: summary numbers (JSON) and plots (one self-contained HTML page), and
+what the model wrote: a few episodes of each phase of training as conversations
+(`frontdoor/inspect.py: answer_phases`).
 
 Built only from what the run left in its store (metrics chunks, ledger, quarantine,
 evaluations, config), so it works for a finished, a running or a crashed run. Metrics
@@ -20,15 +22,19 @@ import numpy as np
 
 from tunix_tasks.config import RunConfig
 from tunix_tasks.frontdoor.audit import (
+    actor_records,
     compare_runs,
-    explain_duty,
     health,
-    latency_audit,
+    learner_steps,
     rounded,
+    run_utilization,
+    step_records,
     utc,
 )
+from tunix_tasks.frontdoor.inspect import answer_phases, read_episodes, turn_label
 from tunix_tasks.frontdoor.plots import report_plots
 from tunix_tasks.learner.checkpoint import read_ledger
+from tunix_tasks.policy.preflight import build_chat
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsTail
 from tunix_tasks.storage.runs import is_done, read_config
@@ -37,42 +43,16 @@ from tunix_tasks.storage.uri import join_uri
 from tunix_tasks.storage.weights import PointerError, read_latest
 
 
-def _step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every learner step record, redone steps included, in time order."""
-    steps = [r for r in records if r.get("process") == "learner" and "step" in r and "loss" in r]
-    return sorted(steps, key=lambda r: r["time"])
-
-
-def _learner_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One record per learner step, in step order. A learner that crashes resumes from
-    its last checkpoint and redoes the steps after it; a redone step keeps the record of
-    the attempt that survived (the latest), so nothing counts twice."""
-    last: dict[int, dict[str, Any]] = {}
-    for r in _step_records(records):
-        last[r["step"]] = r
-    return [last[step] for step in sorted(last)]
-
-
 def step_record_gaps(records: list[dict[str, Any]]) -> tuple[int, int]:
     """(steps redone, steps without metrics). Redone: step records superseded by a later
     attempt's record of the same step (a crash after the metrics of those steps were
     flushed). Without metrics: steps up to the last one with no record at all, e.g. run
     after the last metrics flush of an attempt that then crashed past a checkpoint (such
     steps are not redone, so their metrics are lost)."""
-    every = _step_records(records)
+    every = step_records(records)
     unique = {r["step"] for r in every}
     last = max(unique, default=0)
     return len(every) - len(unique), last - len({s for s in unique if 1 <= s <= last})
-
-
-def steady_duty_cycle(steps: list[dict[str, Any]]) -> float | None:
-    """Time in train steps over wall time, from the end of the first step (compilation
-    and start-up excluded) to the last step."""
-    if len(steps) < 3:
-        return None
-    span = steps[-1]["time"] - steps[0]["time"]
-    busy = sum(r["step_s"] for r in steps[1:])
-    return busy / span if span > 0 else None
 
 
 def sampler_mismatch(steps: list[dict[str, Any]], cfg: RunConfig) -> dict[str, Any] | None:
@@ -118,9 +98,9 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
     cfg, _ = read_config(store.uri)
     if records is None:
         records = read_records(store)
-    steps = _learner_steps(records)  # one per step: redone steps count once
+    steps = learner_steps(records)  # one per step: redone steps count once
     steps_redone, steps_without_metrics = step_record_gaps(records)
-    actors = [r for r in records if str(r.get("process", "")).startswith("actor/")]
+    actors = actor_records(records)
     final_actor: dict[str, dict[str, Any]] = {}
     for r in actors:
         final_actor[r["process"]] = r
@@ -148,8 +128,7 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
     trained_tokens = sum(r["real_tokens"] for r in steps)
     actor_eps = sum(int(r.get("episodes", 0)) for r in final_actor.values())
     done = is_done(store)
-    audit = latency_audit(steps, actors, cfg)
-    duty_steady = steady_duty_cycle(steps)
+    utilization = run_utilization(records, cfg)
     last_step_version = steps[-1]["version"] if steps else None
     version = latest_version(store)
     times = [r["time"] for r in records]
@@ -169,15 +148,13 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
             "version_last_step_record": last_step_version,
             "trained_episodes_ledger": trained,
             "dropped_ledger": dict(dropped),
-            "dropped_last_step": steps[-1]["dropped"] if steps else {},
+            "dropped_total": steps[-1]["dropped"] if steps else {},
             "episodes_generated": actor_eps,
             "quarantined_shards": len(quarantined),
             "reward_first": float(np.mean(rewards[:k])) if rewards else None,
             "reward_last": float(np.mean(rewards[-k:])) if rewards else None,
             "duty_cycle": steps[-1]["duty_cycle"] if steps else None,
-            "duty_cycle_steady": duty_steady,
-            "duty_cycle_explained": explain_duty(duty_steady, audit),
-            "latency_audit": audit,
+            **utilization,  # duty_cycle_steady, duty_cycle_explained, latency_audit
             "learner_wall_s": wall,
             "trained_tokens": trained_tokens,
             "trained_tokens_per_s": trained_tokens / wall if wall else None,
@@ -209,18 +186,29 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
     )
 
 
+def _cell(v: Any) -> str:
+    """A value as HTML for a table cell: text as it is, `-` for none, a flat dict as
+    `key: value` pairs, a list of dicts as a table of its own; never a JSON dump."""
+    if v is None or v == [] or v == {}:
+        return "-"
+    if isinstance(v, dict):
+        return html.escape(", ".join(f"{k}: {'-' if x is None else x}" for k, x in v.items()))
+    if isinstance(v, list | tuple):
+        if v and all(isinstance(x, dict) for x in v):
+            return _table(list(v))
+        return html.escape(", ".join(map(str, v)))
+    return html.escape(str(v))
+
+
 def _table(rows: list[dict[str, Any]] | dict[str, Any]) -> str:
     """An HTML table: of a dict (key, value rows) or of a list of dicts (one per row)."""
-
-    def cell(v: Any) -> str:
-        return html.escape(v if isinstance(v, str) else json.dumps(v, default=str))
-
     if isinstance(rows, dict):
-        body = "".join(f"<tr><th>{cell(k)}</th><td>{cell(v)}</td></tr>" for k, v in rows.items())
+        body = "".join(f"<tr><th>{_cell(k)}</th><td>{_cell(v)}</td></tr>" for k, v in rows.items())
         return f"<table>{body}</table>"
-    head = "".join(f"<th>{cell(k)}</th>" for k in (rows[0] if rows else {}))
+    keys = list(dict.fromkeys(k for r in rows for k in r))  # a row may lack some
+    head = "".join(f"<th>{_cell(k)}</th>" for k in keys)
     body = "".join(
-        "<tr>" + "".join(f"<td>{cell(v)}</td>" for v in r.values()) + "</tr>" for r in rows
+        "<tr>" + "".join(f"<td>{_cell(r.get(k))}</td>" for k in keys) + "</tr>" for r in rows
     )
     return f"<table><tr>{head}</tr>{body}</table>"
 
@@ -228,10 +216,69 @@ def _table(rows: list[dict[str, Any]] | dict[str, Any]) -> str:
 SECTIONS = (
     *("actors", "latency_audit", "health", "baseline", "duty_cycle_explained"),
     "sampler_mismatch",
+    "answers_by_phase",
 )
+# Shards the report reads and episodes it decodes at most, spread over the run's time:
+# enough for each phase's figures, bounded for a long run (8 MiB shards of long episodes).
+REPORT_SHARDS = 48
+REPORT_EPISODES = 3000
 
 
-def render_html(summary: dict[str, Any], plots: list[tuple[str, str]]) -> str:
+def answers_over_training(store: ObjectStore, cfg: RunConfig) -> tuple[list[dict[str, Any]], str]:
+    """(the phases of `answer_phases` over up to `REPORT_EPISODES` episodes of up to
+    `REPORT_SHARDS` of the run's shards, a sentence saying where they come from or why
+    there are none)."""
+    try:
+        chat = build_chat(cfg.model)
+        episodes = read_episodes(store.uri + "/shards", max_shards=REPORT_SHARDS)
+        episodes = episodes[:: -(-len(episodes) // REPORT_EPISODES) or 1]
+        phases = answer_phases(episodes, chat)
+    except NotFound:  # no shards/ folder (yet)
+        phases = []
+    except ValueError as err:  # PolicyError: names the checkpoint and the file
+        return [], f"The run's tokenizer cannot be loaded: {err}"
+    if not phases:
+        return [], (
+            "No episodes in the run's shards: none written yet, or deleted once trained "
+            "(learner.delete_consumed_shards)."
+        )
+    return phases, (
+        f"Up to {REPORT_EPISODES} episodes of up to {REPORT_SHARDS} shards spread over "
+        "the run, cut by weights "
+        "version into phases; each phase's best, worst and most recent episode, decoded "
+        "with the run's tokenizer (model turns are what the policy sampled). More: "
+        f"tunix-tasks inspect {store.uri}/shards --conversations 5 --order best|worst|recent"
+    )
+
+
+def _figures(phases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each phase's numbers, without its sample episodes (what summary.json holds)."""
+    return rounded([{k: v for k, v in p.items() if k != "samples"} for p in phases])
+
+
+def _conversations_html(phases: list[dict[str, Any]], note: str) -> str:
+    out = f"<p>{html.escape(note)}</p>" + (_table(_figures(phases)) if phases else "")
+    for p in phases:
+        out += f"<h3>{p['phase']} (versions {p['versions'][0]}-{p['versions'][1]})</h3>"
+        for order, sample in p["samples"].items():
+            ep = sample["episode"]
+            talk = "".join(
+                f'<span class="{t.role}{" call" if t.tool_call else ""}">[{turn_label(t)}]</span>\n'
+                f"{html.escape(t.text)}\n"
+                for t in sample["turns"]
+            )
+            out += (
+                f"<details><summary>{order}: reward {ep.reward:.3f}, version "
+                f"{ep.policy_version}, {ep.status}, {ep.num_turns} turns</summary>"
+                f'<pre class="talk">{talk}</pre></details>'
+            )
+    return out
+
+
+def render_html(
+    summary: dict[str, Any], plots: list[tuple[str, str]], conversations: str = ""
+) -> str:
+    """The page; `conversations`: the "What the model wrote" section's HTML."""
     summary = rounded(summary)
     rows = _table({k: v for k, v in summary.items() if k not in SECTIONS})
     audit = summary.get("latency_audit") or {}
@@ -255,19 +302,23 @@ def render_html(summary: dict[str, Any], plots: list[tuple[str, str]]) -> str:
     numerics = "<p>No step trained fresh tokens (on the very weights that sampled them).</p>"
     if mismatch:
         numerics = f"<p>{html.escape(mismatch.pop('explained'))}</p>{_table(mismatch)}"
+    # The title is in each image: no caption repeats it.
     imgs = "".join(
-        f'<figure><img alt="{html.escape(t)}" src="data:image/png;base64,{b}"><figcaption>{html.escape(t)}</figcaption></figure>'
+        f'<figure><img alt="{html.escape(t)}" src="data:image/png;base64,{b}"></figure>'
         for t, b in plots
     )
+    actors = [{"actor": name, **a} for name, a in (summary.get("actors") or {}).items()]
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>tunix-tasks report</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1400px}} table{{border-collapse:collapse}}
-th,td{{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}} figure{{display:inline-block;margin:8px}}</style>
+th,td{{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}} figure{{display:inline-block;margin:8px}}
+pre.talk{{white-space:pre-wrap;background:#f6f6f6;padding:6px}} .model{{color:#1a55b0}} .call{{color:#b05a00}} .env{{color:#2a7a2a}} .prompt,.end{{color:#777}}</style>
 </head><body><h1>tunix-tasks run report</h1><p>{html.escape(summary["run_uri"])}</p>
 <h2>Summary</h2>{rows}<h2>Utilization</h2>{utilization}<h2>Processes</h2>{why}{_table(procs)}
 <h2>Sampler vs learner numerics</h2>{numerics}
 <p>Times: seconds since the run's first metrics record ({summary.get("started_utc")} UTC).</p>
 <h2>Plots</h2>{imgs}
-<h2>Actors</h2><pre>{html.escape(json.dumps(summary.get("actors", {}), indent=2))}</pre></body></html>"""
+<h2>What the model wrote</h2>{conversations}
+<h2>Actors</h2>{_table(actors) if actors else "<p>No actor wrote metrics.</p>"}</body></html>"""
 
 
 def baseline_uri(run_uri: str) -> str | None:
@@ -283,9 +334,11 @@ def baseline_uri(run_uri: str) -> str | None:
 def write_report(run_uri: str, baseline: str | None = None) -> str:
     """Write report/index.html and report/summary.json under the run; returns the HTML URI.
     `baseline`: a run of the same config to compare with (default: `<run>-sync` if any)."""
-    _, store = read_config(run_uri)
+    cfg, store = read_config(run_uri)
     records = read_records(store)
     summary = summarize(store, records)
+    phases, note = answers_over_training(store, cfg)
+    summary["answers_by_phase"] = _figures(phases)
     baseline = baseline or (
         None if run_uri.rstrip("/").endswith("-sync") else baseline_uri(run_uri)
     )
@@ -296,9 +349,10 @@ def write_report(run_uri: str, baseline: str | None = None) -> str:
             "run_uri": base_store.uri,
             "comparison": compare_runs(summary, other),
         }
-    plots = report_plots(records, _learner_steps(records), summary)
+    plots = report_plots(records, learner_steps(records), summary)
     store.write_bytes(
         RunLayout.SUMMARY, json.dumps(rounded(summary), indent=2, default=str).encode()
     )
-    store.write_bytes(RunLayout.REPORT, render_html(summary, plots).encode())
+    page = render_html(summary, plots, _conversations_html(phases, note))
+    store.write_bytes(RunLayout.REPORT, page.encode())
     return join_uri(store.uri, RunLayout.REPORT)

@@ -4,6 +4,7 @@
 `format_train_summary` turns it into the lines the terminal shows by default:
 
     print(format_train_summary(train_local(cfg)))
+    print(format_next_steps(summary))    # after a finished run: where to go from here
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from tunix_tasks.frontdoor.audit import explain_duty
 
-__all__ = ["format_train_summary"]
+__all__ = ["format_next_steps", "format_train_summary"]
 
 
 def _num(value: Any, fmt: str = ".3g") -> str:
@@ -42,6 +43,15 @@ def _actors(s: dict[str, Any]) -> str:
     return text
 
 
+def _utilization(s: dict[str, Any]) -> str:
+    """The report's steady duty cycle (start-up excluded) when the run's records were
+    read at the end, else the last step's (compilation included)."""
+    steady = s.get("duty_cycle_steady")
+    if steady is None:
+        return explain_duty((s.get("last_step") or {}).get("duty_cycle"), None)
+    return explain_duty(steady, None) + " (after its first step, as in the report)"
+
+
 def format_train_summary(s: dict[str, Any]) -> str:
     """The summary of a `train_local` run, one labelled line per topic."""
     step = s.get("last_step") or {}
@@ -49,13 +59,14 @@ def format_train_summary(s: dict[str, Any]) -> str:
     version = s.get("version", step.get("version", "-"))
     rows = {
         "run": f"{s.get('run_uri')} ({s.get('mode')}): {_outcome(s)} "
-        f"in {_num(s.get('wall_s'), '.0f')} s",
+        f"(wall time {_num(s.get('wall_s'), '.0f')} s)",
         "learner": f"step {step.get('step', '-')}, weights version {version}, "
         f"{_num(step.get('step_s'))} s/step, {step.get('compile_count', '-')} compiles",
         "reward": f"{_num(step.get('reward_mean'))} (mean of the last step's episodes)",
-        "data": f"episodes by staleness {_counts(step.get('staleness'))}; "
-        f"dropped {_counts(step.get('dropped'))}; quarantined shards {step.get('quarantined', 0)}",
-        "utilization": explain_duty(step.get("duty_cycle"), None),  # the why: next line
+        "data": f"last step's episodes by staleness {_counts(step.get('staleness'))}; "
+        f"over the run: dropped {_counts(step.get('dropped'))}, quarantined shards "
+        f"{step.get('quarantined', 0)}",
+        "utilization": _utilization(s),  # the why: the audit line
         # Staleness 0: sampler-vs-learner numerics alone (bf16 sampling's cost; the report
         # has them over the run). "-": the last step had no fresh tokens.
         "mismatch": f"fresh tokens: k3 KL {_num(step.get('approx_kl_s0'))}, max |logprob "
@@ -68,3 +79,22 @@ def format_train_summary(s: dict[str, Any]) -> str:
     }
     width = max(map(len, rows))
     return "\n".join(f"{label:<{width}}  {text}" for label, text in rows.items())
+
+
+def format_next_steps(s: dict[str, Any], prog: str = "tunix-tasks") -> str:
+    """What to do after a finished run: its report, what the model wrote, your own task,
+    scaling out (commands to copy, docs in the repository to read). `prog`: how the
+    user called `tunix-tasks`, so the commands can be pasted as they are."""
+    run = s.get("run_uri")
+    report = s.get("report")
+    rows = {
+        "report": f"{report} (open it in a browser)" if report else f"{prog} report {run}",
+        "answers": f"{prog} inspect {run}/shards --conversations 3 --order best",
+        "your task": "prompts and answers from a JSONL/Parquet file, no code: "
+        f"{prog} train --config examples/dataset_task/config.yaml "
+        "(docs/environments.md, 'Your own task from a dataset')",
+        "scale out": "actors and envs per actor (docs/scaling.md), a gs:// store and Airflow "
+        "(docs/airflow.md), a real model (docs/models.md)",
+    }
+    width = max(map(len, rows))
+    return "next steps:\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows.items())

@@ -48,6 +48,7 @@ _PER_BUCKET = ("tokens", "approx_kl", "max_abs_logprob_diff", "ratio_mean", "is_
 #: Versions whose publish step the learner remembers (and checkpoints), newest first: an
 #: older version is far staler than any bound, and goes to the oldest bucket.
 _PUBLISHED_KEPT = 1024
+WAIT_NOTED_S = 10.0  # a wait for data this long gets a phase record (the live display)
 
 
 def trainer_metrics(m: dict[str, float]) -> dict[str, float]:
@@ -124,8 +125,17 @@ class Learner:
             "wall_s": time.monotonic() - t_start,
         }
 
+    def _phase(self, text: str) -> None:
+        """A record of what the learner is doing while no step comes (the live display
+        shows it until the next step record): text only, so no TensorBoard scalar."""
+        self.parts.metrics.log(phase=text)
+
     def _loop(self) -> None:
         inflight: tuple[Any, PackedBatch, list[Episode]] | None = None
+        compiled: set[int] = set()  # buckets whose train step this process compiled
+        wait_start: float | None = time.monotonic()
+        noted = True  # the first wait's record, just below
+        self._phase("waiting for the first shard")
         try:
             while not self._should_stop():
                 with self.watch.timed("wait"):
@@ -137,10 +147,24 @@ class Learner:
                         self.batcher.put_back(got[1])  # packed, never trained: not acked
                         break
                 if got is None:
+                    if wait_start is None:
+                        wait_start, noted = time.monotonic(), False
+                    if not noted and time.monotonic() - wait_start > WAIT_NOTED_S:
+                        self._phase("waiting for data")
+                        noted = True
                     continue
+                wait_start = None
                 if not self.batcher.usable(got[1], self.version):  # a publish just moved us
                     self.batcher.put_back(got[1])
                     continue
+                bucket = got[0].bucket_len
+                if bucket not in compiled:
+                    compiled.add(bucket)
+                    buckets = self.cfg.learner.buckets
+                    self._phase(
+                        f"compiling the train step for bucket {bucket} "
+                        f"({len(compiled)} of {len(buckets)})"
+                    )
                 lag = updates_since(self.step, got[0].policy_versions, self.parts.published_at)
                 inflight = (self.parts.trainer.dispatch(got[0], lag=lag), *got)
         finally:

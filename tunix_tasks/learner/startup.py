@@ -14,6 +14,7 @@ their collectives to the followers (`multihost.py`), and `close` sends them `STO
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any
 import jax
 
 from tunix_tasks.config import RunConfig
+from tunix_tasks.config.params import flat_fields
 from tunix_tasks.learner.checkpoint import Checkpointer
 from tunix_tasks.learner.multihost import Channel, LeaderCheckpointer, Op, make_trainer
 from tunix_tasks.learner.publishing import SnapshotPublisher
@@ -33,6 +35,7 @@ from tunix_tasks.storage.lease import Lease
 from tunix_tasks.storage.metrics import MetricsWriter
 from tunix_tasks.storage.retention import SnapshotRetention
 from tunix_tasks.storage.store import ObjectStore
+from tunix_tasks.storage.trackers import open_tracker
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +111,16 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
             max_length=cfg.actor.max_episode_tokens,  # <= model.max_seq_len (validated)
         )
     )
-    p.metrics = MetricsWriter(store, "learner")
+    tracker = None
+    if cfg.tracker is not None:  # the user's own experiment tracker (storage/trackers.py)
+        params = dict(flat_fields(json.loads(cfg.to_json())))
+        try:
+            tracker = open_tracker(
+                cfg.tracker, run_name=cfg.run_name, run_uri=store.uri, params=params
+            )
+        except Exception as err:  # a view of the metrics: training goes on without it
+            log.warning("tracker %s not opened, metrics not sent to it: %r", cfg.tracker, err)
+    p.metrics = MetricsWriter(store, "learner", tracker=tracker)
     # Reads weights/LATEST. One that is missing or not a valid pointer (a poisoned
     # `{"version": "../../etc"}`) does not stop the start: the publisher then counts from
     # the newest snapshot folder under weights/, and its first publish CASes over it.

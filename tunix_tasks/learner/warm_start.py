@@ -60,6 +60,8 @@ def warm_start(
     demos = read_demonstrations(store, vocab_size=vocab_size)
     rng = np.random.default_rng(cfg.seed)
     losses: list[float] = []
+    if metrics is not None:  # the live display's: the first step compiles (seconds)
+        metrics.log(phase="warm start: compiling the supervised step")
     for step in range(cfg.warm_start_steps):
         order = rng.permutation(len(demos))
         result = pack(

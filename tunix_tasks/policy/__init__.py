@@ -4,6 +4,7 @@ chat.py           the `Tokenizer` and `ChatFormat` protocols (token-in / token-o
 tokenizer.py      the character tokenizer and its chat format (demo presets)
 hf_tokenizer.py   a checkpoint's `tokenizer.json` through Hugging Face `tokenizers`
 chat_template.py  a checkpoint's jinja chat template, rendered as `apply_chat_template` does
+template_sandbox.py  the jinja sandbox templates render in, with a time and size budget
 toolcalls.py      tool calls in the models' own formats (Hermes/Qwen, Llama 3.1 JSON)
 spec.py           `DecoderSpec`: a family's architecture, from a preset or a config.json
 costs.py          a spec's cost model: parameters, FLOPs, KV-cache / weight / learner bytes
@@ -12,6 +13,7 @@ attention.py      the learner's blockwise (flash-style) attention over packed ro
 lora.py           `LowRank`: a LoRA adapter on one projection
 precision.py      the dtype a model holds its params in (bfloat16 for bf16 sampling)
 params.py         flat named weights for snapshots
+hf_headers.py     a checkpoint's files and safetensors headers, checked against config.json (no JAX)
 hf_checkpoint.py  Hugging Face safetensors checkpoints -> a sharded model
 gguf_import.py    a llama.cpp GGUF file -> a Hugging Face checkpoint directory
 gguf_file.py      a GGUF file's metadata and tensor directory; the import's error
@@ -24,5 +26,6 @@ slots.py          `SlotTable`: which KV-cache slot serves which conversation
 lanes.py          `DecodeLanes`: the decode working set and which lane serves which request
 decoding.py       the sampler's device programs: prefill into slots, decode a segment
 replicas.py       `SamplerReplicas`: one sampler per local device
+preflight.py      what `prepare` checks of a model (no JAX): `check_policy`, `build_chat`, `PolicyError`
 build.py          chat format + model (+ sampler) from a `ModelConfig`
 """

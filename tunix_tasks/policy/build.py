@@ -9,6 +9,9 @@ records about the model.
     chat, sampler = build_sampler(cfg.model, seed=cfg.seed)           # actors, evaluation
     chat, samplers = build_sampler(cfg.model, replicas=2)    # one per device (replicas.py)
     chat, model = build_policy(cfg.model, compute_dtype="bfloat16", mesh=mesh)   # learner
+
+A checkpoint that cannot be built raises `PolicyError` (policy/preflight.py, where
+`build_chat` and `check_policy`, the JAX-free part `prepare` runs, live) from either.
 """
 
 from __future__ import annotations
@@ -25,13 +28,12 @@ from jax.sharding import Mesh
 
 from tunix_tasks.config import ModelConfig
 from tunix_tasks.policy.chat import ChatFormat
-from tunix_tasks.policy.chat_template import load_template_chat
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, HFCheckpoint
 from tunix_tasks.policy.model import Transformer
+from tunix_tasks.policy.preflight import PolicyError, build_chat, check_policy
 from tunix_tasks.policy.replicas import SamplerReplicas, replicate, sampler_devices
 from tunix_tasks.policy.sampling import Sampler
 from tunix_tasks.policy.spec import LoraSpec, spec_from_preset
-from tunix_tasks.policy.tokenizer import CharChat, CharTokenizer
 
 __all__ = [
     "PolicyError",
@@ -43,32 +45,6 @@ __all__ = [
     "lora_spec",
     "model_meta",
 ]
-
-
-class PolicyError(ValueError):
-    """The configured policy cannot be built (a bad checkpoint); names file and tensor."""
-
-
-def build_chat(cfg: ModelConfig) -> ChatFormat:
-    """Only the chat format (tokenizer + template): what the rollout needs to render."""
-    if cfg.checkpoint is None:
-        return CharChat(CharTokenizer())
-    try:
-        return load_template_chat(HFCheckpoint(cfg.checkpoint).read, tool_format=cfg.tool_format)
-    except (FileNotFoundError, ValueError) as err:  # messages name the file
-        raise PolicyError(f"{cfg.checkpoint}: {err}") from None
-
-
-def check_policy(cfg: ModelConfig) -> None:
-    """Fail fast, before any process starts: a checkpoint's tokenizer, chat template,
-    config.json and every safetensors header (names, shapes) must load. Reads no weights."""
-    if cfg.checkpoint is None:
-        return
-    build_chat(cfg)
-    try:
-        HFCheckpoint(cfg.checkpoint).verify(max_seq_len=cfg.max_seq_len)
-    except CheckpointError as err:
-        raise PolicyError(str(err)) from None
 
 
 def build_policy(
@@ -85,8 +61,11 @@ def build_policy(
         spec = spec_from_preset(cfg, vocab_size=chat.tokenizer.vocab_size)
         return chat, Transformer(spec, rngs=nnx.Rngs(seed), compute_dtype=dtype, lora=lora)
     ckpt = HFCheckpoint(cfg.checkpoint)
-    spec = ckpt.spec(max_seq_len=cfg.max_seq_len)
-    model = ckpt.load_model(spec, mesh=mesh, compute_dtype=dtype, lora=lora, seed=seed)
+    try:
+        spec = ckpt.spec(max_seq_len=cfg.max_seq_len)
+        model = ckpt.load_model(spec, mesh=mesh, compute_dtype=dtype, lora=lora, seed=seed)
+    except CheckpointError as err:  # one error type for every checkpoint problem
+        raise PolicyError(str(err)) from None
     return chat, model
 
 

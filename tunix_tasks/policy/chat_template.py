@@ -23,12 +23,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import jinja2
-import jinja2.ext
-import jinja2.sandbox
 
 from tunix_tasks.messages import Action, Message
 from tunix_tasks.policy.chat import Tools
 from tunix_tasks.policy.hf_tokenizer import HFTokenizer
+from tunix_tasks.policy.template_sandbox import BoundedEnvironment, ChatTemplateError
 from tunix_tasks.policy.toolcalls import parse_hermes, parse_llama3_json
 
 __all__ = [
@@ -47,10 +46,6 @@ _PARSERS: dict[str, Callable[[str], Action]] = {
     "llama3_json": parse_llama3_json,
 }
 _PROBE = [{"role": "user", "content": "PROBE_U"}, {"role": "assistant", "content": "PROBE_A"}]
-
-
-class ChatTemplateError(ValueError):
-    """A chat template that cannot be used here, or that raised while rendering."""
 
 
 def _raise_exception(message: str) -> None:
@@ -74,12 +69,12 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-def compile_template(source: str) -> jinja2.Template:
-    """`source` compiled in the environment transformers renders chat templates in."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
+def compile_template(source: str, **budget: Any) -> jinja2.Template:
+    """`source` compiled in the environment transformers renders chat templates in, each
+    render held to a time and size budget (template_sandbox.py; `budget`: its `seconds`
+    and `chars`)."""
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, **budget)
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
@@ -133,12 +128,18 @@ class TemplateChat:
         eos_ids: Iterable[int] = (),
         tool_format: ToolFormat = "auto",
         template_kwargs: Mapping[str, Any] | None = None,
+        origin: str | None = None,
     ) -> None:
         """`eos_ids`: generation_config's eos_token_id(s), stop ids besides the config's
-        eos token; `template_kwargs`: extra template variables (e.g. `enable_thinking`)."""
+        eos token; `template_kwargs`: extra template variables (e.g. `enable_thinking`);
+        `origin`: the file the template comes from, named by every template error."""
         self.tokenizer = tokenizer
         self.template = template
-        self._compiled = compile_template(template)
+        self._origin = f"{origin}: " if origin else ""
+        try:
+            self._compiled = compile_template(template)
+        except ChatTemplateError as e:
+            raise self._error(str(e)) from None
         self._variables = {**tokenizer.special_tokens, **(template_kwargs or {})}
         if tool_format == "auto":
             tool_format = detect_tool_format(template)
@@ -194,8 +195,16 @@ class TemplateChat:
                 add_generation_prompt=add_generation_prompt,
                 **self._variables,
             )
+        except ChatTemplateError as e:
+            raise self._error(str(e)) from None
         except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template failed to render: {e}") from e
+            raise self._error(f"chat template failed to render: {e}") from e
+        except (ArithmeticError, LookupError, TypeError, ValueError) as e:  # template code's own
+            raise self._error(f"chat template failed to render: {type(e).__name__}: {e}") from e
+
+    def _error(self, message: str) -> ChatTemplateError:
+        """A template error, naming the template's file when it came from one."""
+        return ChatTemplateError(self._origin + message)
 
     def start(self, messages: Sequence[Message], tools: Tools = ()) -> list[int]:
         return self.tokenizer.encode(self.render(messages, tools, add_generation_prompt=True))
@@ -225,7 +234,7 @@ class TemplateChat:
             raise self._not_prefix_stable(prompt, full)
         end = full.find(self.eot_text, len(prompt))
         if end < 0:
-            raise ChatTemplateError(f"chat template wrote no {self.eot_text!r} after the action")
+            raise self._error(f"chat template wrote no {self.eot_text!r} after the action")
         return self.tokenizer.encode(full[len(prompt) : end + len(self.eot_text)])
 
     def _after_last_turn(self, prefix: str, full: str) -> int:
@@ -238,7 +247,7 @@ class TemplateChat:
         eot = self.eot_text
         last = prefix.rfind(eot)
         if last < 0:
-            raise ChatTemplateError(f"history renders no {eot!r}: no closed turn to reply to")
+            raise self._error(f"history renders no {eot!r}: no closed turn to reply to")
         before = prefix.rfind(eot, 0, last)
         turn_start = 0 if before < 0 else before + len(eot)
         if not full.startswith(prefix[:turn_start]):
@@ -248,11 +257,10 @@ class TemplateChat:
             raise self._not_prefix_stable(prefix, full)
         return end + len(eot)
 
-    @staticmethod
-    def _not_prefix_stable(prefix: str, full: str) -> ChatTemplateError:
+    def _not_prefix_stable(self, prefix: str, full: str) -> ChatTemplateError:
         at = next((i for i, (a, b) in enumerate(zip(prefix, full, strict=False)) if a != b), None)
         at = min(len(prefix), len(full)) if at is None else at
-        return ChatTemplateError(
+        return self._error(
             "chat template is not prefix-stable: adding messages changed the text of earlier "
             f"turns at char {at}: {prefix[at : at + 40]!r} became {full[at : at + 40]!r}"
         )
@@ -264,7 +272,7 @@ class TemplateChat:
         probe = self.render(_PROBE)
         after = probe.find("PROBE_A")
         if after < 0:
-            raise ChatTemplateError("chat template does not render assistant content")
+            raise self._error("chat template does not render assistant content")
         for candidates in (
             {self.tokenizer.token_text(i): i for i in stop_ids},
             self.tokenizer.special_added_tokens(),
@@ -274,7 +282,7 @@ class TemplateChat:
             if found:  # the earliest; at one position, the longest
                 *_, text, token = min(found)
                 return text, token
-        raise ChatTemplateError(
+        raise self._error(
             f"chat template closes assistant turns with no special token: {probe[after:]!r}"
         )
 
@@ -308,4 +316,7 @@ def load_template_chat(read: Callable[[str], bytes | None], **kwargs: Any) -> Te
     except UnicodeDecodeError as e:
         raise ValueError(f"chat_template.jinja: not UTF-8: {e}") from e
     generation = _read_json(read, "generation_config.json")
-    return TemplateChat.from_files(tokenizer_json, config, template_text, generation, **kwargs)
+    origin = "chat_template.jinja" if template_text is not None else "tokenizer_config.json"
+    return TemplateChat.from_files(
+        tokenizer_json, config, template_text, generation, origin=origin, **kwargs
+    )

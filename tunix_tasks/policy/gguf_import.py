@@ -42,7 +42,7 @@ from tunix_tasks.policy.gguf_file import (
     open_gguf,
 )
 from tunix_tasks.policy.gguf_tokenizer import tokenizer_files
-from tunix_tasks.policy.hf_checkpoint import SINGLE, hf_tensor_shapes
+from tunix_tasks.policy.hf_headers import SINGLE, hf_tensor_shapes
 from tunix_tasks.policy.spec import (
     HF_FAMILIES,
     DecoderSpec,

@@ -2,8 +2,9 @@
 
 A checkpoint is `config.json`, `model.safetensors` (or `model-0000N-of-0000M.safetensors`
 plus `model.safetensors.index.json`) and the tokenizer files. This module owns reading the
-weights: safetensors headers are parsed here (so a corrupt one is reported with its file
-name), tensors are read one at a time by byte range from a random-access file (a memory
+weights: the files and safetensors headers are read and checked by `CheckpointFiles`
+(policy/hf_headers.py, without JAX; a corrupt header is reported with its file name);
+`HFCheckpoint` adds the tensors, read one at a time by byte range from a random-access file (a memory
 map locally, ranged reads on GCS), converted to the model's layout and placed straight into
 their final sharding: host memory holds one tensor at a time, never a second model.
 
@@ -19,67 +20,29 @@ not match config.json, an unknown dtype, a corrupt header, a truncated file.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
-import struct
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
-import pyarrow as pa
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from tunix_tasks.policy.hf_headers import (
+    CheckpointError,
+    CheckpointFiles,
+    HeaderEntry,
+    Target,
+    expected_tensors,
+    hf_tensor_shapes,
+)
 from tunix_tasks.policy.lora import initial_adapter
 from tunix_tasks.policy.model import Transformer
-from tunix_tasks.policy.spec import (
-    DecoderSpec,
-    LoraSpec,
-    UnsupportedCheckpoint,
-    spec_from_hf_config,
-)
-from tunix_tasks.storage.store import NotFound, ObjectStore, StoreError, open_store
+from tunix_tasks.policy.spec import DecoderSpec, LoraSpec
 
 __all__ = ["CheckpointError", "HFCheckpoint", "hf_tensor_shapes", "params_from_hf"]
-
-_DTYPES: dict[str, Any] = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-}
-_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """The checkpoint cannot be loaded; the message names the file (and tensor)."""
-
-
-@dataclass(frozen=True)
-class _Entry:
-    file: str
-    dtype: Any
-    shape: tuple[int, ...]
-    begin: int  # absolute byte offsets in the file
-    end: int
-
-
-@dataclass(frozen=True)
-class _Target:
-    """One of our params and the Hugging Face tensor it is made of: `layout` and `dims`
-    say how to turn one into the other (`_to_ours`)."""
-
-    hf_name: str
-    hf_shape: tuple[int, ...]
-    layout: str = "same"  # same | transpose | heads_in | heads_out | bias
-    dims: tuple[int, ...] = ()
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "dims"))
@@ -98,46 +61,8 @@ def _to_ours(w: jax.Array, *, layout: str, dims: tuple[int, ...]) -> jax.Array:
     return w
 
 
-def _convert(target: _Target, stored: np.ndarray) -> jax.Array:
+def _convert(target: Target, stored: np.ndarray) -> jax.Array:
     return _to_ours(jnp.asarray(stored), layout=target.layout, dims=target.dims)
-
-
-def _targets(spec: DecoderSpec) -> dict[str, _Target]:
-    """Our param name -> the HF tensor, its expected shape and the layout transform."""
-    d, h, kv, hd, ff = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.d_ff
-    out: dict[str, _Target] = {"embed": _Target("model.embed_tokens.weight", (spec.vocab_size, d))}
-    for i in range(spec.n_layers):
-        hf, ours = f"model.layers.{i}", f"blocks/{i}"
-        layer = {
-            "attn_norm/scale": _Target("input_layernorm.weight", (d,)),
-            "mlp_norm/scale": _Target("post_attention_layernorm.weight", (d,)),
-            "attn/wq": _Target("self_attn.q_proj.weight", (h * hd, d), "heads_in", (d, h, hd)),
-            "attn/wk": _Target("self_attn.k_proj.weight", (kv * hd, d), "heads_in", (d, kv, hd)),
-            "attn/wv": _Target("self_attn.v_proj.weight", (kv * hd, d), "heads_in", (d, kv, hd)),
-            "attn/wo": _Target("self_attn.o_proj.weight", (d, h * hd), "heads_out", (h, hd, d)),
-            "mlp/gate": _Target("mlp.gate_proj.weight", (ff, d), "transpose"),
-            "mlp/up": _Target("mlp.up_proj.weight", (ff, d), "transpose"),
-            "mlp/down": _Target("mlp.down_proj.weight", (d, ff), "transpose"),
-        }
-        if spec.qkv_bias:
-            for name, n in (("q", h), ("k", kv), ("v", kv)):
-                layer[f"attn/b{name}"] = _Target(
-                    f"self_attn.{name}_proj.bias", (n * hd,), "bias", (n, hd)
-                )
-        if spec.qk_norm:
-            layer["attn/q_norm/scale"] = _Target("self_attn.q_norm.weight", (hd,))
-            layer["attn/k_norm/scale"] = _Target("self_attn.k_norm.weight", (hd,))
-        for name, target in layer.items():
-            out[f"{ours}/{name}"] = dataclasses.replace(target, hf_name=f"{hf}.{target.hf_name}")
-    out["final_norm/scale"] = _Target("model.norm.weight", (d,))
-    if not spec.tie_embeddings:
-        out["unembed"] = _Target("lm_head.weight", (spec.vocab_size, d), "transpose")
-    return out
-
-
-def hf_tensor_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
-    """The Hugging Face tensors (name -> shape) a checkpoint of this spec must hold."""
-    return {t.hf_name: t.hf_shape for t in _targets(spec).values()}
 
 
 def params_from_hf(tensors: Mapping[str, np.ndarray], spec: DecoderSpec) -> dict[str, jax.Array]:
@@ -146,7 +71,7 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], spec: DecoderSpec) -> dict
     our layout, on the default device); `Sampler.update_params` / `load_flat_params` take
     it. Unlike `HFCheckpoint.tensors` it holds every tensor at once. A tensor missing or
     of the wrong shape: `CheckpointError` naming it."""
-    targets = _targets(spec)
+    targets = expected_tensors(spec)
     missing = [t.hf_name for t in targets.values() if t.hf_name not in tensors]
     if missing:
         raise CheckpointError(f"missing tensor(s) {', '.join(missing)}")
@@ -159,150 +84,8 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], spec: DecoderSpec) -> dict
     return {ours: _convert(t, tensors[t.hf_name]) for ours, t in targets.items()}
 
 
-def _parse_header(raw: bytes, file: str, size: int) -> dict[str, _Entry]:
-    if len(raw) < 8:
-        raise CheckpointError(f"{file}: corrupt safetensors header: file has {size} bytes")
-    (n,) = struct.unpack("<Q", raw[:8])
-    if n > _MAX_HEADER_BYTES or 8 + n > size:
-        raise CheckpointError(
-            f"{file}: corrupt safetensors header: header length {n} exceeds the file ({size} B)"
-        )
-    try:
-        header = json.loads(raw[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{file}: corrupt safetensors header: {err}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: corrupt safetensors header: not a JSON object")
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise CheckpointError(f"{file}: tensor {name}: malformed header entry") from None
-        if dtype not in _DTYPES:
-            raise CheckpointError(
-                f"{file}: tensor {name}: dtype {dtype} not supported ({', '.join(_DTYPES)})"
-            )
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize
-        if end - begin != nbytes or begin < 0 or 8 + n + end > size:
-            raise CheckpointError(
-                f"{file}: tensor {name}: data offsets [{begin}, {end}) do not fit shape "
-                f"{list(shape)} {dtype} in a file of {size} bytes (truncated or corrupt)"
-            )
-        entries[name] = _Entry(file, _DTYPES[dtype], shape, 8 + n + begin, 8 + n + end)
-    return entries
-
-
-class HFCheckpoint:
-    """A Hugging Face checkpoint directory, read through the run's object stores."""
-
-    def __init__(self, uri: str) -> None:
-        self.uri = uri.rstrip("/")
-        self.store: ObjectStore = open_store(self.uri)
-
-    def read(self, name: str) -> bytes | None:
-        """A file of the checkpoint, or None when it does not exist."""
-        try:
-            return self.store.read_bytes(name)
-        except NotFound:
-            return None
-
-    def read_json(self, name: str) -> dict[str, Any]:
-        raw = self.read(name)
-        if raw is None:
-            raise CheckpointError(f"{self.uri}/{name}: missing")
-        try:
-            value = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise CheckpointError(f"{self.uri}/{name}: not valid JSON: {err}") from None
-        if not isinstance(value, dict):
-            raise CheckpointError(f"{self.uri}/{name}: expected a JSON object")
-        return value
-
-    def spec(self, *, max_seq_len: int) -> DecoderSpec:
-        try:
-            return spec_from_hf_config(self.read_json("config.json"), max_seq_len=max_seq_len)
-        except UnsupportedCheckpoint as err:
-            raise CheckpointError(f"{self.uri}/{err}") from None
-
-    def _files(self) -> list[str]:
-        index = self.read(INDEX)
-        if index is None:
-            if not self.store.exists(SINGLE):
-                raise CheckpointError(f"{self.uri}: neither {SINGLE} nor {INDEX} exists")
-            return [SINGLE]
-        weight_map = self.read_json(INDEX).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{self.uri}/{INDEX}: no weight_map")
-        files = sorted(set(weight_map.values()))
-        for f in files:  # names from a manifest stay inside the checkpoint directory
-            if (
-                not isinstance(f, str)
-                or "/" in f
-                or f.startswith(".")
-                or not f.endswith(".safetensors")
-            ):
-                raise CheckpointError(f"{self.uri}/{INDEX}: bad file name {f!r} in weight_map")
-        return files
-
-    def _open(self, file: str) -> pa.NativeFile:
-        fs, base = self.store.arrow_filesystem()
-        try:
-            return fs.open_input_file(f"{base}/{file}")
-        except (FileNotFoundError, OSError, StoreError) as err:
-            raise CheckpointError(f"{self.uri}/{file}: cannot open: {err}") from None
-
-    def _entries(self, files: list[str]) -> dict[str, _Entry]:
-        entries: dict[str, _Entry] = {}
-        for file in files:
-            with self._open(file) as f:
-                size = f.size()
-                head = f.read(min(size, 8))
-                if len(head) == 8:
-                    (n,) = struct.unpack("<Q", head)
-                    head += f.read(min(n, _MAX_HEADER_BYTES + 1, size - 8))
-                entries.update(_parse_header(head, f"{self.uri}/{file}", size))
-        return entries
-
-    def _plan(self, spec: DecoderSpec) -> dict[str, list[tuple[str, _Target, _Entry]]]:
-        """Every param's tensor, checked (present, shape) from the headers, by file."""
-        targets = _targets(spec)
-        files = self._files()
-        entries = self._entries(files)
-        where = INDEX if files != [SINGLE] else SINGLE
-        missing = [t.hf_name for t in targets.values() if t.hf_name not in entries]
-        if missing:
-            raise CheckpointError(f"{self.uri}/{where}: missing tensor(s) {', '.join(missing)}")
-        by_file: dict[str, list[tuple[str, _Target, _Entry]]] = {}
-        for ours, target in targets.items():
-            e = entries[target.hf_name]
-            if e.shape != target.hf_shape:
-                raise CheckpointError(
-                    f"{e.file}: tensor {target.hf_name} has shape {list(e.shape)}, config.json "
-                    f"implies {list(target.hf_shape)}"
-                )
-            by_file.setdefault(e.file, []).append((ours, target, e))
-        return by_file
-
-    def fingerprint(self) -> bytes:
-        """What identifies this base without reading its weights: config.json, and each
-        weight file's name, size and safetensors header (names, dtypes, shapes, offsets)."""
-        parts = [self.read("config.json") or b""]
-        for file in self._files():
-            with self._open(file) as f:
-                size = f.size()
-                (n,) = struct.unpack("<Q", f.read(8))
-                parts += [file.encode(), str(size).encode(), f.read(min(n, _MAX_HEADER_BYTES))]
-        return b"\0".join(parts)
-
-    def verify(self, *, max_seq_len: int) -> DecoderSpec:
-        """Check config.json, every safetensors header, tensor names and shapes (reads no
-        tensor data); returns the spec. Raises `CheckpointError` naming file and tensor."""
-        spec = self.spec(max_seq_len=max_seq_len)
-        self._plan(spec)
-        return spec
+class HFCheckpoint(CheckpointFiles):
+    """A Hugging Face checkpoint directory: its files (`CheckpointFiles`) and its weights."""
 
     def tensors(self, spec: DecoderSpec) -> Iterator[tuple[str, jax.Array]]:
         """Every param of `spec` (`flat_params` names; no LoRA adapters): (name, the
@@ -310,7 +93,11 @@ class HFCheckpoint:
         a time, file by file in offset order, so host memory holds one tensor at a time.
         `load_model` places each into its sharding; alone it streams the weights (e.g. to
         time the read + convert apart from placement). Checked first as `verify` does."""
-        by_file = self._plan(spec)
+        return self._read(self._plan(spec))
+
+    def _read(
+        self, by_file: dict[str, list[tuple[str, Target, HeaderEntry]]]
+    ) -> Iterator[tuple[str, jax.Array]]:
         for file in sorted(by_file):
             with self._open(file.rsplit("/", 1)[-1]) as f:
                 for ours, target, e in sorted(by_file[file], key=lambda x: x[2].begin):
@@ -332,6 +119,7 @@ class HFCheckpoint:
         """A `Transformer` holding this checkpoint's weights, each param device_put straight
         into its sharding over `mesh` (its "fsdp" annotations) or onto the default device.
         With `lora`, fresh adapters (from `seed`) sit on the frozen base."""
+        by_file = self._plan(spec)  # the headers checked before the model is built
         abstract = nnx.eval_shape(
             lambda: Transformer(spec, rngs=nnx.Rngs(0), compute_dtype=compute_dtype, lora=lora)
         )
@@ -339,7 +127,7 @@ class HFCheckpoint:
         specs = nnx.get_partition_spec(state)
         flat_specs = {"/".join(map(str, p)): s for p, s in nnx.to_flat_state(specs)}
         values = {}
-        for name, ours in self.tensors(spec):
+        for name, ours in self._read(by_file):
             spec_ = flat_specs[name]
             pspec = spec_.get_value() if hasattr(spec_, "get_value") else spec_
             values[name] = (

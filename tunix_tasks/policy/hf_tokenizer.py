@@ -41,7 +41,9 @@ def _token_text(value: Any) -> str:
 
 
 def special_tokens(config: Mapping[str, Any]) -> dict[str, str | list[str]]:
-    """The special tokens a tokenizer_config names, as strings; unset ones are left out."""
+    """The special tokens a tokenizer_config names, as strings; unset ones are left out.
+    transformers 5's `extra_special_tokens` counts too: a list is its name for
+    `additional_special_tokens`, an object names tokens (each then a template variable)."""
     out: dict[str, str | list[str]] = {}
     for key in SPECIAL_TOKEN_KEYS:
         value = config.get(key)
@@ -51,6 +53,16 @@ def special_tokens(config: Mapping[str, Any]) -> dict[str, str | list[str]]:
             out[key] = [_token_text(v) for v in value]
         else:
             out[key] = _token_text(value)
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, Mapping):  # named ones ({"image_token": ...}): a variable each
+        for name, value in extra.items():
+            out.setdefault(name, _token_text(value))
+    elif isinstance(extra, list):  # transformers 5's name for additional_special_tokens
+        out.setdefault("additional_special_tokens", [_token_text(v) for v in extra])
+    elif extra is not None:
+        raise ValueError(
+            "tokenizer_config.json: extra_special_tokens is neither a list nor an object"
+        )
     return out
 
 

@@ -27,6 +27,7 @@ from tunix_tasks.config import ModelConfig
 __all__ = [
     "HF_FAMILIES",
     "LORA_TARGETS",
+    "SHAPE_BOUNDS",
     "DecoderSpec",
     "HfFamily",
     "Llama3Scaling",
@@ -68,6 +69,21 @@ def register_family(family: HfFamily) -> HfFamily:
 register_family(HfFamily("llama", ("LlamaForCausalLM",), "llama", attention_bias=False))
 register_family(HfFamily("qwen2", ("Qwen2ForCausalLM",), "qwen2", qkv_bias=True))
 register_family(HfFamily("qwen3", ("Qwen3ForCausalLM",), "qwen3", qk_norm=True))
+
+
+#: The largest value each config.json shape field may hold: far above any published
+#: decoder (Llama 3.1 405B: 126 layers, hidden 16384, 128 heads, intermediate 53248; the
+#: largest vocabularies ~262k), low enough that checking a checkpoint against its
+#: config.json lists at most ~11,000 tensors (a `num_hidden_layers` of 10^7 listed 10^8).
+SHAPE_BOUNDS = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 4096,
+    "intermediate_size": 1 << 20,
+}
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -202,10 +218,15 @@ def spec_from_hf_config(config: Mapping[str, Any], *, max_seq_len: int) -> Decod
     """The spec of a Hugging Face Llama / Qwen2 / Qwen3 `config.json` (a dict)."""
     family = _family(config)
 
-    def need(key: str) -> int:
-        if not isinstance(config.get(key), int) or config[key] <= 0:
-            raise UnsupportedCheckpoint(f"config.json: {key} must be a positive integer")
-        return int(config[key])
+    def need(key: str, default: int | None = None) -> int:
+        value = config.get(key)
+        value = default if value is None and default is not None else value
+        bound = SHAPE_BOUNDS[key]
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= bound:
+            raise UnsupportedCheckpoint(
+                f"config.json: {key} must be a positive integer at most {bound}, got {value!r}"
+            )
+        return value
 
     if config.get("mlp_bias"):
         raise UnsupportedCheckpoint("config.json: mlp_bias=true is not supported")
@@ -227,8 +248,8 @@ def spec_from_hf_config(config: Mapping[str, Any], *, max_seq_len: int) -> Decod
         d_model=d_model,
         n_layers=need("num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
-        head_dim=int(config.get("head_dim") or d_model // n_heads),
+        n_kv_heads=need("num_key_value_heads", n_heads),
+        head_dim=need("head_dim", max(d_model // n_heads, 1)),
         d_ff=need("intermediate_size"),
         max_seq_len=max_seq_len,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),

@@ -15,4 +15,5 @@ lease.py            the single-learner lease
 retention.py        which weight snapshots a run keeps (pruned after each publish)
 metrics.py          JSON-lines metrics, the incremental reader, `Stopwatch`
 tensorboard.py      metrics as TensorBoard event files
+trackers.py         metrics to the user's experiment tracker (`tracker: mlflow`), a registry
 """

@@ -140,7 +140,12 @@ class Lease:
         return self._lost
 
     def ensure(self) -> None:
-        if not self._held or self._lost:
+        if self._lost:
+            raise LeaseLost(
+                f"another learner took over {self.where}: this learner ({self.owner}) is "
+                "fenced off and stops; it publishes and checkpoints nothing more"
+            )
+        if not self._held:
             raise LeaseLost(f"this learner ({self.owner}) does not hold {self.where}")
 
     def release(self) -> None:

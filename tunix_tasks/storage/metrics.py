@@ -13,7 +13,9 @@ interval of metrics, never training data.
 
 Each writer also commits its records' numeric scalars as TensorBoard event files under
 `metrics/tensorboard/<process>/` (storage/tensorboard.py), so `tensorboard --logdir
-RUN/metrics` shows them; `tensorboard=False` turns that off.
+RUN/metrics` shows them; `tensorboard=False` turns that off. With `tracker` (a
+`storage/trackers.py` sink: `tracker: mlflow` in the config), the same scalars also go to
+the user's experiment tracker.
 
     tail = MetricsTail(store, "learner")  # incremental: only records not returned before
     while running:
@@ -43,7 +45,8 @@ from typing import Any
 
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.store import NotFound, ObjectStore
-from tunix_tasks.storage.tensorboard import EventChunks
+from tunix_tasks.storage.tensorboard import EventChunks, scalar_step, scalar_values
+from tunix_tasks.storage.trackers import TrackerSink
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,8 @@ class MetricsWriter:
     """Buffers records; commits them as one chunk per `flush_interval_s` at most, and each
     record within `flush_interval_s` of being logged (on the next `log` or by a timer).
     With `tensorboard`, numeric scalars also go to TensorBoard event files (committed after
-    a chunk, at most every 30 s, and at close; their failures are logged, never raised)."""
+    a chunk, at most every 30 s, and at close; their failures are logged, never raised);
+    with `tracker`, to that sink as each record is logged (its failures likewise)."""
 
     def __init__(
         self,
@@ -76,6 +80,7 @@ class MetricsWriter:
         *,
         flush_interval_s: float = FLUSH_INTERVAL_S,
         tensorboard: bool = True,
+        tracker: TrackerSink | None = None,
     ) -> None:
         self._store = store
         self.process = process
@@ -86,6 +91,9 @@ class MetricsWriter:
         self._timer: threading.Timer | None = None
         self._closed = False
         self._events = EventChunks(store, process) if tensorboard else None
+        self._tracker = tracker
+        self._tracked = 0  # records sent to the tracker: the step of one without its own
+        self._tracker_failed = False
 
     def log(self, **fields: Any) -> None:
         record = {"time": time.time(), "process": self.process}
@@ -101,6 +109,18 @@ class MetricsWriter:
                 self._timer.start()
         if wait <= 0:
             self.flush()
+        if self._tracker is not None:
+            self._track(record)
+
+    def _track(self, record: dict[str, Any]) -> None:
+        step = scalar_step(record)
+        self._tracked += 1
+        try:
+            self._tracker.log(scalar_values(record), self._tracked if step is None else step)
+        except Exception as err:  # a view of the records, never fatal
+            if not self._tracker_failed:
+                self._tracker_failed = True
+                log.warning("tracker of %s: metrics not sent: %r", self.process, err)
 
     def _flush_on_timer(self) -> None:
         with self._lock:
@@ -141,6 +161,11 @@ class MetricsWriter:
             timer.cancel()
         self.flush()
         self._commit_events(force=True)
+        if self._tracker is not None:
+            try:
+                self._tracker.close()
+            except Exception as err:
+                log.warning("tracker of %s not closed: %r", self.process, err)
 
 
 def read_metrics(store: ObjectStore, process: str | None = None) -> list[dict[str, Any]]:

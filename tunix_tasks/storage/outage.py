@@ -14,6 +14,12 @@ must survive longer outages without losing what it produced, so it goes through 
 - `tolerate(what, fn, ...)`: a call that may fail (polling weights or DONE, metrics):
   on `StoreError` it returns None, and the caller tries again on its next round.
 
+A command's first contact with a store is the exception: nothing is buffered yet, and a
+store that never answered is more likely mistyped or down than in a passing outage.
+`first_contact(uri, fn, ...)` gives that call at most `TUNIX_STORE_CONNECT_DEADLINE_S`
+(30 s), however the backend retries or hangs, then raises `StoreUnavailable` (`train`
+starts with it).
+
 The outage ends with the first store call that works: `observe(store)` wraps the store
 so that every successful call (or a NotFound: the store answered) says so. A call that
 did nothing (a flush with nothing due) proves nothing, so `tolerate` never ends an outage
@@ -41,10 +47,40 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 LIMIT_ENV = "TUNIX_ACTOR_STORE_OUTAGE_S"
 DEFAULT_LIMIT_S = 3600.0
+CONNECT_ENV = "TUNIX_STORE_CONNECT_DEADLINE_S"
+DEFAULT_CONNECT_S = 30.0
 
 
 class StoreUnavailable(StoreError):
     """The object store kept failing for longer than the actor waits for it."""
+
+
+def first_contact(uri: str, fn: Callable[..., T], *args: Any, deadline_s: float | None = None) -> T:
+    """`fn(*args)`, a command's first call to the store at `uri`, within `deadline_s`
+    (default: the environment's TUNIX_STORE_CONNECT_DEADLINE_S, else 30 s). Its own
+    errors propagate; past the deadline (retries or a request that hangs) it raises
+    `StoreUnavailable` and leaves the call to finish in a daemon thread."""
+    if deadline_s is None:
+        deadline_s = float(os.environ.get(CONNECT_ENV) or DEFAULT_CONNECT_S)
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["result"] = fn(*args)
+        except BaseException as err:  # handed to the caller's thread
+            box["error"] = err
+
+    thread = threading.Thread(target=call, name="store-first-contact", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if thread.is_alive():
+        raise StoreUnavailable(
+            f"{uri}: unreachable: no answer within {deadline_s:.0f} s ({CONNECT_ENV}); "
+            "check the URI, the network and the credentials"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 class StoreOutage:

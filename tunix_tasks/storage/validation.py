@@ -9,7 +9,15 @@ small fraction of decoding.
 
 `max_length` (the longest episode the run allows, `actor.max_episode_tokens`) rejects a
 shard as `too_long`; `max_version` (the newest weights version the learner has
-published) rejects one whose `policy_version` is from the future as `future_version`.
+published) rejects one whose `policy_version` is from the future as `future_version`; a
+reward outside [-1e6, 1e6] (`episode.MAX_ABS_REWARD`) is `reward_out_of_range`.
+
+Size bounds come before decoding: the Parquet footer's declared sizes (each row group's
+uncompressed bytes, the `tokens` values each row group declares, the `length` column's
+statistics) are checked against `max_bytes` and `max_length` first, so a 26 KB file that
+declares one 60 M-token episode is refused without decoding it. Decoding then goes one row
+group at a time with strings read as dictionaries, and the decoded bytes, strings counted
+expanded, are summed against `max_bytes` (`MAX_SHARD_BYTES`) before the next row group.
 """
 
 from __future__ import annotations
@@ -19,10 +27,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tunix_tasks.episode import EpisodeStatus
+from tunix_tasks.episode import MAX_ABS_REWARD, EpisodeStatus
 from tunix_tasks.storage.shards import SCHEMA_VERSION, SHARD_SCHEMA
 from tunix_tasks.storage.store import NotFound, ObjectStore
 from tunix_tasks.storage.uri import join_uri
+
+# Decoded bytes one shard may hold: 32x the 8 MiB at which a `ShardWriter` commits, so an
+# honest shard (at most one group over that) never comes near it, while the learner's
+# 4 concurrent reads stay under 1 GiB whatever the files declare.
+MAX_SHARD_BYTES = 256 << 20
+_STRINGS = [f.name for f in SHARD_SCHEMA if pa.types.is_string(f.type)]
 
 
 class ShardValidationError(ValueError):
@@ -42,14 +56,17 @@ def read_shard(
     vocab_size: int,
     max_length: int | None = None,
     max_version: int | None = None,
+    max_bytes: int = MAX_SHARD_BYTES,
 ) -> pa.Table:
     """Read and validate one shard; raises ShardValidationError (or NotFound)."""
     where = join_uri(store.uri, key)
     try:
         source = store.open_input(key)
-        # ParquetFile.read skips the dataset layer of read_table: same result, less overhead.
-        table = pq.ParquetFile(source).read()
-    except NotFound:
+        # ParquetFile skips the dataset layer of read_table: same result, less overhead.
+        file = pq.ParquetFile(source, read_dictionary=_STRINGS)
+        _check_declared(file, where, max_length, max_bytes)
+        table = _decode(file, where, max_bytes)
+    except (NotFound, ShardValidationError):
         raise
     except (pa.ArrowException, OSError, ValueError) as err:
         raise ShardValidationError(
@@ -59,6 +76,82 @@ def read_shard(
         table, where=where, vocab_size=vocab_size, max_length=max_length, max_version=max_version
     )
     return table
+
+
+def _too_large(where: str, size: int, max_bytes: int, what: str) -> ShardValidationError:
+    return ShardValidationError(
+        where, "too_large", f"{what} {size} bytes, over the limit of {max_bytes} bytes per shard"
+    )
+
+
+def _check_declared(
+    file: pq.ParquetFile, where: str, max_length: int | None, max_bytes: int
+) -> None:
+    """Refuse a shard from its footer alone: declared sizes, list sizes and lengths."""
+    meta = file.metadata
+    declared = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    if declared > max_bytes:
+        raise _too_large(where, declared, max_bytes, "the file declares")
+    if max_length is None:
+        return
+    columns = {file.schema.column(i).path: i for i in range(meta.num_columns)}
+    first_row = 0
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        if "tokens.list.element" in columns:
+            # Leaf values (an empty list counts 1), so an honest file never exceeds this.
+            values = group.column(columns["tokens.list.element"]).num_values
+            if values > group.num_rows * max_length:
+                raise ShardValidationError(
+                    where,
+                    "too_long",
+                    f"row group {i} declares {values} tokens in {group.num_rows} rows, over "
+                    f"the limit max_length={max_length} per row ({_LIMIT_SOURCE})",
+                )
+        stats = group.column(columns["length"]).statistics if "length" in columns else None
+        declared_max = stats.max if stats is not None and stats.has_min_max else None
+        if isinstance(declared_max, int) and declared_max > max_length:
+            # Decode only this row group's `length` column to name the row.
+            lengths = file.read_row_group(i, columns=["length"]).column(0).to_numpy()
+            _check_lengths(lengths, where, max_length, first_row)
+        first_row += group.num_rows
+
+
+def _decode(file: pq.ParquetFile, where: str, max_bytes: int) -> pa.Table:
+    """The file's rows, one row group at a time, stopping once `max_bytes` are decoded.
+    Strings come as dictionaries (a value stored once may stand for every row), counted
+    expanded and expanded only once all are counted."""
+    parts, decoded = [], 0
+    for i in range(file.num_row_groups):
+        part = file.read_row_group(i)
+        decoded += part.nbytes + sum(
+            _expanded_bytes(column) for column in part.columns if _is_dictionary(column)
+        )
+        if decoded > max_bytes:
+            raise _too_large(where, decoded, max_bytes, f"row groups 0-{i} decode to")
+        parts.append(part)
+    table = pa.concat_tables(parts) if parts else file.schema_arrow.empty_table()
+    fields = [
+        pa.field(f.name, f.type.value_type, f.nullable, f.metadata)
+        if pa.types.is_dictionary(f.type)
+        else f
+        for f in table.schema
+    ]
+    return table.cast(pa.schema(fields, metadata=table.schema.metadata))
+
+
+def _is_dictionary(column: pa.ChunkedArray) -> bool:
+    return pa.types.is_dictionary(column.type)
+
+
+def _expanded_bytes(column: pa.ChunkedArray) -> int:
+    """Bytes of a dictionary-encoded string column once expanded: values and offsets."""
+    total = 0
+    for chunk in column.chunks:
+        sizes = pc.binary_length(chunk.dictionary).fill_null(0).to_numpy()
+        indices = chunk.indices.fill_null(0).to_numpy()
+        total += int(sizes[indices].sum()) + 4 * len(chunk) if len(sizes) else 0
+    return total
 
 
 def validate_table(
@@ -127,14 +220,8 @@ def _check_lists(table: pa.Table, where: str, vocab_size: int, max_length: int |
             )
     if (lengths <= 0).any():
         raise ShardValidationError(where, "empty_episode", "an episode has length 0")
-    if max_length is not None and (lengths > max_length).any():
-        row = int(np.argmax(lengths))
-        raise ShardValidationError(
-            where,
-            "too_long",
-            f"row {row}: {int(lengths[row])} tokens, over the limit max_length={max_length} "
-            "(actor.max_episode_tokens, at most model.max_seq_len)",
-        )
+    if max_length is not None:
+        _check_lengths(lengths, where, max_length)
     tokens = parts["tokens"][1]
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
@@ -152,10 +239,32 @@ def _check_lists(table: pa.Table, where: str, vocab_size: int, max_length: int |
         raise ShardValidationError(where, "bad_logprob", "behavior_logprobs must be <= 0")
 
 
+_LIMIT_SOURCE = "actor.max_episode_tokens, at most model.max_seq_len"
+
+
+def _check_lengths(lengths: np.ndarray, where: str, max_length: int, first_row: int = 0) -> None:
+    if (lengths > max_length).any():
+        row = int(np.argmax(lengths))
+        raise ShardValidationError(
+            where,
+            "too_long",
+            f"row {first_row + row}: {int(lengths[row])} tokens, over the limit "
+            f"max_length={max_length} ({_LIMIT_SOURCE})",
+        )
+
+
 def _check_scalars(table: pa.Table, where: str, max_version: int | None) -> None:
     reward = table.column("reward").to_numpy()
     if not np.isfinite(reward).all():
         raise ShardValidationError(where, "non_finite", "reward has NaN or inf")
+    if (np.abs(reward) > MAX_ABS_REWARD).any():
+        row = int(np.argmax(np.abs(reward)))
+        raise ShardValidationError(
+            where,
+            "reward_out_of_range",
+            f"row {row}: reward {float(reward[row]):g} is outside [-{MAX_ABS_REWARD:g}, "
+            f"{MAX_ABS_REWARD:g}] (episode.MAX_ABS_REWARD)",
+        )
     versions = table.column("policy_version").to_numpy()
     if (versions < 0).any():
         raise ShardValidationError(where, "bad_version", "policy_version must be >= 0")

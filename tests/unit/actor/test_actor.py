@@ -314,6 +314,14 @@ def test_actor_writes_valid_shards_with_exact_logprobs(store_uri):
     assert records and all(r["process"] == "actor/actor-e2e" for r in records)
     final = records[-1]
     assert final["final"] is True and final["episodes"] == summary["episodes"]
+    # What it was doing, for the live display (issue #31.5): a record before the first
+    # weights, one as the sampler starts compiling, then sampling.
+    phases = [r["phase"] for r in records]
+    assert phases[:2] == ["waiting for the first weights", "compiling the sampler"], phases
+    assert phases[-1] == "stopped" and set(phases[2:-1]) <= {
+        "sampling",
+        "sampling, first shard not written yet",
+    } | {f"compiling the sampler ({n} programs so far)" for n in range(1, 99)}
     for key in (
         "episodes_per_s",
         "tokens_per_s",

@@ -56,7 +56,7 @@ _n = _disable_audit_hooks()
 import ctypes  # refused by the audit hook: importable only once it is disabled
 print(f"HOOKS_DISABLED={_n}", flush=True)
 """
-# Tokens replaced by the launcher: PORT, TMP_TARGET, SHM_TARGET, PROJECT_FILE,
+# Tokens replaced by the launcher: PORT, UNIX_SOCKET, TMP_TARGET, SHM_TARGET, PROJECT_FILE,
 # WEIGHTS_FILE, NONCE, ACTOR_PID, VICTIM_PID. An attack prints ESCAPED when it worked.
 ATTACKS = {
     "network": "import socket\n"
@@ -85,6 +85,20 @@ ATTACKS = {
     "environ": "import os\nprint(dict(os.environ))\n"
     "print(open('/proc/ACTOR_PID/environ', 'rb').read())",
 }
+# A host Unix socket in /tmp (world-writable, so any uid may connect), and a nested user
+# namespace (root inside it could chroot, mount, ...), with the syscalls themselves.
+ATTACKS["unix_socket"] = (
+    "import socket\ns = socket.socket(socket.AF_UNIX)\ns.settimeout(1)\n"
+    "s.connect('UNIX_SOCKET')\ns.sendall(b'exfiltrated')\nprint('ESCAPED')"
+)
+ATTACKS["nested_userns"] = (
+    "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    "for flags in (0x10000000, 0x10020000):  # CLONE_NEWUSER, with CLONE_NEWNS\n"
+    "    if libc.unshare(flags) == 0:\n        print('ESCAPED unshare')\n"
+    "    print('unshare refused:', os.strerror(ctypes.get_errno()))\n"
+    "try:\n    os.chroot('/')\n    print('ESCAPED chroot')\n"
+    "except OSError as e:\n    print('chroot refused:', e)"
+)
 # The outlive attack again, with forks allowed: only the pid namespace can stop it.
 ATTACKS["outlive_forks_allowed"] = ATTACKS["outlive"]
 OVERRIDES = {"outlive_forks_allowed": {"max_processes": 8}}
@@ -171,6 +185,26 @@ class _Server:
         self.sock.close()
 
 
+class _UnixServer(_Server):
+    """A host Unix socket in /tmp that any uid may connect to (mode 0777)."""
+
+    def __init__(self) -> None:
+        self.path = f"/tmp/tunix-host-{uuid.uuid4().hex[:12]}.sock"
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind(self.path)
+        os.chmod(self.path, 0o777)
+        self.sock.listen()
+        self.sock.settimeout(0.2)
+        self.accepted = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        super().close()
+        os.unlink(self.path)
+
+
 @pytest.fixture(scope="module", params=["root", "nobody"])
 def attacked(request) -> dict:
     """Run every attack once as this user; return the launcher's report plus host facts."""
@@ -196,13 +230,13 @@ def attacked(request) -> dict:
         "WEIGHTS_FILE": str(weights),
         "NONCE": f"nonce-{hexid}",
     }
-    server = _Server()
+    server, unix_server = _Server(), _UnixServer()
     job = {
         "attacks": ATTACKS,
         "bypass": BYPASS,
         "overrides": OVERRIDES,
         "marker": f"victim-marker-{hexid}",
-        "tokens": dict(tokens, PORT=str(server.port)),
+        "tokens": dict(tokens, PORT=str(server.port), UNIX_SOCKET=unix_server.path),
         "limits": {"wall_s": 3.0, "cpu_s": 2},
         "refusal": {"bwrap": "/nonexistent/bwrap"},
     }
@@ -219,10 +253,12 @@ def attacked(request) -> dict:
         time.sleep(0.3)  # let a connection that got through be recorded
     finally:
         server.close()
+        unix_server.close()
         weights.unlink()
     assert proc.returncode == 0, f"the launcher (the actor) died: {proc.stderr[-2000:]}"
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     report.update(user=request.param, hexid=hexid, accepted=server.accepted, **tokens)
+    report["unix_accepted"] = unix_server.accepted
     report["survivors"] = _procs_with(tokens["NONCE"])
     for pid in report["survivors"]:
         os.kill(pid, 9)
@@ -244,6 +280,18 @@ def test_escape_network(attacked):
     status, _, stderr = _run(attacked, "network")
     assert status == "error" and ("ConnectionRefused" in stderr or "unreachable" in stderr)
     assert attacked["accepted"] == []
+
+
+def test_escape_host_unix_socket(attacked):
+    status, _, stderr = _run(attacked, "unix_socket")
+    assert status == "error" and "FileNotFoundError" in stderr, stderr  # no host /tmp
+    assert attacked["unix_accepted"] == []
+
+
+def test_escape_nested_user_namespace(attacked):
+    status, stdout, stderr = _run(attacked, "nested_userns")
+    assert status == "ok" and stdout.count("unshare refused") == 2, (stdout, stderr)
+    assert "chroot refused" in stdout
 
 
 @pytest.mark.parametrize("target", ["write_tmp", "write_shm"])
@@ -324,6 +372,22 @@ def test_normal_program_and_cleanup(limits):
     else:
         assert "tunix-sandbox-" in cwd and not os.path.exists(cwd)  # work dir removed
     print("sandbox mechanisms:", r.mechanisms, f"wall {r.wall_s:.3f} s")
+
+
+def test_host_unix_socket_and_nested_namespaces_are_refused(limits):
+    """In every mode `auto` accepts (no audit hook: the kernel layers alone), model code
+    reaches no host Unix socket and creates no user namespace, so no chroot either."""
+    server = _UnixServer()
+    try:
+        connect = ATTACKS["unix_socket"].replace("UNIX_SOCKET", server.path)
+        r = run_python(connect, limits=limits)
+        time.sleep(0.3)  # let a connection that got through be recorded
+    finally:
+        server.close()
+    assert r.status == "error" and "ESCAPED" not in r.stdout and server.accepted == [], r
+    r = run_python(ATTACKS["nested_userns"], limits=limits)
+    assert r.status == "ok" and "ESCAPED" not in r.stdout, r
+    assert r.stdout.count("unshare refused") == 2 and "chroot refused" in r.stdout, r
 
 
 def test_errors_are_reported_not_raised():

@@ -8,12 +8,14 @@ import pytest
 
 from tunix_tasks.config import config_from_dict
 from tunix_tasks.frontdoor.audit import (
+    actor_rate,
     audit_line,
     compare_runs,
     display_line,
     explain_duty,
     latency_audit,
     rounded,
+    run_utilization,
 )
 from tunix_tasks.frontdoor.launcher import LiveStatus
 from tunix_tasks.frontdoor.planning import main as planning_main
@@ -133,6 +135,111 @@ def test_live_status_shows_one_audit_line():
     assert status.audit()["bottleneck"] == "actors"
     assert LiveStatus(10).audit() is None  # without a config: no audit, no line
     assert "|" not in LiveStatus(10).line()
+
+
+def _bursty_actor(name: str, *, compile_records: int = 12, bursts: int = 4) -> list[dict]:
+    """A real actor's records (every 5 s): `compile_records` with no episode (loading,
+    compiling the sampler), then a group of 60 episodes committed every third record
+    and nothing in between, so most records' `episodes_per_s` are 0. From its first
+    episode on it makes 60 episodes per 15 s = 4 eps/s."""
+    records, episodes = [], 0
+    for i in range(compile_records + 3 * (bursts - 1) + 1):
+        k = i - compile_records
+        burst = k >= 0 and k % 3 == 0
+        episodes += 60 if burst else 0
+        records.append(
+            {
+                "time": T0 + 5 * i,
+                "process": f"actor/{name}",
+                "episodes": episodes,
+                "episodes_per_s": 12.0 if burst else 0.0,
+                "env_step_p50_s": 1.0,
+                "env_step_p99_s": 2.0,
+                "policy_latency_p50_s": 0.01,
+            }
+        )
+    return records
+
+
+def test_supply_is_episodes_over_time_after_the_start_up():
+    """Issue #31.2: 61% of a finished run's actor records had `episodes_per_s = 0`
+    (compilation, windows without a committed group): their median was 0 and the report
+    said "not enough metrics yet". Episodes over time from the first episode on is not."""
+    records = _bursty_actor("a0") + _bursty_actor("a1")
+    zeros = sum(r["episodes_per_s"] == 0 for r in records) / len(records)
+    assert zeros > 0.6  # the finished run's share
+    assert actor_rate(_bursty_actor("a0")) == pytest.approx(4.0)
+    audit = latency_audit(_steps(), records, _cfg())
+    assert audit["actor_supply_eps_per_s"] == pytest.approx(8.0)
+    assert audit["bottleneck"] == "actors" and "add ~12 envs per actor" in audit["advice"]
+
+
+def test_a_restarted_actor_counts_each_life():
+    """The count starts again in a restarted actor (same name): each life's episodes
+    over its own producing time, never a negative difference."""
+    first = _bursty_actor("a0", bursts=3)  # 120 episodes over 30 s
+    second = _bursty_actor("a0", bursts=2)  # 60 over 15 s, counted from 0 again
+    for r in second:
+        r["time"] += first[-1]["time"] - T0 + 5
+    assert actor_rate(first + second) == pytest.approx(180 / 45)
+    assert actor_rate(_bursty_actor("a0", bursts=1)) is None  # one producing record only
+    assert actor_rate(_bursty_actor("a0")[:12]) is None  # still compiling
+
+
+def test_latencies_are_the_producing_records_not_the_final_one():
+    """A finished run's latest actor record is its final one, logged after it stopped:
+    its policy latency (0.02 s here, 2 s while it produced) must not decide."""
+    records = _bursty_actor("a0")
+    for r in records:
+        r["policy_latency_p50_s"] = 2.0 if r["episodes"] else 30.0  # compiling: slow
+    records.append({**records[-1], "time": records[-1]["time"] + 5, "final": True})
+    records[-1]["policy_latency_p50_s"] = 0.02
+    audit = latency_audit(_steps(), records, _cfg(actors=1))
+    assert audit["policy_latency_p50_s"] == 2.0 and audit["policy_bound"] is True
+
+
+def test_a_visible_backlog_never_advises_more_actors():
+    """Issue #31.2: under load the live audit advised "add 5 actors" while 797 episodes
+    were buffered and staleness sat at its bound: the learner was not waiting for data."""
+    steps = _steps()
+    for r in steps:
+        r.update(buffer=797, backlog_shards=3, staleness={"3": 6, "4": 10})
+    audit = latency_audit(steps, _actor("a0", 4.0) + _actor("a1", 4.0), _cfg())
+    assert audit["supply_over_capacity"] == pytest.approx(0.25)  # the rates alone: actors
+    assert audit["bottleneck"] == "learner"
+    assert audit["buffered_episodes"] == 797 and audit["backlog_steps"] == pytest.approx(797 / 16)
+    assert "797 episodes buffered (~50 steps), 3 shards unread" in audit["advice"]
+    assert "staleness at its bound 4" in audit["advice"]
+    assert "add ~" not in audit["advice"]
+    assert audit["advice"].endswith("more actors would only add staleness")
+    assert (audit["suggest_num_actors"], audit["suggest_envs_per_actor"]) == (2, 4)
+    assert audit_line(audit).endswith("797 eps buffered: no more actors")
+    # Less than a batch waiting: the rates decide again.
+    for r in steps:
+        r.update(buffer=10, staleness={"1": 16})
+    assert latency_audit(steps, _actor("a0", 4.0), _cfg())["bottleneck"] == "actors"
+
+
+def test_run_utilization_reads_a_whole_run_of_records():
+    """The report's and the summary's figures: every record of the run, in any order,
+    the learner's steps once each (a redone step's surviving record)."""
+    records = [*reversed(_steps()), *_bursty_actor("a0"), *_bursty_actor("a1")]
+    redone = {**_steps()[4], "step_s": 99.0, "time": T0 - 1}  # an earlier attempt's step 5
+    extra = {"time": T0, "process": "learner", "phase": "waiting for the first shard"}
+    got = run_utilization([*records, redone, extra], _cfg())
+    audit = got["latency_audit"]
+    assert audit == latency_audit(_steps(), _bursty_actor("a0") + _bursty_actor("a1"), _cfg())
+    assert audit["actor_supply_eps_per_s"] == pytest.approx(8.0)
+    # Steps every 10 s, 0.5 s each after the first: a steady duty cycle of 0.05.
+    assert got["duty_cycle_steady"] == pytest.approx(0.05)
+    assert got["duty_cycle_explained"] == explain_duty(0.05, audit)
+
+
+def test_live_status_shows_the_run_audit_at_the_end():
+    status = LiveStatus(10, actors_total=1, cfg=_cfg(actors=1))
+    status.update(_steps() + _actor("a0", 4.0), now=T0 + 100)
+    status.final_audit = latency_audit(_steps(), _actor("a0", 31.0), _cfg(actors=1))
+    assert status.audit()["bottleneck"] == "balanced" and "balanced" in status.line()
 
 
 def test_rounded_keeps_ints_and_rounds_floats_to_significant_digits():

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 
 import numpy as np
 
+from tests.paths import HF_FIXTURES, REPO
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.testing.shard_factory import make_episode
@@ -52,6 +54,15 @@ def test_config_errors_exit_2_with_message():
     assert "actor.num_actors" in out.stderr and "greater than or equal to 1" in out.stderr
 
 
+def test_config_names_a_missing_checkpoint_directory(tmp_path):
+    """Issue #30.9: `config` returned 0 for a checkpoint directory that does not exist."""
+    missing = tmp_path / "no-such-model"
+    out = _cli("config", "--set", f"model.checkpoint={missing}")
+    assert out.returncode == 2, out.stdout
+    assert f"model.checkpoint: file://{missing}: no config.json there" in out.stderr
+    assert "does not exist" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_config_prints_validated_json():
     out = _cli("config", "--config", "configs/demo.yaml", "--set", "learner.max_steps=7")
     assert out.returncode == 0
@@ -85,6 +96,12 @@ def test_inspect_config_and_prepare_never_import_jax(tmp_path):
     rc, heavy = _imports_after("prepare", "--set", f"store={tmp_path}/runs", "--set", "run_name=p1")
     assert (rc, heavy) == (0, [])
     assert json.loads((tmp_path / "runs/p1/config.json").read_text())["run_name"] == "p1"
+    # Issue #30.9: a checkpoint's fail-fast check (tokenizer, template, headers) needs no JAX.
+    checkpoint = f"model.checkpoint={HF_FIXTURES / 'tiny-qwen3'}"
+    rc, heavy = _imports_after(
+        "prepare", "--set", f"store={tmp_path}/runs", "--set", "run_name=p2", "--set", checkpoint
+    )
+    assert (rc, heavy) == (0, [])
 
 
 def test_every_command_parses_and_train_flags_are_overrides():
@@ -127,10 +144,17 @@ def test_train_calls_the_launcher_with_the_config(monkeypatch, tmp_path, capsys)
     assert (cfg.mode, cfg.run_name, cfg.learner.max_steps, seen["quiet"]) == ("sync", "t", 3, True)
     out = capsys.readouterr().out
     assert "mode=sync" in out and json.loads(out[out.index("\n{") + 1 :])["run_uri"] == cfg.run_uri
+    assert "next steps" not in out  # --json prints the JSON alone
     # Without --json: labelled lines for a person, no JSON.
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "{" not in out and re.search(rf"\nrun +{re.escape(cfg.run_uri)} \(None\): finished", out)
+    # ... and then the next steps, whose commands paste and whose files exist.
+    steps = out[out.index("\nnext steps:\n") :]
+    assert f"tunix-tasks report {cfg.run_uri}\n" in steps  # no report in this fake summary
+    assert f"tunix-tasks inspect {cfg.run_uri}/shards --conversations 3 --order best" in steps
+    paths = re.findall(r"(?:docs|examples)/[\w/.-]+\.(?:md|yaml)", steps)
+    assert len(paths) == 5 and all((REPO / p).is_file() for p in paths), paths
     # Exit codes: a failed learner -> 1, an interrupted run -> 130.
     monkeypatch.setattr(
         launcher, "train_local", lambda cfg, quiet: {"learner_exit_code": 3, "interrupted": None}
@@ -344,6 +368,60 @@ def test_unreachable_gcs_logs_its_retries_then_one_line():
     assert "ConnectionError" in retries[0] and last == out.stderr.strip().splitlines()[-1]
 
 
+def test_unreachable_gcs_ends_train_within_the_connect_deadline(tmp_path):
+    """`train` against a dead endpoint (closed port) and a silent one (accepts, never
+    answers: each request would wait 60 s): one line, exit 5, after
+    TUNIX_STORE_CONNECT_DEADLINE_S, not the 120 s per-call retry deadline."""
+    import socket
+    import time
+
+    from tunix_tasks.testing.gcs_server import free_port
+
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as silent:  # never accepts
+        for port in (free_port(), silent.getsockname()[1]):
+            env = {
+                "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
+                "TUNIX_STORE_CONNECT_DEADLINE_S": "2",
+                "TUNIX_STORE_RETRY_DEADLINE_S": "",  # the default, 120 s
+            }
+            t0 = time.monotonic()
+            out = _cli_env("train", "--store", "gs://bucket/runs", "--run-name", "r", env=env)
+            wall = time.monotonic() - t0
+            _assert_one_line_error(
+                out, 5, "gs://bucket/runs/r: unreachable", "within 2 s", "CONNECT_DEADLINE"
+            )
+            assert wall < 30, wall  # 2 s and the start-up of a loaded machine
+
+
+def test_gcs_without_credentials_is_one_line(tmp_path):
+    """No credentials, no emulator (and no metadata server to ask): one line, exit 5."""
+    import os
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("GOOGLE_", "CLOUDSDK_", "GCE_")) and k != "STORAGE_EMULATOR_HOST"
+    }
+    env.update(HOME=str(tmp_path), CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), NO_GCE_CHECK="True")
+    for argv in (
+        ("train", "--store", "gs://bucket/runs", "--run-name", "nocreds"),
+        ("inspect", "gs://bucket/runs/nocreds/shards"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "tunix_tasks.frontdoor.cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            cwd=tmp_path,
+        )
+        last = _assert_one_line_error(
+            out, 5, "gs://bucket/runs/nocreds", "no usable Google Cloud credentials"
+        )
+        assert "gcloud auth application-default login" in last and "STORAGE_EMULATOR_HOST" in last
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # nothing else either
+
+
 def test_second_learner_is_refused_in_one_line(tmp_path):
     import os
     import socket
@@ -499,3 +577,23 @@ def test_train_writes_process_logs_with_the_run(monkeypatch, tmp_path):
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert process_log_dir(None, "r") == tmp_path / "home/.cache/tunix-tasks/logs/r"
+
+
+def test_no_jax_backend_noise_on_a_cpu_run():
+    """The CLI's INFO logging does not carry JAX's "Unable to initialize backend 'tpu'"
+    (every CPU-only process printed it); `-v` keeps it."""
+    code = (
+        "import sys, jax\n"
+        "from tunix_tasks.frontdoor.cli import main\n"
+        "main(sys.argv[1:])\n"
+        "jax.devices()\n"
+    )
+    argv = [sys.executable, "-c", code]
+    # As a user's shell runs it: JAX looks for a TPU (tests/conftest.py pins the CPU).
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    kw = {"capture_output": True, "text": True, "timeout": 120, "env": env}
+    quiet = subprocess.run([*argv, "config"], **kw)
+    verbose = subprocess.run([*argv, "-v", "config"], **kw)
+    assert quiet.returncode == verbose.returncode == 0, quiet.stderr + verbose.stderr
+    assert "Unable to initialize backend" not in quiet.stderr
+    assert "Unable to initialize backend 'tpu'" in verbose.stderr

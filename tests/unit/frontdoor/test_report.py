@@ -84,12 +84,12 @@ def test_report_of_a_crashed_run_is_written(crashed_run):
 
 
 def test_learner_steps_keep_the_last_record_per_step():
-    from tunix_tasks.frontdoor.report import _learner_steps
+    from tunix_tasks.frontdoor.audit import learner_steps
 
     records = [_record(1, T0 + 1, "a"), _record(2, T0 + 2, "a"), _record(2, T0 + 9, "b")]
     records.append({"time": T0 + 3, "process": "learner", "warm_start_step": 3, "nll": 1.0})
     records.append({"time": T0 + 4, "process": "actor/actor-0000", "episodes": 8})
-    steps = _learner_steps(records)
+    steps = learner_steps(records)
     assert [(r["step"], r["attempt"]) for r in steps] == [(1, "a"), (2, "b")]
 
 
@@ -182,6 +182,27 @@ def test_report_html_and_summary_json_are_readable(tmp_path, monkeypatch):
     assert "Utilization" in page and "waited for data" in page
     assert "seconds since the run's first metrics record" in page
     assert "No step trained fresh tokens" in page  # no mismatch metrics
+    assert "No episodes in the run" in page  # what the model wrote: no shards
+
+
+def test_report_sections_are_tables_not_json(tmp_path):
+    """Issue #31.9: the Summary and Actors sections were raw JSON dumps, and each plot
+    repeated its title (already in the image) as a caption."""
+    store = _run(tmp_path, "ok")
+    write_report(store.uri)
+    page = store.read_bytes(RunLayout.REPORT).decode()
+    assert "{&quot;" not in page and "<pre>" not in page and "<figcaption>" not in page
+    actors = page[page.index("<h2>Actors</h2>") :]
+    assert "<th>actor</th><th>episodes</th>" in actors
+    assert "<td>actor/actor-0000</td><td>40</td><td>0.5</td><td>0.9</td><td>3</td>" in actors
+    summary = page[page.index("<h2>Summary</h2>") : page.index("<h2>Utilization</h2>")]
+    assert "<th>staleness_histogram</th><td>0: 80</td>" in summary
+    assert "<th>done</th><td>reason: learner max_steps at step 10, time: 20" in summary
+    assert "<th>evaluations</th><td>-</td>" in summary  # none
+    # The learner logs no `final` record: its cell is empty, the columns stay aligned.
+    processes = page[page.index("<h2>Processes</h2>") : page.index("<h2>Sampler")]
+    assert "<th>final</th></tr>" in processes and "<td>learner</td>" in processes
+    assert processes.count("<td>") == 3 * 5
 
 
 @pytest.mark.filterwarnings("ignore:model.dtype=bfloat16")  # the expected ConfigWarning

@@ -199,8 +199,20 @@ def test_compile_count_bounded_by_buckets_and_truncation_counted(tmp_path):
     assert summary["steps"] == 6
     assert 1 <= summary["compile_count"] <= 2
     assert learner.parts.trainer.total_compiles == summary["compile_count"]  # no supervised step
-    buckets = {r["bucket"] for r in read_metrics(store, "learner") if "bucket" in r}
+    records = read_metrics(store, "learner")
+    buckets = {r["bucket"] for r in records if "bucket" in r}
     assert buckets <= {64, 128}
+    # The live display's phases (issue #31.5): waiting, then one record per compilation.
+    phases = [r["phase"] for r in records if "phase" in r]
+    first_seen = list(dict.fromkeys(r["bucket"] for r in records if "bucket" in r))
+    assert phases == [
+        "waiting for the first shard",
+        *(
+            f"compiling the train step for bucket {b} ({i} of 2)"
+            for i, b in enumerate(first_seen, 1)
+        ),
+    ]
+    assert len(phases) - 1 == summary["compile_count"]
     trained, _ = read_ledger_ids(store)
     by_id = {e.episode_id: e for e in eps}
     long_trained = sum(by_id[i].length > 128 for i in trained)

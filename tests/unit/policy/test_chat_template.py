@@ -233,6 +233,22 @@ def test_special_tokens_as_strings_or_dicts() -> None:
     }
 
 
+def test_transformers_5_extra_special_tokens_are_read() -> None:
+    """Issue #30.9: transformers 5 writes `extra_special_tokens` (a list: the new name of
+    `additional_special_tokens`; an object: named tokens), which were not read."""
+    listed = {"eos_token": "</s>", "extra_special_tokens": ["<a>", {"content": "<b>"}]}
+    assert special_tokens(listed) == {
+        "eos_token": "</s>",
+        "additional_special_tokens": ["<a>", "<b>"],
+    }
+    named = {"eos_token": "</s>", "extra_special_tokens": {"image_token": "<|image|>"}}
+    assert special_tokens(named) == {"eos_token": "</s>", "image_token": "<|image|>"}
+    source = "{{ image_token }}{{ additional_special_tokens | join }}"
+    assert compile_template(source).render(**special_tokens(named)) == "<|image|>"
+    with pytest.raises(ValueError, match="extra_special_tokens is neither a list nor an object"):
+        special_tokens({"extra_special_tokens": "<a>"})
+
+
 # --- rendering semantics ----------------------------------------------------------------
 
 
@@ -258,6 +274,22 @@ def test_render_writes_tools_and_special_tokens(qwen: TemplateChat) -> None:
     assert "<tools>" not in qwen.render([{"role": "user", "content": "hi"}], ())
     source = "{% if bos_token is defined %}B{% endif %}{{ pad_token }}"
     assert compile_template(source).render(**special_tokens(QWEN_CONFIG)) == "<|endoftext|>"
+
+
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        ("{{ 1 / 0 }}", "failed to render: ZeroDivisionError: division by zero"),
+        ("{{ ('a' * 100000000) * 40 }}", r"\* would build 100000000 characters"),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursion too deep"),
+    ],
+)
+def test_a_template_failing_any_render_is_refused_at_load(
+    qwen: TemplateChat, source: str, message: str
+) -> None:
+    """Issue #30.7: loading (what `prepare` does) renders the template under the budget."""
+    with pytest.raises(ChatTemplateError, match=message):
+        TemplateChat(qwen.tokenizer, source)
 
 
 def test_raise_exception_is_a_clear_error(qwen: TemplateChat, llama: TemplateChat) -> None:
@@ -458,7 +490,22 @@ def qwen_stop_ids() -> tuple[int, ...]:
             ChatTemplateError,
             'no template named "default"',
         ),
-        ({"chat_template.jinja": "{% if %}"}, ChatTemplateError, "syntax error on line 1"),
+        # Issue #30.9: template errors name the template's file, not only the directory.
+        (
+            {"chat_template.jinja": "{% if %}"},
+            ChatTemplateError,
+            r"^chat_template\.jinja: chat template: syntax error on line 1",
+        ),
+        (
+            {"tokenizer_config.json": {**QWEN_CONFIG, "chat_template": "{{ x | nope }}"}},
+            ChatTemplateError,
+            r"^tokenizer_config\.json: chat template: syntax error",
+        ),
+        (
+            {"chat_template.jinja": "{{ raise_exception('boom') }}"},
+            ChatTemplateError,
+            r"^chat_template\.jinja: chat template raised: boom",
+        ),
         (
             {"generation_config.json": {"eos_token_id": "x"}},
             ValueError,

@@ -171,6 +171,50 @@ def test_unknown_architecture_is_refused(tmp_path):
         spec_from_hf_config(cfg, max_seq_len=64)
 
 
+def _with_config(tmp_path: Path, **changes) -> HFCheckpoint:
+    d = _copy(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return HFCheckpoint(str(d))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("num_hidden_layers", 10_000_000),
+        ("vocab_size", 10**12),
+        ("hidden_size", 2**40),
+        ("num_key_value_heads", -2),
+        ("head_dim", 1.5),
+        ("intermediate_size", True),
+    ],
+)
+def test_config_shape_fields_are_bounded(tmp_path, field, value):
+    """Issue #30.8: `num_hidden_layers: 10^7` stalled the fail-fast check past 60 s listing
+    tens of millions of expected tensors; a vocabulary of 10^12 likewise."""
+    ckpt = _with_config(tmp_path, **{field: value})
+    with pytest.raises(
+        CheckpointError, match=rf"config\.json: {field} must be a positive integer at most \d+"
+    ):
+        ckpt.verify(max_seq_len=64)
+
+
+def test_config_is_compared_with_the_headers_before_building(tmp_path):
+    """Within the bounds, a config.json that disagrees with the weights is named from the
+    headers' layer count and embedding, before any expected tensor is listed."""
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors: config\.json says num_hidden_layers=1000, the safetensors "
+        r"headers hold 2 layers",
+    ):
+        _with_config(tmp_path / "a", num_hidden_layers=1000).verify(max_seq_len=64)
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.embed_tokens\.weight has shape .*\(vocab_size, hidden_size\)",
+    ):
+        _with_config(tmp_path / "b", vocab_size=4_000_000).verify(max_seq_len=64)
+
+
 @pytest.mark.parametrize("damage", ["header_length", "header_json", "truncated"])
 def test_corrupt_safetensors_is_named(tmp_path, damage):
     d = _copy(tmp_path, "tiny-llama3")
@@ -215,7 +259,29 @@ def test_prepare_refuses_a_bad_checkpoint_before_any_process_starts(tmp_path):
     (d / "tokenizer.json").unlink()
     with pytest.raises(ConfigError, match=r"model\.checkpoint: .*tokenizer\.json: not found"):
         prepare_run(params, run_name="bad")
+    # Issue #30.9: a missing directory is named as such, not as a missing tokenizer.json.
+    missing = {**params, "model": {"checkpoint": str(tmp_path / "nope")}}
+    with pytest.raises(ConfigError, match=r"nope: no config\.json there: the directory does not"):
+        prepare_run(missing, run_name="bad")
     assert not (tmp_path / "runs" / "bad").exists()  # nothing written for a bad run
+
+
+def test_build_policy_raises_policy_error_for_every_checkpoint_problem(tmp_path):
+    """Issue #30.9: build_policy / build_sampler let `CheckpointError` through for problems
+    found while loading (here a tensor missing), `PolicyError` for others."""
+    from tunix_tasks.config import ModelConfig
+    from tunix_tasks.policy.build import PolicyError, build_policy
+
+    d = _copy(tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, d / "model.safetensors")
+    cfg = ModelConfig(checkpoint=str(d), max_seq_len=64)
+    with pytest.raises(PolicyError, match=r"missing tensor\(s\) model\.norm\.weight"):
+        build_policy(cfg)
+    (d / "config.json").write_text("{")
+    with pytest.raises(PolicyError, match=r"config\.json: not valid JSON"):
+        build_policy(cfg)
 
 
 def test_the_models_doc_config_validates():

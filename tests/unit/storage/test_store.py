@@ -251,6 +251,48 @@ def test_gcs_retry_deadline_is_configurable(monkeypatch):
     assert time.monotonic() - t0 < 15
 
 
+def test_first_contact_is_bounded_even_when_the_endpoint_hangs(monkeypatch):
+    """An endpoint that accepts connections and never answers holds each request for the
+    client's own timeout (60 s), past any retry deadline: the first contact gives up
+    after TUNIX_STORE_CONNECT_DEADLINE_S whatever the backend does; errors and results
+    of a call that finishes in time pass through."""
+    import socket
+
+    from tunix_tasks.storage.outage import CONNECT_ENV, StoreUnavailable, first_contact
+    from tunix_tasks.storage.store import NotFound
+
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as silent:  # never accepts
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setenv(CONNECT_ENV, "1.5")
+        store = open_store("gs://bucket/run")
+        t0 = time.monotonic()
+        with pytest.raises(
+            StoreUnavailable, match=r"gs://bucket/run: unreachable: no answer within 2 s"
+        ):
+            first_contact(store.uri, store.read_bytes, "config.json")
+        assert 1.4 < time.monotonic() - t0 < 5
+    local = open_store("file:///nonexistent-root")
+    with pytest.raises(NotFound):
+        first_contact(local.uri, local.read_bytes, "config.json")
+    assert first_contact("x", sum, [1, 2], deadline_s=5) == 3
+
+
+def test_a_missing_bucket_is_named_when_writing(gcs_server):
+    """An upload into a bucket that does not exist says so (it said the object being
+    written did not exist: `train` printed "<run>/config.json does not exist")."""
+    from tunix_tasks.storage.store import NotFound
+
+    store = open_store("gs://no-such-bucket-for-tunix/runs/r")
+    for write in (
+        lambda: store.write_bytes("config.json", b"{}"),
+        lambda: store.write_if_generation("learner/LEASE", b"{}", 0),
+    ):
+        with pytest.raises(NotFound, match=r"bucket gs://no-such-bucket-for-tunix does not exist"):
+            write()
+    with pytest.raises(NotFound, match=r"r/config\.json does not exist$"):  # reads: the object
+        store.read_bytes("config.json")
+
+
 def test_symlinks_out_of_the_run_are_refused_by_the_local_store(tmp_path):
     """Issue #30.3: `weights/vN` as a symlink to a folder outside the run was followed.
     Every read, write, stat, delete and listing through a link that resolves outside the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 
 import numpy as np
@@ -82,6 +84,9 @@ def _cases():
             _mutate_list(t, "loss_mask", lambda i, r: [2, *r[1:]] if i == 0 else r, pa.int8())
         ),
     )
+    for absurd in (3e38, -3e38, 1.5e6):  # finite float32, out of the documented range
+        rewards = pa.array([0.0, 1.0, absurd, 0, 0, 0], pa.float32())
+        yield "reward_out_of_range", _raw_bytes(_set_column(t, "reward", rewards))
     yield "bad_status", _raw_bytes(_set_column(t, "status", pa.array(["ok"] * 5 + ["weird"])))
     yield "empty", _raw_bytes(t.slice(0, 0))
     meta = t.replace_schema_metadata({"tunix.schema_version": "7"})
@@ -145,3 +150,81 @@ def test_future_policy_version_rejected(tmp_path):
     ok = _versioned_table([3, 7, 2], [10, 10, 10])
     store.write_bytes("shards/a/ok.parquet", table_to_parquet_bytes(ok))
     assert read_shard(store, "shards/a/ok.parquet", vocab_size=VOCAB, max_version=7).num_rows == 3
+
+
+def _one_episode_shard(tokens: int) -> bytes:
+    """A shard of one `tokens`-long episode of zeros: a few KB on disk, 9 bytes a token decoded."""
+    ep = make_episode(np.random.default_rng(2), length=8)
+    ep = dataclasses.replace(
+        ep,
+        tokens=np.zeros(tokens, np.int32),
+        loss_mask=np.zeros(tokens, np.int8),
+        behavior_logprobs=np.zeros(tokens, np.float32),
+    )
+    return table_to_parquet_bytes(episodes_to_table([ep]))
+
+
+@contextlib.contextmanager
+def _arrow_pool():
+    """A fresh default Arrow memory pool: its `max_memory` is the peak Arrow allocated inside."""
+    previous = pa.default_memory_pool()
+    pool = pa.proxy_memory_pool(previous)
+    pa.set_memory_pool(pool)
+    try:
+        yield pool
+    finally:
+        pa.set_memory_pool(previous)
+
+
+def test_huge_episode_refused_from_the_metadata_before_decoding(tmp_path):
+    """Issue #30.5: a small file declaring a 60 M-token episode was decoded (+331 MB)
+    before being quarantined as too_long; here 1 M tokens (9 MB decoded) in a few KB."""
+    store = open_store(str(tmp_path))
+    data = _one_episode_shard(1_000_000)
+    assert len(data) < 20_000
+    store.write_bytes("shards/a/huge.parquet", data)
+    with _arrow_pool() as pool, pytest.raises(ShardValidationError) as info:
+        read_shard(store, "shards/a/huge.parquet", vocab_size=VOCAB, max_length=192)
+    assert info.value.reason == "too_long"
+    assert "row group 0 declares 1000000 tokens in 1 rows" in info.value.detail
+    assert pool.max_memory() < 1 << 20  # nothing of the 9 MB was decoded
+    # Without a length limit, the byte bound refuses it from the declared sizes too.
+    with _arrow_pool() as pool, pytest.raises(ShardValidationError) as info:
+        read_shard(store, "shards/a/huge.parquet", vocab_size=VOCAB, max_bytes=4 << 20)
+    assert info.value.reason == "too_large" and "the file declares" in info.value.detail
+    assert pool.max_memory() < 1 << 20
+    assert read_shard(store, "shards/a/huge.parquet", vocab_size=VOCAB).num_rows == 1
+
+
+def test_decoded_bytes_bounded_when_strings_expand(tmp_path):
+    """A dictionary-encoded string stored once expands into every row when decoded: 2,000
+    rows naming a 10 KB env declare ~30 KB and decode to 20 MB. Counted before expanding."""
+    rng = np.random.default_rng(3)
+    table = episodes_to_table([make_episode(rng, length=4) for _ in range(2_000)])
+    table = table.set_column(
+        table.schema.get_field_index("env"), "env", pa.array(["e" * 10_000] * 2_000)
+    )
+    store = open_store(str(tmp_path))
+    store.write_bytes("shards/a/wide.parquet", table_to_parquet_bytes(table))
+    with _arrow_pool() as pool, pytest.raises(ShardValidationError) as info:
+        read_shard(store, "shards/a/wide.parquet", vocab_size=VOCAB, max_bytes=4 << 20)
+    assert info.value.reason == "too_large" and "decode to" in info.value.detail
+    assert pool.max_memory() < 4 << 20
+    table = read_shard(store, "shards/a/wide.parquet", vocab_size=VOCAB)
+    assert table.num_rows == 2_000 and table.schema.field("env").type == pa.string()
+
+
+def test_reward_range_is_documented_and_inclusive(tmp_path):
+    """Issue #30.6: finite but absurd rewards (±3e38) were trained on; the range is
+    [-1e6, 1e6] (episode.MAX_ABS_REWARD), its ends included."""
+    store = open_store(str(tmp_path))
+    t = _good_table()
+    edge = _set_column(t, "reward", pa.array([1e6, -1e6, 0, 0, 0, 0], pa.float32()))
+    store.write_bytes("shards/a/edge.parquet", table_to_parquet_bytes(edge))
+    assert read_shard(store, "shards/a/edge.parquet", vocab_size=VOCAB).num_rows == 6
+    over = _set_column(t, "reward", pa.array([0, 0, 0, -3e38, 0, 0], pa.float32()))
+    store.write_bytes("shards/a/over.parquet", table_to_parquet_bytes(over))
+    with pytest.raises(ShardValidationError) as info:
+        read_shard(store, "shards/a/over.parquet", vocab_size=VOCAB)
+    assert info.value.reason == "reward_out_of_range"
+    assert "row 3: reward -3e+38 is outside [-1e+06, 1e+06]" in info.value.detail

@@ -313,26 +313,85 @@ def test_learner_start_supersedes_poisoned_latest(tmp_path):
         parts.close()
 
 
-def test_fenced_learner_exits_with_one_line_and_status_3(tmp_path):
-    """`tunix-tasks learner` that loses the LATEST race: exit status 3 and one line, no
-    traceback. (Before: a PublishConflict traceback and status 1.)"""
-    uri = _prepare_small_run(f"file://{tmp_path}")
-    store = open_store(uri)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(
+def _learner_process(uri: str) -> subprocess.Popen:
+    """`tunix-tasks learner --run uri` in its own process."""
+    return subprocess.Popen(
         [sys.executable, "-m", "tunix_tasks.frontdoor.cli", "learner", "--run", uri],
         cwd=REPO,
-        env=env,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _wait_while_running(proc: subprocess.Popen, cond, what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert proc.poll() is None, (what, proc.communicate())
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _assert_fenced_in_one_line(proc: subprocess.Popen, err: str, *needles: str) -> None:
+    assert proc.returncode == 3, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if "fenced off" in ln]
+    assert len(lines) == 1, err[-3000:]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_learner_taken_over_by_a_second_learner_process_is_fenced(tmp_path):
+    """Two real learner processes on one run. The first publishes v0 and is paused
+    (SIGSTOP: a long GC pause, a partition) until its lease expires; the second starts,
+    takes the lease over and publishes v1. Resumed, the first finds its lease taken: it
+    exits with status 3 and one line, publishes and checkpoints nothing, and the second
+    runs on. (Before: a LeaseLost traceback and status 1.)"""
+    import signal
+
+    uri = _prepare_small_run(f"file://{tmp_path}", lease_ttl_s=2.0)
+    store = open_store(uri)
+    first, second = _learner_process(uri), None
     try:
-        deadline = time.monotonic() + 120
-        while read_latest(store) is None:  # its first publish, v0; then it waits for data
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the learner never published v0"
-            time.sleep(0.1)
+        _wait_while_running(first, lambda: read_latest(store) is not None, "the first's v0")
+        os.kill(first.pid, signal.SIGSTOP)
+        expires_at = json.loads(store.read_bytes(RunLayout.LEASE))["expires_at"]
+        time.sleep(max(0.0, expires_at - time.time()) + 0.3)
+        second = _learner_process(uri)
+        _wait_while_running(second, lambda: read_latest(store)[0] >= 1, "the second's v1")
+        assert json.loads(store.read_bytes(RunLayout.LEASE))["pid"] == second.pid
+        published = sorted(store.list_folders("weights/"))
+        os.kill(first.pid, signal.SIGCONT)
+        _, err = first.communicate(timeout=60)
+        _assert_fenced_in_one_line(
+            first, err, "another learner took over", "learner/LEASE", "is fenced off and stops"
+        )
+        assert second.poll() is None  # the run's learner now, untouched
+        assert json.loads(store.read_bytes(RunLayout.LEASE))["pid"] == second.pid
+        assert sorted(store.list_folders("weights/")) == published
+        assert not store.list(RunLayout.CHECKPOINTS) and not store.exists(RunLayout.DONE)
+        second.send_signal(signal.SIGTERM)  # it stops cleanly and releases the lease
+        _, err2 = second.communicate(timeout=60)
+        assert second.returncode == 0, err2[-3000:]
+        assert json.loads(store.read_bytes(RunLayout.LEASE))["released"]
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+def test_fenced_learner_exits_with_one_line_and_status_3(tmp_path):
+    """`tunix-tasks learner` that loses the LATEST race (another publisher CASes the
+    pointer while it still holds its lease): exit status 3 and one line, no traceback.
+    (Before: a PublishConflict traceback and status 1.)"""
+    uri = _prepare_small_run(f"file://{tmp_path}")
+    store = open_store(uri)
+    proc = _learner_process(uri)
+    try:
+        # Its first publish, v0; then it waits for data.
+        _wait_while_running(proc, lambda: read_latest(store) is not None, "v0")
         # Another learner (its lease aside) publishes over it; then data arrives, the
         # fenced learner trains a step and its publish loses the compare-and-swap.
         WeightsPublisher(store).publish(_params(9), version=9999, step=0, model={})
@@ -342,13 +401,8 @@ def test_fenced_learner_exits_with_one_line_and_status_3(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 3, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    lines = [ln for ln in err.splitlines() if "fenced off" in ln]
-    assert len(lines) == 1, err[-3000:]
-    assert (
-        "another learner published v9999 over ours: this learner is fenced off and stops"
-        in (lines[0])
+    _assert_fenced_in_one_line(
+        proc, err, "another learner published v9999 over ours: this learner is fenced off"
     )
     assert read_latest(store)[0] == 9999  # never overwritten by the fenced learner
     assert not store.exists(RunLayout.DONE)

@@ -14,7 +14,8 @@ enforces the wall-clock and output limits by killing the run.
 
 Without a working bubblewrap, ``mode="auto"`` falls back (as root with ``CAP_SYS_ADMIN``
 only) to in-child kernel namespaces: no network, read-only mounts, a fresh uid with
-``RLIMIT_NPROC``, a ``hidepid`` /proc; world-readable host files stay readable there.
+``RLIMIT_NPROC``, a ``hidepid`` /proc, and a seccomp filter refusing Unix sockets (host
+ones would be reachable) and new namespaces; world-readable host files stay readable there.
 With neither, :class:`SandboxUnavailable` is raised unless the caller opted in with
 ``mode="unsafe-audit-only"``. Guarantees and requirements: docs/sandbox.md.
 
@@ -28,7 +29,8 @@ Bad user code never raises: it is reported through ``status``.
 limits.py   ``SandboxLimits``: the resource limits and the isolation mode asked for
 runner.py   choosing (and refusing) the isolation, running one script, its result
 bwrap.py    the bubblewrap command line and the runtime it mounts
-child.py    the bootstrap inside the sandbox: rlimits, no-new-privs, audit hook
+child.py    the bootstrap inside the sandbox: rlimits, no-new-privs, the fallback's
+            namespaces and seccomp filter, audit hook
 """
 
 from tunix_tasks.envs.sandbox.limits import (

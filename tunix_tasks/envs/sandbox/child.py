@@ -2,8 +2,8 @@
 
 `runner.py` starts `python -I -S -B -c <this file's source> <json config>` (inside
 bubblewrap, or directly for the namespace fallback); this code applies the in-child layers
-(for the fallback: namespaces, read-only mounts, a private /proc, a fresh uid; always:
-rlimits, no_new_privs, the optional audit hook), reports which ones took effect on the
+(for the fallback: namespaces, read-only mounts, a private /proc, a fresh uid, a seccomp
+filter; always: rlimits, no_new_privs, the optional audit hook), reports which ones took effect on the
 report pipe, and executes `main.py`. It imports only the standard library: the child sees
 nothing else. Never imported.
 """
@@ -132,6 +132,12 @@ def _setup(cfg):
         done.append("nproc")
     if libc.prctl(38, 1, 0, 0, 0) == 0:  # PR_SET_NO_NEW_PRIVS: setuid binaries stay powerless
         done.append("no_new_privs")
+    if cfg["kernel_ns"]:  # bubblewrap hides host sockets and forbids user namespaces itself
+        try:
+            _seccomp(libc, ctypes)
+            done.append("seccomp")
+        except OSError as e:
+            failed.append(f"seccomp({e})")
     os.chdir(work)
     if cfg["audit_hook"]:
         done.append("audit_hook")
@@ -140,6 +146,59 @@ def _setup(cfg):
     )
     os.close(cfg["report_fd"])
     return libc
+
+
+def _seccomp(libc, ctypes):
+    """Without bubblewrap: no Unix sockets (a host socket on any mount could be reached),
+    no new namespaces (a nested user namespace gives back mount, chroot, ...), no
+    io_uring (it can open sockets past this filter). Other syscalls are allowed."""
+    import errno
+
+    # AUDIT_ARCH_*, then: socket, clone, unshare, setns, chroot, mount, umount2, pivot_root
+    table = {
+        "x86_64": (0xC000003E, 41, 56, 272, 308, 161, 165, 166, 155),
+        "aarch64": (0xC00000B7, 198, 220, 97, 268, 51, 40, 39, 41),
+    }
+    machine = os.uname().machine
+    if machine not in table:
+        raise OSError(errno.ENOSYS, "no seccomp filter for this architecture", machine)
+    arch, socket_nr, clone_nr, *deny = table[machine]
+    LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|..|K, RET|K
+    ALLOW, KILL, ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+    AF_UNIX, CLONE_NS = 1, 0x7E020000  # every CLONE_NEW* flag
+    deny += [425, 428, 429, 430, 431, 432, 433, 442]  # io_uring_setup, the new mount API
+    prog = [(LD, 0, 0, 4), (JEQ, 1, 0, arch), (RET, 0, 0, KILL), (LD, 0, 0, 0)]
+    if arch == 0xC000003E:  # x32 system calls: the same arch, nr | 0x40000000
+        prog += [(JGE, 0, 1, 0x40000000), (RET, 0, 0, ERRNO | errno.EPERM)]
+    for nr in deny:
+        prog += [(JEQ, 0, 1, nr), (RET, 0, 0, ERRNO | errno.EPERM)]
+    prog += [(JEQ, 0, 1, 435), (RET, 0, 0, ERRNO | errno.ENOSYS)]  # clone3: libc uses clone
+    # On the first argument (its low 32 bits, offset 16): each block returns.
+    for nr, test, k, err in (
+        (socket_nr, JEQ, AF_UNIX, errno.EACCES),
+        (clone_nr, JSET, CLONE_NS, errno.EPERM),
+    ):
+        prog += [(JEQ, 0, 4, nr), (LD, 0, 0, 16), (test, 0, 1, k), (RET, 0, 0, ERRNO | err)]
+        prog += [(RET, 0, 0, ALLOW)]
+    prog.append((RET, 0, 0, ALLOW))
+
+    class Insn(ctypes.Structure):
+        _fields_ = [
+            ("code", ctypes.c_ushort),
+            ("jt", ctypes.c_ubyte),
+            ("jf", ctypes.c_ubyte),
+            ("k", ctypes.c_uint),
+        ]
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Insn))]
+
+    insns = (Insn * len(prog))(*(Insn(*i) for i in prog))
+    fprog = Prog(len(prog), insns)
+    # PR_SET_SECCOMP, SECCOMP_MODE_FILTER (needs no_new_privs, set just before)
+    if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), "prctl(PR_SET_SECCOMP)")
 
 
 def _install_audit_hook(work):

@@ -37,7 +37,7 @@ _SETUP_FAILED = 70  # exit code of the bootstrap when its own setup crashed
 _UID_RANGE = (1_000_000, 2_000_000_000)
 _BOOTSTRAP = (Path(__file__).parent / "child.py").read_text()
 # What the namespace fallback must achieve (as root, with CAP_SYS_ADMIN) to count.
-_FALLBACK_NEEDS = {"netns", "readonly_fs", "unique_uid", "nproc", "hidepid"}
+_FALLBACK_NEEDS = {"netns", "readonly_fs", "unique_uid", "nproc", "hidepid", "seccomp"}
 T = TypeVar("T")
 
 

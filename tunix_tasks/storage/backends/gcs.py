@@ -2,8 +2,10 @@
 
 The only module that imports google-cloud-storage (on the first `open_store` of a gs://
 root). Honours STORAGE_EMULATOR_HOST (fake-gcs-server in the tests), for orbax's
-checkpoints and pyarrow's reads too. Every call retries what GCS calls transient for up to
-`retry_deadline_s()`, logging each retry, then raises a `StoreError`.
+checkpoints and pyarrow's reads too. Without usable credentials (and without an emulator)
+opening the store raises a one-line `StoreError` saying how to get them. Every call
+retries what GCS calls transient for up to `retry_deadline_s()`, logging each retry, then
+raises a `StoreError`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pyarrow.fs as pafs
 import requests
 from google.api_core import exceptions as gexc
 from google.api_core.retry import Retry
+from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from google.cloud.storage.retry import DEFAULT_RETRY
@@ -35,8 +38,19 @@ from tunix_tasks.storage.uri import join_uri, normalize_uri
 __all__ = ["GcsStore"]
 
 log = logging.getLogger(__name__)
-# Errors that survive the retry policy; all become StoreError subclasses.
-_ERRORS = (gexc.GoogleAPICallError, gexc.RetryError, requests.RequestException)
+# Errors that survive the retry policy; all become StoreError subclasses. Credentials
+# that cannot be refreshed (revoked, expired) surface as GoogleAuthError on the first call.
+_ERRORS = (
+    gexc.GoogleAPICallError,
+    gexc.RetryError,
+    requests.RequestException,
+    auth_exc.GoogleAuthError,
+)
+NO_CREDENTIALS_HINT = (
+    "run `gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS to a "
+    "service-account key file, or run where workload identity provides them "
+    "(STORAGE_EMULATOR_HOST=host:port for an emulator, which needs none)"
+)
 
 
 class GcsStore:
@@ -53,7 +67,14 @@ class GcsStore:
             if os.environ.get("STORAGE_EMULATOR_HOST"):
                 client = storage.Client(project="tunix-local", credentials=AnonymousCredentials())
             else:
-                client = storage.Client()
+                try:
+                    client = storage.Client()
+                except auth_exc.DefaultCredentialsError as err:
+                    why = str(err).split(". ")[0].rstrip(".")  # the rest is a link
+                    raise StoreError(
+                        f"{self.uri}: no usable Google Cloud credentials ({why}); "
+                        + NO_CREDENTIALS_HINT
+                    ) from None
         self._client = client
         self._bucket = client.bucket(self.bucket_name)  # type: ignore[attr-defined]
         deadline = _deadline(retry_deadline_s)
@@ -72,8 +93,13 @@ class GcsStore:
     def _key(self, name: str) -> str:
         return name[len(self.prefix) + 1 :] if self.prefix else name
 
-    def _wrap(self, key: str, err: Exception) -> StoreError:
+    def _wrap(self, key: str, err: Exception, *, writing: bool = False) -> StoreError:
         where = self.uri if key == "." else join_uri(self.uri, key)  # "." : a listing
+        if isinstance(err, gexc.NotFound) and writing:  # an upload finds no bucket
+            return NotFound(
+                f"{where}: bucket gs://{self.bucket_name} does not exist; create it "
+                f"(gcloud storage buckets create gs://{self.bucket_name}) or fix the store URI"
+            )
         if isinstance(err, gexc.NotFound):
             return NotFound(f"{where} does not exist")
         if isinstance(err, gexc.PreconditionFailed):
@@ -105,7 +131,7 @@ class GcsStore:
         try:
             self._bucket.blob(self._name(key)).upload_from_string(data, retry=self._retry)
         except _ERRORS as err:
-            raise self._wrap(key, err) from None
+            raise self._wrap(key, err, writing=True) from None
 
     def read_versioned(self, key: str) -> tuple[bytes, int] | None:
         try:
@@ -126,7 +152,7 @@ class GcsStore:
         try:
             blob.upload_from_string(data, if_generation_match=generation, retry=self._retry)
         except _ERRORS as err:
-            raise self._wrap(key, err) from None
+            raise self._wrap(key, err, writing=True) from None
         return int(blob.generation)
 
     def list(self, prefix: str = "", *, start_after: str | None = None) -> list[ObjectInfo]:

@@ -1,0 +1,62 @@
+"""What a run's model must pass before any process starts, checked without importing JAX.
+
+`prepare` (and so `train` and the DAGs) calls `check_policy`: for a checkpoint, the
+directory must hold a `config.json`, the tokenizer and chat template must load (the template
+renders once under its budget, policy/template_sandbox.py) and `config.json` must agree with
+every safetensors header (policy/hf_headers.py). None of it needs JAX, so the check costs
+its reads (~0.1 s), not a JAX import (~13 s). `build_chat` is the chat format alone, what
+a rollout renders with; `PolicyError` is the one error type for a policy that cannot be
+built, here and in `build_policy` / `build_sampler` (policy/build.py).
+
+    check_policy(cfg.model)          # PolicyError naming the directory and the file
+    chat = build_chat(cfg.model)
+"""
+
+from __future__ import annotations
+
+from tunix_tasks.config import ModelConfig
+from tunix_tasks.policy.chat import ChatFormat
+from tunix_tasks.policy.chat_template import load_template_chat
+from tunix_tasks.policy.hf_headers import CheckpointError, CheckpointFiles
+from tunix_tasks.policy.tokenizer import CharChat, CharTokenizer
+
+__all__ = ["PolicyError", "build_chat", "check_policy", "checkpoint_files"]
+
+
+class PolicyError(ValueError):
+    """The configured policy cannot be built (a bad checkpoint); names file and tensor."""
+
+
+def checkpoint_files(uri: str) -> CheckpointFiles:
+    """The checkpoint at `uri`; `PolicyError` naming it when it holds no config.json (a
+    directory that does not exist, or not a Hugging Face checkpoint)."""
+    files = CheckpointFiles(uri)
+    if not files.store.exists("config.json"):
+        raise PolicyError(
+            f"{uri}: no config.json there: the directory does not exist or is not a "
+            "Hugging Face checkpoint"
+        )
+    return files
+
+
+def build_chat(cfg: ModelConfig) -> ChatFormat:
+    """Only the chat format (tokenizer + template): what the rollout needs to render."""
+    if cfg.checkpoint is None:
+        return CharChat(CharTokenizer())
+    files = checkpoint_files(cfg.checkpoint)
+    try:
+        return load_template_chat(files.read, tool_format=cfg.tool_format)
+    except (FileNotFoundError, ValueError) as err:  # each message starts with its file
+        raise PolicyError(f"{cfg.checkpoint}/{err}") from None
+
+
+def check_policy(cfg: ModelConfig) -> None:
+    """Fail fast, before any process starts: a checkpoint's tokenizer, chat template,
+    config.json and every safetensors header (names, shapes) must load. Reads no weights."""
+    if cfg.checkpoint is None:
+        return
+    build_chat(cfg)
+    try:
+        CheckpointFiles(cfg.checkpoint).verify(max_seq_len=cfg.max_seq_len)
+    except CheckpointError as err:
+        raise PolicyError(str(err)) from None
