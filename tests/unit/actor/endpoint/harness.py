@@ -21,6 +21,8 @@ from tunix_tasks.policy.build import build_sampler
 
 TEMPERATURE = 0.7
 MAX_EPISODE_TOKENS = 1024
+# Generous: the first request compiles the sampler, which takes seconds on a loaded CI core.
+HTTP_TIMEOUT_S = 120.0
 
 
 class Recording:

@@ -11,7 +11,7 @@ import numpy as np
 import openai
 from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
 
-from tests.unit.actor.endpoint.harness import endpoint
+from tests.unit.actor.endpoint.harness import HTTP_TIMEOUT_S, endpoint
 from tests.unit.actor.endpoint.test_server import learner_logprobs, open_episode, policy_spans
 
 
@@ -25,7 +25,7 @@ def test_agents_sdk_agent_with_a_function_tool():
     set_tracing_disabled(True)  # no export of traces to OpenAI
 
     async def run():
-        async with endpoint() as ep, httpx.AsyncClient() as http:
+        async with endpoint() as ep, httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
             episode_id, base_url = await open_episode(http, ep.url, seed=5)
             client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
             agent = Agent(

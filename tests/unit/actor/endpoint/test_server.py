@@ -11,7 +11,12 @@ import numpy as np
 import openai
 from flax import nnx
 
-from tests.unit.actor.endpoint.harness import MAX_EPISODE_TOKENS, TEMPERATURE, endpoint
+from tests.unit.actor.endpoint.harness import (
+    HTTP_TIMEOUT_S,
+    MAX_EPISODE_TOKENS,
+    TEMPERATURE,
+    endpoint,
+)
 from tunix_tasks.policy.distribution import token_logprobs
 
 CALCULATE = {
@@ -54,7 +59,7 @@ def test_openai_client_multi_turn_with_tools_keeps_the_sampled_tokens():
     the learner's recomputation at staleness 0; `logprobs=True` returns the same values."""
 
     async def run():
-        async with endpoint() as ep, httpx.AsyncClient() as http:
+        async with endpoint() as ep, httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
             episode_id, base_url = await open_episode(http, ep.url, seed=11)
             client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
             assert (await client.models.list()).data[0].id == "tiny-qwen3"
@@ -117,7 +122,10 @@ def _error(
 
 def test_bad_input_gets_openai_error_bodies_and_frees_nothing_it_should_not():
     async def run():
-        async with endpoint(max_request_bytes=4096) as ep, httpx.AsyncClient() as http:
+        async with (
+            endpoint(max_request_bytes=4096) as ep,
+            httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http,
+        ):
             episode_id, base = await open_episode(http, ep.url)
             chat = f"{base}/chat/completions"
             user = [{"role": "user", "content": "hi"}]
@@ -208,7 +216,10 @@ def test_bad_input_gets_openai_error_bodies_and_frees_nothing_it_should_not():
 
 def test_bearer_token_when_configured():
     async def run():
-        async with endpoint(api_key="s3cret") as ep, httpx.AsyncClient() as http:
+        async with (
+            endpoint(api_key="s3cret") as ep,
+            httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http,
+        ):
             _error(await http.get(f"{ep.url}/v1/models"), 401, "invalid_api_key")
             _error(
                 await http.get(f"{ep.url}/v1/models", headers={"Authorization": "Bearer nope"}), 401
@@ -222,8 +233,9 @@ def test_bearer_token_when_configured():
 def test_load_abandoned_and_disconnected_episodes_are_dropped_and_free_their_slots():
     async def run():
         async with (
-            endpoint(max_concurrent_requests=1, timeout_s=0.3) as ep,
-            httpx.AsyncClient() as http,
+            # b must stay open through the requests below on a loaded core: 2 s, not less.
+            endpoint(max_concurrent_requests=1, timeout_s=2.0) as ep,
+            httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http,
         ):
             ep.policy.gate = asyncio.Event()  # hold requests before the sampler
             _, base_a = await open_episode(http, ep.url, group="g", group_size=3)
@@ -281,7 +293,7 @@ def test_256_concurrent_episodes_on_one_endpoint_without_errors():
 
     async def run():
         # Small pools: one pool of 256 connections costs httpcore quadratic time.
-        pools = [httpx.AsyncClient(timeout=120) for _ in range(32)]
+        pools = [httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) for _ in range(32)]
         async with endpoint(max_concurrent_requests=512) as ep:
             await asyncio.gather(*(one(pools[i % 32], ep.url, i) for i in range(256)))
         for pool in pools:
@@ -301,7 +313,10 @@ def test_stop_strings_end_the_turn_at_the_token_that_completes_one():
     stops = ["e", "a", "o", " "]
 
     async def run():
-        async with endpoint(max_new_tokens=32) as ep, httpx.AsyncClient() as http:
+        async with (
+            endpoint(max_new_tokens=32) as ep,
+            httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http,
+        ):
             episode_id, base = await open_episode(http, ep.url)
             body = {"messages": [{"role": "user", "content": "Say something."}], "stop": stops}
             r = await http.post(f"{base}/chat/completions", json=body)
