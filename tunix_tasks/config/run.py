@@ -61,6 +61,14 @@ class ActorConfig(Frozen):
         "most rows it decodes in one batch (0: envs_per_actor, or as many as the device's "
         "memory holds); fewer slots re-prefill evicted episodes",
     )
+    decode_rows: Int = Field(
+        0,
+        ge=0,
+        le=65536,
+        description="the most rows a sampler replica decodes in one batch (0: all its KV-cache "
+        "slots); fewer keep a decode step's working set small while the slots still keep "
+        "every episode's cache",
+    )
     batch_wait_s: Float = Field(
         0.02, ge=0.0, le=1.0, description="gather policy calls this long into one sampler batch"
     )

@@ -40,7 +40,7 @@ from tunix_tasks.policy.hf_checkpoint import CheckpointError, HFCheckpoint
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.preflight import PolicyError, build_chat, check_policy
 from tunix_tasks.policy.replicas import SamplerReplicas, replicate, sampler_devices
-from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.policy.sampling import Sampler, row_buckets
 from tunix_tasks.policy.spec import LoraSpec, spec_from_preset
 
 __all__ = [
@@ -104,16 +104,18 @@ def build_sampler(
     seed: int = 0,
     max_sequences: int = 64,
     replicas: int = 1,
+    max_rows: int = 0,
     shrink_to_fit: bool = False,
 ) -> tuple[ChatFormat, Sampler | SamplerReplicas]:
     """The chat format and a sampler over the policy, stopping at the format's stop ids,
     with `max_sequences` KV-cache slots (conversations whose cache it keeps, all of them
-    decoding in one batch when busy); with `replicas` > 1, that many samplers on as many
-    local devices, sharing the slots. Slots the device's memory cannot hold raise
-    `ConfigError`, or with `shrink_to_fit` are dropped (module docstring)."""
+    decoding in one batch when busy, or at most `max_rows` of a replica's); with `replicas`
+    > 1, that many samplers on as many local devices, sharing the slots. Slots the
+    device's memory cannot hold raise `ConfigError`, or with `shrink_to_fit` are dropped
+    (module docstring)."""
     devices = sampler_devices(replicas) if replicas > 1 else [jax.local_devices()[0]]
     chat, model = build_policy(cfg, seed=seed)
-    max_sequences = _fit_slots(cfg, model, devices, max_sequences, shrink_to_fit)
+    max_sequences = _fit_slots(cfg, model, devices, max_sequences, max_rows, shrink_to_fit)
 
     def make(device: jax.Device | None, slots: int) -> Sampler:
         return Sampler(
@@ -122,6 +124,7 @@ def build_sampler(
             stop_ids=chat.stop_ids,
             max_seq_len=cfg.max_seq_len,
             max_sequences=slots,
+            batch_buckets=row_buckets(min(max_rows, slots)) if max_rows else None,
             device=device,
         )
 
@@ -141,6 +144,7 @@ def _fit_slots(
     model: Transformer,
     devices: list[jax.Device],
     slots: int,
+    rows: int,
     shrink: bool,
 ) -> int:
     """`slots` if every replica's share fits its device (`costs.sampler_bytes`), else the
@@ -153,26 +157,26 @@ def _fit_slots(
         budget_bytes=(1 - costs.HEADROOM) * memory / share,
         max_seq_len=cfg.max_seq_len,
         itemsize=itemsize,
+        rows=rows,
     )
     if -(-slots // len(devices)) <= fit:
         return slots
     if shrink and fit:
         return fit * len(devices)
-    gib = (
-        costs.sampler_bytes(
-            model.spec,
-            slots=-(-slots // len(devices)),
-            max_seq_len=cfg.max_seq_len,
-            itemsize=itemsize,
-        )
-        / 2**30
+    need = costs.sampler_bytes(
+        model.spec,
+        slots=-(-slots // len(devices)),
+        max_seq_len=cfg.max_seq_len,
+        itemsize=itemsize,
+        rows=rows,
     )
     raise ConfigError(
         f"actor.kv_cache_slots: {slots} KV-cache slots of model.max_seq_len={cfg.max_seq_len} "
-        f"positions over {len(devices)} sampler replica(s) need {gib:.1f} GiB each (weights, "
-        f"slot cache, decode working set), more than {1 - costs.HEADROOM:.0%} of "
+        f"positions over {len(devices)} sampler replica(s) need {need / 2**30:.1f} GiB each "
+        f"(weights, slot cache, decode working set), more than {1 - costs.HEADROOM:.0%} of "
         f"{memory / share / 2**30:.1f} GiB ({devices[0].platform}); at most "
-        f"{fit * len(devices)} fit: lower actor.kv_cache_slots or model.max_seq_len"
+        f"{fit * len(devices)} fit: lower actor.kv_cache_slots, actor.decode_rows or "
+        "model.max_seq_len"
     )
 
 

@@ -18,8 +18,8 @@ layers, d d_model, H / KV query / key-value heads of size hd, f d_ff, V vocab:
   train step   3 x the forward (the backward is twice the forward)
   KV cache     2 (K, V) * L * KV * hd * itemsize bytes per token
   sampler      weights + the slot cache ((slots + 1 scratch) x max_seq_len positions) + the
-               decode working set (up to rows x max_seq_len positions); `sampler_slots`:
-               the most slots (each able to decode, rows = slots) a memory budget holds
+               decode working set (up to min(rows, slots) x max_seq_len positions);
+               `sampler_slots`: the most slots a memory budget holds
   weights      params * itemsize; one step of R rows reads all of them but, of an untied
                embedding table, only the R rows it gathers
   learner      params * bytes per param of state (params, grads, AdamW m and v), the
@@ -138,20 +138,29 @@ def weight_bytes(spec: DecoderSpec, itemsize: int = 2) -> int:
     return total_params(spec) * itemsize
 
 
-def sampler_bytes(spec: DecoderSpec, *, slots: int, max_seq_len: int, itemsize: int = 2) -> int:
-    """What one sampler with `slots` KV-cache slots, every one able to decode at once,
-    holds at most: its weights, the slot cache (+1 scratch slot for batch padding) and
-    the decode working set at the longest window (`policy/lanes.py`)."""
-    positions = (2 * slots + 1) * max_seq_len
+def sampler_bytes(
+    spec: DecoderSpec, *, slots: int, max_seq_len: int, itemsize: int = 2, rows: int = 0
+) -> int:
+    """What one sampler with `slots` KV-cache slots decoding up to `rows` of them at once
+    (0: every slot) holds at most: its weights, the slot cache (+1 scratch slot for batch
+    padding) and the decode working set at the longest window (`policy/lanes.py`)."""
+    lanes = min(rows, slots) if rows else slots
+    positions = (slots + 1 + lanes) * max_seq_len
     return weight_bytes(spec, itemsize) + kv_bytes(spec, positions, itemsize)
 
 
 def sampler_slots(
-    spec: DecoderSpec, *, budget_bytes: float, max_seq_len: int, itemsize: int = 2
+    spec: DecoderSpec, *, budget_bytes: float, max_seq_len: int, itemsize: int = 2, rows: int = 0
 ) -> int:
     """The most slots with `sampler_bytes` within `budget_bytes` (0: not even one)."""
     free = budget_bytes - weight_bytes(spec, itemsize) - kv_bytes(spec, max_seq_len, itemsize)
-    return max(0, int(free // kv_bytes(spec, 2 * max_seq_len, itemsize)))
+    both = max(0, int(free // kv_bytes(spec, 2 * max_seq_len, itemsize)))  # a lane per slot
+    if not rows or both < rows:
+        return both
+    return int(
+        (free - kv_bytes(spec, rows * max_seq_len, itemsize))
+        // kv_bytes(spec, max_seq_len, itemsize)
+    )
 
 
 def weight_read_bytes(spec: DecoderSpec, rows: int, itemsize: int) -> int:

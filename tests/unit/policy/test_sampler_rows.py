@@ -75,6 +75,12 @@ def test_sampler_memory_hand_example():
     for budget in (weights + 21 * 64 * 512, weights + 22 * 64 * 512 - 1):
         assert costs.sampler_slots(SPEC, budget_bytes=budget, max_seq_len=64, itemsize=4) == 10
     assert costs.sampler_slots(SPEC, budget_bytes=weights, max_seq_len=64, itemsize=4) == 0
+    # Decoding at most 4 rows: 4 lanes of working set, whatever the slots.
+    four = {"max_seq_len": 64, "itemsize": 4, "rows": 4}
+    assert costs.sampler_bytes(SPEC, slots=10, **four) == weights + 15 * 64 * 512
+    assert costs.sampler_bytes(SPEC, slots=2, **four) == weights + 5 * 64 * 512
+    assert costs.sampler_slots(SPEC, budget_bytes=weights + 15 * 64 * 512, **four) == 10
+    assert costs.sampler_slots(SPEC, budget_bytes=weights + 6 * 64 * 512, **four) == 2
 
 
 def test_build_sampler_names_the_slots_that_fit_or_shrinks_to_them(monkeypatch):
@@ -92,6 +98,12 @@ def test_build_sampler_names_the_slots_that_fit_or_shrinks_to_them(monkeypatch):
         build.build_sampler(cfg, max_sequences=384)
     _, sampler = build.build_sampler(cfg, max_sequences=384, shrink_to_fit=True)
     assert sampler.max_sequences == fit and sampler.batch_buckets[-1] == fit
+    # Decoding at most 64 rows: less working set, so more slots fit.
+    _, sampler = build.build_sampler(cfg, max_sequences=384, max_rows=64, shrink_to_fit=True)
+    more = costs.sampler_slots(
+        model.spec, budget_bytes=0.8 * 64 * 2**20, max_seq_len=256, itemsize=4, rows=64
+    )
+    assert fit < more == sampler.max_sequences and sampler.batch_buckets == row_buckets(64)
 
 
 def test_the_actor_default_is_one_slot_per_environment():
