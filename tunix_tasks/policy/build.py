@@ -9,12 +9,13 @@ records about the model.
     chat, sampler = build_sampler(cfg.model, seed=cfg.seed)           # actors, evaluation
     chat, samplers = build_sampler(cfg.model, replicas=2)    # one per device (replicas.py)
     chat, sampler = build_sampler(cfg.model, max_sequences=384, shrink_to_fit=True)
-
-A sampler decodes every slot it has in one batch (`row_buckets`), so its memory grows with
-the slots: `build_sampler` holds them against the device's (`sampler_slots`, 80% of the
-memory JAX reports for an accelerator, of the host's RAM shared by CPU replicas) and
-raises `ConfigError` naming the most that fit, or (`shrink_to_fit`) builds that many.
     chat, model = build_policy(cfg.model, compute_dtype="bfloat16", mesh=mesh)   # learner
+
+A sampler decodes every slot it has in one batch (`row_buckets`; at most `max_rows`), so
+its memory grows with the slots: `build_sampler` holds them against the device's
+(`costs.sampler_slots`, 80% of the memory JAX reports for an accelerator, of the host's
+RAM shared by CPU replicas) and raises `ConfigError` naming the most that fit, or
+(`shrink_to_fit`) builds that many.
 
 A checkpoint that cannot be built raises `PolicyError` (policy/preflight.py, where
 `build_chat` and `check_policy`, the JAX-free part `prepare` runs, live) from either.
