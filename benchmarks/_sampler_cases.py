@@ -26,7 +26,7 @@ from tunix_tasks.config import ModelConfig
 from tunix_tasks.policy import decoding
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.replicas import SamplerReplicas, replicate
-from tunix_tasks.policy.sampling import DEFAULT_BATCH_BUCKETS, DEFAULT_PROMPT_BUCKETS, Sampler
+from tunix_tasks.policy.sampling import DEFAULT_PROMPT_BUCKETS, Sampler
 from tunix_tasks.policy.spec import DecoderSpec, spec_from_preset
 from tunix_tasks.policy.tokenizer import CharTokenizer
 
@@ -83,7 +83,6 @@ def make_sampler(
             stop_ids=[model.vocab_size - 1],
             max_seq_len=max_seq_len,
             max_sequences=rows,
-            batch_buckets=sorted({*DEFAULT_BATCH_BUCKETS, rows}),
             prompt_buckets=DEFAULT_PROMPT_BUCKETS,
             segment_steps=args.segment_steps,
             kv_dtype=jnp.dtype(args.compute_dtype),

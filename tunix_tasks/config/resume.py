@@ -45,6 +45,7 @@ RESUMABLE: dict[str, str] = {
     "actor.envs_per_actor": _SCALE,
     "actor.sampler_replicas": _SCALE,
     "actor.kv_cache_slots": _SCALE,
+    "actor.decode_rows": _SCALE,
     "actor.batch_wait_s": _SCALE,
     "learner.mesh.data": _SCALE,
     "learner.mesh.fsdp": _SCALE,

@@ -60,8 +60,17 @@ class ActorConfig(Frozen):
         0,
         ge=0,
         le=65536,
-        description="conversations whose KV cache the sampler keeps between turns (0: "
-        "envs_per_actor, at most 256); fewer slots re-prefill evicted episodes",
+        description="conversations whose KV cache the sampler keeps between turns, and the "
+        "most rows it decodes in one batch (0: envs_per_actor, or as many as the device's "
+        "memory holds); fewer slots re-prefill evicted episodes",
+    )
+    decode_rows: Int = Field(
+        0,
+        ge=0,
+        le=65536,
+        description="the most rows a sampler replica decodes in one batch (0: all its KV-cache "
+        "slots); fewer keep a decode step's working set small while the slots still keep "
+        "every episode's cache",
     )
     batch_wait_s: Float = Field(
         0.02, ge=0.0, le=1.0, description="gather policy calls this long into one sampler batch"
@@ -94,8 +103,9 @@ class ActorConfig(Frozen):
 
     @property
     def cache_slots(self) -> int:
-        """`kv_cache_slots`, or by default one per environment (at most 256)."""
-        return self.kv_cache_slots or min(self.envs_per_actor, 256)
+        """`kv_cache_slots`, or by default one per environment (the actor builds fewer
+        if the device's memory does not hold them: `build_sampler(shrink_to_fit=True)`)."""
+        return self.kv_cache_slots or self.envs_per_actor
 
 
 class MeshConfig(Frozen):

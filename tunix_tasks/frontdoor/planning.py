@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 GiB = 2**30
-HEADROOM = 0.2  # of HBM, kept free when sizing the chips for state or weights
+HEADROOM = costs.HEADROOM  # of HBM, kept free when sizing the chips for state or weights
 
 
 @dataclass(frozen=True)

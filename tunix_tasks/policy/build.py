@@ -8,7 +8,14 @@ records about the model.
 
     chat, sampler = build_sampler(cfg.model, seed=cfg.seed)           # actors, evaluation
     chat, samplers = build_sampler(cfg.model, replicas=2)    # one per device (replicas.py)
+    chat, sampler = build_sampler(cfg.model, max_sequences=384, shrink_to_fit=True)
     chat, model = build_policy(cfg.model, compute_dtype="bfloat16", mesh=mesh)   # learner
+
+A sampler decodes every slot it has in one batch (`row_buckets`; at most `max_rows`), so
+its memory grows with the slots: `build_sampler` holds them against the device's
+(`costs.sampler_slots`, 80% of the memory JAX reports for an accelerator, of the host's
+RAM shared by CPU replicas) and raises `ConfigError` naming the most that fit, or
+(`shrink_to_fit`) builds that many.
 
 A checkpoint that cannot be built raises `PolicyError` (policy/preflight.py, where
 `build_chat` and `check_policy`, the JAX-free part `prepare` runs, live) from either.
@@ -19,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from typing import Any
 
 import jax
@@ -26,13 +34,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from tunix_tasks.config import ModelConfig
+from tunix_tasks.config import ConfigError, ModelConfig
+from tunix_tasks.policy import costs
 from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, HFCheckpoint
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.preflight import PolicyError, build_chat, check_policy
 from tunix_tasks.policy.replicas import SamplerReplicas, replicate, sampler_devices
-from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.policy.sampling import Sampler, row_buckets
 from tunix_tasks.policy.spec import LoraSpec, spec_from_preset
 
 __all__ = [
@@ -42,6 +51,7 @@ __all__ = [
     "build_policy",
     "build_sampler",
     "check_policy",
+    "device_memory_bytes",
     "lora_spec",
     "model_meta",
 ]
@@ -90,14 +100,23 @@ def base_fingerprint(cfg: ModelConfig, seed: int) -> str:
 
 
 def build_sampler(
-    cfg: ModelConfig, *, seed: int = 0, max_sequences: int = 64, replicas: int = 1
+    cfg: ModelConfig,
+    *,
+    seed: int = 0,
+    max_sequences: int = 64,
+    replicas: int = 1,
+    max_rows: int = 0,
+    shrink_to_fit: bool = False,
 ) -> tuple[ChatFormat, Sampler | SamplerReplicas]:
     """The chat format and a sampler over the policy, stopping at the format's stop ids,
-    with `max_sequences` KV-cache slots (conversations whose cache it keeps); with
-    `replicas` > 1, that many samplers on as many local devices, sharing the slots."""
-    if replicas > 1:
-        sampler_devices(replicas)  # asks for CPU devices before building the policy starts JAX
+    with `max_sequences` KV-cache slots (conversations whose cache it keeps, all of them
+    decoding in one batch when busy, or at most `max_rows` of a replica's); with `replicas`
+    > 1, that many samplers on as many local devices, sharing the slots. Slots the
+    device's memory cannot hold raise `ConfigError`, or with `shrink_to_fit` are dropped
+    (module docstring)."""
+    devices = sampler_devices(replicas) if replicas > 1 else [jax.local_devices()[0]]
     chat, model = build_policy(cfg, seed=seed)
+    max_sequences = _fit_slots(cfg, model, devices, max_sequences, max_rows, shrink_to_fit)
 
     def make(device: jax.Device | None, slots: int) -> Sampler:
         return Sampler(
@@ -106,10 +125,60 @@ def build_sampler(
             stop_ids=chat.stop_ids,
             max_seq_len=cfg.max_seq_len,
             max_sequences=slots,
+            batch_buckets=row_buckets(min(max_rows, slots)) if max_rows else None,
             device=device,
         )
 
     return chat, replicate(make, max_sequences, replicas)
+
+
+def device_memory_bytes(device: jax.Device) -> int:
+    """The memory JAX may allocate on `device`; for a CPU (no such figure) the host's RAM."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _fit_slots(
+    cfg: ModelConfig,
+    model: Transformer,
+    devices: list[jax.Device],
+    slots: int,
+    rows: int,
+    shrink: bool,
+) -> int:
+    """`slots` if every replica's share fits its device (`costs.sampler_bytes`), else the
+    most that fit (`shrink`) or a `ConfigError` naming them."""
+    share = 1 if devices[0].platform != "cpu" else len(devices)  # CPU devices share RAM
+    memory = device_memory_bytes(devices[0])
+    itemsize = jnp.dtype(model.compute_dtype).itemsize
+    fit = costs.sampler_slots(
+        model.spec,
+        budget_bytes=(1 - costs.HEADROOM) * memory / share,
+        max_seq_len=cfg.max_seq_len,
+        itemsize=itemsize,
+        rows=rows,
+    )
+    if -(-slots // len(devices)) <= fit:
+        return slots
+    if shrink and fit:
+        return fit * len(devices)
+    need = costs.sampler_bytes(
+        model.spec,
+        slots=-(-slots // len(devices)),
+        max_seq_len=cfg.max_seq_len,
+        itemsize=itemsize,
+        rows=rows,
+    )
+    raise ConfigError(
+        f"actor.kv_cache_slots: {slots} KV-cache slots of model.max_seq_len={cfg.max_seq_len} "
+        f"positions over {len(devices)} sampler replica(s) need {need / 2**30:.1f} GiB each "
+        f"(weights, slot cache, decode working set), more than {1 - costs.HEADROOM:.0%} of "
+        f"{memory / share / 2**30:.1f} GiB ({devices[0].platform}); at most "
+        f"{fit * len(devices)} fit: lower actor.kv_cache_slots, actor.decode_rows or "
+        "model.max_seq_len"
+    )
 
 
 def model_meta(cfg: ModelConfig, model: Transformer) -> dict[str, Any]:

@@ -17,6 +17,9 @@ layers, d d_model, H / KV query / key-value heads of size hd, f d_ff, V vocab:
                last): 2*(P_mm - d*V)*N + 2*d*V*n + 4*L*H*hd*N*W
   train step   3 x the forward (the backward is twice the forward)
   KV cache     2 (K, V) * L * KV * hd * itemsize bytes per token
+  sampler      weights + the slot cache ((slots + 1 scratch) x max_seq_len positions) + the
+               decode working set (up to min(rows, slots) x max_seq_len positions);
+               `sampler_slots`: the most slots a memory budget holds
   weights      params * itemsize; one step of R rows reads all of them but, of an untied
                embedding table, only the R rows it gathers
   learner      params * bytes per param of state (params, grads, AdamW m and v), the
@@ -29,6 +32,7 @@ from __future__ import annotations
 from tunix_tasks.policy.spec import DecoderSpec
 
 __all__ = [
+    "HEADROOM",
     "STATE_BYTES_PER_PARAM",
     "activation_bytes",
     "attention_flops",
@@ -41,11 +45,17 @@ __all__ = [
     "matmul_params",
     "non_embedding_params",
     "prefill_flops",
+    "sampler_bytes",
+    "sampler_slots",
     "total_params",
     "train_flops",
     "weight_bytes",
     "weight_read_bytes",
 ]
+
+#: Of a device's memory, kept free when sizing what it holds (XLA temporaries, activations,
+#: fragmentation); chip planning (`frontdoor/planning.py`) and `build_sampler` use it.
+HEADROOM = 0.2
 
 #: Learner state per parameter: params + grads + AdamW m, v (fp32), by precision regime.
 STATE_BYTES_PER_PARAM = {"fp32": 16, "bf16": 12}
@@ -126,6 +136,31 @@ def kv_bytes(spec: DecoderSpec, tokens: int, itemsize: int = 2) -> int:
 def weight_bytes(spec: DecoderSpec, itemsize: int = 2) -> int:
     """Every parameter at `itemsize` bytes (2: bfloat16)."""
     return total_params(spec) * itemsize
+
+
+def sampler_bytes(
+    spec: DecoderSpec, *, slots: int, max_seq_len: int, itemsize: int = 2, rows: int = 0
+) -> int:
+    """What one sampler with `slots` KV-cache slots decoding up to `rows` of them at once
+    (0: every slot) holds at most: its weights, the slot cache (+1 scratch slot for batch
+    padding) and the decode working set at the longest window (`policy/lanes.py`)."""
+    lanes = min(rows, slots) if rows else slots
+    positions = (slots + 1 + lanes) * max_seq_len
+    return weight_bytes(spec, itemsize) + kv_bytes(spec, positions, itemsize)
+
+
+def sampler_slots(
+    spec: DecoderSpec, *, budget_bytes: float, max_seq_len: int, itemsize: int = 2, rows: int = 0
+) -> int:
+    """The most slots with `sampler_bytes` within `budget_bytes` (0: not even one)."""
+    free = budget_bytes - weight_bytes(spec, itemsize) - kv_bytes(spec, max_seq_len, itemsize)
+    both = max(0, int(free // kv_bytes(spec, 2 * max_seq_len, itemsize)))  # a lane per slot
+    if not rows or both < rows:
+        return both
+    return int(
+        (free - kv_bytes(spec, rows * max_seq_len, itemsize))
+        // kv_bytes(spec, max_seq_len, itemsize)
+    )
 
 
 def weight_read_bytes(spec: DecoderSpec, rows: int, itemsize: int) -> int:

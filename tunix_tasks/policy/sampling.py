@@ -25,7 +25,8 @@ the slowest row of a batch. Rows in flight when the weights change are re-admitt
 context so far is prefilled again under the new weights and generation continues, so each
 token's log-prob is exact under the version that drew it (`Sample.version` is the oldest).
 
-Shapes. Batches are padded to a batch bucket; a prefill chunk to a chunk bucket (the
+Shapes. Batches are padded to a batch bucket (by default `row_buckets(max_sequences)`:
+powers of two up to the slot count, so every slot can decode in one batch); a prefill chunk to a chunk bucket (the
 `prompt_buckets`); attention reads a window of the cache: the smallest bucket holding every
 position the call can touch (decode attends over the live positions' bucket, not the whole
 cache: `decode_window`). Compiles are bounded by |batch buckets| x |buckets|^2; weights,
@@ -78,15 +79,23 @@ from tunix_tasks.policy.requests import (
 from tunix_tasks.policy.slots import SlotTable
 
 __all__ = [
-    "DEFAULT_BATCH_BUCKETS",
     "DEFAULT_PROMPT_BUCKETS",
     "Sample",
     "Sampler",
+    "row_buckets",
 ]
 
-DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_PROMPT_BUCKETS: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 _MAX_STOP_IDS = 8  # stop ids are padded to this fixed size so they stay a traced argument
+
+
+def row_buckets(max_rows: int) -> tuple[int, ...]:
+    """The batch buckets of a sampler that decodes up to `max_rows` rows at once: the
+    powers of two below it, then `max_rows` itself (384: 1, 2, ..., 256, 384), so the
+    programs compiled per window stay at most log2(max_rows) + 2."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    return (*(1 << i for i in range((max_rows - 1).bit_length())), max_rows)
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -113,7 +122,7 @@ class Sampler(BlockingSample):
         stop_ids: Sequence[int],
         max_seq_len: int | None = None,
         max_sequences: int = 64,
-        batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+        batch_buckets: Sequence[int] | None = None,
         prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
         segment_steps: int = 16,
         kv_dtype: jnp.dtype | None = None,
@@ -123,12 +132,14 @@ class Sampler(BlockingSample):
         self.max_seq_len = int(max_seq_len or model.max_seq_len)
         if self.max_seq_len <= 1:
             raise ValueError(f"max_seq_len must be > 1, got {self.max_seq_len}")
-        if not batch_buckets or min(batch_buckets) < 1:
-            raise ValueError(f"batch_buckets must be positive, got {list(batch_buckets)}")
         if not 0 < len(stop_ids) <= _MAX_STOP_IDS:
             raise ValueError(f"need 1..{_MAX_STOP_IDS} stop ids, got {list(stop_ids)}")
         if segment_steps < 1 or max_sequences < 1:
             raise ValueError("segment_steps and max_sequences must be >= 1")
+        if batch_buckets is None:  # every slot may decode at once (module docstring, Shapes)
+            batch_buckets = row_buckets(max_sequences)
+        if not batch_buckets or min(batch_buckets) < 1:
+            raise ValueError(f"batch_buckets must be positive, got {list(batch_buckets)}")
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
         # Length buckets up to max_seq_len, which is always the last one.
         clipped = {b for b in prompt_buckets if 0 < b < self.max_seq_len}

@@ -66,6 +66,8 @@ class Actor(ActorRuntime):
             seed=self.cfg.seed,
             max_sequences=self.cfg.actor.cache_slots,
             replicas=self.cfg.actor.sampler_replicas,
+            max_rows=self.cfg.actor.decode_rows,
+            shrink_to_fit=not self.cfg.actor.kv_cache_slots,  # 0: as many as fit
         )
         return sampler
 
