@@ -206,6 +206,7 @@ class Learner:
             "compile_count": self.parts.trainer.compile_count,
             "staleness": {str(k): v for k, v in sorted(lags.items())},
             "dropped": dict(self.acct.counters["dropped"]),
+            "drop_bias": self.acct.counters["drop_bias"],  # cumulative, bounded: drop_bias.py
             "buffer": len(self.batcher.buffer),
             "backlog_shards": source.backlog_shards,
             "quarantined": len(source.quarantined),

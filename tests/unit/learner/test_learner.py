@@ -32,6 +32,7 @@ from tests.runs import (
 )
 from tunix_tasks.episode import Episode
 from tunix_tasks.frontdoor.entrypoints import run_learner
+from tunix_tasks.learner import drop_bias
 from tunix_tasks.learner.learner import Learner
 from tunix_tasks.policy.build import build_policy
 from tunix_tasks.policy.distribution import token_logprobs
@@ -243,6 +244,12 @@ def test_stale_data_dropped_and_counted(tmp_path):
     for r in (r for r in read_metrics(store, "learner") if "step" in r):
         assert r["version"] == 4 and r["staleness"] == {"0": PER_STEP}
         assert r["dropped"] == {"stale": 16}
+        # The stale-drop bias, cumulative: the 16 stale episodes against those trained.
+        bias = {side: drop_bias.describe(d) for side, d in r["drop_bias"].items()}
+        assert bias["stale"]["episodes"] == 16 and bias["stale"]["length_mean"] == EP_LEN
+        assert bias["trained"]["episodes"] == r["step"] * PER_STEP
+        stale_rewards = [e.reward for e in old + older]
+        assert bias["stale"]["reward_mean"] == pytest.approx(np.mean(stale_rewards), rel=1e-5)
 
 
 # ------------------------------------------------- issue #11: bad input, retention
