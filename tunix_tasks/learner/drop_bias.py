@@ -3,7 +3,7 @@ learner drops as stale against those it trains, so a user sees when staleness fi
 removes the long (slow, often hard) episodes.
 
 Each side is a `Distribution`: cumulative, of bounded size whatever the run's length (a
-count, exact sums and sums of squares, and counts over fixed bins), a plain dict that
+count, exact sums, sums of squares, minima and maxima, and counts over fixed bins), a plain dict that
 the learner checkpoints with its counters and writes into every step record
 (`drop_bias: {"trained": ..., "stale": ...}`). Everything else is derived from it by
 pure functions: `describe` (means and bin-interpolated quantiles), `compare` and `hint`,
@@ -24,7 +24,9 @@ from numpy.typing import ArrayLike
 
 __all__ = ["EDGES", "FEATURES", "SIDES", "add", "compare", "describe", "empty", "hint"]
 
-Distribution = dict[str, Any]  # {"n": int, "sum": {f: x}, "sumsq": {f: x}, "bins": {f: [n]}}
+#: {"n": int, "sum": {f: x}, "sumsq": {f: x}, "min": {f: x}, "max": {f: x}, "bins": {f: [n]}}
+#: per feature f; min and max are None without episodes.
+Distribution = dict[str, Any]
 
 FEATURES = ("length", "turns", "reward")
 #: The step record's sides: trained episodes, and those dropped as `DropReason.STALE`.
@@ -56,6 +58,8 @@ def empty() -> Distribution:
         "n": 0,
         "sum": dict.fromkeys(FEATURES, 0.0),
         "sumsq": dict.fromkeys(FEATURES, 0.0),
+        "min": dict.fromkeys(FEATURES),
+        "max": dict.fromkeys(FEATURES),
         "bins": {f: [0] * (len(EDGES[f]) - 1) for f in FEATURES},
     }
 
@@ -76,36 +80,43 @@ def add(
     for f, x in values.items():
         out["sum"][f] = float(dist["sum"][f] + x.sum())
         out["sumsq"][f] = float(dist["sumsq"][f] + np.square(x).sum())
+        lo, hi = dist["min"][f], dist["max"][f]
+        if x.size:
+            out["min"][f] = float(x.min() if lo is None else min(lo, x.min()))
+            out["max"][f] = float(x.max() if hi is None else max(hi, x.max()))
+        else:
+            out["min"][f], out["max"][f] = lo, hi
         inner = np.asarray(EDGES[f][1:-1])  # the first and last edge bound nothing
         counts = np.bincount(np.searchsorted(inner, x, side="right"), minlength=len(inner) + 1)
         out["bins"][f] = (np.asarray(dist["bins"][f], np.int64) + counts).tolist()
     return out
 
 
-def _quantile(bins: list[int], edges: tuple[float, ...], q: float) -> float | None:
-    """The `q` quantile estimated from bin counts: linear within the bin it falls in (its
-    finite edge when the bin is open-ended)."""
+def _quantile(dist: Distribution, feature: str, q: float) -> float | None:
+    """The `q` quantile of `feature` estimated from its bin counts: linear within the bin
+    it falls in, between the bin's edges narrowed to the values seen (so one repeated
+    value is exact, and an open-ended bin has its bounds)."""
+    bins, edges = dist["bins"][feature], EDGES[feature]
     total = sum(bins)
     if not total:
         return None
     cum = np.cumsum(bins)
     i = int(np.searchsorted(cum, q * total, side="left"))
-    lo, hi = edges[i], edges[i + 1]
-    if math.isinf(lo) or math.isinf(hi):
-        return hi if math.isinf(lo) else lo
+    lo = max(edges[i], dist["min"][feature])
+    hi = min(edges[i + 1], dist["max"][feature])
     before = cum[i] - bins[i]
     return float(lo + (hi - lo) * (q * total - before) / bins[i])
 
 
 def describe(dist: Distribution) -> dict[str, float | int | None]:
-    """Episodes, and per feature the mean (exact), p50 and p90 (bin estimates); the
-    rewards' standard deviation. None where there are no episodes."""
+    """Episodes, and per feature the mean (exact), p50 and p90 (bin estimates, within
+    the values seen); the rewards' standard deviation. None where there are no episodes."""
     n = int(dist["n"])
     out: dict[str, float | int | None] = {"episodes": n}
     for f in FEATURES:
         out[f"{f}_mean"] = dist["sum"][f] / n if n else None
         for q in QUANTILES:
-            out[f"{f}_p{round(q * 100)}"] = _quantile(dist["bins"][f], EDGES[f], q)
+            out[f"{f}_p{round(q * 100)}"] = _quantile(dist, f, q)
     mean = out["reward_mean"]
     out["reward_sd"] = math.sqrt(max(0.0, dist["sumsq"]["reward"] / n - mean**2)) if n else None
     return out

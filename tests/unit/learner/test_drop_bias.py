@@ -33,6 +33,8 @@ def test_add_is_cumulative_exact_in_means_and_leaves_its_input():
     assert d["turns_mean"] == pytest.approx(3.0)
     assert d["reward_mean"] == pytest.approx(0.5)
     assert d["reward_sd"] == pytest.approx(np.std([0.0, 1.0, 0.5]))
+    assert (both["min"]["length"], both["max"]["length"]) == (20, 100)
+    assert drop_bias.add(both, [], [], [])["max"] == both["max"]
     # Fixed bins: 20 in [16, 32), 40 in [32, 64), 100 in [64, 128); reward 1.0 in [1, 2).
     assert both["bins"]["length"][:5] == [0, 1, 1, 1, 0] and sum(both["bins"]["length"]) == 3
     edges = drop_bias.EDGES["reward"]
@@ -54,8 +56,11 @@ def test_quantiles_interpolate_within_the_bins():
     d = drop_bias.describe(_dist(np.arange(64, 128, 0.64), np.full(100, 2), np.zeros(100)))
     assert d["length_p50"] == pytest.approx(96, abs=1)
     assert d["length_p90"] == pytest.approx(121.6, abs=1)
-    # Beyond the last finite edge there is nothing to interpolate: its edge, a lower bound.
-    assert drop_bias.describe(_dist([10**6], [100], [5.0]))["length_p50"] == 2.0**16
+    # Narrowed to the values seen: a repeated value is exact, also in an open-ended bin.
+    one = drop_bias.describe(_dist([10**6] * 3, [2] * 3, [5.0] * 3))
+    assert (one["length_p50"], one["turns_p90"], one["reward_p50"]) == (10**6, 2, 5.0)
+    mixed = drop_bias.describe(_dist([100] * 4, [2] * 4, [0.0, 1.0] * 2))
+    assert mixed["reward_p90"] == 1.0  # not past the largest reward
     empty = drop_bias.describe(drop_bias.empty())
     assert empty["episodes"] == 0 and empty["length_mean"] is None and empty["turns_p90"] is None
 
