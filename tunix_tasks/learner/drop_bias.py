@@ -11,7 +11,7 @@ the live display's phrase, empty unless the drops are significant. Pure numpy.
 
     dist = add(empty(), lengths, turns, rewards)        # a new dict
     describe(dist)   # {"episodes": 3, "length_mean": ..., "length_p50": ..., ...}
-    hint(trained, stale)  # "stale vs trained: 1.8x longer" or ""
+    hint(trained, stale)  # "stale drops vs trained: 1.8x longer" or ""
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _times(ratio: float | None, more: str, less: str) -> str:
 
 def hint(trained: Distribution, stale: Distribution) -> str:
     """A short phrase when the stale drops are significant (`SIGNIFICANT_*`) and differ
-    from the trained episodes, else "": `stale vs trained: 1.8x longer, 2.0x more turns,
+    from the trained episodes, else "": `stale drops vs trained: 1.8x longer, 2.0x more turns,
     reward 0.21 vs 0.55`."""
     c, t = compare(trained, stale), describe(trained)
     if int(stale["n"]) < SIGNIFICANT_COUNT or (c["stale_share"] or 0.0) < SIGNIFICANT_SHARE:
@@ -164,4 +164,4 @@ def hint(trained: Distribution, stale: Distribution) -> str:
         s_mean = describe(stale)["reward_mean"]
         parts.append(f"reward {s_mean:.2f} vs {t['reward_mean']:.2f}")
     parts = [p for p in parts if p]
-    return f"stale vs trained: {', '.join(parts)}" if parts else ""
+    return f"stale drops vs trained: {', '.join(parts)}" if parts else ""

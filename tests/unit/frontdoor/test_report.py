@@ -297,7 +297,7 @@ def test_report_shows_the_stale_drop_bias(tmp_path):
     _write_chunk(store, [last])
     write_report(store.uri)
     got = json.loads(store.read_bytes(RunLayout.SUMMARY))["stale_drop_bias"]
-    assert got["hint"] == "stale vs trained: 1.8x longer, 2.0x more turns, reward 0.00 vs 0.50"
+    assert got["hint"] == "stale drops vs trained: 1.8x longer, 2.0x more turns, reward 0.00 vs 0.50"
     assert got["length_ratio"] == pytest.approx(1.8) and got["stale_share"] == pytest.approx(
         1 / 6, abs=1e-4
     )
@@ -306,7 +306,7 @@ def test_report_shows_the_stale_drop_bias(tmp_path):
     assert sides["stale"]["length_mean"] == 180 and sides["trained"]["reward_mean"] == 0.5
     page = store.read_bytes(RunLayout.REPORT).decode()
     section = page[page.index("<h2>Stale drops vs trained") : page.index("<h2>Plots")]
-    assert "stale vs trained: 1.8x longer" in section
+    assert "stale drops vs trained: 1.8x longer" in section
     assert "<td>stale</td><td>40</td><td>180.0</td><td>180.0</td>" in section
     assert 'alt="Length of trained vs stale-dropped episodes"' in page
 

@@ -75,12 +75,12 @@ def test_hint_names_the_bias_only_when_drops_are_significant():
     trained = _dist(np.full(n, 100), np.full(n, 2), np.tile([0.0, 1.0], n // 2))
     long_hard = _dist(np.full(40, 180), np.full(40, 4), np.zeros(40))
     assert drop_bias.hint(trained, long_hard) == (
-        "stale vs trained: 1.8x longer, 2.0x more turns, reward 0.00 vs 0.50"
+        "stale drops vs trained: 1.8x longer, 2.0x more turns, reward 0.00 vs 0.50"
     )
     c = drop_bias.compare(trained, long_hard)
     assert c["stale_share"] == pytest.approx(40 / 240) and c["length_ratio"] == pytest.approx(1.8)
     short = _dist(np.full(40, 50), np.full(40, 2), np.tile([0.0, 1.0], 20))
-    assert drop_bias.hint(trained, short) == "stale vs trained: 2.0x shorter"
+    assert drop_bias.hint(trained, short) == "stale drops vs trained: 2.0x shorter"
     alike = _dist(np.full(40, 110), np.full(40, 2), np.tile([0.0, 1.0], 20))
     assert drop_bias.hint(trained, alike) == ""  # 1.1x: no bias worth a word
     few = _dist(np.full(10, 180), np.full(10, 4), np.zeros(10))
