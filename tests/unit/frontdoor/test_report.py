@@ -297,7 +297,8 @@ def test_report_shows_the_stale_drop_bias(tmp_path):
     _write_chunk(store, [last])
     write_report(store.uri)
     got = json.loads(store.read_bytes(RunLayout.SUMMARY))["stale_drop_bias"]
-    assert got["hint"] == "stale drops vs trained: 1.8x longer, 2.0x more turns, reward 0.00 vs 0.50"
+    hint = "stale drops vs trained: 1.8x longer, 2.0x more turns, reward 0.00 vs 0.50"
+    assert got["hint"] == hint
     assert got["length_ratio"] == pytest.approx(1.8) and got["stale_share"] == pytest.approx(
         1 / 6, abs=1e-4
     )
