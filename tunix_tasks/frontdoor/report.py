@@ -83,7 +83,7 @@ def stale_drop_bias(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Episodes dropped as stale against those trained, from the last step record's
     cumulative `drop_bias` (`learner/drop_bias.py`): each side's count, mean and
     p50/p90 of length, turns and reward, the ratios of the means, and the live
-    display's hint. None when no step record has them (a run from before they were
+    display's hint. None without it: no stale drop (or a run from before it was
     recorded)."""
     bias = steps[-1].get("drop_bias") if steps else None
     if not bias:
@@ -295,12 +295,13 @@ def _conversations_html(phases: list[dict[str, Any]], note: str) -> str:
     return out
 
 
-def _drop_bias_html(bias: dict[str, Any] | None) -> str:
+def _drop_bias_html(summary: dict[str, Any]) -> str:
     """The "Stale drops vs trained episodes" section: the hint and each side's figures."""
+    bias = summary.get("stale_drop_bias")
+    if not (summary.get("dropped_total") or {}).get("stale"):
+        return "<p>No episode was dropped as stale.</p>"
     if not bias:
         return "<p>No step record holds the drop bias (a run from before it was recorded).</p>"
-    if not bias["by_side"][drop_bias.SIDES.index("stale")]["episodes"]:
-        return "<p>No episode was dropped as stale.</p>"
     said = bias["hint"] or "No significant difference from the trained episodes"
     return f"<p>{html.escape(said)}.</p>{_table(bias['by_side'])}"
 
@@ -345,7 +346,7 @@ pre.talk{{white-space:pre-wrap;background:#f6f6f6;padding:6px}} .model{{color:#1
 </head><body><h1>tunix-tasks run report</h1><p>{html.escape(summary["run_uri"])}</p>
 <h2>Summary</h2>{rows}<h2>Utilization</h2>{utilization}<h2>Processes</h2>{why}{_table(procs)}
 <h2>Sampler vs learner numerics</h2>{numerics}
-<h2>Stale drops vs trained episodes</h2>{_drop_bias_html(summary.get("stale_drop_bias"))}
+<h2>Stale drops vs trained episodes</h2>{_drop_bias_html(summary)}
 <p>Times: seconds since the run's first metrics record ({summary.get("started_utc")} UTC).</p>
 <h2>Plots</h2>{imgs}
 <h2>What the model wrote</h2>{conversations}

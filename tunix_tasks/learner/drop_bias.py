@@ -4,8 +4,8 @@ removes the long (slow, often hard) episodes.
 
 Each side is a `Distribution`: cumulative, of bounded size whatever the run's length (a
 count, exact sums, sums of squares, minima and maxima, and counts over fixed bins), a plain dict that
-the learner checkpoints with its counters and writes into every step record
-(`drop_bias: {"trained": ..., "stale": ...}`). Everything else is derived from it by
+the learner checkpoints with its counters and writes into every step record once
+an episode was dropped as stale (`drop_bias: {"trained": ..., "stale": ...}`). Everything else is derived from it by
 pure functions: `describe` (means and bin-interpolated quantiles), `compare` and `hint`,
 the live display's phrase, empty unless the drops are significant. Pure numpy.
 

@@ -191,6 +191,7 @@ class Learner:
         versions = [ep.policy_version for ep in episodes]
         lags = collections.Counter(staleness(self.version, versions).tolist())
         source = self.parts.source
+        bias = self.acct.counters["drop_bias"]  # cumulative, bounded (drop_bias.py)
         return {
             "step": self.step,
             "version": self.version,
@@ -206,10 +207,11 @@ class Learner:
             "compile_count": self.parts.trainer.compile_count,
             "staleness": {str(k): v for k, v in sorted(lags.items())},
             "dropped": dict(self.acct.counters["dropped"]),
-            "drop_bias": self.acct.counters["drop_bias"],  # cumulative, bounded: drop_bias.py
             "buffer": len(self.batcher.buffer),
             "backlog_shards": source.backlog_shards,
             "quarantined": len(source.quarantined),
+            # ~1.3 KB: only once there is a stale drop to compare the trained episodes with.
+            **({"drop_bias": bias} if bias["stale"]["n"] else {}),
         }
 
     def _publish(self) -> None:

@@ -293,7 +293,7 @@ def test_report_shows_the_stale_drop_bias(tmp_path):
     trained = drop_bias.add(drop_bias.empty(), [100] * 200, [2] * 200, [0.0, 1.0] * 100)
     stale = drop_bias.add(drop_bias.empty(), [180] * 40, [4] * 40, [0.0] * 40)
     last = _record(11, T0 + 30, "a")
-    last["drop_bias"] = {"trained": trained, "stale": stale}
+    last.update(drop_bias={"trained": trained, "stale": stale}, dropped={"stale": 40})
     _write_chunk(store, [last])
     write_report(store.uri)
     got = json.loads(store.read_bytes(RunLayout.SUMMARY))["stale_drop_bias"]
@@ -311,10 +311,9 @@ def test_report_shows_the_stale_drop_bias(tmp_path):
     assert "<td>stale</td><td>40</td><td>180.0</td><td>180.0</td>" in section
     assert 'alt="Length of trained vs stale-dropped episodes"' in page
 
-    none = _run(tmp_path, "fresh")
-    last["drop_bias"] = {"trained": trained, "stale": drop_bias.empty()}
-    _write_chunk(none, [last])
+    none = _run(tmp_path, "fresh")  # the learner records no drop_bias without stale drops
     write_report(none.uri)
+    assert json.loads(none.read_bytes(RunLayout.SUMMARY))["stale_drop_bias"] is None
     page = none.read_bytes(RunLayout.REPORT).decode()
     assert "No episode was dropped as stale." in page
     assert "Length of trained vs stale-dropped" not in page

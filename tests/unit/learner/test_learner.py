@@ -219,6 +219,9 @@ def test_compile_count_bounded_by_buckets_and_truncation_counted(tmp_path):
     long_trained = sum(by_id[i].length > 128 for i in trained)
     assert learner.acct.counters["truncated_sequences"] == long_trained
     assert summary["truncated_sequences"] == long_trained
+    # No stale drop: the trained side is kept, no step record carries the comparison.
+    assert learner.acct.counters["drop_bias"]["trained"]["n"] == len(trained)
+    assert not any("drop_bias" in r for r in records)
 
 
 # --------------------------------------------------------------------- staleness
