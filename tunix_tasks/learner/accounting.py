@@ -2,8 +2,8 @@
 
 `Accounting` acknowledges episodes to the source (which moves the checkpointed position),
 keeps the run's counters (with the stale-drop bias: `drop_bias.py` distributions of the
-trained and the stale-dropped episodes), and collects the ledger of episode ids accounted since the last
-checkpoint (written just before it, see `checkpoint.py`).
+trained and the stale-dropped episodes), and collects the ledger of episode ids
+accounted since the last checkpoint (written just before it, see `checkpoint.py`).
 
     acct = Accounting(source, counters=meta.get("counters"))
     acct.drop(ep, DropReason.STALE)

@@ -3,11 +3,12 @@ learner drops as stale against those it trains, so a user sees when staleness fi
 removes the long (slow, often hard) episodes.
 
 Each side is a `Distribution`: cumulative, of bounded size whatever the run's length (a
-count, exact sums, sums of squares, minima and maxima, and counts over fixed bins), a plain dict that
-the learner checkpoints with its counters and writes into every step record once
-an episode was dropped as stale (`drop_bias: {"trained": ..., "stale": ...}`). Everything else is derived from it by
-pure functions: `describe` (means and bin-interpolated quantiles), `compare` and `hint`,
-the live display's phrase, empty unless the drops are significant. Pure numpy.
+count, exact sums, sums of squares, minima and maxima, and counts over fixed bins), a
+plain dict that the learner checkpoints with its counters and writes into every step
+record once an episode was dropped as stale (`drop_bias: {"trained": ..., "stale":
+...}`). Everything else is derived from it by pure functions: `describe` (means and
+bin-estimated quantiles), `compare` and `hint`, the live display's phrase, empty unless
+the drops are significant. Pure numpy.
 
     dist = add(empty(), lengths, turns, rewards)        # a new dict
     describe(dist)   # {"episodes": 3, "length_mean": ..., "length_p50": ..., ...}
@@ -143,15 +144,15 @@ def compare(trained: Distribution, stale: Distribution) -> dict[str, float | Non
 
 
 def _times(ratio: float | None, more: str, less: str) -> str:
-    if ratio is None or 1 / SIGNIFICANT_RATIO < ratio < SIGNIFICANT_RATIO:
+    if not ratio or 1 / SIGNIFICANT_RATIO < ratio < SIGNIFICANT_RATIO:  # None, 0: no words
         return ""
     return f"{ratio:.1f}x {more}" if ratio > 1 else f"{1 / ratio:.1f}x {less}"
 
 
 def hint(trained: Distribution, stale: Distribution) -> str:
     """A short phrase when the stale drops are significant (`SIGNIFICANT_*`) and differ
-    from the trained episodes, else "": `stale drops vs trained: 1.8x longer, 2.0x more turns,
-    reward 0.21 vs 0.55`."""
+    from the trained episodes, else "": `stale drops vs trained: 1.8x longer, 2.0x more
+    turns, reward 0.21 vs 0.55`."""
     c, t = compare(trained, stale), describe(trained)
     if int(stale["n"]) < SIGNIFICANT_COUNT or (c["stale_share"] or 0.0) < SIGNIFICANT_SHARE:
         return ""
@@ -161,7 +162,6 @@ def hint(trained: Distribution, stale: Distribution) -> str:
     ]
     diff, sd = c["reward_diff"], t["reward_sd"]
     if diff is not None and sd is not None and abs(diff) >= max(SIGNIFICANT_REWARD_SD * sd, 1e-9):
-        s_mean = describe(stale)["reward_mean"]
-        parts.append(f"reward {s_mean:.2f} vs {t['reward_mean']:.2f}")
+        parts.append(f"reward {t['reward_mean'] + diff:.2f} vs {t['reward_mean']:.2f}")
     parts = [p for p in parts if p]
     return f"stale drops vs trained: {', '.join(parts)}" if parts else ""

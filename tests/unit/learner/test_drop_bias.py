@@ -88,6 +88,8 @@ def test_hint_names_the_bias_only_when_drops_are_significant():
     many_trained = _dist(np.full(10_000, 100), np.full(10_000, 2), np.zeros(10_000))
     assert drop_bias.hint(many_trained, long_hard) == ""  # 0.4% of the episodes
     assert drop_bias.hint(drop_bias.empty(), drop_bias.empty()) == ""
+    no_turns = _dist(np.full(40, 100), np.zeros(40), np.tile([0.0, 1.0], 20))
+    assert drop_bias.hint(trained, no_turns) == ""  # a ratio of 0 is no "infx fewer"
 
 
 def test_accounting_keeps_the_lengths_of_stale_drops_apart(tmp_path):
