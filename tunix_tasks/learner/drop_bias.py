@@ -43,6 +43,8 @@ EDGES: dict[str, tuple[float, ...]] = {
     "reward": (-_INF, -1.0, -0.5, *(k / 10 for k in range(11)), 2.0, _INF),
 }
 QUANTILES = (0.5, 0.9)
+#: Whole-number features: a bin [a, b) of one holds a..b-1 (turns [2, 3) is 2 alone).
+INTEGER = ("length", "turns")
 
 #: `hint` speaks only when the stale drops are at least this share of stale + trained
 #: episodes and this many, and a mean differs by this ratio (length, turns) or by this
@@ -95,8 +97,9 @@ def add(
 
 def _quantile(dist: Distribution, feature: str, q: float) -> float | None:
     """The `q` quantile of `feature` estimated from its bin counts: linear within the bin
-    it falls in, between the bin's edges narrowed to the values seen (so one repeated
-    value is exact, and an open-ended bin has its bounds)."""
+    it falls in, between the bin's edges narrowed to the values seen and, for a
+    whole-number feature, to the whole numbers in it (so one repeated value is exact,
+    and an open-ended bin has its bounds)."""
     bins, edges = dist["bins"][feature], EDGES[feature]
     total = sum(bins)
     if not total:
@@ -104,7 +107,7 @@ def _quantile(dist: Distribution, feature: str, q: float) -> float | None:
     cum = np.cumsum(bins)
     i = int(np.searchsorted(cum, q * total, side="left"))
     lo = max(edges[i], dist["min"][feature])
-    hi = min(edges[i + 1], dist["max"][feature])
+    hi = min(edges[i + 1] - (feature in INTEGER), dist["max"][feature])
     before = cum[i] - bins[i]
     return float(lo + (hi - lo) * (q * total - before) / bins[i])
 

@@ -59,8 +59,9 @@ def test_quantiles_interpolate_within_the_bins():
     # Narrowed to the values seen: a repeated value is exact, also in an open-ended bin.
     one = drop_bias.describe(_dist([10**6] * 3, [2] * 3, [5.0] * 3))
     assert (one["length_p50"], one["turns_p90"], one["reward_p50"]) == (10**6, 2, 5.0)
-    mixed = drop_bias.describe(_dist([100] * 4, [2] * 4, [0.0, 1.0] * 2))
+    mixed = drop_bias.describe(_dist([100] * 4, [1, 2, 2, 3], [0.0, 1.0] * 2))
     assert mixed["reward_p90"] == 1.0  # not past the largest reward
+    assert mixed["turns_p50"] == 2  # whole turns: the bin [2, 3) holds 2 alone
     empty = drop_bias.describe(drop_bias.empty())
     assert empty["episodes"] == 0 and empty["length_mean"] is None and empty["turns_p90"] is None
 
