@@ -81,7 +81,7 @@ def sampler_mismatch(steps: list[dict[str, Any]], cfg: RunConfig) -> dict[str, A
 
 def stale_drop_bias(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Episodes dropped as stale against those trained, from the last step record's
-    cumulative `drop_bias` (`learner/drop_bias.py`): each side's count, mean and
+    cumulative `drop_bias` (`learner/drop_bias.py`): each side's count, mean, sd and
     p50/p90 of length, turns and reward, the ratios of the means, and the live
     display's hint. None without it: no stale drop (or a run from before it was
     recorded)."""

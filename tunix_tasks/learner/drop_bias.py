@@ -113,16 +113,16 @@ def _quantile(dist: Distribution, feature: str, q: float) -> float | None:
 
 
 def describe(dist: Distribution) -> dict[str, float | int | None]:
-    """Episodes, and per feature the mean (exact), p50 and p90 (bin estimates, within
-    the values seen); the rewards' standard deviation. None where there are no episodes."""
+    """Episodes, and per feature the mean and standard deviation (exact), p50 and p90
+    (bin estimates, within the values seen). None where there are no episodes."""
     n = int(dist["n"])
     out: dict[str, float | int | None] = {"episodes": n}
     for f in FEATURES:
-        out[f"{f}_mean"] = dist["sum"][f] / n if n else None
+        mean = dist["sum"][f] / n if n else None
+        out[f"{f}_mean"] = mean
+        out[f"{f}_sd"] = math.sqrt(max(0.0, dist["sumsq"][f] / n - mean**2)) if n else None
         for q in QUANTILES:
             out[f"{f}_p{round(q * 100)}"] = _quantile(dist, f, q)
-    mean = out["reward_mean"]
-    out["reward_sd"] = math.sqrt(max(0.0, dist["sumsq"]["reward"] / n - mean**2)) if n else None
     return out
 
 

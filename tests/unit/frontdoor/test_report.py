@@ -308,7 +308,7 @@ def test_report_shows_the_stale_drop_bias(tmp_path):
     page = store.read_bytes(RunLayout.REPORT).decode()
     section = page[page.index("<h2>Stale drops vs trained") : page.index("<h2>Plots")]
     assert "stale drops vs trained: 1.8x longer" in section
-    assert "<td>stale</td><td>40</td><td>180.0</td><td>180.0</td>" in section
+    assert "<td>stale</td><td>40</td><td>180.0</td><td>0.0</td><td>180.0</td>" in section
     assert 'alt="Length of trained vs stale-dropped episodes"' in page
 
     none = _run(tmp_path, "fresh")  # the learner records no drop_bias without stale drops

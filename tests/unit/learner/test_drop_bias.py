@@ -33,6 +33,7 @@ def test_add_is_cumulative_exact_in_means_and_leaves_its_input():
     assert d["turns_mean"] == pytest.approx(3.0)
     assert d["reward_mean"] == pytest.approx(0.5)
     assert d["reward_sd"] == pytest.approx(np.std([0.0, 1.0, 0.5]))
+    assert d["length_sd"] == pytest.approx(np.std([20, 40, 100]))
     assert (both["min"]["length"], both["max"]["length"]) == (20, 100)
     assert drop_bias.add(both, [], [], [])["max"] == both["max"]
     # Fixed bins: 20 in [16, 32), 40 in [32, 64), 100 in [64, 128); reward 1.0 in [1, 2).
