@@ -35,10 +35,11 @@ SIDES = ("trained", "stale")
 
 _INF = math.inf
 #: Bin edges per feature: bin i holds [edges[i], edges[i+1]); a value below the first
-#: edge counts in the first bin. Lengths in tokens (powers of 2), turns, and rewards
-#: (the built-in environments reward in [0, 1]; finer there).
+#: edge counts in the first bin. Lengths in tokens, four bins an octave from 16 to 2^17
+#: (each ~19% wide: quantiles within a few percent), turns, and rewards (the built-in
+#: environments reward in [0, 1]; finer there).
 EDGES: dict[str, tuple[float, ...]] = {
-    "length": (0, *(2.0**k for k in range(4, 17)), _INF),
+    "length": (0, *(round(2 ** (k / 4)) for k in range(16, 69)), _INF),
     "turns": (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64, _INF),
     "reward": (-_INF, -1.0, -0.5, *(k / 10 for k in range(11)), 2.0, _INF),
 }

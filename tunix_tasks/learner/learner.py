@@ -210,7 +210,7 @@ class Learner:
             "buffer": len(self.batcher.buffer),
             "backlog_shards": source.backlog_shards,
             "quarantined": len(source.quarantined),
-            # ~1.3 KB: only once there is a stale drop to compare the trained episodes with.
+            # 1-2 KB: only once there is a stale drop to compare the trained episodes with.
             **({"drop_bias": bias} if bias["stale"]["n"] else {}),
         }
 

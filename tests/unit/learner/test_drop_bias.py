@@ -36,8 +36,10 @@ def test_add_is_cumulative_exact_in_means_and_leaves_its_input():
     assert d["length_sd"] == pytest.approx(np.std([20, 40, 100]))
     assert (both["min"]["length"], both["max"]["length"]) == (20, 100)
     assert drop_bias.add(both, [], [], [])["max"] == both["max"]
-    # Fixed bins: 20 in [16, 32), 40 in [32, 64), 100 in [64, 128); reward 1.0 in [1, 2).
-    assert both["bins"]["length"][:5] == [0, 1, 1, 1, 0] and sum(both["bins"]["length"]) == 3
+    # Fixed bins: 20 in [19, 23), 40 in [38, 45), 100 in [91, 108); reward 1.0 in [1, 2).
+    length = drop_bias.EDGES["length"]
+    held = [i for i, c in enumerate(both["bins"]["length"]) for _ in range(c)]
+    assert [(length[i], length[i + 1]) for i in held] == [(19, 23), (38, 45), (91, 108)]
     edges = drop_bias.EDGES["reward"]
     assert both["bins"]["reward"][edges.index(1.0)] == 1
     json.dumps(both)  # a checkpoint's counters and a metrics record hold it
