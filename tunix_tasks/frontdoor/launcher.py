@@ -55,6 +55,7 @@ from tunix_tasks.frontdoor.supervision import (
     stop,
     stop_after,
 )
+from tunix_tasks.learner import drop_bias
 from tunix_tasks.storage.metrics import MetricsTail, Stopwatch
 from tunix_tasks.storage.runs import is_done, mark_done
 from tunix_tasks.storage.store import ObjectStore, StoreError, open_store
@@ -223,10 +224,19 @@ class LiveStatus:
             out.append(("updated", f"{max(0.0, now - self.last_record_time):.0f}s ago"))
         return [f for f in out if f[0] in NARROW] if narrow else out
 
+    def drop_hint(self) -> str:
+        """`stale drops vs trained: 1.8x longer, ...` from the latest step record's
+        cumulative `drop_bias`, only when the stale drops are significant and differ
+        (`learner/drop_bias.py: hint`); else ""."""
+        bias = self.record.get("drop_bias")
+        return drop_bias.hint(bias["trained"], bias["stale"]) if bias else ""
+
     def line(self, *, now: float | None = None) -> str:
         text = "  ".join(f"{k} {v}" for k, v in self.fields(now=now))
         phase = self.phase(now=now)
         text += f"  now: {phase}" if phase else ""
+        hint = self.drop_hint()
+        text += f"  ({hint})" if hint else ""
         audit = display_line(self.record.get("duty_cycle"), self.audit())
         return f"{text}  | {audit}" if audit else text
 
@@ -262,6 +272,9 @@ class LiveStatus:
         if phase:
             parts.append(Text(f"now: {phase}"))  # record text: never rich markup
         parts.append(table)
+        hint = self.drop_hint()
+        if hint:
+            parts.append(Text(hint))
         audit = display_line(self.record.get("duty_cycle"), self.audit())
         if audit:
             parts.append(audit)

@@ -1,6 +1,6 @@
 """The run report's figures: reward, duty cycle, backlog, sampler/learner mismatch,
-staleness, drops, env latency, and weight sync (the version each actor samples with,
-publish -> reload latency).
+staleness, drops, the length of stale drops vs trained episodes, env latency, and
+weight sync (the version each actor samples with, publish -> reload latency).
 
     for title, png_base64 in report_plots(records, summary): ...
 """
@@ -12,6 +12,8 @@ import io
 from typing import Any
 
 import numpy as np
+
+from tunix_tasks.learner import drop_bias
 
 __all__ = ["report_plots"]
 
@@ -127,6 +129,27 @@ def report_plots(
     dropped = dict(summary.get("dropped_ledger") or summary.get("dropped_total") or {})
     dropped["quarantined shards"] = summary.get("quarantined_shards", 0)
     panel("Dropped", lambda ax: ax.bar(list(dropped), list(dropped.values())), "count", "")
+    bias = steps[-1].get("drop_bias") if steps else None
+    if bias and bias["stale"]["n"]:
+
+        def drop_bias_panel(ax: Any) -> None:
+            # Shares per fixed length bin (drop_bias.EDGES), bins either side holds.
+            edges = drop_bias.EDGES["length"]
+            counts = {side: np.asarray(bias[side]["bins"]["length"]) for side in drop_bias.SIDES}
+            used = np.flatnonzero(sum(counts.values()))
+            x = np.arange(len(used))
+            for i, (side, c) in enumerate(counts.items()):
+                ax.bar(x + 0.4 * i - 0.2, c[used] / max(1, c.sum()), 0.4, label=side)
+            labels = [f"{edges[j]:.0f}-{edges[j + 1]:.0f}".replace("-inf", "+") for j in used]
+            ax.set_xticks(x, labels, fontsize=7)
+            ax.legend(fontsize=8)
+
+        panel(
+            "Length of trained vs stale-dropped episodes",
+            drop_bias_panel,
+            "share of the side's episodes",
+            "episode length (tokens)",
+        )
     if actors:
 
         def latency_panel(ax: Any) -> None:

@@ -33,6 +33,7 @@ from tunix_tasks.frontdoor.audit import (
 )
 from tunix_tasks.frontdoor.inspect import answer_phases, read_episodes, turn_label
 from tunix_tasks.frontdoor.plots import report_plots
+from tunix_tasks.learner import drop_bias
 from tunix_tasks.learner.checkpoint import read_ledger
 from tunix_tasks.policy.preflight import build_chat
 from tunix_tasks.storage.layout import RunLayout
@@ -75,6 +76,23 @@ def sampler_mismatch(steps: list[dict[str, Any]], cfg: RunConfig) -> dict[str, A
         "up to float noise (~1e-6) when model.dtype equals learner.compute_dtype; with bfloat16 sampling it is what bf16 costs, each fresh "
         "importance ratio pi/mu being off 1 by up to exp(max diff) - 1 (learner.correction "
         "reweights it).",
+    }
+
+
+def stale_drop_bias(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Episodes dropped as stale against those trained, from the last step record's
+    cumulative `drop_bias` (`learner/drop_bias.py`): each side's count, mean, sd and
+    p50/p90 of length, turns and reward, the ratios of the means, and the live
+    display's hint. None without it: no stale drop (or a run from before it was
+    recorded)."""
+    bias = steps[-1].get("drop_bias") if steps else None
+    if not bias:
+        return None
+    trained, stale = bias["trained"], bias["stale"]
+    return {
+        "hint": drop_bias.hint(trained, stale),
+        **drop_bias.compare(trained, stale),
+        "by_side": [{"side": side, **drop_bias.describe(bias[side])} for side in drop_bias.SIDES],
     }
 
 
@@ -160,6 +178,7 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
             "trained_tokens_per_s": trained_tokens / wall if wall else None,
             "compile_count": steps[-1]["compile_count"] if steps else 0,
             "staleness_histogram": {str(s): n for s, n in sorted(staleness.items())},
+            "stale_drop_bias": stale_drop_bias(steps),
             "sampler_mismatch": sampler_mismatch(steps, cfg),
             "evaluations": sorted(
                 (
@@ -216,6 +235,7 @@ def _table(rows: list[dict[str, Any]] | dict[str, Any]) -> str:
 SECTIONS = (
     *("actors", "latency_audit", "health", "baseline", "duty_cycle_explained"),
     "sampler_mismatch",
+    "stale_drop_bias",
     "answers_by_phase",
 )
 # Shards the report reads and episodes it decodes at most, spread over the run's time:
@@ -275,6 +295,17 @@ def _conversations_html(phases: list[dict[str, Any]], note: str) -> str:
     return out
 
 
+def _drop_bias_html(summary: dict[str, Any]) -> str:
+    """The "Stale drops vs trained episodes" section: the hint and each side's figures."""
+    bias = summary.get("stale_drop_bias")
+    if not (summary.get("dropped_total") or {}).get("stale"):
+        return "<p>No episode was dropped as stale.</p>"
+    if not bias:
+        return "<p>No step record holds the drop bias (a run from before it was recorded).</p>"
+    said = bias["hint"] or "No significant difference from the trained episodes"
+    return f"<p>{html.escape(said)}.</p>{_table(bias['by_side'])}"
+
+
 def render_html(
     summary: dict[str, Any], plots: list[tuple[str, str]], conversations: str = ""
 ) -> str:
@@ -315,6 +346,7 @@ pre.talk{{white-space:pre-wrap;background:#f6f6f6;padding:6px}} .model{{color:#1
 </head><body><h1>tunix-tasks run report</h1><p>{html.escape(summary["run_uri"])}</p>
 <h2>Summary</h2>{rows}<h2>Utilization</h2>{utilization}<h2>Processes</h2>{why}{_table(procs)}
 <h2>Sampler vs learner numerics</h2>{numerics}
+<h2>Stale drops vs trained episodes</h2>{_drop_bias_html(summary)}
 <p>Times: seconds since the run's first metrics record ({summary.get("started_utc")} UTC).</p>
 <h2>Plots</h2>{imgs}
 <h2>What the model wrote</h2>{conversations}

@@ -1,8 +1,9 @@
 """Exactly-once accounting: every episode handed to the learner is trained or dropped once.
 
 `Accounting` acknowledges episodes to the source (which moves the checkpointed position),
-keeps the run's counters, and collects the ledger of episode ids accounted since the last
-checkpoint (written just before it, see `checkpoint.py`).
+keeps the run's counters (with the stale-drop bias: `drop_bias.py` distributions of the
+trained and the stale-dropped episodes), and collects the ledger of episode ids
+accounted since the last checkpoint (written just before it, see `checkpoint.py`).
 
     acct = Accounting(source, counters=meta.get("counters"))
     acct.drop(ep, DropReason.STALE)
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from tunix_tasks.episode import DropReason, Episode
+from tunix_tasks.learner import drop_bias
 
 
 class Acknowledger(Protocol):
@@ -43,13 +45,26 @@ class Accounting:
             "dropped": {},
             "truncated_sequences": 0,
         }
+        # Absent in checkpoints written before the bias was kept: from now on.
+        self.counters.setdefault("drop_bias", {side: drop_bias.empty() for side in drop_bias.SIDES})
         self._ledger = _empty_ledger()
+
+    def _observe(self, side: str, episodes: Sequence[Episode]) -> None:
+        bias = self.counters["drop_bias"]
+        bias[side] = drop_bias.add(
+            bias[side],
+            [ep.length for ep in episodes],
+            [ep.num_turns for ep in episodes],
+            [ep.reward for ep in episodes],
+        )
 
     def drop(self, episode: Episode, reason: DropReason) -> None:
         self._source.ack(episode)
         self._ledger["dropped"].setdefault(reason, []).append(episode.episode_id)
         dropped = self.counters["dropped"]
         dropped[reason] = dropped.get(reason, 0) + 1
+        if reason == DropReason.STALE:
+            self._observe("stale", [episode])
 
     def trained(
         self, episodes: Sequence[Episode], *, real_tokens: int, longest_bucket: int
@@ -58,6 +73,7 @@ class Accounting:
             self._source.ack(ep)
         self._ledger["trained"].extend(ep.episode_id for ep in episodes)
         self.counters["trained_episodes"] += len(episodes)
+        self._observe("trained", episodes)
         self.counters["trained_tokens"] += int(real_tokens)
         # Counted when trained: a long episode may wait in the buffer over many steps.
         self.counters["truncated_sequences"] += sum(ep.length > longest_bucket for ep in episodes)

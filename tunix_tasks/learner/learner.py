@@ -191,6 +191,7 @@ class Learner:
         versions = [ep.policy_version for ep in episodes]
         lags = collections.Counter(staleness(self.version, versions).tolist())
         source = self.parts.source
+        bias = self.acct.counters["drop_bias"]  # cumulative, bounded (drop_bias.py)
         return {
             "step": self.step,
             "version": self.version,
@@ -209,6 +210,8 @@ class Learner:
             "buffer": len(self.batcher.buffer),
             "backlog_shards": source.backlog_shards,
             "quarantined": len(source.quarantined),
+            # 1-2 KB: only once there is a stale drop to compare the trained episodes with.
+            **({"drop_bias": bias} if bias["stale"]["n"] else {}),
         }
 
     def _publish(self) -> None:

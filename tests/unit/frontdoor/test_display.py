@@ -141,3 +141,28 @@ def test_a_resumed_runs_old_phases_say_nothing_about_now():
     assert status.phase(now=T0 + 103) == "learner starting (3s); actors: 2 starting"
     status.update([_actor("actor-0000", T0 + 104, "waiting for the first weights")])
     assert status.phase(now=T0 + 105).endswith("actors: 1 waiting for the first weights")
+
+
+def test_significant_stale_drop_bias_gets_a_line_of_its_own():
+    """The step record's cumulative `drop_bias`: stale drops 1.8x longer than the trained
+    episodes are named under the table (also at 80 columns) and in the plain line; drops
+    alike the trained ones, or too few, say nothing."""
+    from tunix_tasks.learner import drop_bias
+
+    def with_bias(stale_length: int, stale_n: int) -> LiveStatus:
+        status = _status()
+        trained = drop_bias.add(drop_bias.empty(), [100] * 400, [2] * 400, [0.5] * 400)
+        n = stale_n
+        stale = drop_bias.add(drop_bias.empty(), [stale_length] * n, [2] * n, [0.5] * n)
+        record = {**status.record, "step": 121, "time": T0 + 1}
+        status.update([{**record, "drop_bias": {"trained": trained, "stale": stale}}])
+        return status
+
+    hint = "stale drops vs trained: 1.8x longer"
+    biased = with_bias(180, 40)
+    assert f"({hint})" in biased.line(now=T0 + 1)
+    text = _capture(biased, 80)
+    assert hint in text and "…" not in text, text
+    for status in (with_bias(110, 40), with_bias(180, 10)):  # 1.1x; 10 drops
+        assert "stale drops" not in status.line(now=T0 + 1)
+        assert "stale drops" not in _capture(status, 160)

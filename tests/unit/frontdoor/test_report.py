@@ -281,3 +281,39 @@ def test_report_reads_the_logs_of_a_crashed_run_in_its_folder(tmp_path):
     write_report(store.uri)
     h = json.loads(store.read_bytes(RunLayout.SUMMARY))["health"]
     assert h["log_tails"]["learner"][-1] == "MemoryError"
+
+
+def test_report_shows_the_stale_drop_bias(tmp_path):
+    """The last step record's cumulative `drop_bias` (stale drops 1.8x longer than the
+    trained episodes, with more turns and lower rewards) reaches summary.json, a section
+    with the hint and each side's figures, and a plot; a run without stale drops says so."""
+    from tunix_tasks.learner import drop_bias
+
+    store = _run(tmp_path, "biased")
+    trained = drop_bias.add(drop_bias.empty(), [100] * 200, [2] * 200, [0.0, 1.0] * 100)
+    stale = drop_bias.add(drop_bias.empty(), [180] * 40, [4] * 40, [0.0] * 40)
+    last = _record(11, T0 + 30, "a")
+    last.update(drop_bias={"trained": trained, "stale": stale}, dropped={"stale": 40})
+    _write_chunk(store, [last])
+    write_report(store.uri)
+    got = json.loads(store.read_bytes(RunLayout.SUMMARY))["stale_drop_bias"]
+    hint = "stale drops vs trained: 1.8x longer, 2.0x more turns, reward 0.00 vs 0.50"
+    assert got["hint"] == hint
+    assert got["length_ratio"] == pytest.approx(1.8) and got["stale_share"] == pytest.approx(
+        1 / 6, abs=1e-4
+    )
+    sides = {s["side"]: s for s in got["by_side"]}
+    assert (sides["trained"]["episodes"], sides["stale"]["episodes"]) == (200, 40)
+    assert sides["stale"]["length_mean"] == 180 and sides["trained"]["reward_mean"] == 0.5
+    page = store.read_bytes(RunLayout.REPORT).decode()
+    section = page[page.index("<h2>Stale drops vs trained") : page.index("<h2>Plots")]
+    assert "stale drops vs trained: 1.8x longer" in section
+    assert "<td>stale</td><td>40</td><td>180.0</td><td>0.0</td><td>180.0</td>" in section
+    assert 'alt="Length of trained vs stale-dropped episodes"' in page
+
+    none = _run(tmp_path, "fresh")  # the learner records no drop_bias without stale drops
+    write_report(none.uri)
+    assert json.loads(none.read_bytes(RunLayout.SUMMARY))["stale_drop_bias"] is None
+    page = none.read_bytes(RunLayout.REPORT).decode()
+    assert "No episode was dropped as stale." in page
+    assert "Length of trained vs stale-dropped" not in page

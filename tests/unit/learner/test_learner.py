@@ -32,6 +32,7 @@ from tests.runs import (
 )
 from tunix_tasks.episode import Episode
 from tunix_tasks.frontdoor.entrypoints import run_learner
+from tunix_tasks.learner import drop_bias
 from tunix_tasks.learner.learner import Learner
 from tunix_tasks.policy.build import build_policy
 from tunix_tasks.policy.distribution import token_logprobs
@@ -218,6 +219,9 @@ def test_compile_count_bounded_by_buckets_and_truncation_counted(tmp_path):
     long_trained = sum(by_id[i].length > 128 for i in trained)
     assert learner.acct.counters["truncated_sequences"] == long_trained
     assert summary["truncated_sequences"] == long_trained
+    # No stale drop: the trained side is kept, no step record carries the comparison.
+    assert learner.acct.counters["drop_bias"]["trained"]["n"] == len(trained)
+    assert not any("drop_bias" in r for r in records)
 
 
 # --------------------------------------------------------------------- staleness
@@ -243,6 +247,12 @@ def test_stale_data_dropped_and_counted(tmp_path):
     for r in (r for r in read_metrics(store, "learner") if "step" in r):
         assert r["version"] == 4 and r["staleness"] == {"0": PER_STEP}
         assert r["dropped"] == {"stale": 16}
+        # The stale-drop bias, cumulative: the 16 stale episodes against those trained.
+        bias = {side: drop_bias.describe(d) for side, d in r["drop_bias"].items()}
+        assert bias["stale"]["episodes"] == 16 and bias["stale"]["length_mean"] == EP_LEN
+        assert bias["trained"]["episodes"] == r["step"] * PER_STEP
+        stale_rewards = [e.reward for e in old + older]
+        assert bias["stale"]["reward_mean"] == pytest.approx(np.mean(stale_rewards), rel=1e-5)
 
 
 # ------------------------------------------------- issue #11: bad input, retention
