@@ -38,10 +38,12 @@ class _GatedStore:
     def __init__(self, store) -> None:
         self._store = store
         self.gate = threading.Event()
+        self.entered = threading.Event()  # a `LATEST` write is waiting at the gate
         self.pointers: list[int] = []
 
     def write_if_generation(self, key: str, data: bytes, generation: int) -> int:
         if key == RunLayout.LATEST:
+            self.entered.set()
             assert self.gate.wait(GATE_S), "the test never opened the gate"
             self.pointers.append(parse_pointer(data))
         return self._store.write_if_generation(key, data, generation)
@@ -62,11 +64,13 @@ def gated(tmp_path):
     lease.release()
 
 
-def _until(cond, what: str) -> None:
+def _check_raises(pub: SnapshotPublisher, error: type[BaseException], match: str) -> None:
+    """`check` (which never blocks) raises `error` once the thread has failed."""
     deadline = time.monotonic() + GATE_S
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
+    with pytest.raises(error, match=match):
+        while time.monotonic() < deadline:
+            pub.check()
+            time.sleep(0.01)
 
 
 def test_publishes_coalesce_newest_wins_versions_monotone(gated):
@@ -75,7 +79,7 @@ def test_publishes_coalesce_newest_wins_versions_monotone(gated):
     waited for v0's upload, so the step stalled for as long as the store did.)"""
     store, pub = gated
     pub.publish(_flat(0.0), version=0, step=0)
-    _until(lambda: pub._busy, "v0's upload to start")
+    assert store.entered.wait(GATE_S)  # v0 is uploading
     t0 = time.perf_counter()
     for v in (1, 2, 3):
         pub.publish(_flat(float(v)), version=v, step=10 * v)
@@ -96,7 +100,7 @@ def test_close_flushes_the_publish_waiting_in_the_slot(gated):
     """Shutdown publishes what is waiting: the newest version asked for is out."""
     store, pub = gated
     pub.publish(_flat(0.0), version=0, step=0)
-    _until(lambda: pub._busy, "v0's upload to start")
+    assert store.entered.wait(GATE_S)  # v0 is uploading
     pub.publish(_flat(1.0), version=1, step=5)
     closer = threading.Thread(target=pub.close)
     closer.start()
@@ -118,10 +122,9 @@ def test_a_background_failure_surfaces_on_check_and_stops_publishing(tmp_path):
         pub.wait()
         pub.publish(_flat(float("nan")), version=1, step=7)
         match = r"after step 7 .*NaN/Inf"
-        _until(lambda: pub._error is not None, "the failure")
-        for call in (pub.check, pub.wait):
-            with pytest.raises(NonFiniteWeights, match=match):
-                call()
+        _check_raises(pub, NonFiniteWeights, match)
+        with pytest.raises(NonFiniteWeights, match=match):
+            pub.wait()
         with pytest.raises(NonFiniteWeights, match=match):
             pub.publish(_flat(2.0), version=2, step=8)
     finally:
@@ -142,9 +145,7 @@ def test_a_conflict_in_the_background_surfaces_on_check(tmp_path):
         pub.wait()
         WeightsPublisher(store).publish(_flat(5.0), version=5, step=0, model={})
         pub.publish(_flat(1.0), version=1, step=1)
-        _until(lambda: pub._error is not None, "the conflict")
-        with pytest.raises(PublishConflict, match="another learner published v5"):
-            pub.check()
+        _check_raises(pub, PublishConflict, "another learner published v5")
     finally:
         pub.close()
         lease.release()
