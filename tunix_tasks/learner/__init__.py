@@ -9,7 +9,7 @@ objective/     off-policy corrections as a registry, `policy_loss`; `rl_math.py`
 train_step.py  mesh, sharded params/optimizer, the jitted update
 accounting.py  exactly-once acknowledgement and the ledger; `checkpoint.py`: orbax
 drop_bias.py   length, turns and reward of stale drops vs trained episodes (pure numpy)
-publishing.py  background weight snapshots; `startup.py`: start, restore, warm start
+publishing.py  background, coalesced weight snapshots; `startup.py`: start, restore, warm start
 warm_start.py  supervised steps on the run's demonstration shards, before RL
 learner.py     the loop: next batch -> dispatch -> acknowledge -> publish/checkpoint
 multihost.py   P processes, one mesh: process 0 leads and announces; the rest follow

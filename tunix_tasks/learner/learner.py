@@ -172,6 +172,7 @@ class Learner:
                 self._complete(*inflight)
 
     def _complete(self, pending: Any, batch: PackedBatch, episodes: list[Episode]) -> None:
+        self.parts.publisher.check()  # a background publish failed: stop on it here
         m = self.parts.trainer.collect(pending)
         self.watch.add("train", m["step_s"])
         self.step += 1
@@ -204,6 +205,10 @@ class Learner:
             "density": float(batch.density),
             "duty_cycle": self.watch.share("train"),
             "wait_s_total": self.watch.totals.get("wait", 0.0),
+            # The step path's share of publishing is the host copy; the rest is background.
+            "publish_copy_s_total": self.watch.totals.get("publish", 0.0),
+            "publish_s": self.parts.publisher.last_publish_s,
+            "publish_coalesced": self.parts.publisher.coalesced,
             "compile_count": self.parts.trainer.compile_count,
             "staleness": {str(k): v for k, v in sorted(lags.items())},
             "dropped": dict(self.acct.counters["dropped"]),
@@ -218,15 +223,16 @@ class Learner:
         self.version += 1
         self.parts.source.set_newest_version(self.version)  # before any actor can have it
         self.flow.published()
-        self.parts.publisher.publish(
-            self.parts.trainer.flat_params(), version=self.version, step=self.step
-        )
+        with self.watch.timed("publish"):
+            flat = self.parts.trainer.flat_params()  # device -> host; the rest is background
+            self.parts.publisher.publish(flat, version=self.version, step=self.step)
         published = self.parts.published_at
         published[self.version] = self.step
         for old in sorted(published)[:-_PUBLISHED_KEPT]:
             del published[old]
 
     def _checkpoint(self, *, final: bool = False) -> None:
+        # Every version asked for is out (the newest wins), so `version` below is published.
         self.parts.publisher.wait()
         self.parts.ckpt.wait()  # the save in flight is durable before the next get_state
         if self.step == self._last_checkpoint:

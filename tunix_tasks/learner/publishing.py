@@ -1,19 +1,30 @@
-"""Background weight publishing, in version order, only while the learner holds the lease.
+"""Background weight publishing that the train step never waits on, under the lease.
 
 The params are copied to host memory when `publish` is called (the next update donates
-their device buffers); serializing, checksumming and uploading run in one background
-thread, so versions land in order and a slow store does not stall the train step.
+their device buffers): that copy is the only part on the step path. Checking,
+serializing, checksumming and uploading run in one background thread fed by a one-slot
+mailbox: a publish requested while another is still uploading waits in the slot, and a
+newer one replaces it there (coalesced: the newest version wins, so versions reach the
+store in increasing order and a slow store costs versions, not step time).
 
     pub = SnapshotPublisher(store, lease, model=model_meta(cfg.model))
-    pub.publish(trainer.flat_params(), version=3, step=60)
-    pub.wait()          # raises a failed publish (e.g. PublishConflict) here
-    pub.close()
+    pub.publish(trainer.flat_params(), version=3, step=60)   # returns at once
+    pub.check()         # each step: raises a failed publish (PublishConflict, NonFiniteWeights)
+    pub.wait()          # at a checkpoint: every version asked for is out (or raises)
+    pub.close()         # flushes, then stops the thread
+
+A failed publish stops the publisher: what is waiting is dropped, nothing later is
+published, and `check` / `wait` / `publish` raise that error until the learner stops.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,11 +37,26 @@ from tunix_tasks.storage.weights import WeightsPublisher
 
 log = logging.getLogger(__name__)
 
+#: Niceness added to the publisher's thread (Linux: per thread): where the train step runs
+#: on the same CPU cores, the step comes first and a slow publish is coalesced instead.
+PUBLISH_NICE = 10
+
+
+@dataclass(frozen=True)
+class _Request:
+    flat: dict[str, np.ndarray]
+    version: int
+    step: int
+
 
 class SnapshotPublisher:
     """Publishes in the background; a store outage is ridden out (retried with backoff,
     up to the outage limit) rather than ending the learner; `retention` prunes old
-    snapshots after each publish."""
+    snapshots after each publish.
+
+    Counters for the step records: `coalesced` (versions replaced in the mailbox by a
+    newer one, never published), `last_publish_s` (the background time of the newest
+    publish done: check, encode, upload, `LATEST`, pruning)."""
 
     def __init__(
         self,
@@ -51,8 +77,16 @@ class SnapshotPublisher:
         self._model = model
         self.retention = retention
         self._outage = outage or StoreOutage()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
-        self._pending: Future | None = None
+        self._cond = threading.Condition()
+        self._slot: _Request | None = None  # the one publish waiting for the thread
+        self._busy = False  # the thread is publishing a request it took from the slot
+        self._closing = False
+        self._error: BaseException | None = None
+        self._asked = self._weights.latest_version  # newest version asked for
+        self.coalesced = 0
+        self.last_publish_s = 0.0
+        self._thread = threading.Thread(target=self._serve, name="publish", daemon=True)
+        self._thread.start()
 
     @property
     def latest_version(self) -> int:
@@ -61,15 +95,80 @@ class SnapshotPublisher:
         return self._weights.latest_version
 
     def publish(self, flat: dict[str, np.ndarray], *, version: int, step: int) -> None:
+        """Hand `flat` (host arrays, not modified afterwards) to the thread and return;
+        replaces a publish still waiting in the slot. `version` must be newer than any
+        asked for before (ValueError)."""
         self._lease.ensure()  # LeaseLost: a learner without the lease never publishes
-        self.wait()  # keeps versions in order
-        self._pending = self._pool.submit(self._publish, flat, version, step)
+        with self._cond:
+            self._raise_failed()
+            if version <= self._asked:
+                raise ValueError(f"version {version} is not newer than v{self._asked}")
+            if self._closing:
+                raise RuntimeError("the snapshot publisher is closed")
+            if self._slot is not None:
+                self.coalesced += 1
+                log.debug("weights v%d superseded by v%d", self._slot.version, version)
+            self._slot, self._asked = _Request(flat, version, step), version
+            self._cond.notify_all()
 
-    def _publish(self, flat: dict[str, np.ndarray], version: int, step: int) -> None:
+    def check(self) -> None:
+        """Raise the error of a failed background publish, if any; never blocks."""
+        with self._cond:
+            self._raise_failed()
+
+    def wait(self) -> None:
+        """Block until every version asked for is published (or superseded by a newer
+        one that is), then raise a failed publish's error, if any."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._idle() or self._error is not None)
+            self._raise_failed()
+
+    def close(self) -> None:
+        """Publish what is waiting, then stop the thread (a failure is not raised here:
+        `wait` before `close` to see it)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _idle(self) -> bool:
+        return self._slot is None and not self._busy
+
+    def _raise_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _serve(self) -> None:
+        if sys.platform == "linux":
+            tid = threading.get_native_id()
+            nice = min(os.getpriority(os.PRIO_PROCESS, tid) + PUBLISH_NICE, 19)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._slot is not None or self._closing)
+                if self._slot is None:  # closing, nothing left
+                    return
+                request, self._slot, self._busy = self._slot, None, True
+            t0 = time.perf_counter()
+            try:
+                self._publish(request)
+            except BaseException as err:  # kept for the learner's thread, which stops on it
+                with self._cond:
+                    self._error, self._slot, self._busy = err, None, False
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._busy = False
+                self.last_publish_s = time.perf_counter() - t0
+                self._cond.notify_all()
+
+    def _publish(self, request: _Request) -> None:
+        version, step = request.version, request.step
+
         def publish() -> None:
             kind = "adapter" if self._adapter_base else "full"  # "full": deltas when due
             self._weights.publish(
-                flat,
+                request.flat,
                 version=version,
                 step=step,
                 model=self._model,
@@ -81,11 +180,3 @@ class SnapshotPublisher:
         log.info("published weights v%d at step %d", version, step)
         if self.retention is not None:
             self.retention.prune(version)
-
-    def wait(self) -> None:
-        if self._pending is not None:
-            done, self._pending = self._pending, None
-            done.result()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)

@@ -1,0 +1,151 @@
+"""Learner step time with weight publishing on vs off, at `publish_every: 1` (issue #29, 5).
+
+One `Trainer` (preset `--preset`, one bucket `--bucket`, `--rows` rows; random episodes)
+trains `--steps` steps per window in each mode, the modes interleaved `--repeats` times
+so load on a shared machine hits them alike:
+
+  off        the train step alone (dispatch + collect)
+  coalesce   the step, then what `Learner._publish` does after it: copy the params to
+             host (`Trainer.flat_params`) and hand them to `SnapshotPublisher.publish`,
+             which returns at once; check, encode, sha256, upload to a file:// store and
+             pruning run in its thread, and a version still waiting when a newer one
+             comes is superseded (coalesced)
+  in order   as before issue #29: the same, but `publish` first waits for the previous
+             version's upload (`wait` then `publish`), so every version is published and
+             a slow upload stalls the next step
+
+Per mode: median and interquartile range of the step time (the step plus the publish
+call, what the learner's loop waits on), the ratio against "off" (goal <= 1.05 for
+coalesce), and for the publishing modes the versions published / coalesced and the median
+background publish time. The train step is compiled before any window and the script
+asserts no compile lands inside one. On a CPU the publisher's thread competes with XLA's
+for the same cores, which an accelerator's learner does not: read the ratio as an upper
+bound there.
+
+    python benchmarks/publishing.py [--preset base] [--bucket 128] [--rows 2]
+        [--steps 6] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+from benchmarks._machine import iqr, med
+from tunix_tasks.config import config_from_dict
+from tunix_tasks.learner.multihost import make_trainer
+from tunix_tasks.learner.packing import PackedBatch, pack
+from tunix_tasks.learner.publishing import SnapshotPublisher
+from tunix_tasks.learner.train_step import Trainer
+from tunix_tasks.storage.lease import Lease
+from tunix_tasks.storage.retention import SnapshotRetention
+from tunix_tasks.storage.store import open_store
+from tunix_tasks.testing.shard_factory import make_episode
+
+MODES = ("off", "coalesce", "in order")
+WIDTHS = (9, 6, 6, 10, 10, 11)  # of the columns after the mode's
+
+
+def _batch(trainer: Trainer, bucket: int, rows: int) -> PackedBatch:
+    rng = np.random.default_rng(0)
+    vocab = trainer.model.vocab_size
+    episodes = [make_episode(rng, length=bucket, vocab_size=vocab) for _ in range(rows)]
+    return pack(episodes, buckets=(bucket,), batch_rows=rows).batches[0]
+
+
+def _window(
+    trainer: Trainer,
+    batch: PackedBatch,
+    pub: SnapshotPublisher,
+    mode: str,
+    steps: int,
+    first_version: int,
+) -> list[float]:
+    """Step times (s) of `steps` steps in `mode`, publishing from `first_version` on."""
+    times = []
+    for version in range(first_version, first_version + steps):
+        t0 = time.perf_counter()
+        trainer.step(batch)
+        if mode != "off":
+            flat = trainer.flat_params()
+            if mode == "in order":
+                pub.wait()
+            pub.publish(flat, version=version, step=version)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="base", choices=["tiny", "small", "base"])
+    ap.add_argument("--bucket", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6, help="steps per window")
+    ap.add_argument("--repeats", type=int, default=3, help="windows per mode, interleaved")
+    args = ap.parse_args()
+
+    cfg = config_from_dict(
+        {
+            "model": {"preset": args.preset},
+            "learner": {"buckets": [args.bucket], "batch_rows": args.rows},
+        }
+    )
+    trainer = make_trainer(cfg)
+    n_params = sum(v.size for v in trainer.flat_params().values())
+    batch = _batch(trainer, args.bucket, args.rows)
+    trainer.step(batch)  # compiles
+    compiles = trainer.compile_count
+    with tempfile.TemporaryDirectory() as tmp:
+        store = open_store(tmp)
+        lease = Lease(store, ttl_s=600)
+        lease.acquire()
+        retention = SnapshotRetention(store, keep_last=2, keep_every=0)
+        pub = SnapshotPublisher(store, lease, model={}, retention=retention)
+        version = 0
+        times: dict[str, list[float]] = {m: [] for m in MODES}
+        published: dict[str, list[int]] = {m: [0, 0] for m in MODES}  # [asked, coalesced]
+        background: dict[str, list[float]] = {m: [] for m in MODES}
+        try:
+            for _ in range(args.repeats):
+                for mode in MODES:
+                    coalesced = pub.coalesced
+                    times[mode] += _window(trainer, batch, pub, mode, args.steps, version)
+                    pub.wait()  # the next window starts with the publisher idle
+                    if mode != "off":
+                        version += args.steps
+                        published[mode][0] += args.steps
+                        published[mode][1] += pub.coalesced - coalesced
+                        background[mode].append(pub.last_publish_s)
+        finally:
+            pub.close()
+            lease.release()
+    assert trainer.compile_count == compiles, "a compile landed inside a timed window"
+
+    mb = n_params * 4 / 1e6
+    print(
+        f"preset {args.preset}: {n_params / 1e6:.1f} M params ({mb:.0f} MB a snapshot), "
+        f"batch {args.rows} x {args.bucket}, {args.repeats} x {args.steps} steps per mode"
+    )
+    off = med(times["off"])
+    header = ("mode", "step ms", "iqr", "x off", "published", "coalesced", "publish ms")
+    print(
+        f"{header[0]:<10} " + " ".join(f"{h:>{w}}" for h, w in zip(header[1:], WIDTHS, strict=True))
+    )
+    for mode in MODES:
+        asked, coalesced = published[mode]
+        bg = f"{med(background[mode]) * 1e3:11.0f}" if background[mode] else f"{'-':>11}"
+        print(
+            f"{mode:<10} {med(times[mode]) * 1e3:9.1f} {iqr(times[mode]):6.2f} "
+            f"{med(times[mode]) / off:6.3f} {asked - coalesced:10d} {coalesced:10d} {bg}"
+        )
+
+
+if __name__ == "__main__":
+    main()
