@@ -169,6 +169,11 @@ class LearnerConfig(ObjectiveConfig):
     )
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="dtype the learner holds its params and grads in; bfloat16 keeps a "
+        "float32 master copy in the optimizer state (learner/master_copy.py)",
+    )
     full_snapshot_every: Int = Field(
         1,
         ge=1,

@@ -7,6 +7,7 @@ batcher.py     the buffer: drop what the flow rejects, pack one batch
 packing.py     bucket shapes, first-fit packing (pure numpy)
 objective/     off-policy corrections as a registry, `policy_loss`; `rl_math.py`: their maths
 train_step.py  mesh, sharded params/optimizer, the jitted update
+master_copy.py bf16 params: the optimizer on a float32 master copy of them
 accounting.py  exactly-once acknowledgement and the ledger; `checkpoint.py`: orbax
 drop_bias.py   length, turns and reward of stale drops vs trained episodes (pure numpy)
 publishing.py  background, coalesced weight snapshots; `startup.py`: start, restore, warm start

@@ -5,7 +5,8 @@ parameters are sharded along "fsdp" (their annotations in model.py), batches alo
 axes. `step(batch)` runs one batch's updates (`learner.updates_per_batch`, default 1) on a
 `PackedBatch`; the jitted function is traced once per bucket shape (and per loss kind), and
 `compile_count` says how often that happened. The loss is the configured correction's
-(`tunix_tasks.learner.objective`), plus `rl_math`'s stability terms.
+(`tunix_tasks.learner.objective`), plus `rl_math`'s stability terms. Params are held in
+`learner.param_dtype` (bfloat16: with a float32 master copy in the optimizer state).
 
     trainer = Trainer(cfg, model)
     metrics = trainer.step(packed_batch, supervised=False)
@@ -31,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from tunix_tasks.config import LearnerConfig, MeshConfig, RunConfig
+from tunix_tasks.learner.master_copy import with_master_copy
 from tunix_tasks.learner.objective import (
     Correction,
     CorrectionParams,
@@ -42,6 +44,7 @@ from tunix_tasks.learner.rl_math import finite_logprobs, regularized_loss, stale
 from tunix_tasks.policy.distribution import chunked_target_logprobs
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.params import flat_params
+from tunix_tasks.policy.precision import cast_params
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,8 @@ def make_optimizer(
     cfg: LearnerConfig, *, warm_start_steps: int = 0
 ) -> optax.GradientTransformation:
     """AdamW with global-norm clipping. The first `warm_start_steps` (supervised) use
-    `warm_start_learning_rate`; RL then uses `learning_rate` (with optional linear warm-up)."""
+    `warm_start_learning_rate`; RL then uses `learning_rate` (with optional linear warm-up).
+    `param_dtype` bfloat16: all of it on a float32 master copy (`learner/master_copy.py`)."""
     rl_lr: Any = cfg.learning_rate
     if cfg.warmup_steps:
         rl_lr = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
@@ -90,10 +94,12 @@ def make_optimizer(
             ],
             boundaries=[warm_start_steps],
         )
-    return optax.chain(
+    tx = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
         optax.adamw(lr, b1=0.9, b2=0.98, weight_decay=cfg.weight_decay),
     )
+    # bf16 params: AdamW (and the clipping) run on a float32 master copy of them.
+    return with_master_copy(tx) if cfg.param_dtype != "float32" else tx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +228,9 @@ class Trainer:
         # With LoRA only the adapters train: gradients, optimizer state and snapshots are
         # theirs alone, and the base stays as loaded.
         self.trained = nnx.LoRAParam if model.lora is not None else nnx.Param
+        # `learner.param_dtype`: the params (a LoRA base too) held in it before the
+        # optimizer takes its float32 master copy of the trained ones.
+        cast_params(self.model, cfg.learner.param_dtype)
         self.optimizer = nnx.Optimizer(
             self.model,
             make_optimizer(cfg.learner, warm_start_steps=cfg.warm_start_steps),
