@@ -16,8 +16,13 @@ vocab_size, T tokens in a training row, C context of an actor sequence):
                 + 3*h*I (gate, up, down) + 2*h (two RMSNorms) + 2*d (q/k norm, Qwen3 only)]
                 + h (final norm) + V*h (lm_head, unless tie_word_embeddings)
   learner state, FSDP-sharded evenly over the chips, two regimes:
-                fp32: fp32 params + fp32 grads + AdamW m, v fp32   = 16 bytes/param
-                bf16: bf16 params + bf16 grads + AdamW m, v fp32   = 12 bytes/param
+                `learner.param_dtype`, what `Trainer` holds (STATE_BYTES_PER_PARAM,
+                measured against the code by tests/unit/learner/test_master_copy.py):
+                fp32: fp32 params + fp32 grads + AdamW m, v fp32          = 16 bytes/param
+                bf16: bf16 params + bf16 grads + fp32 master + m, v fp32  = 16 bytes/param
+                The same memory: bf16 params save compute (no cast per use) and FSDP
+                all-gather bytes, not state; a smaller state would need bf16 AdamW
+                moments (12) or no separate grads, which the code does not have.
   gathered    = 2 * 2 * max(one layer's params, V*h): the largest weight FSDP all-gathers
                 at once (a layer or the vocab matrix), unsharded in bf16, plus its gradient
   activations of one row of T tokens, per-layer rematerialisation (jax.checkpoint per block),
@@ -181,8 +186,8 @@ def markdown() -> str:
         _table(
             [
                 "Model",
-                "fp32 state (16 B/param)",
-                "bf16 state (12 B/param)",
+                f"param_dtype float32 ({STATE_BYTES_PER_PARAM['fp32']} B/param)",
+                f"param_dtype bfloat16 ({STATE_BYTES_PER_PARAM['bf16']} B/param)",
                 "largest gathered weight + grad (bf16)",
             ],
             [

@@ -57,8 +57,11 @@ __all__ = [
 #: fragmentation); chip planning (`frontdoor/planning.py`) and `build_sampler` use it.
 HEADROOM = 0.2
 
-#: Learner state per parameter: params + grads + AdamW m, v (fp32), by precision regime.
-STATE_BYTES_PER_PARAM = {"fp32": 16, "bf16": 12}
+#: Learner state per trained parameter, as `Trainer` holds it, by `learner.param_dtype`
+#: (fp32: float32, bf16: bfloat16): params + grads in that dtype + AdamW m, v in float32,
+#: and with bfloat16 the float32 master copy in the optimizer state
+#: (`learner/master_copy.py`); tests/unit/learner/test_master_copy.py measures it.
+STATE_BYTES_PER_PARAM = {"fp32": 4 + 4 + 8, "bf16": 2 + 2 + 4 + 8}
 
 
 # -- parameters ---------------------------------------------------------------------------

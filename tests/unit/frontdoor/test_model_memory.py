@@ -47,7 +47,7 @@ def test_activation_and_sequence_budgets_are_consistent():
         m, h200, 32768
     )
     rows = planning.rows_per_chip(m, h200, 2048)
-    state = 12 * total_params(m) / planning.learner_chips(m, h200, "bf16")
+    state = 16 * total_params(m) / planning.learner_chips(m, h200, "bf16")
     assert rows * activation_bytes(m, 2048)["total"] <= h200.hbm_bytes - state
     assert planning.rows_per_chip(m, h200, 8192) < rows
 

@@ -21,6 +21,7 @@ from tunix_tasks.learner.checkpoint import Checkpointer
 from tunix_tasks.learner.master_copy import master_params, with_master_copy
 from tunix_tasks.learner.train_step import Trainer, make_mesh
 from tunix_tasks.policy.build import build_policy
+from tunix_tasks.policy.costs import STATE_BYTES_PER_PARAM
 from tunix_tasks.storage.runs import read_config
 
 STEPS = 24
@@ -83,6 +84,19 @@ def test_bf16_params_with_a_master_train_like_float32():
     flat = bf16.flat_params()
     assert flat["embed"].dtype == np.float32
     np.testing.assert_array_equal(flat["embed"], np.asarray(params["embed"], np.float32))
+
+
+def test_state_bytes_per_param_are_what_the_trainer_holds():
+    """`STATE_BYTES_PER_PARAM` (benchmarks/model_memory.py's tables) against the arrays
+    a Trainer holds: params and optimizer state, plus grads shaped and typed like the
+    params (their dtype is the params': the gradient of a bf16 param is bf16)."""
+    for regime, param_dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+        trainer = _trainer(param_dtype)
+        params = jax.tree.leaves(nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param)))
+        opt = jax.tree.leaves(nnx.to_pure_dict(nnx.state(trainer.optimizer)))
+        count = sum(p.size for p in params)
+        held = sum(p.nbytes for p in params) * 2 + sum(a.nbytes for a in opt if a.ndim)
+        assert held == STATE_BYTES_PER_PARAM[regime] * count, regime
 
 
 def test_checkpoint_round_trip_keeps_the_master_and_resumes_the_same_step(tmp_path):
