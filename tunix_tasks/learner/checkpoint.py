@@ -37,6 +37,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from tunix_tasks.config import ConfigError
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.store import ObjectStore, StoreError
 from tunix_tasks.storage.uri import join_uri
@@ -168,11 +169,13 @@ class Checkpointer:
             return None
         pure = _pure(template)
         try:
-            saved = set(self._manager.item_metadata(step)["state"])  # names only, no data
+            on_disk = self._manager.item_metadata(step)["state"]  # names and shapes, no data
         except Exception as err:
             raise self._failure("read", step, err) from err
+        saved = set(on_disk)
         if unknown := saved - set(pure):
             raise ValueError(f"checkpoint {step} holds parts {sorted(unknown)} not in template")
+        _check_layout(step, dict(on_disk.tree), {n: p for n, p in pure.items() if n in saved})
         abstract = {
             name: jax.tree.map(ocp.utils.to_shape_dtype_struct, part)
             for name, part in pure.items()
@@ -210,6 +213,30 @@ def _pure(tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: _pure(v) for k, v in tree.items()}
     return tree
+
+
+def _paths(tree: Any) -> set[str]:
+    def name(key: Any) -> str:
+        return str(getattr(key, "key", getattr(key, "idx", key)))
+
+    return {"/".join(map(name, path)) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_layout(step: int, on_disk: dict, template: dict) -> None:
+    """A checkpoint whose arrays are not the run's (saved under another
+    `learner.param_dtype`, whose optimizer state holds a float32 master copy or not):
+    one line naming the difference, not orbax's tree dump."""
+    saved, wanted = _paths(on_disk), _paths(template)
+    if saved == wanted:
+        return
+    extra, missing = sorted(saved - wanted), sorted(wanted - saved)
+    raise ConfigError(
+        f"checkpoint {step} holds another state layout than this run: {len(extra)} arrays "
+        f"only in the checkpoint{f' (e.g. {extra[0]})' if extra else ''}, {len(missing)} "
+        f"only in this run{f' (e.g. {missing[0]})' if missing else ''}; it was saved under "
+        "another learner.param_dtype or optimizer: resume with the run's own config.json, "
+        "or give the new run its own name (--run-name NEW)"
+    )
 
 
 def read_ledger(store: ObjectStore) -> list[dict[str, Any]]:
