@@ -331,6 +331,16 @@ class RunConfig(Frozen):
                 f"{self.learner.compute_dtype}: fresh importance ratios are not exactly 1 "
                 "(approx_kl_s0 in the learner metrics measures it)"
             )
+        if self.model.lora_rank and (self.learner.param_dtype, self.model.dtype) == (
+            "bfloat16",
+            "float32",
+        ):
+            # Adapter snapshots carry no base: the learner rounds it, float32 actors do not.
+            out.append(
+                "learner.param_dtype=bfloat16 with LoRA holds the frozen base in bfloat16, "
+                "the actors (model.dtype=float32) in float32: fresh importance ratios are "
+                "not exactly 1"
+            )
         return out
 
     @property

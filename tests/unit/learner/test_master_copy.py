@@ -7,6 +7,8 @@ Uses the 8 simulated CPU devices from conftest.py and the tiny preset.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ from flax import nnx
 
 from tests.runs import prepare_tiny_run
 from tests.unit.learner.test_train_step import _batches, _cfg
-from tunix_tasks.config import ConfigError, MeshConfig
+from tunix_tasks.config import ConfigError, ConfigWarning, MeshConfig, config_from_dict
 from tunix_tasks.config.resume import fixed_changes
 from tunix_tasks.learner.checkpoint import Checkpointer
 from tunix_tasks.learner.master_copy import master_params, with_master_copy
@@ -139,3 +141,18 @@ def test_a_checkpoint_of_the_other_param_dtype_is_refused_in_one_line(tmp_path):
         assert ckpt.restore(_trainer("float32", seed=3).checkpoint_template()) is not None
     finally:
         ckpt.close()
+
+
+def test_lora_with_a_bf16_base_warns_against_float32_actors():
+    def load(model_dtype: str, param_dtype: str) -> None:
+        model = {"preset": "tiny", "lora_rank": 4, "dtype": model_dtype}
+        learner = {"param_dtype": param_dtype, "compute_dtype": model_dtype}
+        config_from_dict({"model": model, "learner": learner})
+
+    with pytest.warns(ConfigWarning, match="frozen base in bfloat16"):
+        load("float32", "bfloat16")
+    # bf16 actors round the base as the learner does; a float32 learner base is cast per use
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load("bfloat16", "bfloat16")
+        load("bfloat16", "float32")
