@@ -69,15 +69,22 @@ class VectorizedActor(ActorRuntime):
         try:
             while not self._should_stop():
                 self._maybe_reload()  # rows in flight continue under the new weights
-                launched = self.engine.launch(self.segment_steps)
-                self._collect(*self.engine.fetch(pending))
+                # Flow control gates whole segments (about one episode per row each):
+                # paused, the rows hold their state on the device until it admits again.
+                admit = self._admit(self.engine.shape.envs)
+                launched = self.engine.launch(self.segment_steps) if admit else None
+                if pending is not None:
+                    self._collect(*self.engine.fetch(pending))
                 pending = launched
+                if pending is None:
+                    time.sleep(self.cfg.actor.weight_poll_s)
                 if time.monotonic() - last_watch >= 1.0:
                     last_watch = time.monotonic()
                     if self._watch_once():
                         break
         finally:  # what already finished on the device is not lost
-            self._collect(*self.engine.fetch(pending))
+            if pending is not None:
+                self._collect(*self.engine.fetch(pending))
 
     def _collect(self, out: Finished, ran: int) -> None:
         """Episodes of a segment; commit every group whose members are all in."""
