@@ -143,7 +143,7 @@ class ActorRuntime:
                 max_staleness=lc.max_staleness,
                 fallback_episodes_per_version=lc.min_episodes_per_step * lc.publish_every,
             )
-            if cfg.actor.flow_control == "on" and cfg.mode == "async"
+            if cfg.actor.flow_control and cfg.mode == "async"
             else None
         )
         self.engine: RolloutEngine = self._build_engine()

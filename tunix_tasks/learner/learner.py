@@ -78,7 +78,7 @@ class Learner:
         self.stop_reason = ""
         self.flow = flow_from_config(cfg)
         # The actors' flow control reads it (actor/admission.py); sync mode waits anyway.
-        on = cfg.actor.flow_control == "on" and cfg.mode == "async"
+        on = cfg.actor.flow_control and cfg.mode == "async"
         self.flow_report = FlowReport(store) if on else None
         self.watch = Stopwatch()
 

@@ -10,6 +10,9 @@ import time
 import pytest
 
 from tunix_tasks.actor.admission import FLOW_MAX_AGE_S, AdmissionGate, admission
+from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry
+from tunix_tasks.actor.endpoint.wire import ApiError
+from tunix_tasks.actor.episodes import EpisodeBuilder
 from tunix_tasks.episode import DropReason, Episode
 from tunix_tasks.learner.accounting import CONSUMED_KEYS, Accounting, actor_key
 from tunix_tasks.learner.flow import FlowReport
@@ -174,3 +177,22 @@ def test_learner_counts_consumption_per_actor_and_reports_it(tmp_path):
     body = json.loads(store.read_bytes(RunLayout.FLOW))
     assert body["episodes_per_version"] == 25.0 and body["actors"] == 2
     assert body["version"] == 3 and body["consumed"]["actor-1/def"] == 20
+
+
+def test_endpoint_refuses_new_groups_while_paused_but_completes_started_ones():
+    refusal: list[str | None] = [None]
+    registry = EpisodeRegistry(
+        EpisodeBuilder(actor_id="actor-t", env="agent", group_key="actor-t/x"),
+        end_ids=(0,),
+        on_group=lambda _name, _eps: None,
+        timeout_s=60.0,
+        max_open=8,
+        refuse_group=lambda _name: refusal[0],
+    )
+    registry.open(group="g", group_size=2)
+    refusal[0] = "flow control: backlog would be stale"
+    registry.open(group="g", group_size=2)  # the started group gets its second member
+    with pytest.raises(ApiError) as err:
+        registry.open(group="h", group_size=2)
+    assert (err.value.status, err.value.body["error"]["code"]) == (429, "flow_control_paused")
+    assert "backlog would be stale" in str(err.value)
