@@ -2,7 +2,8 @@
 
 The learner writes `learner/flow.json` (`RunLayout.FLOW`, `learner/flow.py`
 `FlowReport`): its published version, the episodes it has consumed (trained or dropped)
-from each actor incarnation, how many episodes it consumes per published version, and
+from each actor incarnation, how many episodes it consumes per published version and per
+second (the gate extrapolates its position between polls, up to `EXTRAPOLATE_S`), and
 how many actors it is reading. An actor that generates faster than the learner trains
 builds a backlog whose tail is stale by the time the learner reaches it; the rule below
 stops that before the episodes are made (in the spirit of Reverb's rate limiters).
@@ -32,6 +33,12 @@ __all__ = ["Admission", "AdmissionGate", "LearnerFlow", "admission"]
 #: A flow object older than this says nothing about the learner now (stopped, restarting):
 #: the gate then admits, as without flow control.
 FLOW_MAX_AGE_S = 120.0
+#: How far past the flow object's time the gate extrapolates the learner's consumption
+#: (its published rate): the object is polled every `actor.weight_poll_s`, a fast learner
+#: moves several versions meanwhile, and a stalled one must not look like it drains.
+EXTRAPOLATE_S = 2.0
+#: How often a paused actor decides again (no I/O: the extrapolated position).
+PAUSED_RECHECK_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,7 @@ class LearnerFlow:
     version: int
     consumed: dict[str, int]  # actor key (`<actor_id>/<incarnation>`) -> episodes consumed
     episodes_per_version: float | None  # measured over recent publishes; None before two
+    episodes_per_s: float  # consumed, all actors, over the last seconds
     actors: int  # actor keys the learner consumed from recently
     time: float  # when written (time.time())
 
@@ -99,6 +107,7 @@ class LearnerFlow:
             version=int(data["version"]),
             consumed={str(k): int(v) for k, v in data["consumed"].items()},
             episodes_per_version=data.get("episodes_per_version"),
+            episodes_per_s=float(data.get("episodes_per_s") or 0.0),
             actors=int(data.get("actors", 1)),
             time=float(data["time"]),
         )
@@ -150,8 +159,10 @@ class AdmissionGate:
             # The learner reads all actors' shards oldest first, interleaved: this
             # actor's newest episode waits behind about every actor's backlog.
             actors = max(1, flow.actors)
+            since = min(max(0.0, time.time() - flow.time), EXTRAPOLATE_S)
+            consumed = flow.consumed.get(self.actor_key, 0) + flow.episodes_per_s / actors * since
             got = admission(
-                unread_episodes=(committed - flow.consumed.get(self.actor_key, 0)) * actors,
+                unread_episodes=(committed - consumed) * actors,
                 in_flight_episodes=in_flight * actors,
                 episodes_per_version=flow.episodes_per_version
                 or self.fallback_episodes_per_version,

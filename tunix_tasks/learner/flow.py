@@ -175,8 +175,9 @@ class FlowReport:
     """The learner's consumption position for the actors' flow control (`learner/flow.json`,
     read by `actor/admission.py`): its version, the episodes consumed per actor
     incarnation (`Accounting`'s checkpointed counter), the episodes it consumes per
-    published version over the last `window` publishes, and how many actors it consumed
-    from in the last `active_s`. Written at most every `every_s` (one PUT a second).
+    published version over the last `window` publishes and per second over the last
+    `rate_s` (the actors extrapolate its position between reads), and how many actors it
+    consumed from in the last `active_s`. Written at most every `every_s`.
 
         report = FlowReport(store)
         report.published(version, consumed_total)         # at each publish
@@ -184,7 +185,7 @@ class FlowReport:
     """
 
     def __init__(
-        self, store: ObjectStore, *, every_s: float = 1.0, window: int = 4, active_s: float = 60.0
+        self, store: ObjectStore, *, every_s: float = 0.5, window: int = 4, active_s: float = 60.0
     ) -> None:
         self.store = store
         self.every_s = every_s
@@ -192,6 +193,9 @@ class FlowReport:
         self._publishes: collections.deque[tuple[int, int]] = collections.deque(maxlen=window + 1)
         self._seen: dict[str, tuple[int, float]] = {}  # actor key -> (count, when it moved)
         self._written = 0.0
+        # (when, consumed_total) over about the last `rate_s`: the consumption rate
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+        self.rate_s = 10.0
 
     def published(self, version: int, consumed_total: int) -> None:
         self._publishes.append((version, consumed_total))
@@ -202,11 +206,20 @@ class FlowReport:
         (v0, c0), (v1, c1) = self._publishes[0], self._publishes[-1]
         return (c1 - c0) / (v1 - v0) if c1 > c0 and v1 > v0 else None
 
+    def episodes_per_s(self) -> float:
+        if len(self._samples) < 2:
+            return 0.0
+        (t0, c0), (t1, c1) = self._samples[0], self._samples[-1]
+        return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
+
     def maybe_write(self, version: int, consumed: dict[str, int], consumed_total: int) -> None:
         now = time.monotonic()
         if now - self._written < self.every_s:
             return
         self._written = now
+        self._samples.append((now, consumed_total))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.rate_s:
+            self._samples.popleft()
         for key, n in consumed.items():
             if self._seen.get(key, (None, 0.0))[0] != n:
                 self._seen[key] = (n, now)
@@ -217,6 +230,7 @@ class FlowReport:
             "consumed": consumed,
             "consumed_total": consumed_total,
             "episodes_per_version": self.episodes_per_version(),
+            "episodes_per_s": self.episodes_per_s(),
             "actors": max(1, active),
             "time": time.time(),
         }

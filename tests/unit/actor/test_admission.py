@@ -9,7 +9,12 @@ import time
 
 import pytest
 
-from tunix_tasks.actor.admission import FLOW_MAX_AGE_S, AdmissionGate, admission
+from tunix_tasks.actor.admission import (
+    EXTRAPOLATE_S,
+    FLOW_MAX_AGE_S,
+    AdmissionGate,
+    admission,
+)
 from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry
 from tunix_tasks.actor.endpoint.wire import ApiError
 from tunix_tasks.actor.episodes import EpisodeBuilder
@@ -108,11 +113,12 @@ def test_flow_control_over_a_trace_keeps_drops_low_without_starving_the_learner(
     assert starved_on == starved_off == 0  # the learner always had something to read
 
 
-def _write_flow(store, *, version=5, consumed=None, epv=10.0, actors=1, age_s=0.0):
+def _write_flow(store, *, version=5, consumed=None, epv=10.0, actors=1, age_s=0.0, rate=0.0):
     body = {
         "version": version,
         "consumed": consumed or {},
         "episodes_per_version": epv,
+        "episodes_per_s": rate,
         "actors": actors,
         "time": time.time() - age_s,
     }
@@ -140,6 +146,16 @@ def test_gate_reads_the_learners_position_and_accounts_pauses(tmp_path):
     gate.poll()
     got = gate.decide(version=5, committed=120, in_flight=7)
     assert got.predicted_staleness == pytest.approx(127 / 32)
+    # Between polls the learner's position moves at its rate (per actor: 20 / 2 a second),
+    # for at most EXTRAPOLATE_S.
+    _write_flow(store, consumed={"actor-0/abc": 100}, actors=2, rate=20.0, age_s=1.0)
+    gate.poll()
+    got = gate.decide(version=5, committed=120, in_flight=0)
+    assert got.predicted_staleness == pytest.approx(2 * (120 - 110) / 10, abs=0.05)
+    _write_flow(store, consumed={"actor-0/abc": 100}, actors=2, rate=20.0, age_s=60.0)
+    gate.poll()
+    got = gate.decide(version=5, committed=120, in_flight=0)
+    assert got.predicted_staleness == pytest.approx(2 * (20 - 10 * EXTRAPOLATE_S) / 10)
     _write_flow(store, age_s=FLOW_MAX_AGE_S + 1)  # a stopped learner: fail open
     gate.poll()
     assert gate.decide(version=0, committed=10_000, in_flight=0).reason == "no learner position"
@@ -170,12 +186,15 @@ def test_learner_counts_consumption_per_actor_and_reports_it(tmp_path):
 
     store = open_store(f"file://{tmp_path}/run")
     report = FlowReport(store, every_s=0.0)
+    report.maybe_write(1, {}, 0)
+    assert json.loads(store.read_bytes(RunLayout.FLOW))["episodes_per_s"] == 0.0
     report.published(1, 0)
     assert report.episodes_per_version() is None  # one publish says nothing yet
     report.published(3, 50)
     report.maybe_write(3, {"actor-0/abc": 30, "actor-1/def": 20}, 50)
     body = json.loads(store.read_bytes(RunLayout.FLOW))
     assert body["episodes_per_version"] == 25.0 and body["actors"] == 2
+    assert body["episodes_per_s"] > 0  # 50 consumed since the first write
     assert body["version"] == 3 and body["consumed"]["actor-1/def"] == 20
 
 

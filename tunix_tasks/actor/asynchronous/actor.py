@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tunix_tasks.actor.admission import PAUSED_RECHECK_S
 from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
 from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, play_episode
 from tunix_tasks.actor.runtime import ActorRuntime, episode_seed
@@ -137,7 +138,7 @@ class Actor(ActorRuntime):
         in_flight = (self._playing + 1) * self.cfg.actor.group_size
         while not self._should_stop() and not self._admit(in_flight):
             await asyncio.to_thread(self._maybe_reload)  # also reads the learner's position
-            await asyncio.sleep(self.cfg.actor.weight_poll_s)
+            await asyncio.sleep(PAUSED_RECHECK_S)
 
     async def _group_loop(self, slot: int) -> None:
         while not self._should_stop():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from tunix_tasks.actor.admission import PAUSED_RECHECK_S
 from tunix_tasks.actor.runtime import ActorRuntime, episode_seed
 from tunix_tasks.actor.vectorized.device_loop import Finished, Shape
 from tunix_tasks.actor.vectorized.ondevice import OnDeviceRollout
@@ -69,15 +70,16 @@ class VectorizedActor(ActorRuntime):
         try:
             while not self._should_stop():
                 self._maybe_reload()  # rows in flight continue under the new weights
-                # Flow control gates whole segments (about one episode per row each):
-                # paused, the rows hold their state on the device until it admits again.
-                admit = self._admit(self.engine.shape.envs)
+                # Flow control gates whole segments (about one episode per row each; the
+                # pending one and this one are in flight): paused, the rows hold their
+                # state on the device until it admits again.
+                admit = self._admit(2 * self.engine.shape.envs)
                 launched = self.engine.launch(self.segment_steps) if admit else None
                 if pending is not None:
                     self._collect(*self.engine.fetch(pending))
                 pending = launched
                 if pending is None:
-                    time.sleep(self.cfg.actor.weight_poll_s)
+                    time.sleep(PAUSED_RECHECK_S)
                 if time.monotonic() - last_watch >= 1.0:
                     last_watch = time.monotonic()
                     if self._watch_once():
