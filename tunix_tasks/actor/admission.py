@@ -9,7 +9,7 @@ builds a backlog whose tail is stale by the time the learner reaches it; the rul
 stops that before the episodes are made (in the spirit of Reverb's rate limiters).
 
     gate = AdmissionGate(store, actor_key="actor-0/3fa2", max_staleness=4,
-                         fallback_episodes_per_version=32)
+                         fallback_episodes_per_version=32, fleet=2)
     gate.poll()                                  # at the weight-poll cadence (one GET)
     if gate.decide(version=v, committed=n, in_flight=k).admit: ...start episodes
 
@@ -98,7 +98,7 @@ class LearnerFlow:
     consumed: dict[str, int]  # actor key (`<actor_id>/<incarnation>`) -> episodes consumed
     episodes_per_version: float | None  # measured over recent publishes; None before two
     episodes_per_s: float  # consumed, all actors, over the last seconds
-    actors: int  # actor keys the learner consumed from recently
+    actors: int  # actor keys the learner consumed from recently (0: none yet)
     time: float  # when written (time.time())
 
     @classmethod
@@ -108,7 +108,7 @@ class LearnerFlow:
             consumed={str(k): int(v) for k, v in data["consumed"].items()},
             episodes_per_version=data.get("episodes_per_version"),
             episodes_per_s=float(data.get("episodes_per_s") or 0.0),
-            actors=int(data.get("actors", 1)),
+            actors=int(data.get("actors", 0)),
             time=float(data["time"]),
         )
 
@@ -124,6 +124,7 @@ class AdmissionGate:
         actor_key: str,
         max_staleness: int,
         fallback_episodes_per_version: float,
+        fleet: int = 1,
     ) -> None:
         if fallback_episodes_per_version <= 0:
             raise ValueError(
@@ -134,6 +135,7 @@ class AdmissionGate:
         self.actor_key = actor_key
         self.max_staleness = max_staleness
         self.fallback_episodes_per_version = fallback_episodes_per_version
+        self.fleet = fleet  # actors assumed until the learner has consumed from any
         self.flow: LearnerFlow | None = None
         self.last = Admission(True, "no learner position", 0.0)
         self.paused_s = 0.0  # total time paused
@@ -158,7 +160,7 @@ class AdmissionGate:
         else:
             # The learner reads all actors' shards oldest first, interleaved: this
             # actor's newest episode waits behind about every actor's backlog.
-            actors = max(1, flow.actors)
+            actors = max(1, flow.actors or self.fleet)
             since = min(max(0.0, time.time() - flow.time), EXTRAPOLATE_S)
             consumed = flow.consumed.get(self.actor_key, 0) + flow.episodes_per_s / actors * since
             got = admission(

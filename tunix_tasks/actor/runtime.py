@@ -142,6 +142,7 @@ class ActorRuntime:
                 actor_key=self._seed_key,
                 max_staleness=lc.max_staleness,
                 fallback_episodes_per_version=lc.min_episodes_per_step * lc.publish_every,
+                fleet=cfg.actor.num_actors,
             )
             if cfg.actor.flow_control and cfg.mode == "async"
             else None
@@ -279,6 +280,11 @@ class ActorRuntime:
         got = self.gate.decide(
             version=self.version, committed=self.stats.episodes, in_flight=in_flight
         )
+        flow = self.gate.flow
+        if not got.admit and flow is not None and flow.version > self.version:
+            # Paused with older weights than the learner says it published: poll them
+            # now, not a weight_poll_s later (a fast learner moves versions in between).
+            self._last_poll = 0.0
         return got.admit
 
     # -- records -------------------------------------------------------------------

@@ -231,7 +231,7 @@ class FlowReport:
             "consumed_total": consumed_total,
             "episodes_per_version": self.episodes_per_version(),
             "episodes_per_s": self.episodes_per_s(),
-            "actors": max(1, active),
+            "actors": active,  # 0 before any: the actors assume their configured fleet
             "time": time.time(),
         }
         self.store.write_bytes(RunLayout.FLOW, json.dumps(body).encode())

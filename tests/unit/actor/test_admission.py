@@ -128,7 +128,7 @@ def _write_flow(store, *, version=5, consumed=None, epv=10.0, actors=1, age_s=0.
 def test_gate_reads_the_learners_position_and_accounts_pauses(tmp_path):
     store = open_store(f"file://{tmp_path}/run")
     gate = AdmissionGate(
-        store, actor_key="actor-0/abc", max_staleness=4, fallback_episodes_per_version=32
+        store, actor_key="actor-0/abc", max_staleness=4, fallback_episodes_per_version=32, fleet=3
     )
     gate.poll()  # nothing published yet: admit, as without flow control
     assert gate.decide(version=0, committed=10_000, in_flight=0).reason == "no learner position"
@@ -142,10 +142,11 @@ def test_gate_reads_the_learners_position_and_accounts_pauses(tmp_path):
     m = gate.metrics()
     assert m["flow_paused"] and m["flow_pauses"] == 1 and m["flow_paused_s"] >= 0.05
     assert gate.decide(version=5, committed=110, in_flight=5).admit  # 3.0 <= 4 - 1: resumes
-    _write_flow(store, consumed={}, epv=None)  # no publishes measured: the fallback (32)
+    # No publishes measured: the fallback (32); no actor consumed yet: the fleet (3).
+    _write_flow(store, consumed={}, epv=None, actors=0)
     gate.poll()
     got = gate.decide(version=5, committed=120, in_flight=7)
-    assert got.predicted_staleness == pytest.approx(127 / 32)
+    assert got.predicted_staleness == pytest.approx(3 * 127 / 32)
     # Between polls the learner's position moves at its rate (per actor: 20 / 2 a second),
     # for at most EXTRAPOLATE_S.
     _write_flow(store, consumed={"actor-0/abc": 100}, actors=2, rate=20.0, age_s=1.0)
