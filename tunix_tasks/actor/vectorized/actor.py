@@ -10,6 +10,10 @@ the next segment it turns the last one's finished episodes into `Episode`s (the 
 its task) and commits each GRPO group (`group_size` episodes of one task) once all its
 members are in. The shards are the asynchronous actor's: same schema, same validation,
 one learner for both.
+
+Flow control (`actor/admission.py`) gates segments: paused, no segment is launched and
+the rows hold their state; after a pause over which the weights moved 2 versions or more
+the rows restart (`OnDeviceRollout.restart`), since their episodes would arrive stale.
 """
 
 from __future__ import annotations
@@ -78,10 +82,7 @@ class VectorizedActor(ActorRuntime):
                 admit = self._admit(2 * self.engine.shape.envs)
                 if not admit and paused_at is None:
                     paused_at = self.version
-                if admit and paused_at is not None:
-                    if pending is not None:
-                        self._collect(*self.engine.fetch(pending))
-                        pending = None
+                if admit and paused_at is not None:  # nothing pending: it paused before
                     self._resume(paused_at)
                     paused_at = None
                 launched = self.engine.launch(self.segment_steps) if admit else None
