@@ -4,6 +4,7 @@ actor kind (`actor.kind`), the runtime and the records they share beside them:
 runtime.py         `ActorRuntime`: lifecycle and stop rules, weights reload, shards, metrics
 engine.py          `RolloutEngine`: what the runtime asks of a kind's engine (its call loop)
 episodes.py        `EpisodeBuilder`: the one place an `Episode` is assembled (field meanings)
+admission.py       flow control: `admission` (pure: admit or pause) and `AdmissionGate` (I/O)
 demonstrations.py  expert episodes for the learner's warm start (`demos/` shards)
 asynchronous/      `actor.kind: async`: asyncio environments, the batched `Sampler`
 vectorized/        `actor.kind: vectorized`: JAX environments and the policy in one jitted loop

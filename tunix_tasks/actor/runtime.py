@@ -18,6 +18,10 @@ Store outages: the actor keeps its episodes buffered and retries with backoff (a
 blocked commit also stops it from producing more) for up to an hour, then exits with
 `StoreUnavailable`; polls of weights, DONE and metrics just try again later (outage.py).
 
+Flow control (`actor.flow_control`, `admission.py`): with the weights the runtime polls
+the learner's `learner/flow.json`; a kind's loop asks `_admit(in_flight)` before starting
+new episodes and waits (polling) while it says no.
+
 Weights: the runtime polls `weights/LATEST` (at most every `weight_poll_s`) and swaps in a
 new snapshot once its checksum, tensor names, shapes and dtypes check out (a bad snapshot
 or pointer is refused once; the actor keeps its weights). An episode's `policy_version` is
@@ -39,6 +43,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from tunix_tasks.actor.admission import AdmissionGate
 from tunix_tasks.actor.engine import RolloutEngine
 from tunix_tasks.actor.episodes import EpisodeBuilder
 from tunix_tasks.config import RunConfig
@@ -128,6 +133,19 @@ class ActorRuntime:
         self._last_counts = (0, 0, 0, 0.0)
         self.episodes = EpisodeBuilder(
             actor_id=actor_id, env=cfg.env.name, group_key=self._seed_key
+        )
+        # Flow control (actor/admission.py); sync mode already waits for each version.
+        lc = cfg.learner
+        self.gate = (
+            AdmissionGate(
+                store,
+                actor_key=self._seed_key,
+                max_staleness=lc.max_staleness,
+                fallback_episodes_per_version=lc.min_episodes_per_step * lc.publish_every,
+                fleet=cfg.actor.num_actors,
+            )
+            if cfg.actor.flow_control and cfg.mode == "async"
+            else None
         )
         self.engine: RolloutEngine = self._build_engine()
 
@@ -251,6 +269,23 @@ class ActorRuntime:
         self._last_poll = now
         # Loads, or refuses (or the store fails) and keeps the current weights.
         self._outage.tolerate("weights poll", self.weights.poll, self._load)
+        if self.gate is not None:
+            self._outage.tolerate("flow poll", self.gate.poll)
+
+    def _admit(self, in_flight: int) -> bool:
+        """May the actor start new episodes now (flow control; always without it)?
+        `in_flight`: episodes started and not committed, with those it would start."""
+        if self.gate is None:
+            return True
+        got = self.gate.decide(
+            version=self.version, committed=self.stats.episodes, in_flight=in_flight
+        )
+        flow = self.gate.flow
+        if not got.admit and flow is not None and flow.version > self.version:
+            # Paused with older weights than the learner says it published: poll them
+            # now, not a weight_poll_s later (a fast learner moves versions in between).
+            self._last_poll = 0.0
+        return got.admit
 
     # -- records -------------------------------------------------------------------
     def _commit(self, episodes: list[Episode]) -> None:
@@ -289,6 +324,8 @@ class ActorRuntime:
             return "compiling the sampler" + (f" ({n} programs so far)" if n else "")
         if not self.writer.shards_written:
             return "sampling, first shard not written yet"
+        if self.gate is not None and not self.gate.last.admit:
+            return f"paused by flow control: {self.gate.last.reason}"
         return "sampling"
 
     def _engine_metrics(self) -> dict[str, Any]:
@@ -322,6 +359,7 @@ class ActorRuntime:
             shards=len(self.writer.shards_written),
             final=wall is not None,
             phase=self._phase(wall is not None),
+            **(self.gate.metrics() if self.gate is not None else {}),
             **self._engine_metrics(),
         )
         self._last_metrics = now

@@ -52,6 +52,7 @@ RESUMABLE: dict[str, str] = {
     "actor.episodes_per_shard": _CADENCE,
     "actor.shard_interval_s": _CADENCE,
     "actor.weight_poll_s": _CADENCE,
+    "actor.flow_control": "when episodes are started, not what is trained on them",
     "learner.checkpoint_every": _CADENCE,
     "learner.full_snapshot_every": _CADENCE,
     "env.step_timeout_s": _TIMEOUT,

@@ -56,6 +56,13 @@ class ActorConfig(Frozen):
     max_new_tokens: Int = Field(16, ge=1, description="tokens the policy may generate per turn")
     max_episode_tokens: Int = Field(192, ge=8)
     weight_poll_s: Float = Field(1.0, gt=0.0)
+    flow_control: bool = Field(
+        True,
+        description="on (true): actors pause starting new episodes while the unread backlog "
+        "would be staler than learner.max_staleness when the learner reaches it, and resume "
+        "as it drains (async mode; docs/scaling.md, 'Flow control'); off (false): actors "
+        "never wait",
+    )
     kv_cache_slots: Int = Field(
         0,
         ge=0,

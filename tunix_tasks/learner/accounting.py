@@ -27,6 +27,15 @@ import numpy as np
 from tunix_tasks.episode import DropReason, Episode
 from tunix_tasks.learner import drop_bias
 
+#: Actor incarnations whose consumed episodes the counters keep (the most recent).
+CONSUMED_KEYS = 256
+
+
+def actor_key(episode: Episode) -> str:
+    """The `<actor_id>/<incarnation>` that made an episode (its group id less the group
+    number); "" for episodes no actor made (demonstrations)."""
+    return episode.group_id.rpartition("/")[0]
+
 
 class Acknowledger(Protocol):
     def ack(self, episode: Episode) -> None: ...
@@ -47,7 +56,20 @@ class Accounting:
         }
         # Absent in checkpoints written before the bias was kept: from now on.
         self.counters.setdefault("drop_bias", {side: drop_bias.empty() for side in drop_bias.SIDES})
+        # Absent before flow control: from now on (flow.py `FlowReport` publishes it).
+        self.counters.setdefault("consumed", {})
         self._ledger = _empty_ledger()
+
+    def _consume(self, episodes: Sequence[Episode]) -> None:
+        """Count episodes consumed (trained or dropped) per actor incarnation, keeping
+        the `CONSUMED_KEYS` most recently active (a fleet's restarts do not grow it)."""
+        consumed = self.counters["consumed"]
+        for ep in episodes:
+            key = actor_key(ep)
+            if key:
+                consumed[key] = consumed.pop(key, 0) + 1  # re-inserted: newest last
+        for old in list(consumed)[: max(0, len(consumed) - CONSUMED_KEYS)]:
+            del consumed[old]
 
     def _observe(self, side: str, episodes: Sequence[Episode]) -> None:
         bias = self.counters["drop_bias"]
@@ -60,6 +82,7 @@ class Accounting:
 
     def drop(self, episode: Episode, reason: DropReason) -> None:
         self._source.ack(episode)
+        self._consume([episode])
         self._ledger["dropped"].setdefault(reason, []).append(episode.episode_id)
         dropped = self.counters["dropped"]
         dropped[reason] = dropped.get(reason, 0) + 1
@@ -72,6 +95,7 @@ class Accounting:
         for ep in episodes:
             self._source.ack(ep)
         self._ledger["trained"].extend(ep.episode_id for ep in episodes)
+        self._consume(episodes)
         self.counters["trained_episodes"] += len(episodes)
         self._observe("trained", episodes)
         self.counters["trained_tokens"] += int(real_tokens)

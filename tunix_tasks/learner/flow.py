@@ -1,4 +1,5 @@
-"""Flow policies: when the learner trains, which episodes it drops, when it publishes.
+"""Flow policies: when the learner trains, which episodes it drops, when it publishes;
+and `FlowReport`, the consumption position it publishes for the actors' flow control.
 
 A flow policy is the learner's only rule about data and versions (in the spirit of
 Reverb's rate limiters: a named object with exact semantics, validated on construction).
@@ -21,6 +22,9 @@ episode is about to be packed, so time spent in the buffer counts (docs/architec
 
 from __future__ import annotations
 
+import collections
+import json
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -30,6 +34,8 @@ from numpy.typing import ArrayLike
 from tunix_tasks.config import RunConfig
 from tunix_tasks.episode import DropReason, Episode, EpisodeStatus
 from tunix_tasks.learner.staleness import staleness
+from tunix_tasks.storage.layout import RunLayout
+from tunix_tasks.storage.store import ObjectStore
 
 
 def stale_mask(
@@ -163,3 +169,69 @@ def flow_from_config(cfg: RunConfig) -> FlowPolicy:
         max_staleness=lc.max_staleness,
         publish_every=lc.publish_every,
     )
+
+
+class FlowReport:
+    """The learner's consumption position for the actors' flow control (`learner/flow.json`,
+    read by `actor/admission.py`): its version, the episodes consumed per actor
+    incarnation (`Accounting`'s checkpointed counter), the episodes it consumes per
+    published version over the last `window` publishes and per second over the last
+    `rate_s` (the actors extrapolate its position between reads), and how many actors it
+    consumed from in the last `active_s`. Written at most every `every_s`.
+
+        report = FlowReport(store)
+        report.published(version, consumed_total)         # at each publish
+        report.maybe_write(version, consumed, consumed_total)   # every loop round
+    """
+
+    def __init__(
+        self, store: ObjectStore, *, every_s: float = 0.5, window: int = 4, active_s: float = 60.0
+    ) -> None:
+        self.store = store
+        self.every_s = every_s
+        self.active_s = active_s
+        self._publishes: collections.deque[tuple[int, int]] = collections.deque(maxlen=window + 1)
+        self._seen: dict[str, tuple[int, float]] = {}  # actor key -> (count, when it moved)
+        self._written = 0.0
+        # (when, consumed_total) over about the last `rate_s`: the consumption rate
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+        self.rate_s = 10.0
+
+    def published(self, version: int, consumed_total: int) -> None:
+        self._publishes.append((version, consumed_total))
+
+    def episodes_per_version(self) -> float | None:
+        if len(self._publishes) < 2:
+            return None
+        (v0, c0), (v1, c1) = self._publishes[0], self._publishes[-1]
+        return (c1 - c0) / (v1 - v0) if c1 > c0 and v1 > v0 else None
+
+    def episodes_per_s(self) -> float:
+        if len(self._samples) < 2:
+            return 0.0
+        (t0, c0), (t1, c1) = self._samples[0], self._samples[-1]
+        return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def maybe_write(self, version: int, consumed: dict[str, int], consumed_total: int) -> None:
+        now = time.monotonic()
+        if now - self._written < self.every_s:
+            return
+        self._written = now
+        self._samples.append((now, consumed_total))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.rate_s:
+            self._samples.popleft()
+        for key, n in consumed.items():
+            if self._seen.get(key, (None, 0.0))[0] != n:
+                self._seen[key] = (n, now)
+        self._seen = {k: v for k, v in self._seen.items() if k in consumed}
+        active = sum(now - t <= self.active_s for _, t in self._seen.values())
+        body = {
+            "version": version,
+            "consumed": consumed,
+            "consumed_total": consumed_total,
+            "episodes_per_version": self.episodes_per_version(),
+            "episodes_per_s": self.episodes_per_s(),
+            "actors": active,  # 0 before any: the actors assume their configured fleet
+            "time": time.time(),
+        }
+        self.store.write_bytes(RunLayout.FLOW, json.dumps(body).encode())

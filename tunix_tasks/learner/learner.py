@@ -25,13 +25,13 @@ from tunix_tasks.config import RunConfig
 from tunix_tasks.episode import Episode
 from tunix_tasks.learner.accounting import Accounting
 from tunix_tasks.learner.batcher import Batcher, DataTimeout
-from tunix_tasks.learner.flow import flow_from_config
+from tunix_tasks.learner.flow import FlowReport, flow_from_config
 from tunix_tasks.learner.packing import PackedBatch
 from tunix_tasks.learner.staleness import STALENESS_BUCKETS, staleness, updates_since
 from tunix_tasks.learner.startup import start_learner
 from tunix_tasks.storage.metrics import Stopwatch
 from tunix_tasks.storage.runs import mark_done
-from tunix_tasks.storage.store import ObjectStore
+from tunix_tasks.storage.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,9 @@ class Learner:
         self._deadline = time.monotonic() + deadline_s if deadline_s else None
         self.stop_reason = ""
         self.flow = flow_from_config(cfg)
+        # The actors' flow control reads it (actor/admission.py); sync mode waits anyway.
+        on = cfg.actor.flow_control and cfg.mode == "async"
+        self.flow_report = FlowReport(store) if on else None
         self.watch = Stopwatch()
 
     def request_stop(self, reason: str) -> None:
@@ -138,6 +141,7 @@ class Learner:
         self._phase("waiting for the first shard")
         try:
             while not self._should_stop():
+                self._report_flow()
                 with self.watch.timed("wait"):
                     got = self.batcher.next_batch(self.version)
                 if inflight is not None:
@@ -219,10 +223,26 @@ class Learner:
             **({"drop_bias": bias} if bias["stale"]["n"] else {}),
         }
 
+    def _consumed_total(self) -> int:
+        c = self.acct.counters
+        return c["trained_episodes"] + sum(c["dropped"].values())
+
+    def _report_flow(self) -> None:
+        if self.flow_report is None:
+            return
+        try:  # advisory: an actor without it admits as without flow control
+            self.flow_report.maybe_write(
+                self.version, self.acct.counters["consumed"], self._consumed_total()
+            )
+        except StoreError as err:
+            log.warning("flow report not written: %s", err)
+
     def _publish(self) -> None:
         self.version += 1
         self.parts.source.set_newest_version(self.version)  # before any actor can have it
         self.flow.published()
+        if self.flow_report is not None:
+            self.flow_report.published(self.version, self._consumed_total())
         with self.watch.timed("publish"):
             flat = self.parts.trainer.flat_params()  # device -> host; the rest is background
             self.parts.publisher.publish(flat, version=self.version, step=self.step)

@@ -44,6 +44,7 @@ class RunLayout:
     WEIGHTS = "weights/"
     LATEST = "weights/LATEST"
     LEASE = "learner/LEASE"
+    FLOW = "learner/flow.json"  # the learner's consumption position (flow control)
     CHECKPOINTS = "learner/checkpoints"
     LEDGER = "learner/ledger/"
     METRICS = "metrics/"

@@ -8,6 +8,7 @@ import inspect
 import time
 import typing
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -126,3 +127,20 @@ def test_episode_builder_stamps_the_writers_fields():
     )
     assert EpisodeBuilder(group_key="k").group_id(None) == ""
     np.testing.assert_array_equal(ep.loss_mask, [0, 1, 0])
+
+
+def test_ondevice_restart_starts_every_row_at_the_next_whole_group():
+    """Flow control's restart after a long pause: rows in flight are dropped and new
+    tickets start at a group boundary, so no GRPO group mixes dropped and new rows."""
+    chat, model = build_policy(ModelConfig(preset="tiny"))
+    layout, env = TokenLayout.from_chat(chat), make_vec_env("calculator")
+    shape = Shape(envs=4, tokens=96, max_new=8, max_turns=2, group_size=3, capacity=8)
+    rollout = OnDeviceRollout(
+        model, env, layout, shape, temperature=1.0, top_k=0, token_seed=1, env_seed=2
+    )
+    assert rollout.restart() == 0  # nothing started yet
+    rollout._loop = rollout._start(rollout._state, rollout._sampling(), jnp.int32(5))
+    assert rollout._loop.rows.ticket.tolist() == [5, 6, 7, 8]  # next ticket 9
+    assert rollout.restart() == 9
+    assert rollout._loop.rows.ticket.tolist() == [9, 10, 11, 12]
+    assert rollout.restart() == 15 and int(rollout._loop.next_ticket) == 19

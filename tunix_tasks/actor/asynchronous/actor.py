@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tunix_tasks.actor.admission import PAUSED_RECHECK_S
 from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
 from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, play_episode
 from tunix_tasks.actor.runtime import ActorRuntime, episode_seed
@@ -57,6 +58,7 @@ class Actor(ActorRuntime):
             gather_s=cfg.actor.batch_wait_s,
         )
         self._group_counter = 0
+        self._playing = 0  # groups being played (flow control counts them in flight)
         self.limits = EpisodeLimits.from_config(cfg)
 
     def _build_engine(self) -> Sampler | SamplerReplicas:
@@ -131,9 +133,23 @@ class Actor(ActorRuntime):
             **e.kwargs,
         )
 
+    async def _admitted(self) -> None:
+        """Wait while flow control pauses new groups (groups in flight go on)."""
+        in_flight = (self._playing + 1) * self.cfg.actor.group_size
+        while not self._should_stop() and not self._admit(in_flight):
+            await asyncio.to_thread(self._maybe_reload)  # also reads the learner's position
+            await asyncio.sleep(PAUSED_RECHECK_S)
+
     async def _group_loop(self, slot: int) -> None:
         while not self._should_stop():
-            episodes = await self._play_group()
+            await self._admitted()
+            if self._should_stop():
+                break
+            self._playing += 1
+            try:
+                episodes = await self._play_group()
+            finally:
+                self._playing -= 1
             await asyncio.to_thread(self._commit, episodes)
 
     async def _run_sync(self) -> None:

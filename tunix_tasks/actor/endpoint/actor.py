@@ -7,7 +7,8 @@ program (`actor.agent.program`), `group_size` at a time on one task of `env.name
 (runner.py). Each program talks to its episode's `base_url` with the real `openai`
 client; each episode it closes becomes an `Episode` in this actor's shards, its group
 committed together. External harnesses may open episodes on the same endpoint
-(`POST /episodes`); their groups are committed the same way.
+(`POST /episodes`); their groups are committed the same way, and while flow control
+pauses the actor a new group is refused with 429 `flow_control_paused`.
 
     actor = AgentActor(cfg, store, actor_id="actor-0")   # cfg.actor.kind == "agent"
     actor.run()
@@ -49,6 +50,7 @@ class AgentActor(Actor):
             timeout_s=agent.episode_timeout_s,
             max_open=agent.max_open_episodes,
             default_version=lambda: max(self.version, 0),
+            refuse_group=self._refuse_group,
         )
         self.service = EndpointService(
             self.chat,
@@ -104,6 +106,14 @@ class AgentActor(Actor):
             return self._own[name]
         finally:
             del self._own[name]
+
+    def _refuse_group(self, name: str) -> str | None:
+        """Flow control for an external harness's new groups (the runner's own groups
+        were admitted by their group loop): the gate's last decision, refreshed at every
+        poll while it pauses."""
+        if name in self._own or self.gate is None or self.gate.last.admit:
+            return None
+        return f"flow control: {self.gate.last.reason}"
 
     def _on_group(self, name: str, episodes: list[Episode]) -> None:
         """The registry's hand-over of an ended group (on the event loop): the runner's

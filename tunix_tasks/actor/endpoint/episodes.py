@@ -73,8 +73,10 @@ class EpisodeRegistry:
         timeout_s: float,
         max_open: int,
         default_version: Callable[[], int] = lambda: 0,
+        refuse_group: Callable[[str], str | None] = lambda _name: None,
     ) -> None:
         self._builder = builder
+        self._refuse_group = refuse_group  # why a new group may not start now (flow control)
         self._end_ids = list(end_ids)
         self._on_group = on_group
         self._timeout_s = timeout_s
@@ -92,7 +94,8 @@ class EpisodeRegistry:
 
     def open(self, *, group: str | None = None, group_size: int = 1, seed: int = 0) -> OpenEpisode:
         """A new episode in `group` (a new group of one when None); ApiError 429 when
-        `max_open` episodes are open, 409 when the group already has `group_size` members."""
+        `max_open` episodes are open or `refuse_group` refuses a new group, 409 when the
+        group already has `group_size` members."""
         if len(self._open) >= self._max_open:
             raise ApiError(
                 429,
@@ -104,6 +107,14 @@ class EpisodeRegistry:
         name = group if group is not None else uuid.uuid4().hex
         g = self._groups.get(name)
         if g is None:
+            refused = self._refuse_group(name)
+            if refused:  # a group already started gets all its members
+                raise ApiError(
+                    429,
+                    f"new episodes are paused: {refused}; retry in a few seconds",
+                    type="rate_limit_error",
+                    code="flow_control_paused",
+                )
             g = self._groups[name] = _Group(self._numbers, group_size)
             self._numbers += 1
         elif g.size != group_size:

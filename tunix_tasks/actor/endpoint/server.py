@@ -9,7 +9,7 @@
 Every refusal is an OpenAI error body with its status (400 malformed JSON or a field of
 the wrong type, 401 a missing or wrong bearer token, 404 an unknown episode or route, 409
 a conversation that does not extend the episode's or an ended episode, 413 a body over
-`max_request_bytes`, 429 too many requests or open episodes, 500 an internal error,
+`max_request_bytes`, 429 too many requests or open episodes (or a new group while flow control pauses), 500 an internal error,
 logged, never a traceback). With `api_key` set every route needs `Authorization: Bearer
 <key>` (required when the endpoint binds beyond the loopback: config/agent.py).
 

@@ -10,6 +10,10 @@ the next segment it turns the last one's finished episodes into `Episode`s (the 
 its task) and commits each GRPO group (`group_size` episodes of one task) once all its
 members are in. The shards are the asynchronous actor's: same schema, same validation,
 one learner for both.
+
+Flow control (`actor/admission.py`) gates segments: paused, no segment is launched and
+the rows hold their state; after a pause over which the weights moved 2 versions or more
+the rows restart (`OnDeviceRollout.restart`), since their episodes would arrive stale.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from tunix_tasks.actor.admission import PAUSED_RECHECK_S
 from tunix_tasks.actor.runtime import ActorRuntime, episode_seed
 from tunix_tasks.actor.vectorized.device_loop import Finished, Shape
 from tunix_tasks.actor.vectorized.ondevice import OnDeviceRollout
@@ -43,6 +48,7 @@ class VectorizedActor(ActorRuntime):
         self.row_steps = 0  # since the start, as of `collected_at` (a segment's end)
         self.collected_at = time.monotonic()
         self._rate_from = (0, self.collected_at)  # at the previous metrics record
+        self.flow_discarded = 0  # episodes dropped in flight after a long pause
 
     def _build_engine(self) -> OnDeviceRollout:
         cfg, a = self.cfg, self.cfg.actor
@@ -66,18 +72,44 @@ class VectorizedActor(ActorRuntime):
     def _serve(self) -> None:
         pending = self.engine.launch(self.segment_steps)
         last_watch = 0.0
+        paused_at: int | None = None  # weights version when flow control paused
         try:
             while not self._should_stop():
                 self._maybe_reload()  # rows in flight continue under the new weights
-                launched = self.engine.launch(self.segment_steps)
-                self._collect(*self.engine.fetch(pending))
+                # Flow control gates whole segments (about one episode per row each; the
+                # pending one and this one are in flight): paused, the rows hold their
+                # state on the device until it admits again.
+                admit = self._admit(2 * self.engine.shape.envs)
+                if not admit and paused_at is None:
+                    paused_at = self.version
+                if admit and paused_at is not None:  # nothing pending: it paused before
+                    self._resume(paused_at)
+                    paused_at = None
+                launched = self.engine.launch(self.segment_steps) if admit else None
+                if pending is not None:
+                    self._collect(*self.engine.fetch(pending))
                 pending = launched
+                if pending is None:
+                    time.sleep(PAUSED_RECHECK_S)
                 if time.monotonic() - last_watch >= 1.0:
                     last_watch = time.monotonic()
                     if self._watch_once():
                         break
         finally:  # what already finished on the device is not lost
-            self._collect(*self.engine.fetch(pending))
+            if pending is not None:
+                self._collect(*self.engine.fetch(pending))
+
+    def _resume(self, paused_at: int) -> None:
+        """After a pause: the rows held since `paused_at` started their episodes under
+        that version; once the learner has moved 2 versions or more they would arrive at
+        least 1 past the bound the gate resumes at, so they restart (counted as
+        `flow_discarded`, with the open groups that lose members)."""
+        if self.version - paused_at < 2:
+            return
+        first = self.engine.restart()
+        g = self.cfg.actor.group_size
+        lost = [k for k in self._groups if k < first // g]
+        self.flow_discarded += self.engine.shape.envs + sum(len(self._groups.pop(k)) for k in lost)
 
     def _collect(self, out: Finished, ran: int) -> None:
         """Episodes of a segment; commit every group whose members are all in."""
@@ -111,4 +143,5 @@ class VectorizedActor(ActorRuntime):
             "envs": self.engine.shape.envs,
             "groups_open": len(self._groups),
             "row_steps_per_s": rate,
+            "flow_discarded": self.flow_discarded,
         }

@@ -190,8 +190,15 @@ def _reset(
     return rows, next_ticket + jnp.sum(which).astype(jnp.int32)
 
 
-def start(model: Transformer, env: VecEnv, layout: TokenLayout, shape: Shape, s: Sampling) -> Loop:
-    """Every row at the start of its first episode."""
+def start(
+    model: Transformer,
+    env: VecEnv,
+    layout: TokenLayout,
+    shape: Shape,
+    s: Sampling,
+    first_ticket: jax.Array | int = 0,
+) -> Loop:
+    """Every row at the start of a new episode, tickets from `first_ticket`."""
     e, t = shape.envs, shape.tokens
     key = jax.random.key(0)  # only gives the env state its shapes; every row is reset
     env_state, _ = jax.vmap(env.reset)(jax.random.split(key, e))
@@ -212,7 +219,8 @@ def start(model: Transformer, env: VecEnv, layout: TokenLayout, shape: Shape, s:
         z,
         env_state,
     )
-    rows, next_ticket = _reset(rows, jnp.ones((e,), bool), jnp.int32(0), env, layout, shape, s)
+    first = jnp.asarray(first_ticket, jnp.int32)
+    rows, next_ticket = _reset(rows, jnp.ones((e,), bool), first, env, layout, shape, s)
     return Loop(rows, model.init_cache(e, t), next_ticket)
 
 

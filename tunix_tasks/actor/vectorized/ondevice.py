@@ -101,7 +101,7 @@ class OnDeviceRollout:
         """Queue a segment of up to `steps` steps of every row and return at once (its
         results are device arrays: the host can commit the previous segment meanwhile)."""
         if self._loop is None:
-            self._loop = self._start(self._state, self._sampling())
+            self._loop = self._start(self._state, self._sampling(), jnp.int32(0))
         self._loop, out, ran = self._segment(self._state, self._loop, self._sampling(), steps=steps)
         return out, ran
 
@@ -117,10 +117,23 @@ class OnDeviceRollout:
 
     # ------------------------------------------------------------------ jitted programs
 
-    def _start_impl(self, state, s: Sampling) -> Loop:
+    def restart(self) -> int:
+        """Drop every row's episode in flight and start each row afresh (flow control:
+        episodes held through a long pause would arrive stale). New tickets start at the
+        next whole group, so no group mixes old and new rows; returns that first ticket
+        (every group below it that is still open can no longer complete)."""
+        if self._loop is None:
+            return 0
+        nxt = int(self._loop.next_ticket)
+        g = self.shape.group_size
+        first = -(-nxt // g) * g
+        self._loop = self._start(self._state, self._sampling(), jnp.int32(first))
+        return first
+
+    def _start_impl(self, state, s: Sampling, first_ticket: jax.Array) -> Loop:
         self._traces += 1  # runs only while tracing: counts compilations
         model = nnx.merge(self._graphdef, state)
-        return device_loop.start(model, self.env, self.layout, self.shape, s)
+        return device_loop.start(model, self.env, self.layout, self.shape, s, first_ticket)
 
     def _segment_impl(self, state, loop: Loop, s: Sampling, *, steps: int):
         self._traces += 1

@@ -1,0 +1,218 @@
+"""Flow control: the admission rule over traces, the gate's I/O against a real store, and
+the learner's side (consumed counts, the flow report)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+
+import pytest
+
+from tunix_tasks.actor.admission import (
+    EXTRAPOLATE_S,
+    FLOW_MAX_AGE_S,
+    AdmissionGate,
+    admission,
+)
+from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry
+from tunix_tasks.actor.endpoint.wire import ApiError
+from tunix_tasks.actor.episodes import EpisodeBuilder
+from tunix_tasks.episode import DropReason, Episode
+from tunix_tasks.learner.accounting import CONSUMED_KEYS, Accounting, actor_key
+from tunix_tasks.learner.flow import FlowReport
+from tunix_tasks.storage.layout import RunLayout
+from tunix_tasks.storage.store import open_store
+
+
+def _decide(unread: float, lag: int = 0, *, paused: bool = False, bound: int = 4):
+    return admission(
+        unread_episodes=unread - 5,
+        in_flight_episodes=5,
+        episodes_per_version=10,
+        version_lag=lag,
+        max_staleness=bound,
+        paused=paused,
+    )
+
+
+def test_admission_rule_and_its_hysteresis():
+    assert _decide(39) == _decide(39)  # pure
+    got = _decide(35)  # 3.5 versions behind: fresh enough
+    assert (got.admit, got.reason, got.predicted_staleness) == (True, "backlog fresh", 3.5)
+    got = _decide(25, lag=2)  # 2 + 2.5 >= 4: would be stale by the time it is read
+    assert (got.admit, got.reason) == (False, "backlog would be stale")
+    assert not _decide(35, paused=True).admit  # paused: resumes only at <= bound - 1
+    assert _decide(30, paused=True).reason == "backlog drained"
+    # An empty backlog always admits, whatever the lag or the bound: no deadlock.
+    assert _decide(5, lag=9, paused=True, bound=0).reason == "learner caught up"
+    assert not _decide(6, bound=0).admit
+    assert _decide(-5).admit  # a restarted learner re-reads: counts may cross
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"episodes_per_version": 0}, "episodes_per_version must be > 0, got 0"),
+        ({"max_staleness": -1}, "max_staleness must be >= 0, got -1"),
+    ],
+)
+def test_admission_rejects_impossible_inputs(kwargs, match):
+    args = dict(
+        unread_episodes=1,
+        in_flight_episodes=1,
+        episodes_per_version=1,
+        version_lag=0,
+        max_staleness=1,
+        paused=False,
+    )
+    with pytest.raises(ValueError, match=match):
+        admission(**{**args, **kwargs})
+
+
+def _simulate(*, flow: bool, produce: int, consume: int, per_version: int, bound: int, ticks: int):
+    """An actor making `produce` episodes a tick against a learner that reads `consume`
+    a tick, oldest first, and publishes a version per `per_version` read; the actor holds
+    the learner's version of the previous tick. Returns (the share of what was made that
+    is wasted: read as stale or never read, ticks the learner found nothing to read)."""
+    queue: collections.deque[int] = collections.deque()
+    version = read = stale = made = starved = 0
+    paused = False
+    for _ in range(ticks):
+        actor_version = version
+        if flow:
+            got = admission(
+                unread_episodes=len(queue),
+                in_flight_episodes=produce,
+                episodes_per_version=per_version,
+                version_lag=version - actor_version,
+                max_staleness=bound,
+                paused=paused,
+            )
+            paused = not got.admit
+        if not paused:
+            queue.extend([actor_version] * produce)
+            made += produce
+        if not queue:
+            starved += 1
+        for _ in range(min(consume, len(queue))):
+            stale += version - queue.popleft() > bound
+            read += 1
+            if read % per_version == 0:
+                version += 1
+    return (stale + len(queue)) / made, starved
+
+
+@pytest.mark.parametrize("produce", [7, 20, 60])  # 1.4x, 4x and 12x the learner's pace
+def test_flow_control_over_a_trace_keeps_drops_low_without_starving_the_learner(produce):
+    kw = dict(produce=produce, consume=5, per_version=16, bound=4, ticks=2000)
+    stale_off, starved_off = _simulate(flow=False, **kw)
+    stale_on, starved_on = _simulate(flow=True, **kw)
+    assert stale_off > 0.25  # without it the backlog goes stale or is never read
+    assert stale_on <= 0.02
+    assert starved_on == starved_off == 0  # the learner always had something to read
+
+
+def _write_flow(store, *, version=5, consumed=None, epv=10.0, actors=1, age_s=0.0, rate=0.0):
+    body = {
+        "version": version,
+        "consumed": consumed or {},
+        "episodes_per_version": epv,
+        "episodes_per_s": rate,
+        "actors": actors,
+        "time": time.time() - age_s,
+    }
+    store.write_bytes(RunLayout.FLOW, json.dumps(body).encode())
+
+
+def test_gate_reads_the_learners_position_and_accounts_pauses(tmp_path):
+    store = open_store(f"file://{tmp_path}/run")
+    gate = AdmissionGate(
+        store, actor_key="actor-0/abc", max_staleness=4, fallback_episodes_per_version=32, fleet=3
+    )
+    gate.poll()  # nothing published yet: admit, as without flow control
+    assert gate.decide(version=0, committed=10_000, in_flight=0).reason == "no learner position"
+    _write_flow(store, consumed={"actor-0/abc": 100, "actor-1/def": 90}, actors=2)
+    gate.poll()
+    # 10 unread of this actor's and 5 in flight, times 2 actors, at 10 per version:
+    # 3 versions, + lag 1.
+    got = gate.decide(version=4, committed=110, in_flight=5)
+    assert (got.admit, got.predicted_staleness) == (False, 4.0)
+    time.sleep(0.05)
+    m = gate.metrics()
+    assert m["flow_paused"] and m["flow_pauses"] == 1 and m["flow_paused_s"] >= 0.05
+    assert gate.decide(version=5, committed=110, in_flight=5).admit  # 3.0 <= 4 - 1: resumes
+    # No publishes measured: the fallback (32); no actor consumed yet: the fleet (3).
+    _write_flow(store, consumed={}, epv=None, actors=0)
+    gate.poll()
+    got = gate.decide(version=5, committed=120, in_flight=7)
+    assert got.predicted_staleness == pytest.approx(3 * 127 / 32)
+    # Between polls the learner's position moves at its rate (per actor: 20 / 2 a second),
+    # for at most EXTRAPOLATE_S.
+    _write_flow(store, consumed={"actor-0/abc": 100}, actors=2, rate=20.0, age_s=1.0)
+    gate.poll()
+    got = gate.decide(version=5, committed=120, in_flight=0)
+    assert got.predicted_staleness == pytest.approx(2 * (120 - 110) / 10, abs=0.05)
+    _write_flow(store, consumed={"actor-0/abc": 100}, actors=2, rate=20.0, age_s=60.0)
+    gate.poll()
+    got = gate.decide(version=5, committed=120, in_flight=0)
+    assert got.predicted_staleness == pytest.approx(2 * (20 - 10 * EXTRAPOLATE_S) / 10)
+    _write_flow(store, age_s=FLOW_MAX_AGE_S + 1)  # a stopped learner: fail open
+    gate.poll()
+    assert gate.decide(version=0, committed=10_000, in_flight=0).reason == "no learner position"
+    with pytest.raises(ValueError, match="fallback_episodes_per_version must be > 0, got 0"):
+        AdmissionGate(store, actor_key="a/b", max_staleness=1, fallback_episodes_per_version=0)
+
+
+class _Acks:
+    def ack(self, episode: Episode) -> None:
+        pass
+
+
+def _ep(group_id: str) -> Episode:
+    return Episode("e", [1, 2], [0, 1], [0, -1], policy_version=0, group_id=group_id)
+
+
+def test_learner_counts_consumption_per_actor_and_reports_it(tmp_path):
+    acct = Accounting(_Acks())
+    acct.trained([_ep("actor-0/abc/1"), _ep("actor-0/abc/1")], real_tokens=4, longest_bucket=8)
+    acct.drop(_ep("actor-1/def/7"), DropReason.STALE)
+    acct.drop(_ep(""), DropReason.STALE)  # a demonstration: no actor to tell
+    assert acct.counters["consumed"] == {"actor-0/abc": 2, "actor-1/def": 1}
+    assert actor_key(_ep("actor-1/def/7")) == "actor-1/def"
+    for i in range(CONSUMED_KEYS + 5):  # a fleet's restarts: only the newest keys stay
+        acct.drop(_ep(f"actor-{i}/x/0"), DropReason.STALE)
+    assert len(acct.counters["consumed"]) == CONSUMED_KEYS
+    assert "actor-0/abc" not in acct.counters["consumed"]
+
+    store = open_store(f"file://{tmp_path}/run")
+    report = FlowReport(store, every_s=0.0)
+    report.maybe_write(1, {}, 0)
+    assert json.loads(store.read_bytes(RunLayout.FLOW))["episodes_per_s"] == 0.0
+    report.published(1, 0)
+    assert report.episodes_per_version() is None  # one publish says nothing yet
+    report.published(3, 50)
+    report.maybe_write(3, {"actor-0/abc": 30, "actor-1/def": 20}, 50)
+    body = json.loads(store.read_bytes(RunLayout.FLOW))
+    assert body["episodes_per_version"] == 25.0 and body["actors"] == 2
+    assert body["episodes_per_s"] > 0  # 50 consumed since the first write
+    assert body["version"] == 3 and body["consumed"]["actor-1/def"] == 20
+
+
+def test_endpoint_refuses_new_groups_while_paused_but_completes_started_ones():
+    refusal: list[str | None] = [None]
+    registry = EpisodeRegistry(
+        EpisodeBuilder(actor_id="actor-t", env="agent", group_key="actor-t/x"),
+        end_ids=(0,),
+        on_group=lambda _name, _eps: None,
+        timeout_s=60.0,
+        max_open=8,
+        refuse_group=lambda _name: refusal[0],
+    )
+    registry.open(group="g", group_size=2)
+    refusal[0] = "flow control: backlog would be stale"
+    registry.open(group="g", group_size=2)  # the started group gets its second member
+    with pytest.raises(ApiError) as err:
+        registry.open(group="h", group_size=2)
+    assert (err.value.status, err.value.body["error"]["code"]) == (429, "flow_control_paused")
+    assert "backlog would be stale" in str(err.value)

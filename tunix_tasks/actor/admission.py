@@ -1,0 +1,198 @@
+"""Flow control: when an actor admits new episodes, from the learner's published position.
+
+The learner writes `learner/flow.json` (`RunLayout.FLOW`, `learner/flow.py`
+`FlowReport`): its published version, the episodes it has consumed (trained or dropped)
+from each actor incarnation, how many episodes it consumes per published version and per
+second (the gate extrapolates its position between polls, up to `EXTRAPOLATE_S`), and
+how many actors it is reading. An actor that generates faster than the learner trains
+builds a backlog whose tail is stale by the time the learner reaches it; the rule below
+stops that before the episodes are made (in the spirit of Reverb's rate limiters).
+
+    gate = AdmissionGate(store, actor_key="actor-0/3fa2", max_staleness=4,
+                         fallback_episodes_per_version=32, fleet=2)
+    gate.poll()                                  # at the weight-poll cadence (one GET)
+    if gate.decide(version=v, committed=n, in_flight=k).admit: ...start episodes
+
+`admission` is the pure decision; `AdmissionGate` is its I/O and its pause bookkeeping.
+Only the start of an episode (async actor: a group; vectorized actor: a segment) is
+gated: episodes in flight finish.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tunix_tasks.storage.layout import RunLayout
+from tunix_tasks.storage.store import NotFound, ObjectStore
+
+__all__ = ["Admission", "AdmissionGate", "LearnerFlow", "admission"]
+
+#: A flow object older than this says nothing about the learner now (stopped, restarting):
+#: the gate then admits, as without flow control.
+FLOW_MAX_AGE_S = 120.0
+#: How far past the flow object's time the gate extrapolates the learner's consumption
+#: (its published rate): the object is polled every `actor.weight_poll_s`, a fast learner
+#: moves several versions meanwhile, and a stalled one must not look like it drains.
+EXTRAPOLATE_S = 2.0
+#: How often a paused actor decides again (no I/O: the extrapolated position).
+PAUSED_RECHECK_S = 0.05
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One decision: `admit` new episodes or pause, why, and the staleness it predicts
+    for an episode started now when the learner reaches it."""
+
+    admit: bool
+    reason: str
+    predicted_staleness: float
+
+
+def admission(
+    *,
+    unread_episodes: float,
+    in_flight_episodes: float,
+    episodes_per_version: float,
+    version_lag: int,
+    max_staleness: int,
+    paused: bool,
+) -> Admission:
+    """Admit new episodes, or pause: the pure rule of flow control.
+
+    The last episode an admission leads to reaches the learner behind the
+    `unread_episodes` committed but not yet read and the `in_flight_episodes` (started,
+    not committed, including those this admission starts). The learner publishes a
+    version per `episodes_per_version` it consumes, so by then that episode is
+    `predicted = version_lag + (unread + in_flight) / episodes_per_version` versions
+    stale (`version_lag`: the learner's version minus the actor's). A running actor
+    pauses once `predicted >= max_staleness` (less than one version of headroom left for
+    the episode's own generation time); a paused one resumes at `predicted <=
+    max_staleness - 1` (hysteresis: no flapping at the bound). Nothing unread always
+    admits: pausing then could only starve the learner, so flow control never deadlocks.
+    """
+    if episodes_per_version <= 0:
+        raise ValueError(f"episodes_per_version must be > 0, got {episodes_per_version}")
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    lag = max(0, version_lag)
+    if unread_episodes <= 0:
+        return Admission(True, "learner caught up", float(lag))
+    predicted = lag + (unread_episodes + max(0.0, in_flight_episodes)) / episodes_per_version
+    if paused:
+        if predicted <= max_staleness - 1:
+            return Admission(True, "backlog drained", predicted)
+        return Admission(False, "backlog would be stale", predicted)
+    if predicted < max_staleness:
+        return Admission(True, "backlog fresh", predicted)
+    return Admission(False, "backlog would be stale", predicted)
+
+
+@dataclass(frozen=True)
+class LearnerFlow:
+    """`learner/flow.json`, as the learner wrote it (`learner/flow.py` `FlowReport`)."""
+
+    version: int
+    consumed: dict[str, int]  # actor key (`<actor_id>/<incarnation>`) -> episodes consumed
+    episodes_per_version: float | None  # measured over recent publishes; None before two
+    episodes_per_s: float  # consumed, all actors, over the last seconds
+    actors: int  # actor keys the learner consumed from recently (0: none yet)
+    time: float  # when written (time.time())
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LearnerFlow:
+        return cls(
+            version=int(data["version"]),
+            consumed={str(k): int(v) for k, v in data["consumed"].items()},
+            episodes_per_version=data.get("episodes_per_version"),
+            episodes_per_s=float(data.get("episodes_per_s") or 0.0),
+            actors=int(data.get("actors", 0)),
+            time=float(data["time"]),
+        )
+
+
+class AdmissionGate:
+    """An actor's side of flow control: reads the learner's flow object (`poll`), decides
+    (`decide`) and keeps the time paused and the last reason (its metrics)."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        actor_key: str,
+        max_staleness: int,
+        fallback_episodes_per_version: float,
+        fleet: int = 1,
+    ) -> None:
+        if fallback_episodes_per_version <= 0:
+            raise ValueError(
+                "AdmissionGate: fallback_episodes_per_version must be > 0, "
+                f"got {fallback_episodes_per_version}"
+            )
+        self.store = store
+        self.actor_key = actor_key
+        self.max_staleness = max_staleness
+        self.fallback_episodes_per_version = fallback_episodes_per_version
+        self.fleet = fleet  # actors assumed until the learner has consumed from any
+        self.flow: LearnerFlow | None = None
+        self.last = Admission(True, "no learner position", 0.0)
+        self.paused_s = 0.0  # total time paused
+        self.pauses = 0  # admit -> pause transitions
+        self._paused_since: float | None = None
+
+    def poll(self) -> None:
+        """Read the learner's flow object (absent: nothing changes)."""
+        try:
+            raw = self.store.read_bytes(RunLayout.FLOW)
+        except NotFound:
+            return
+        self.flow = LearnerFlow.from_json(json.loads(raw))
+
+    def decide(self, *, version: int, committed: int, in_flight: int) -> Admission:
+        """Admit or pause an actor at weights `version` that has committed `committed`
+        episodes in this incarnation and has `in_flight` more coming (including those
+        this admission would start)."""
+        flow = self.flow
+        if flow is None or time.time() - flow.time > FLOW_MAX_AGE_S:
+            got = Admission(True, "no learner position", 0.0)
+        else:
+            # The learner reads all actors' shards oldest first, interleaved: this
+            # actor's newest episode waits behind about every actor's backlog.
+            actors = max(1, flow.actors or self.fleet)
+            since = min(max(0.0, time.time() - flow.time), EXTRAPOLATE_S)
+            consumed = flow.consumed.get(self.actor_key, 0) + flow.episodes_per_s / actors * since
+            got = admission(
+                unread_episodes=(committed - consumed) * actors,
+                in_flight_episodes=in_flight * actors,
+                episodes_per_version=flow.episodes_per_version
+                or self.fallback_episodes_per_version,
+                version_lag=flow.version - version,
+                max_staleness=self.max_staleness,
+                paused=not self.last.admit,
+            )
+        self._account(got.admit)
+        self.last = got
+        return got
+
+    def _account(self, admit: bool) -> None:
+        now = time.monotonic()
+        if self._paused_since is not None:
+            self.paused_s += now - self._paused_since
+            self._paused_since = None
+        if not admit:
+            if self.last.admit:
+                self.pauses += 1
+            self._paused_since = now
+
+    def metrics(self) -> dict[str, Any]:
+        """For the actor's metrics record."""
+        self._account(self.last.admit)  # bring paused_s up to now
+        return {
+            "flow_paused": not self.last.admit,
+            "flow_reason": self.last.reason,
+            "flow_predicted_staleness": round(self.last.predicted_staleness, 2),
+            "flow_paused_s": round(self.paused_s, 3),
+            "flow_pauses": self.pauses,
+        }
