@@ -4,6 +4,7 @@ cli.py          `tunix-tasks ...` (parses, then calls the library)
 entrypoints.py  prepare / actor / learner / report / eval for any orchestrator
 launcher.py     `tunix-tasks train`: a learner and N actors on this machine, live display
 supervision.py  the launcher's child processes: start, watch, restart, stop
+compile_cache.py  the persistent XLA compilation cache every actor, learner, eval uses
 summary.py      the end of `tunix-tasks train`: its summary as a few lines
 report.py, plots.py, evaluate.py, inspect.py   reading a run back; the report's figures
 audit.py        the latency audit of a running fleet: which side waits

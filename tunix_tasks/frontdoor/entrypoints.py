@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tunix_tasks.config import ConfigError, RunConfig, check_resume, config_from_dict
+from tunix_tasks.frontdoor.compile_cache import enable_compile_cache
 from tunix_tasks.storage.outage import first_contact
 from tunix_tasks.storage.runs import finished_step, read_config, stored_config, write_config
 from tunix_tasks.storage.runs import mark_done as _mark_done
@@ -99,6 +100,7 @@ def run_actor(
     """Run actor `actor_id` of a prepared run until DONE, the deadline or a signal.
     `kind` (async / vectorized) overrides the run's `actor.kind` for this actor: one
     run's fleet can mix both, the learner reads their shards alike."""
+    enable_compile_cache()
     cfg, store = read_config(run_uri)
     if kind is not None and kind != cfg.actor.kind:
         cfg = config_from_dict(
@@ -159,6 +161,7 @@ def run_learner(
     group = process_group()
     if group is not None:
         initialize(group)  # before anything else touches JAX
+    enable_compile_cache()
 
     from tunix_tasks.learner.learner import Learner
     from tunix_tasks.storage.lease import LeaseLost

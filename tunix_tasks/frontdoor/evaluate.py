@@ -24,6 +24,7 @@ from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, play_episode
 from tunix_tasks.actor.runtime import HELD_OUT_SEED_BASE
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import make_env
+from tunix_tasks.frontdoor.compile_cache import enable_compile_cache
 from tunix_tasks.policy.build import build_sampler
 from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.sampling import Sampler
@@ -102,6 +103,7 @@ def evaluate_params(
 def evaluate_snapshot(
     run_uri: str, version: int | None = None, *, seeds: list[int] | None = None, greedy: bool = True
 ) -> dict[str, Any]:
+    enable_compile_cache()
     cfg, store = read_config(run_uri)
     if version is None:
         latest = read_latest(store)
