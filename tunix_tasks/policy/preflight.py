@@ -29,8 +29,12 @@ class PolicyError(ValueError):
 
 def checkpoint_files(uri: str) -> CheckpointFiles:
     """The checkpoint at `uri`; `PolicyError` naming it when it holds no config.json (a
-    directory that does not exist, or not a Hugging Face checkpoint)."""
-    files = CheckpointFiles(uri)
+    directory that does not exist, or not a Hugging Face checkpoint; a packaged model
+    that cannot be fetched)."""
+    try:
+        files = CheckpointFiles(uri)
+    except ValueError as err:  # ModelFetchError: unknown packaged model, download failed
+        raise PolicyError(str(err)) from None
     if not files.store.exists("config.json"):
         raise PolicyError(
             f"{uri}: no config.json there: the directory does not exist or is not a "

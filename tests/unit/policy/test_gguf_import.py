@@ -25,11 +25,13 @@ from safetensors.numpy import load_file
 
 from tests.fixtures.gguf.hf_to_gguf import permute_qk, write_gguf
 from tests.paths import FIXTURES, HF_FIXTURES
+from tunix_tasks.config import ModelConfig
 from tunix_tasks.frontdoor.cli import main as cli_main
 from tunix_tasks.policy.chat_template import load_template_chat
 from tunix_tasks.policy.gguf_import import GGUFImportError, import_gguf, unpermute_qk
 from tunix_tasks.policy.hf_checkpoint import HFCheckpoint
 from tunix_tasks.policy.packaged_models import ModelFetchError, fetch_model
+from tunix_tasks.policy.preflight import PolicyError, check_policy
 from tunix_tasks.policy.sampling import Sampler
 from tunix_tasks.policy.spec import spec_from_hf_config
 
@@ -281,6 +283,30 @@ def test_fetch_model_reuses_a_cached_import(llama_f32, tmp_path, monkeypatch):
     assert fetch_model("smollm2-135m-instruct", tmp_path) == cached
     with pytest.raises(ModelFetchError, match="unknown packaged model"):
         fetch_model("nope", tmp_path)
+
+
+def test_a_run_names_a_packaged_model_and_it_resolves_to_the_cache(
+    llama_f32, tmp_path, monkeypatch
+):
+    """`model.checkpoint: packaged:NAME` stays a name in the config (every machine
+    resolves its own cache); opening it finds the imported directory under
+    TUNIX_MODEL_CACHE; a name that cannot be fetched is one PolicyError line."""
+    import tunix_tasks.policy.packaged_models as packaged
+
+    monkeypatch.setenv(packaged.CACHE_ENV, str(tmp_path))
+    import_gguf(llama_f32, tmp_path / "SmolLM2-135M-Instruct")
+    monkeypatch.setattr(packaged, "_wheel", lambda *a: pytest.fail("downloaded again"))
+    cfg = ModelConfig(checkpoint=" packaged:smollm2-135m-instruct")
+    assert cfg.checkpoint == "packaged:smollm2-135m-instruct"
+    check_policy(cfg)  # tokenizer, template, every header
+    ckpt = HFCheckpoint(cfg.checkpoint)
+    assert ckpt.uri == (tmp_path / "SmolLM2-135M-Instruct").as_uri()
+    assert ckpt.spec(max_seq_len=64).n_layers == 2
+    with pytest.raises(PolicyError, match=r"^unknown packaged model 'nope' \(known: "):
+        check_policy(ModelConfig(checkpoint="packaged:nope"))
+    for bad in ("packaged:", "packaged:Not A Name"):
+        with pytest.raises(ValueError, match="packaged:NAME needs a model name"):
+            ModelConfig(checkpoint=bad)
 
 
 REAL = Path(os.environ.get("TUNIX_MODEL_CACHE", Path.home() / ".cache/tunix-tasks/models"))
