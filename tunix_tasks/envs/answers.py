@@ -3,6 +3,7 @@
 
     extract_answer("<think>2+2</think><answer> 4 </answer>")   # "4"
     extract_answer("4\n")                                       # "4" (no tag: the whole content)
+    last_number_text("9 - 7 = 2.")                              # "2"
     numeric_match("So she has $1,234.50 left.", "#### 1234.5")  # 1.0
     exact_match(" Paris ", "Paris"), contains_match("It is Paris.", "paris")  # 1.0, 1.0
 
@@ -24,6 +25,7 @@ __all__ = [
     "exact_match",
     "extract_answer",
     "last_number",
+    "last_number_text",
     "numeric_match",
 ]
 
@@ -47,6 +49,13 @@ def last_number(text: str) -> float | None:
     """The last number written in ``text`` (``1,234.5`` -> 1234.5); None when there is none."""
     found = _NUMBER.findall(text)
     return float(found[-1].replace(",", "")) if found else None
+
+
+def last_number_text(text: str) -> str:
+    """The last number in ``text`` as written, without thousands separators
+    (``"9 - 7 = 2."`` -> ``"2"``); ``text`` stripped when it has none."""
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else text.strip()
 
 
 def exact_match(answer: str, reference: str) -> float:

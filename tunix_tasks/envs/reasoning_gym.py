@@ -23,7 +23,10 @@ Answer: the content of a turn without tool calls, read by ``envs/answers.py``'s
 ``extract_answer``: the last ``<answer>...</answer>`` span when there is one (reasoning-gym's
 own convention, so a chat model may think first), otherwise the whole content, stripped
 (what the character presets' ``<|answer|>`` turn carries). The prompt ends with
-``instruction`` saying so (``instruction=""``: the bare question). Reward: the dataset's ``score_answer``, clipped
+``instruction`` saying so (``instruction=""``: the bare question). With
+``answer_format="last_number"`` the scorer gets the last number of that answer instead
+(``"9 - 7 = 2."`` -> ``"2"``, GSM8K's "flexible" extraction): for numeric tasks, where a
+small chat model writes the equation or a sentence around a right number. Reward: the dataset's ``score_answer``, clipped
 to [0, 1]; a scorer that raises on a malformed answer gives 0.
 
 Without tools an episode is one turn: any action ends it (a tool call earns 0). With
@@ -47,16 +50,27 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from tunix_tasks.envs.answers import ANSWER_INSTRUCTION, extract_answer
+from tunix_tasks.envs.answers import ANSWER_INSTRUCTION, extract_answer, last_number_text
 from tunix_tasks.envs.base import StepResult
 from tunix_tasks.envs.calculator import calculate, calculate_tool, safe_eval
 from tunix_tasks.messages import Action, ToolCall
 
-__all__ = ["ANSWER_INSTRUCTION", "CALCULATOR_TASKS", "ReasoningGymEnv", "task_names"]
+__all__ = [
+    "ANSWER_FORMATS",
+    "ANSWER_INSTRUCTION",
+    "CALCULATOR_TASKS",
+    "ReasoningGymEnv",
+    "task_names",
+]
 
 # Tasks whose question is an integer expression of + - * (and /, which basic_arithmetic's
 # generator evaluates as floor division), so `calculate` can compute the answer exactly.
 CALCULATOR_TASKS = frozenset({"basic_arithmetic", "chain_sum", "products"})
+# How a turn's answer is read before the task's scorer sees it (module docstring).
+ANSWER_FORMATS = {
+    "tag": extract_answer,
+    "last_number": lambda c: last_number_text(extract_answer(c)),
+}
 _ENV_SET_FIELDS = ("seed", "size")  # chosen per episode by the env, never by the config
 
 
@@ -90,7 +104,13 @@ class ReasoningGymEnv:
         tools: str | None = None,
         max_turns: int = 3,
         instruction: str = ANSWER_INSTRUCTION,
+        answer_format: str = "tag",
     ) -> None:
+        if answer_format not in ANSWER_FORMATS:
+            raise ValueError(
+                f"reasoning_gym: unknown answer_format {answer_format!r}; "
+                f"valid: {', '.join(ANSWER_FORMATS)}"
+            )
         datasets = _datasets()
         if task not in datasets:
             close = difflib.get_close_matches(task, datasets, n=3)
@@ -113,6 +133,7 @@ class ReasoningGymEnv:
         # Without a tool there is nothing to do but answer: one turn.
         self.max_turns = max_turns if self.tools else 1
         self.instruction = instruction
+        self._read_answer = ANSWER_FORMATS[answer_format]
         self._dataset: Any = None
         self._item: dict[str, Any] = {}
         self._turns, self._used_tool, self._done = 0, False, True
@@ -140,7 +161,7 @@ class ReasoningGymEnv:
             obs = calculate(action.tool_calls[0], self.tools)  # no tools: "unknown tool"
         else:
             info.update(kind="answer", used_tool=self._used_tool)
-            reward = await asyncio.to_thread(self._score, extract_answer(action.content), info)
+            reward = await asyncio.to_thread(self._score, self._read_answer(action.content), info)
             obs = "correct" if reward >= 1.0 else f"wrong (score {reward:.2f})"
         self._done = info["kind"] == "answer" or self._turns >= self.max_turns
         return StepResult(obs, reward, self._done, info)

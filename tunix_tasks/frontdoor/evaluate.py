@@ -6,7 +6,7 @@ tasks, not memorisation. Decoding is greedy (top_k=1) by default.
 The result is written to `eval/v<version>.json` beside the run and returned.
 
     result = evaluate_snapshot("file:///tmp/runs/demo", version=None, seeds=None)
-    result["reward_mean"], result["success_rate"]
+    result["reward_mean"], result["success_rate"], result["solved_rate"]   # > 0, >= 1
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def evaluate_params(
         "episodes": len(seeds),
         "reward_mean": float(rewards.mean()) if rewards.size else 0.0,
         "success_rate": float((rewards > 0).mean()) if rewards.size else 0.0,
+        # full marks: partial scores (reasoning-gym's 0.01 for a wrong number) excluded
+        "solved_rate": float((rewards >= 1.0).mean()) if rewards.size else 0.0,
         "turns_mean": float(np.mean([t for _, t, _ in results])) if results else 0.0,
         "status": statuses,
         "greedy": greedy,

@@ -69,6 +69,22 @@ def test_answer_tags_win_over_the_rest_of_the_content():
     assert res[0].reward < 1.0  # untagged: the whole content is the answer
 
 
+def test_last_number_answers_score_the_number_a_sentence_ends_on():
+    e = env(config=SMALL, answer_format="last_number")
+    (answer,) = e.demonstration(5)
+    for content in (
+        f"So the total is {answer.content}.",
+        f"1 + 2 = 3, then <answer>{answer.content}</answer> (checked: 12)",
+        answer.content,
+    ):
+        _, res = asyncio.run(play(e, 5, [Action(content=content)]))
+        assert res[0].reward == 1.0, content
+    _, res = asyncio.run(play(e, 5, [Action(content=f"{answer.content} or 12345678")]))
+    assert res[0].reward < 1.0  # the last number is the answer
+    _, res = asyncio.run(play(e, 5, [Action(content="no idea")]))
+    assert res[0].reward < 1.0
+
+
 def test_a_scorer_that_raises_gives_zero():
     e = env("prime_factorization")  # its scorer parses the answer as integers
     _, res = asyncio.run(play(e, 0, [Action(content="no idea")]))
@@ -138,6 +154,8 @@ def test_errors_name_what_is_wrong():
         env("leg_counting", tools="calculator")
     with pytest.raises(ValueError, match="tools must be 'calculator'"):
         env(tools="python")
+    with pytest.raises(ValueError, match="unknown answer_format 'number'; valid: tag, last_number"):
+        env(answer_format="number")
     with pytest.raises(ValueError, match=r"no reference answer.*warm_start_steps: 0"):
         env("graph_color").demonstration(0)
 
