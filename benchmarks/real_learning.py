@@ -17,6 +17,8 @@ go to `<out>/real_learning.png`, all numbers to `<out>/real_learning.json`.
 
     python benchmarks/real_learning.py [--config configs/smollm2_chain_sum.yaml]
         [--seeds 0,1,2] [--modes sync] [--steps 40] [--episodes 128] [--out bench-out]
+    python benchmarks/real_learning.py --merge a/real_learning.json b/real_learning.json
+        --out merged      # no runs: the table and curves of earlier runs, seeds combined
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def time_to(points: list[list[float]], target: float, smooth: int = 5) -> float 
     """Learner wall seconds until the `smooth`-step mean trained reward first reaches target."""
     rewards = [p[2] for p in points]
     for i in range(smooth - 1, len(points)):
-        if statistics.fmean(rewards[i - smooth + 1 : i + 1]) >= target:
+        if statistics.fmean(rewards[i - smooth + 1 : i + 1]) >= target - 1e-9:  # float sums
             return points[i][1]
     return None
 
@@ -181,6 +183,34 @@ def plot(out: dict[str, Any], path: Path, smooth: int = 5) -> None:
     plt.close(fig)
 
 
+def merge(paths: list[str]) -> dict[str, Any]:
+    """Earlier results (their real_learning.json) combined seed by seed; the base score
+    and arguments of the first."""
+    out: dict[str, Any] = {"runs": {}, "total_s": 0.0, "merged": paths}
+    for path in paths:
+        done = json.loads(Path(path).read_text())
+        out.setdefault("base", done["base"])
+        out.setdefault("args", done["args"])
+        for mode, by_seed in done["runs"].items():
+            out["runs"].setdefault(mode, {}).update(by_seed)
+        out["total_s"] += done["total_s"]
+    return out
+
+
+def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"args": vars(args), "runs": {m: {} for m in args.modes}}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep or tmp
+        for seed in args.seeds:
+            for mode in args.modes:
+                out["runs"][mode][str(seed)] = one_run(args, root, mode, seed)
+                if "base" not in out:
+                    out["base"] = base_score(args, out["runs"][mode][str(seed)]["run_uri"])
+    out["total_s"] = time.monotonic() - t0
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="configs/smollm2_chain_sum.yaml")
@@ -191,19 +221,12 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="extra config override")
     p.add_argument("--out", default="bench-out", help="folder for real_learning.png/.json")
     p.add_argument("--keep", help="keep the runs under this folder instead of a temp dir")
+    p.add_argument("--merge", nargs="+", help="no runs: report earlier real_learning.json files")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    out: dict[str, Any] = {"args": vars(args), "runs": {m: {} for m in args.modes}}
-    with tempfile.TemporaryDirectory() as tmp:
-        root = args.keep or tmp
-        for seed in args.seeds:
-            for mode in args.modes:
-                out["runs"][mode][seed] = one_run(args, root, mode, seed)
-                if "base" not in out:
-                    out["base"] = base_score(args, out["runs"][mode][seed]["run_uri"])
-    out["total_s"] = time.monotonic() - t0
-    if "sync" in out["runs"] and len(args.modes) > 1:
+    out = merge(args.merge) if args.merge else run_all(args)
+    a = out["args"]
+    if "sync" in out["runs"] and len(out["runs"]) > 1:
         target = statistics.fmean(
             statistics.fmean(p[2] for p in r["curve"][-5:]) for r in out["runs"]["sync"].values()
         )
@@ -212,7 +235,7 @@ def main() -> None:
             for m, by_seed in out["runs"].items()
         }
     print(
-        f"\n{args.config}: {args.steps} learner steps per run, {args.episodes} held-out "
+        f"\n{a['config']}: {a['steps']} learner steps per run, {a['episodes']} held-out "
         f"seeds, {out['total_s'] / 60:.1f} min of runs\n"
     )
     print(table(out))

@@ -1,0 +1,58 @@
+"""benchmarks/real_learning.py's report: the table with t-intervals, the paired gains, the
+time to sync's final reward and the curves, from saved results (`--merge`: no training)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.paths import REPO
+
+SCRIPT = REPO / "benchmarks" / "real_learning.py"
+
+
+def _run(reward: float, wall: float, slope: float) -> dict:
+    curve = [(step, wall * step / 10, slope * step) for step in range(1, 11)]
+    return {"reward": reward, "solved": reward, "wall_s": wall, "curve": curve, "steps": 10}
+
+
+def _results(seed: str, sync: float, asyn: float) -> dict:
+    return {
+        "base": {"reward": 0.25, "solved": 0.25},
+        "args": {"config": "configs/x.yaml", "steps": 10, "episodes": 64},
+        "runs": {
+            "sync": {seed: _run(sync, 200.0, 0.05)},
+            "async": {seed: _run(asyn, 100.0, 0.05)},
+        },
+        "total_s": 600.0,
+    }
+
+
+def test_table_intervals_time_to_target_and_plot(tmp_path):
+    paths = []
+    for seed, sync, asyn in (("0", 0.35, 0.30), ("1", 0.45, 0.40), ("2", 0.40, 0.35)):
+        paths.append(tmp_path / f"{seed}.json")
+        paths[-1].write_text(json.dumps(_results(seed, sync, asyn)))
+    out_dir = tmp_path / "merged"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--merge", *map(str, paths), "--out", str(out_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    text = run.stdout
+    assert "configs/x.yaml: 10 learner steps per run, 64 held-out seeds, 30.0 min" in text
+    assert "| base (pretrained) | - | 0.250 | 0.250 | | |" in text
+    # mean 0.40, sd 0.05 over 3 seeds: t(2) 4.303 * 0.05 / sqrt(3) = 0.124
+    assert "| sync, 10 steps | 3 | 0.400 ± 0.124 | 0.400 ± 0.124 | +0.150 ± 0.124 | 200 ± 0 |" in (
+        text
+    )
+    assert "| async, 10 steps | 3 | 0.350 ± 0.124 |" in text
+    out = json.loads((out_dir / "real_learning.json").read_text())
+    # sync's final trained reward: mean of its last 5 steps (0.3..0.5) = 0.4, reached by
+    # the 5-step mean at step 10 (wall 200 s sync, 100 s async)
+    assert out["time_to_sync_final"]["sync"] == {"0": 200.0, "1": 200.0, "2": 200.0}
+    assert out["time_to_sync_final"]["async"]["0"] == 100.0
+    assert (out_dir / "real_learning.png").stat().st_size > 10_000
