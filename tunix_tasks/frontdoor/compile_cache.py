@@ -13,10 +13,15 @@ Where, first match wins:
 - a directory JAX was already given (``JAX_COMPILATION_CACHE_DIR``, ``jax.config``);
 - ``$XDG_CACHE_HOME/tunix-tasks/xla`` (``~/.cache/tunix-tasks/xla``).
 
-Bounded: past ``MAX_BYTES`` JAX evicts the least recently used entries. JAX stores only
-programs that took a second or more to compile (its default threshold): the rest are
-cheaper to compile than to read back. A directory that cannot be created is one logged
-warning and no cache.
+Bounded: when a process starts and finds the directory over ``MAX_BYTES``, it deletes
+the least recently used files until it is under 3/4 of that. JAX's own bound
+(``jax_compilation_cache_max_size``) is not used: it needs an access-time file beside
+every entry, and one entry written without (by any process that did not set the bound:
+a test suite's cache, a user's ``JAX_COMPILATION_CACHE_DIR``) makes each later write of a
+bounded process fail. Deleting an entry another process is about to read costs that
+process a compile, never an error. JAX stores only programs that took a second or more to
+compile (its default threshold): the rest are cheaper to compile than to read back. A
+directory that cannot be created is one logged warning and no cache.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import logging
 import os
 from pathlib import Path
 
-__all__ = ["ENV", "MAX_BYTES", "cache_dir", "enable_compile_cache"]
+__all__ = ["ENV", "MAX_BYTES", "cache_dir", "enable_compile_cache", "prune"]
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +54,34 @@ def cache_dir() -> Path | None:
     return Path(base) / "tunix-tasks" / "xla"
 
 
-def enable_compile_cache() -> Path | None:
-    """Point JAX's persistent compilation cache at `cache_dir()`; returns it (None: off).
-    Settings made before (a test's own cache, a user's jax.config) are kept."""
+def prune(path: Path, max_bytes: int = MAX_BYTES) -> int:
+    """Over `max_bytes`, delete the files of `path` least recently used first (the later of
+    access and modification time) until under 3/4 of it; returns the bytes deleted."""
+    files = []
+    for f in path.iterdir():
+        try:
+            st = f.stat()
+        except FileNotFoundError:  # another process pruned it
+            continue
+        if f.is_file():
+            files.append((max(st.st_atime, st.st_mtime), st.st_size, f))
+    total = sum(size for _, size, _ in files)
+    if total <= max_bytes:
+        return 0
+    freed = 0
+    for _, size, f in sorted(files, key=lambda x: x[0]):
+        if total - freed <= max_bytes * 3 // 4:
+            break
+        f.unlink(missing_ok=True)
+        freed += size
+    log.info("compile cache %s: deleted %.0f MB of least recently used programs", path, freed / 1e6)
+    return freed
+
+
+def enable_compile_cache(max_bytes: int = MAX_BYTES) -> Path | None:
+    """Point JAX's persistent compilation cache at `cache_dir()`, pruned to `max_bytes`;
+    returns it (None: off). A directory JAX was given before (a test's own cache, a
+    user's jax.config) is kept."""
     path = cache_dir()
     if path is None:
         return None
@@ -62,8 +92,7 @@ def enable_compile_cache() -> Path | None:
     except OSError as err:
         log.warning("compile cache off: cannot create %s (%s)", path, err)
         return None
+    prune(path, max_bytes)
     if jax.config.jax_compilation_cache_dir != str(path):
         jax.config.update("jax_compilation_cache_dir", str(path))
-    if jax.config.jax_compilation_cache_max_size == -1:  # JAX's default: unbounded
-        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return path

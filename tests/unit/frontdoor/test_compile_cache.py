@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from tunix_tasks.frontdoor.compile_cache import ENV, MAX_BYTES, cache_dir, enable_compile_cache
+from tunix_tasks.frontdoor.compile_cache import ENV, cache_dir, enable_compile_cache, prune
 
 _NAMES = ("jax_compilation_cache_dir", "jax_compilation_cache_max_size")
 
@@ -44,16 +44,26 @@ def test_the_directory_is_chosen_in_order(monkeypatch, tmp_path, jax_cache_confi
     assert cache_dir() == tmp_path / "xdg" / "tunix-tasks" / "xla"
 
 
-def test_enabling_sets_a_bounded_cache(monkeypatch, tmp_path, jax_cache_config):
-    monkeypatch.setenv(ENV, str(tmp_path / "xla"))
-    jax.config.update("jax_compilation_cache_max_size", -1)
-    assert enable_compile_cache() == tmp_path / "xla"
-    assert (tmp_path / "xla").is_dir()
-    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
-    assert jax.config.jax_compilation_cache_max_size == MAX_BYTES
-    jax.config.update("jax_compilation_cache_max_size", 1 << 20)  # a user's own bound stays
-    enable_compile_cache()
-    assert jax.config.jax_compilation_cache_max_size == 1 << 20
+def test_enabling_prunes_the_least_recently_used_past_the_bound(
+    monkeypatch, tmp_path, jax_cache_config
+):
+    cache = tmp_path / "xla"
+    cache.mkdir()
+    for i in range(10):  # 10 programs of 100 bytes, used at t = 1000 + i
+        f = cache / f"jit_f{i}-cache"
+        f.write_bytes(b"x" * 100)
+        os.utime(f, (1000 + i, 1000 + i))
+    monkeypatch.setenv(ENV, str(cache))
+    assert enable_compile_cache(max_bytes=1000) == cache  # at the bound: nothing goes
+    assert len(list(cache.iterdir())) == 10
+    assert jax.config.jax_compilation_cache_dir == str(cache)
+    assert jax.config.jax_compilation_cache_max_size == -1  # JAX's own bound stays off
+    (cache / "jit_new-cache").write_bytes(b"x" * 100)  # over: down to 3/4 of the bound
+    assert prune(cache, max_bytes=1000) == 400
+    assert sorted(f.name for f in cache.iterdir()) == [
+        *(f"jit_f{i}-cache" for i in range(4, 10)),
+        "jit_new-cache",
+    ]
 
 
 def test_a_directory_that_cannot_be_made_is_a_warning(monkeypatch, tmp_path, caplog):
