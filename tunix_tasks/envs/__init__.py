@@ -21,6 +21,7 @@ Plug-in authors import everything they need from here: ``Action``, ``ToolCall``,
 
 base.py          the `Environment` protocol, `StepResult`, the schema checks
 answers.py       reading a final answer (the `<answer>` tag) and matching it to a reference
+answer_turns.py  the turn loop of question-answer envs: calculator turns, then the answer
 latency.py       `LatencyWrapper`: a simulated remote environment's delay
 arithmetic.py    built-in: multi-digit arithmetic, reliably solved only with the calculator
 calculator.py    built-in: arithmetic with a calculator tool

@@ -45,6 +45,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from tunix_tasks.envs.answer_turns import AnswerTurns
 from tunix_tasks.envs.answers import (
     ANSWER_INSTRUCTION,
     contains_match,
@@ -54,7 +55,7 @@ from tunix_tasks.envs.answers import (
     numeric_match,
 )
 from tunix_tasks.envs.base import StepResult
-from tunix_tasks.envs.calculator import ToolError, calculate, calculate_tool, safe_eval
+from tunix_tasks.envs.calculator import ToolError, calculate_tool, safe_eval
 from tunix_tasks.envs.dataset_files import DEFAULT_MAX_BYTES, DatasetError, Rows, read_rows
 from tunix_tasks.messages import Action, ToolCall
 from tunix_tasks.seeds import HELD_OUT_SEED_BASE, seed_range
@@ -145,7 +146,7 @@ class DatasetEnv:
         self.tools = (calculate_tool("12 * 7 + 5"),) if tools else ()
         self.max_turns = max_turns if self.tools else 1  # without a tool: answer at once
         self._item: Item | None = None
-        self._turns, self._used_tool, self._done = 0, False, True
+        self._turns: AnswerTurns | None = None  # the episode's, from reset()
 
     def item(self, seed: int) -> Item:
         """The row ``seed`` plays (module docstring: the mapping)."""
@@ -155,30 +156,20 @@ class DatasetEnv:
 
     async def reset(self, seed: int) -> str:
         self._item = self.item(seed)
-        self._turns, self._used_tool, self._done = 0, False, False
+        self._turns = AnswerTurns(self.tools, self.max_turns)
         return "\n\n".join(p for p in (self._prefix, self._item.prompt, self._suffix) if p)
 
     async def step(self, action: Action) -> StepResult:
-        if self._done or self._item is None:
-            raise RuntimeError("step() called on a finished episode; call reset() first")
-        self._turns += 1
-        info: dict[str, Any] = {"turns": self._turns}
-        reward = 0.0
-        if action.tool_calls:
-            info["kind"] = "tool"
-            self._used_tool = True
-            obs = calculate(action.tool_calls[0], self.tools)  # no tools: "unknown tool"
-        else:
-            info.update(kind="answer", used_tool=self._used_tool)
+        if self._turns is None or self._item is None:
+            raise RuntimeError("step() called before reset(); call reset() first")
+        item = self._item
+
+        async def score(content: str, _info: dict[str, Any]) -> float:
             if self._custom:  # user code may be slow: off the actor's event loop
-                reward = await asyncio.to_thread(self._score, action.content, self._item)
-            else:
-                reward = self._score(action.content, self._item)
-            obs = (
-                "correct" if reward >= 1.0 else ("wrong" if reward <= 0 else f"score {reward:.2f}")
-            )
-        self._done = info["kind"] == "answer" or self._turns >= self.max_turns
-        return StepResult(obs, reward, self._done, info)
+                return await asyncio.to_thread(self._score, content, item)
+            return self._score(content, item)
+
+        return await self._turns.step(action, score)
 
     def _score(self, content: str, item: Item) -> float:
         answer = extract_answer(content) if self.answer_format == "tag" else content.strip()

@@ -50,9 +50,10 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
+from tunix_tasks.envs.answer_turns import AnswerTurns
 from tunix_tasks.envs.answers import ANSWER_INSTRUCTION, extract_answer, last_number_text
 from tunix_tasks.envs.base import StepResult
-from tunix_tasks.envs.calculator import calculate, calculate_tool, safe_eval
+from tunix_tasks.envs.calculator import calculate_tool, safe_eval
 from tunix_tasks.messages import Action, ToolCall
 
 __all__ = [
@@ -136,7 +137,7 @@ class ReasoningGymEnv:
         self._read_answer = ANSWER_FORMATS[answer_format]
         self._dataset: Any = None
         self._item: dict[str, Any] = {}
-        self._turns, self._used_tool, self._done = 0, False, True
+        self._turns: AnswerTurns | None = None  # the episode's, from reset()
 
     def item(self, seed: int) -> tuple[Any, dict[str, Any]]:
         """(dataset, item) of ``seed``: the first item of the dataset seeded ``seed``."""
@@ -145,26 +146,18 @@ class ReasoningGymEnv:
 
     async def reset(self, seed: int) -> str:
         self._dataset, self._item = await asyncio.to_thread(self.item, seed)
-        self._turns, self._used_tool, self._done = 0, False, False
+        self._turns = AnswerTurns(self.tools, self.max_turns)
         question = str(self._item["question"]).rstrip()
         return f"{question}\n\n{self.instruction}" if self.instruction else question
 
     async def step(self, action: Action) -> StepResult:
-        if self._done:
-            raise RuntimeError("step() called on a finished episode; call reset() first")
-        self._turns += 1
-        info: dict[str, Any] = {"turns": self._turns}
-        reward = 0.0
-        if action.tool_calls:
-            info["kind"] = "tool"
-            self._used_tool = True
-            obs = calculate(action.tool_calls[0], self.tools)  # no tools: "unknown tool"
-        else:
-            info.update(kind="answer", used_tool=self._used_tool)
-            reward = await asyncio.to_thread(self._score, self._read_answer(action.content), info)
-            obs = "correct" if reward >= 1.0 else f"wrong (score {reward:.2f})"
-        self._done = info["kind"] == "answer" or self._turns >= self.max_turns
-        return StepResult(obs, reward, self._done, info)
+        if self._turns is None:
+            raise RuntimeError("step() called before reset(); call reset() first")
+
+        async def score(content: str, info: dict[str, Any]) -> float:
+            return await asyncio.to_thread(self._score, self._read_answer(content), info)
+
+        return await self._turns.step(action, score)
 
     def _score(self, answer: str, info: dict[str, Any]) -> float:
         try:

@@ -161,7 +161,7 @@ def test_contains_and_imported_rewards(jsonl, held):
     assert asyncio.run(play(e, 4, [Action(content="It is 8!")]))[1][0].reward == 1.0
     custom = env(jsonl, eval_path=held, reward=f"{__name__}:half_credit")
     _, res = asyncio.run(play(custom, 4, [Action(content="t4")]))
-    assert (res[0].reward, res[0].observation) == (0.5, "score 0.50")
+    assert (res[0].reward, res[0].observation) == (0.5, "wrong (score 0.50)")
 
 
 def test_calculator_variant_computes_then_answers(jsonl, held):
