@@ -39,6 +39,7 @@ from tunix_tasks.policy import costs
 from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, HFCheckpoint
 from tunix_tasks.policy.model import Transformer
+from tunix_tasks.policy.packaged_models import resolve_checkpoint
 from tunix_tasks.policy.preflight import PolicyError, build_chat, check_policy
 from tunix_tasks.policy.replicas import SamplerReplicas, replicate, sampler_devices
 from tunix_tasks.policy.sampling import Sampler, row_buckets
@@ -70,7 +71,7 @@ def build_policy(
     if cfg.checkpoint is None:
         spec = spec_from_preset(cfg, vocab_size=chat.tokenizer.vocab_size)
         return chat, Transformer(spec, rngs=nnx.Rngs(seed), compute_dtype=dtype, lora=lora)
-    ckpt = HFCheckpoint(cfg.checkpoint)
+    ckpt = HFCheckpoint(resolve_checkpoint(cfg.checkpoint))
     try:
         spec = ckpt.spec(max_seq_len=cfg.max_seq_len)
         model = ckpt.load_model(spec, mesh=mesh, compute_dtype=dtype, lora=lora, seed=seed)
@@ -95,7 +96,7 @@ def base_fingerprint(cfg: ModelConfig, seed: int) -> str:
         shape = cfg.model_dump(include={"preset", "d_model", "n_layers", "n_heads", "d_ff"})
         h.update(json.dumps({**shape, "seed": seed}, sort_keys=True).encode())
     else:
-        h.update(HFCheckpoint(cfg.checkpoint).fingerprint())
+        h.update(HFCheckpoint(resolve_checkpoint(cfg.checkpoint)).fingerprint())
     return h.hexdigest()
 
 

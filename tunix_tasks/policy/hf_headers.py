@@ -28,7 +28,6 @@ import ml_dtypes
 import numpy as np
 import pyarrow as pa
 
-from tunix_tasks.config.model import PACKAGED_PREFIX
 from tunix_tasks.policy.spec import DecoderSpec, UnsupportedCheckpoint, spec_from_hf_config
 from tunix_tasks.storage.store import NotFound, ObjectStore, StoreError, open_store
 
@@ -179,10 +178,6 @@ class CheckpointFiles:
     config.json, the tokenizer files and the safetensors headers (no tensor data)."""
 
     def __init__(self, uri: str) -> None:
-        if uri.startswith(PACKAGED_PREFIX):  # model.checkpoint: packaged:NAME
-            from tunix_tasks.policy.packaged_models import resolve_checkpoint  # the importer
-
-            uri = resolve_checkpoint(uri)
         self.uri = uri.rstrip("/")
         self.store: ObjectStore = open_store(self.uri)
 

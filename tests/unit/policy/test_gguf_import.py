@@ -299,8 +299,9 @@ def test_a_run_names_a_packaged_model_and_it_resolves_to_the_cache(
     cfg = ModelConfig(checkpoint=" packaged:smollm2-135m-instruct")
     assert cfg.checkpoint == "packaged:smollm2-135m-instruct"
     check_policy(cfg)  # tokenizer, template, every header
-    ckpt = HFCheckpoint(cfg.checkpoint)
+    ckpt = HFCheckpoint(packaged.resolve_checkpoint(cfg.checkpoint))
     assert ckpt.uri == (tmp_path / "SmolLM2-135M-Instruct").as_uri()
+    assert packaged.resolve_checkpoint("gs://b/m") == "gs://b/m"
     assert ckpt.spec(max_seq_len=64).n_layers == 2
     with pytest.raises(PolicyError, match=r"^unknown packaged model 'nope' \(known: "):
         check_policy(ModelConfig(checkpoint="packaged:nope"))
