@@ -11,6 +11,8 @@ same), every run's last snapshot on the same `--episodes` held-out seeds. Per mo
   gain       final - base, mean ± 95% t-interval (a paired difference: same held-out set)
   wall       learner wall time of the run (first step to last), and the wall time each
              run took to reach the sync runs' mean final training reward (curves)
+  seen       the fraction of held-out questions that also came up in training (held-out
+             seeds are disjoint from training seeds, but a small task has few questions)
 
 The learning curves (reward of the trained episodes against step and learner wall time)
 go to `<out>/real_learning.png`, all numbers to `<out>/real_learning.json`.
@@ -34,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tunix_tasks.config import load_config
+from tunix_tasks.config import RunConfig, load_config
 from tunix_tasks.frontdoor.audit import learner_steps
 from tunix_tasks.frontdoor.evaluate import evaluate_snapshot, held_out_seeds
 from tunix_tasks.frontdoor.launcher import train_local
@@ -74,6 +76,21 @@ def curve(run_uri: str) -> list[tuple[int, float, float]]:
     return [(r["step"], r["time"] - t0, r.get("reward_mean", 0.0)) for r in steps]
 
 
+def seen_fraction(cfg: RunConfig, held: list[int]) -> float:
+    """The fraction of held-out seeds whose question some trained-on seed also asked."""
+    import asyncio
+
+    import pyarrow.parquet as pq
+
+    from tunix_tasks.envs import make_env
+
+    files = Path(cfg.run_uri.removeprefix("file://"), "shards").rglob("*.parquet")
+    trained = {s for f in files for s in pq.read_table(f, columns=["seed"])["seed"].to_pylist()}
+    env = make_env(cfg.env.name, **cfg.env.kwargs)
+    asked = {asyncio.run(env.reset(s)) for s in trained}
+    return sum(asyncio.run(env.reset(s)) in asked for s in held) / len(held)
+
+
 def one_run(args: argparse.Namespace, root: str, mode: str, seed: int) -> dict[str, Any]:
     cfg = load_config(
         args.config,
@@ -97,6 +114,7 @@ def one_run(args: argparse.Namespace, root: str, mode: str, seed: int) -> dict[s
         "reward": final["reward_mean"],
         "solved": final["solved_rate"],
         "version": final["version"],
+        "seen": seen_fraction(cfg, held),
         "steps": len(points),
         "wall_s": points[-1][1] if points else 0.0,
         "total_s": total,
@@ -104,6 +122,7 @@ def one_run(args: argparse.Namespace, root: str, mode: str, seed: int) -> dict[s
     }
     print(
         f"{mode} seed {seed}: held-out reward {out['reward']:.3f} solved {out['solved']:.3f} "
+        f"({out['seen']:.0%} of held-out questions also trained on) "
         f"(v{out['version']}, {out['steps']} steps, learner wall {out['wall_s']:.0f}s, "
         f"run {total:.0f}s)",
         flush=True,
@@ -130,9 +149,9 @@ def time_to(points: list[list[float]], target: float, smooth: int = 5) -> float 
 def table(out: dict[str, Any]) -> str:
     base = out["base"]
     rows = [
-        "| policy | seeds | held-out reward | solved | gain vs base | learner wall s |",
-        "|---|---:|---:|---:|---:|---:|",
-        f"| base (pretrained) | - | {base['reward']:.3f} | {base['solved']:.3f} | | |",
+        "| policy | seeds | held-out reward | solved | gain vs base | learner wall s | seen |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| base (pretrained) | - | {base['reward']:.3f} | {base['solved']:.3f} | | | |",
     ]
 
     def fmt(values: list[float], spec: str = ".3f") -> str:
@@ -145,7 +164,8 @@ def table(out: dict[str, Any]) -> str:
             f"| {mode}, {out['args']['steps']} steps | {len(runs)} "
             f"| {fmt([r['reward'] for r in runs])} | {fmt([r['solved'] for r in runs])} "
             f"| {fmt([r['reward'] - base['reward'] for r in runs], '+.3f')} "
-            f"| {fmt([r['wall_s'] for r in runs], '.0f')} |"
+            f"| {fmt([r['wall_s'] for r in runs], '.0f')} "
+            f"| {fmt([r.get('seen', float('nan')) for r in runs], '.2f')} |"
         )
     return "\n".join(rows)
 
