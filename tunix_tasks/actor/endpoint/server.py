@@ -34,13 +34,13 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry
 from tunix_tasks.actor.endpoint.service import EndpointService
-from tunix_tasks.actor.endpoint.wire import ApiError, parse_request
+from tunix_tasks.actor.endpoint.wire import ApiError, completion_chunks, parse_request
 
 __all__ = ["EndpointServer", "build_app"]
 
@@ -127,12 +127,18 @@ def build_app(
         )
         return JSONResponse({"status": "closed" if episode is not None else "dropped: no_turns"})
 
-    async def chat_completions(request: Request) -> JSONResponse:
+    async def chat_completions(request: Request) -> Response:
         chat_request = parse_request(await _body(request, max_request_bytes))
         body = await service.complete(
             request.path_params["episode_id"], chat_request, disconnected=_disconnect(request)
         )
-        return JSONResponse(body)
+        if not chat_request.stream:
+            return JSONResponse(body)
+        usage = bool((chat_request.stream_options or {}).get("include_usage"))
+        events = [
+            f"data: {json.dumps(c)}\n\n" for c in completion_chunks(body, include_usage=usage)
+        ]
+        return Response("".join([*events, "data: [DONE]\n\n"]), media_type="text/event-stream")
 
     async def models(request: Request) -> JSONResponse:
         if "episode_id" in request.path_params:

@@ -11,9 +11,10 @@ behaviour log-probs and version are recorded exactly as sampled, like `play_epis
 The parsed turn (content, tool calls) is what the client receives and must send back.
 
 Sampling settings are the run's: the learner recomputes log-probs with `actor.temperature`
-and `actor.top_k`, so a request asking for another `temperature` (or `top_p` < 1, `n` > 1,
-`stream`) is refused with a 400 naming the setting rather than sampled with a distribution
-the learner would not score. `stop` strings end the turn at the first token whose text
+and `actor.top_k`, so a request asking for another `temperature` (or `top_p` < 1, `n` > 1)
+is refused with a 400 naming the setting rather than sampled with a distribution the
+learner would not score. `stream: true` gets the same turn as server-sent events
+(`wire.completion_chunks`), sent once the turn is sampled. `stop` strings end the turn at the first token whose text
 completes one (the kept ids are a prefix of the sample, their log-probs unchanged).
 """
 
@@ -119,7 +120,6 @@ class EndpointService:
             )
         unsupported = {
             "n": request.n not in (None, 1) and "only n=1 (one sample per request)",
-            "stream": bool(request.stream) and "streaming is not supported; use stream=false",
             "temperature": request.temperature not in (None, lim.temperature)
             and f"this run samples at temperature {lim.temperature} (actor.temperature), "
             "the one the learner scores with",

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tunix_tasks.messages import Action
 
-__all__ = ["ApiError", "ChatRequest", "completion", "parse_request"]
+__all__ = ["ApiError", "ChatRequest", "completion", "completion_chunks", "parse_request"]
 
 
 class ApiError(Exception):
@@ -58,6 +58,7 @@ class ChatRequest(BaseModel):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -147,3 +148,41 @@ def completion(
             "total_tokens": prompt_tokens + len(tokens),
         },
     }
+
+
+def completion_chunks(body: dict[str, Any], *, include_usage: bool) -> list[dict[str, Any]]:
+    """A `chat.completion` as the `chat.completion.chunk` objects of a streamed reply: the
+    whole turn in the first delta (the turn is sampled before anything is sent), the
+    finish reason in the second, then the usage when the request asked for it
+    (`stream_options.include_usage`, whose chunks otherwise carry `usage: null`)."""
+    (choice,) = body["choices"]
+    message = choice["message"]
+    delta: dict[str, Any] = {"role": "assistant", "content": message["content"] or ""}
+    if "tool_calls" in message:
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    usage = {"usage": None} if include_usage else {}
+    chunks = [
+        head
+        | usage
+        | {
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
+            ]
+        },
+        head
+        | usage
+        | {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {},
+                    "logprobs": None,
+                    "finish_reason": choice["finish_reason"],
+                }
+            ]
+        },
+    ]
+    if include_usage:
+        chunks.append(head | {"choices": [], "usage": body["usage"]})
+    return chunks

@@ -6,10 +6,17 @@ from __future__ import annotations
 import json
 
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from tests.unit.actor.endpoint.harness import tiny_qwen3
 from tunix_tasks.actor.endpoint.fidelity import normalize
-from tunix_tasks.actor.endpoint.wire import ApiError, completion, parse_request
+from tunix_tasks.actor.endpoint.wire import (
+    ApiError,
+    completion,
+    completion_chunks,
+    parse_request,
+)
 from tunix_tasks.messages import Action, ToolCall
 
 
@@ -40,6 +47,16 @@ def test_a_sampled_tool_call_becomes_openai_tool_calls_and_its_echo_matches():
     }
     # What the client sends back is what the endpoint recorded for the turn.
     assert normalize(choice["message"]) == parsed.message()
+    # Streamed (stream=true), openai's own accumulator rebuilds the same completion.
+    for include_usage in (False, True):
+        state = ChatCompletionStreamState()
+        for chunk in completion_chunks(body, include_usage=include_usage):
+            state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+        final = state.get_final_completion()
+        assert final.choices[0].finish_reason == "tool_calls"
+        message = final.choices[0].message.model_dump(exclude_none=True)
+        assert normalize(message) == parsed.message()
+        assert (final.usage is not None) is include_usage
 
 
 @pytest.mark.parametrize(
