@@ -18,6 +18,7 @@ are `StrEnum`s: their values are the strings the shards, ledgers and metrics hol
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from enum import StrEnum
 from typing import NamedTuple
@@ -30,6 +31,13 @@ import numpy as np
 # metric totals over 10^9 episodes) stays far from float32's 3.4e38; a reward of 3e38
 # makes those inf. Built-in environments reward within [0, 1].
 MAX_ABS_REWARD = 1e6
+
+
+def reward_in_range(reward: float) -> bool:
+    """Whether `reward` may be stored: finite and within +-MAX_ABS_REWARD. Actors check an
+    environment's (or agent program's) rewards with it, so one bad value ends its own
+    episode as env_error / agent_error instead of the learner quarantining the shard."""
+    return math.isfinite(reward) and abs(reward) <= MAX_ABS_REWARD
 
 
 class EpisodeStatus(StrEnum):

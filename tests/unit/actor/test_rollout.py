@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 
 from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, ScriptedPolicy, play_episode
 from tunix_tasks.envs import Action, StepResult, make_env, register_env
@@ -39,7 +40,9 @@ class _CountdownEnv:
         raise_on_step: int | None = None,
         raise_on_reset: bool = False,
         obs_chars: int = 3,
+        final_reward: float = 1.0,
     ) -> None:
+        self.final_reward = final_reward
         self.turns, self.step_sleep_s, self.reset_sleep_s = turns, step_sleep_s, reset_sleep_s
         self.raise_on_step, self.raise_on_reset, self.obs_chars = (
             raise_on_step,
@@ -66,7 +69,7 @@ class _CountdownEnv:
         if self.raise_on_step is not None and len(self.actions) == self.raise_on_step:
             raise ValueError("step exploded")
         done = len(self.actions) >= self.turns
-        return StepResult(self._obs(), 1.0 if done else 0.0, done)
+        return StepResult(self._obs(), self.final_reward if done else 0.0, done)
 
     def demonstration(self, seed: int) -> list[Action]:
         return [Action(content="a")] * self.turns
@@ -172,6 +175,14 @@ def test_env_step_raising_is_env_error():
     rec = _play(env, _Scripted(["a", "b", "c"]))
     assert rec.status == "env_error"
     assert rec.num_turns == 2  # the failing step's action is kept, then EOS
+    _check_invariants(rec)
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), -2e6])
+def test_a_reward_that_cannot_be_stored_ends_the_episode_as_env_error(reward):
+    """Not the learner's quarantine of the whole shard: this episode alone, reward 0."""
+    rec = _play(make_env(ENV, turns=2, final_reward=reward), _Scripted(["a", "b"]))
+    assert rec.status == "env_error" and rec.reward == 0.0 and rec.num_turns == 2
     _check_invariants(rec)
 
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from tunix_tasks.actor.episodes import EpisodeBuilder
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs.base import Environment, StepResult
-from tunix_tasks.episode import Episode, EpisodeStatus
+from tunix_tasks.episode import MAX_ABS_REWARD, Episode, EpisodeStatus, reward_in_range
 from tunix_tasks.messages import Action, Message
 from tunix_tasks.policy.chat import ChatFormat
 
@@ -179,6 +179,16 @@ async def play_episode(
         finally:
             if on_env_step is not None:
                 on_env_step(loop.time() - t0)
+        if not reward_in_range(rec.reward + float(result.reward)):
+            log.warning(
+                "env %s step reward %r: not finite or beyond +-%g (episode.MAX_ABS_REWARD); "
+                "episode ended as env_error",
+                getattr(env, "name", "?"),
+                result.reward,
+                MAX_ABS_REWARD,
+            )
+            rec.status = EpisodeStatus.ENV_ERROR
+            break
         rec.reward += float(result.reward)
         if result.done:
             break

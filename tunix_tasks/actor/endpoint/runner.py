@@ -25,12 +25,12 @@ import asyncio
 import importlib
 import inspect
 import logging
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry
 from tunix_tasks.envs.base import Environment
+from tunix_tasks.episode import MAX_ABS_REWARD, reward_in_range
 from tunix_tasks.messages import Action
 
 __all__ = ["AgentProgram", "AgentRunner", "load_program"]
@@ -125,9 +125,11 @@ class AgentRunner:
             if (
                 isinstance(reward, bool)
                 or not isinstance(reward, int | float)
-                or not math.isfinite(reward)
+                or not reward_in_range(reward)
             ):
-                raise TypeError(f"the program returned {reward!r}, not a finite number")
+                raise TypeError(
+                    f"the program returned {reward!r}, not a number within +-{MAX_ABS_REWARD:g}"
+                )
         except Exception as err:  # the program's failure ends its episode, not the actor
             kind = type(err).__name__
             if kind not in self._logged:

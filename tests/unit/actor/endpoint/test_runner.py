@@ -19,6 +19,8 @@ async def answer_or_fail(client, task) -> float:
     )
     if task["seed"] % 2:
         raise RuntimeError("the agent crashed")
+    if task["seed"] == 6:
+        return 3e38  # a number no shard may hold
     return await task["grade"](r.choices[0].message.content or "") + 0.5
 
 
@@ -49,13 +51,14 @@ def test_a_group_runs_its_copies_and_drops_the_ones_that_fail():
                 envs = [make_env("calculator") for _ in range(3)]
                 await runner.play_group("even", seed=4, envs=envs)
                 await runner.play_group("odd", seed=7, envs=[make_env("calculator")])
+                await runner.play_group("huge", seed=6, envs=[make_env("calculator")])
             finally:
                 await runner.aclose()
             return ep
 
     ep = asyncio.run(run())
-    [group] = ep.groups  # the odd group lost its only member: nothing to write
+    [group] = ep.groups  # the odd and huge groups lost their only member: nothing to write
     assert len(group) == 3 and {e.seed for e in group} == {4}
     assert all(e.reward in (0.5, 1.5) for e in group)  # the env's grade (0 or 1) + 0.5
     assert len({e.group_id for e in group}) == 1
-    assert ep.registry.dropped["agent_error"] == 1 and len(ep.registry) == 0
+    assert ep.registry.dropped["agent_error"] == 2 and len(ep.registry) == 0
