@@ -13,6 +13,8 @@ same), every run's last snapshot on the same `--episodes` held-out seeds. Per mo
              run took to reach the sync runs' mean final training reward (curves)
   seen       the fraction of held-out questions that also came up in training (held-out
              seeds are disjoint from training seeds, but a small task has few questions)
+  transfer   with `--transfer KEY=VALUE ...` (config overrides, e.g. a harder env config
+             whose questions training never saw): base and final on that held-out set too
 
 The learning curves (reward of the trained episodes against step and learner wall time)
 go to `<out>/real_learning.png`, all numbers to `<out>/real_learning.json`.
@@ -36,12 +38,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tunix_tasks.config import RunConfig, load_config
+from tunix_tasks.config import RunConfig, config_from_dict, load_config
 from tunix_tasks.frontdoor.audit import learner_steps
-from tunix_tasks.frontdoor.evaluate import evaluate_snapshot, held_out_seeds
+from tunix_tasks.frontdoor.evaluate import evaluate_params, evaluate_snapshot, held_out_seeds
 from tunix_tasks.frontdoor.launcher import train_local
 from tunix_tasks.frontdoor.report import read_records
+from tunix_tasks.storage.runs import read_config
 from tunix_tasks.storage.store import open_store
+from tunix_tasks.storage.weights import load_snapshot
 
 MODES = ("sync", "async")
 # Two-sided 95% Student t quantiles by degrees of freedom (1..10); beyond, the normal's.
@@ -91,6 +95,15 @@ def seen_fraction(cfg: RunConfig, held: list[int]) -> float:
     return sum(asyncio.run(env.reset(s)) in asked for s in held) / len(held)
 
 
+def transfer_score(args: argparse.Namespace, run_uri: str, version: int) -> float:
+    """Held-out reward of snapshot `version` on the run's config with `--transfer` applied."""
+    cfg, store = read_config(run_uri)
+    flat, manifest = load_snapshot(store, version)
+    moved = config_from_dict(cfg.model_dump(), args.transfer)
+    held = held_out_seeds(args.episodes)
+    return evaluate_params(moved, flat, held, adapters=manifest.kind == "adapter")["reward_mean"]
+
+
 def one_run(args: argparse.Namespace, root: str, mode: str, seed: int) -> dict[str, Any]:
     cfg = load_config(
         args.config,
@@ -115,6 +128,7 @@ def one_run(args: argparse.Namespace, root: str, mode: str, seed: int) -> dict[s
         "solved": final["solved_rate"],
         "version": final["version"],
         "seen": seen_fraction(cfg, held),
+        "transfer": transfer_score(args, cfg.run_uri, final["version"]) if args.transfer else None,
         "steps": len(points),
         "wall_s": points[-1][1] if points else 0.0,
         "total_s": total,
@@ -133,8 +147,9 @@ def one_run(args: argparse.Namespace, root: str, mode: str, seed: int) -> dict[s
 def base_score(args: argparse.Namespace, run_uri: str) -> dict[str, Any]:
     """The pretrained model: the first run's snapshot v0 (its weights before any step)."""
     base = evaluate_snapshot(run_uri, version=0, seeds=held_out_seeds(args.episodes))
+    transfer = transfer_score(args, run_uri, 0) if args.transfer else None
     print(f"base model: held-out reward {base['reward_mean']:.3f} solved {base['solved_rate']:.3f}")
-    return {"reward": base["reward_mean"], "solved": base["solved_rate"]}
+    return {"reward": base["reward_mean"], "solved": base["solved_rate"], "transfer": transfer}
 
 
 def time_to(points: list[list[float]], target: float, smooth: int = 5) -> float | None:
@@ -146,26 +161,36 @@ def time_to(points: list[list[float]], target: float, smooth: int = 5) -> float 
     return None
 
 
+def _maybe(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def table(out: dict[str, Any]) -> str:
     base = out["base"]
     rows = [
-        "| policy | seeds | held-out reward | solved | gain vs base | learner wall s | seen |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-        f"| base (pretrained) | - | {base['reward']:.3f} | {base['solved']:.3f} | | | |",
+        "| policy | seeds | held-out reward | solved | gain vs base | learner wall s | seen "
+        "| transfer |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| base (pretrained) | - | {base['reward']:.3f} | {base['solved']:.3f} | | | "
+        f"| {_maybe(base.get('transfer'))} |",
     ]
 
     def fmt(values: list[float], spec: str = ".3f") -> str:
+        if not values:
+            return "-"
         mean, half = interval(values)
         return f"{mean:{spec}} ± {half:{spec.lstrip('+')}}" if len(values) > 1 else f"{mean:{spec}}"
 
     for mode, by_seed in out["runs"].items():
         runs = list(by_seed.values())
+        transfer = [r["transfer"] for r in runs if r.get("transfer") is not None]
         rows.append(
             f"| {mode}, {out['args']['steps']} steps | {len(runs)} "
             f"| {fmt([r['reward'] for r in runs])} | {fmt([r['solved'] for r in runs])} "
             f"| {fmt([r['reward'] - base['reward'] for r in runs], '+.3f')} "
             f"| {fmt([r['wall_s'] for r in runs], '.0f')} "
-            f"| {fmt([r.get('seen', float('nan')) for r in runs], '.2f')} |"
+            f"| {fmt([r.get('seen', float('nan')) for r in runs], '.2f')} "
+            f"| {fmt(transfer)} |"
         )
     return "\n".join(rows)
 
@@ -239,6 +264,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40, help="learner steps of every run")
     p.add_argument("--episodes", type=int, default=128, help="held-out evaluation seeds")
     p.add_argument("--set", action="append", default=[], help="extra config override")
+    p.add_argument("--transfer", nargs="+", help="overrides of a second held-out evaluation")
     p.add_argument("--out", default="bench-out", help="folder for real_learning.png/.json")
     p.add_argument("--keep", help="keep the runs under this folder instead of a temp dir")
     p.add_argument("--merge", nargs="+", help="no runs: report earlier real_learning.json files")
