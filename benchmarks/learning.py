@@ -47,6 +47,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _cli import ints, one_of
+
 from tunix_tasks.config import RunConfig, load_config
 from tunix_tasks.frontdoor.audit import learner_steps
 from tunix_tasks.frontdoor.evaluate import evaluate_snapshot, held_out_seeds
@@ -63,17 +65,6 @@ FORK_STEP = 1  # the warm-start run's one synchronous RL step; its checkpoint is
 # resumed learner publishes its own first, so no actor starts on a copied one), nor the
 # lease, metrics, shards, ledger or DONE: those are the cell's own.
 FORK_KEYS = (RunLayout.CHECKPOINTS, RunLayout.DEMOS)
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def names(text: str) -> list[str]:
-    bad = [x for x in text.split(",") if x and x not in CORRECTIONS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown corrections {bad}; valid: {CORRECTIONS}")
-    return [x for x in text.split(",") if x]
 
 
 def local_path(run_uri: str) -> Path:
@@ -302,7 +293,7 @@ def main() -> None:
     p.add_argument("--first-seed", type=int, default=0, help="seeds K..K+N-1")
     p.add_argument("--steps", type=int, default=20, help="RL learner steps of every cell")
     p.add_argument("--staleness", type=ints, default=list(STALENESS), help="e.g. 0,8")
-    p.add_argument("--corrections", type=names, default=list(CORRECTIONS))
+    p.add_argument("--corrections", type=one_of(CORRECTIONS), default=list(CORRECTIONS))
     p.add_argument("--latency", type=float, default=3.0, help="seconds per env step")
     p.add_argument("--envs", type=int, default=256, help="environments per actor")
     p.add_argument("--batch-rows", type=int, default=8, help="RL batch rows of the cells")

@@ -38,6 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _cli import ints, one_of
+
 from tunix_tasks.config import RunConfig, config_from_dict, load_config
 from tunix_tasks.frontdoor.audit import learner_steps
 from tunix_tasks.frontdoor.evaluate import evaluate_params, evaluate_snapshot, held_out_seeds
@@ -51,17 +53,6 @@ MODES = ("sync", "async")
 # Two-sided 95% Student t quantiles by degrees of freedom (1..10); beyond, the normal's.
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
 T95 |= {9: 2.262, 10: 2.228}
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def modes(text: str) -> list[str]:
-    bad = [x for x in text.split(",") if x and x not in MODES]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown modes {bad}; valid: {MODES}")
-    return [x for x in text.split(",") if x]
 
 
 def interval(values: list[float]) -> tuple[float, float]:
@@ -260,7 +251,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="configs/smollm2_chain_sum.yaml")
     p.add_argument("--seeds", type=ints, default=[0, 1, 2], help="e.g. 0,1,2")
-    p.add_argument("--modes", type=modes, default=["sync"], help="sync, async or both")
+    p.add_argument("--modes", type=one_of(MODES), default=["sync"], help="sync, async or both")
     p.add_argument("--steps", type=int, default=40, help="learner steps of every run")
     p.add_argument("--episodes", type=int, default=128, help="held-out evaluation seeds")
     p.add_argument("--set", action="append", default=[], help="extra config override")

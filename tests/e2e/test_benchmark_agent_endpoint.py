@@ -3,25 +3,17 @@ runner, the in-process rollout and the overhead measurement it drives still fit)
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.paths import REPO
-
-SCRIPT = REPO / "benchmarks" / "agent_endpoint.py"
+from tests.benchmark_scripts import run_benchmark
 
 
 @pytest.mark.slow  # ~30 s on 2 cores: the tiny preset's programs compile, two passes each
 def test_agent_endpoint_benchmark_runs_at_smoke_size():
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke"], capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
+    stdout = run_benchmark("agent_endpoint.py", "--smoke")
     # The figures themselves are for the full size: a 2 s window on a loaded machine may
     # fall inside a compilation.
-    [row] = [line.split() for line in out.stdout.splitlines() if line.startswith("    4 ")]
+    [row] = [line.split() for line in stdout.splitlines() if line.startswith("    4 ")]
     assert float(row[1]) >= 0 and float(row[2]) >= 0  # episodes/s, in-process and endpoint
-    assert "{'refused': {}, 'dropped': {}}" in out.stdout  # no request refused, no episode lost
-    assert "overhead" in out.stdout and "endpoint bookkeeping" in out.stdout
+    assert "{'refused': {}, 'dropped': {}}" in stdout  # no request refused, no episode lost
+    assert "overhead" in stdout and "endpoint bookkeeping" in stdout

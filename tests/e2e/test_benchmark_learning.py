@@ -4,12 +4,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.paths import REPO
-
-SCRIPT = REPO / "benchmarks" / "learning.py"
+from tests.benchmark_scripts import run_benchmark
 
 
 def _cell(reward: float, wall: float, dropped: float = 0.0) -> dict:
@@ -42,14 +38,7 @@ def test_table_goals_merge_and_plot(tmp_path):
         paths.append(tmp_path / f"{seed}.json")
         paths[-1].write_text(json.dumps(_results(seed, sync)))
     out_dir = tmp_path / "merged"
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--merge", *map(str, paths), "--out", str(out_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    text = run.stdout
+    text = run_benchmark("learning.py", "--merge", *map(str, paths), "--out", str(out_dir))
     out = json.loads((out_dir / "learning.json").read_text())
     assert sorted(out["warm"]) == ["0", "1"] and sorted(out["cells"]["8/none"]) == ["0", "1"]
     assert "10 RL steps per cell" in text and "seeds [0, 1]" in text

@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.paths import REPO
-
-SCRIPT = REPO / "benchmarks" / "models.py"
+from tests.benchmark_scripts import run_benchmark
 
 
 @pytest.mark.slow  # ~25 s on 2 cores: four fresh subprocesses, compiles for two models
 def test_models_benchmark_runs_at_toy_size():
     args = "--families qwen3 llama3 --shard-mb 8 --repeats 1 --fwd-batch 1 --seq 32"
     args += " --sample-batches 2 --new-tokens 2 --json"
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), *args.split()], capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert "import peak RSS" in out.stdout and "reload file" in out.stdout
-    raw = json.loads(out.stdout[out.stdout.index("\n{") + 1 :])
+    stdout = run_benchmark("models.py", *args.split())
+    assert "import peak RSS" in stdout and "reload file" in stdout
+    raw = json.loads(stdout[stdout.index("\n{") + 1 :])
     assert raw["machine"]["matmul_flops"] > 0 and raw["machine"]["mem_bw"] > 0
     for r, family in zip(raw["results"], ("qwen3", "llama3"), strict=True):
         assert r["family"] == family

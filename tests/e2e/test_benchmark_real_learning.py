@@ -4,12 +4,8 @@ time to sync's final reward and the curves, from saved results (`--merge`: no tr
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.paths import REPO
-
-SCRIPT = REPO / "benchmarks" / "real_learning.py"
+from tests.benchmark_scripts import run_benchmark
 
 
 def _run(reward: float, wall: float, slope: float) -> dict:
@@ -35,14 +31,7 @@ def test_table_intervals_time_to_target_and_plot(tmp_path):
         paths.append(tmp_path / f"{seed}.json")
         paths[-1].write_text(json.dumps(_results(seed, sync, asyn)))
     out_dir = tmp_path / "merged"
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--merge", *map(str, paths), "--out", str(out_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    text = run.stdout
+    text = run_benchmark("real_learning.py", "--merge", *map(str, paths), "--out", str(out_dir))
     assert "configs/x.yaml: 10 learner steps per run, 64 held-out seeds, 30.0 min" in text
     assert "| base (pretrained) | - | 0.250 | 0.250 | | | |" in text
     # mean 0.40, sd 0.05 over 3 seeds: t(2) 4.303 * 0.05 / sqrt(3) = 0.124
