@@ -239,7 +239,8 @@ def main() -> None:
     )
     print(f"{'E':>5}{'in-process':>12}{'endpoint':>10}{'ratio':>8}  refusals / drops")
     for envs, base, rate, problems in rows:
-        print(f"{envs:>5}{base:>12.2f}{rate:>10.2f}{rate / max(base, 1e-9):>7.2f}x  {problems}")
+        ratio = f"{rate / base:.2f}x" if base > 0 else "-"  # no episode ended in the window
+        print(f"{envs:>5}{base:>12.2f}{rate:>10.2f} {ratio:>7}  {problems}")
     print(
         f"\nPer request, concurrency 1 (medians of {args.repeats}): HTTP chat completion "
         f"{http_ms:.1f} ms, the same policy call in-process {direct_ms:.1f} ms: overhead "
