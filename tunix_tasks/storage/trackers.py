@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from tunix_tasks.registry import Registry
@@ -62,8 +63,11 @@ def open_tracker(name: str, *, run_name: str, run_uri: str, params: Mapping[str,
 class MlflowSink:
     """MLflow through `mlflow` (or `mlflow-skinny`): one MLflow run per tunix run, found
     again by its tag `tunix.run_uri` when the learner restarts (the config is logged as
-    params once, when it is created). Metrics go asynchronously to that run by its id (any
-    thread may log); `close` waits for them and marks the run finished."""
+    params once, when it is created). Metrics go to that run by its id from one sender
+    thread, in order, so logging never waits on the tracking server; `close` waits for
+    them and marks the run finished. MLflow's own async logging is not used: it logs
+    batches of one run concurrently, and its file store then loses a batch to a race
+    creating the run's metrics folder (`FileExistsError` in a worker, never raised)."""
 
     client = "mlflow"
     TAG = "tunix.run_uri"
@@ -81,16 +85,28 @@ class MlflowSink:
             run = mlflow.start_run(run_name=run_name, tags={self.TAG: run_uri})
             mlflow.log_params(dict(params))
         self.run_id = run.info.run_id
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-sink")
+        self._failure: Exception | None = None
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
-        # MLflow metric names allow '/' (a warm start's series: `warm_start/nll`).
-        self._mlflow.log_metrics(dict(scalars), step=step, synchronous=False, run_id=self.run_id)
+        """Queue `scalars` at `step`; raises the first failure of an earlier send."""
+        if self._failure is not None:
+            raise self._failure
+        self._sender.submit(self._send, dict(scalars), step)
+
+    def _send(self, scalars: dict[str, float], step: int) -> None:
+        try:  # MLflow metric names allow '/' (a warm start's series: `warm_start/nll`)
+            self._mlflow.log_metrics(scalars, step=step, synchronous=True, run_id=self.run_id)
+        except Exception as err:
+            self._failure = self._failure or err
 
     def close(self) -> None:
+        self._sender.shutdown(wait=True)
         mlflow = self._mlflow
-        mlflow.flush_async_logging()
         active = mlflow.active_run()
         if active is not None and active.info.run_id == self.run_id:
             mlflow.end_run()  # the thread that opened it: also leaves no run active
         else:
             mlflow.MlflowClient().set_terminated(self.run_id)
+        if self._failure is not None:
+            raise self._failure

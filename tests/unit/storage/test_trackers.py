@@ -52,6 +52,24 @@ def test_learner_records_reach_mlflow_and_a_restart_continues_the_run(tmp_path, 
     assert "staleness" not in run.data.metrics  # scalars only, as TensorBoard gets them
 
 
+def test_the_first_records_of_many_runs_all_reach_mlflow(tmp_path, tracking):
+    # MLflow's async logging sends a run's batches concurrently; its file store then lost
+    # one to a race creating the run's metrics folder (a nested name, `warm_start/nll`,
+    # beside a flat one): CI lost step 1's `loss` this way.
+    for n in range(12):
+        metrics = _learner(tmp_path, f"file:///runs/r{n}")
+        metrics.log(warm_start_step=1, nll=3.5)
+        metrics.log(step=1, loss=0.25)
+        metrics.log(step=2, loss=0.125)
+        metrics.close()
+    runs = tracking.search_runs([tracking.get_experiment_by_name("Default").experiment_id])
+    assert len(runs) == 12
+    for run in runs:
+        history = tracking.get_metric_history(run.info.run_id, "loss")
+        assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.125)], run.info
+        assert len(tracking.get_metric_history(run.info.run_id, "warm_start/nll")) == 1
+
+
 def test_a_failing_tracker_never_breaks_the_metrics(tmp_path, caplog):
     class Down:
         def log(self, scalars, step):
