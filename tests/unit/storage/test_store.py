@@ -115,6 +115,29 @@ def test_writer_killed_mid_write_leaves_nothing_visible(tmp_path):
     assert not store.exists("shards/a/big.parquet")
 
 
+def test_a_full_disk_is_a_store_error_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    """The write really fails with ENOSPC (the temp file's writes go to /dev/full): a
+    `StoreError` naming the folder and the free space, which the callers' outage handling
+    retries, instead of a raw OSError traceback (a learner died of one publishing), and
+    no partial temp file left behind (one held 31 MB of a snapshot)."""
+    import tunix_tasks.storage.backends.local_tempfiles as temps
+
+    store = LocalStore(f"file://{tmp_path}/run")
+    store.write_bytes("weights/v1/params.safetensors", b"old")
+    real_create = temps._create
+
+    def onto_a_full_disk(path):
+        real_create(path).close()  # the temp file exists, as a partial write leaves it
+        return open("/dev/full", "wb")
+
+    monkeypatch.setattr(temps, "_create", onto_a_full_disk)
+    with pytest.raises(StoreError, match=r"No space left on device writing 1,048,576 bytes \("):
+        store.write_bytes("weights/v1/params.safetensors", b"x" * (1 << 20))
+    folder = tmp_path / "run" / "weights" / "v1"
+    assert sorted(p.name for p in folder.iterdir()) == ["params.safetensors"]
+    assert store.read_bytes("weights/v1/params.safetensors") == b"old"
+
+
 def test_normalize_uri(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert normalize_uri("runs") == f"file://{tmp_path}/runs"

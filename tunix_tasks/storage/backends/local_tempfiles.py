@@ -17,6 +17,7 @@ a sweep walks the whole run folder at most every `every_s` (default: max_age / 4
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -24,6 +25,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import BinaryIO
+
+from tunix_tasks.storage.store import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +36,32 @@ DEFAULT_MAX_AGE_S = 3600.0
 
 
 def write_temp(directory: Path, data: bytes) -> Path:
-    """`data` in a new hidden temp file of `directory` (created if missing), fsynced."""
+    """`data` in a new hidden temp file of `directory` (created if missing), fsynced. A
+    failed write leaves no temp file; a full disk is a `StoreError` (the callers' outage
+    handling retries it: space may be freed), naming the folder and what is free."""
     tmp = directory / f"{PREFIX}{uuid.uuid4().hex}"
-    with _create(tmp) as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with _create(tmp) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreError(
+                f"{directory}: {err.strerror} writing {len(data):,} bytes "
+                f"({_free_bytes(directory):,} bytes free); free space or use another store"
+            ) from None
+        raise
     return tmp
+
+
+def _free_bytes(directory: Path) -> int:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def _create(path: Path, tries: int = 3) -> BinaryIO:
