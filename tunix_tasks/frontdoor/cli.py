@@ -230,7 +230,8 @@ def _eval(args: argparse.Namespace) -> int:
     _check_run_config(args.run_uri)
     from tunix_tasks.frontdoor.evaluate import evaluate_snapshot, held_out_seeds
 
-    _print_json(evaluate_snapshot(args.run_uri, args.version, seeds=held_out_seeds(args.episodes)))
+    seeds = held_out_seeds(args.episodes)
+    _print_json(evaluate_snapshot(args.run_uri, args.version, seeds=seeds, harness=args.harness))
     return 0
 
 
@@ -363,6 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_uri")
     p.add_argument("--version", type=int, default=None, help="default: the latest")
     p.add_argument("--episodes", type=int, default=64)
+    p.add_argument(
+        "--harness",
+        choices=["env", "program"],
+        default=None,
+        help="what plays each seed: the env in-process, or the run's agent program "
+        "(actor.agent.program) against a private endpoint; default: program for "
+        "actor.kind=agent runs, else env",
+    )
 
     p = command("import-gguf", _import_gguf, "convert a llama.cpp GGUF file to a checkpoint dir")
     p.add_argument("src", help="the .gguf file (llama, qwen2 or qwen3; docs/models.md)")
@@ -385,8 +394,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if not args.verbose:
-        # JAX logs "Unable to initialize backend 'tpu'" at INFO on every CPU-only run.
-        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+        # JAX logs "Unable to initialize backend 'tpu'" at INFO on every CPU-only run, and
+        # httpx every request an agent program makes (thousands per actor log).
+        for noisy in ("jax._src.xla_bridge", "httpx"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -216,12 +216,17 @@ def write_report(run_uri: str) -> str:
 
 
 def evaluate_snapshot(
-    run_uri: str, version: int | None = None, *, seeds: list[int] | None = None
+    run_uri: str,
+    version: int | None = None,
+    *,
+    seeds: list[int] | None = None,
+    harness: str | None = None,
 ) -> dict[str, Any]:
-    """Score snapshot `version` (default: the latest) on held-out seeds; writes eval/."""
+    """Score snapshot `version` (default: the latest) on held-out seeds, played by
+    `harness` (`env` or `program`; default: the run's `actor.kind`'s); writes eval/."""
     from tunix_tasks.frontdoor.evaluate import evaluate_snapshot as _eval
 
-    return _eval(run_uri, version, seeds=seeds)
+    return _eval(run_uri, version, seeds=seeds, harness=harness)
 
 
 def report_after_eval(run_uri: str, version: int) -> str | None:

@@ -15,4 +15,6 @@ server.py    `build_app` (Starlette routes, errors, bearer token, body bound) an
              `EndpointServer` (uvicorn on the actor's event loop)
 runner.py    `AgentRunner`: copies of the user's `run(client, task)` against the endpoint
 actor.py     `AgentActor`: the async actor with the endpoint and the runner as its loop
+evaluation.py `play_program`: the program scored on held-out seeds on a private endpoint
+             (what `tunix-tasks eval` runs for an agent run)
 """

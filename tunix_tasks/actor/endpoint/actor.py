@@ -56,14 +56,7 @@ class AgentActor(Actor):
             self.chat,
             self.policy,
             self.registry,
-            EndpointLimits(
-                model=cfg.model.checkpoint or f"tunix-{cfg.model.preset}",
-                max_episode_tokens=cfg.actor.max_episode_tokens,
-                max_new_tokens=cfg.actor.max_new_tokens,
-                temperature=cfg.actor.temperature,
-                top_k=cfg.actor.top_k,
-                max_concurrent_requests=agent.max_concurrent_requests,
-            ),
+            EndpointLimits.from_config(cfg),
         )
         self.endpoint_url = ""
         self._runner: AgentRunner | None = None

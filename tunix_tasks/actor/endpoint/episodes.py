@@ -143,6 +143,10 @@ class EpisodeRegistry:
             raise ApiError(409, f"episode {episode_id} has ended ({ended})", code="episode_ended")
         raise ApiError(404, f"no episode {episode_id!r} on this endpoint", code="episode_not_found")
 
+    def how_ended(self, episode_id: str) -> str | None:
+        """'closed' or the drop status of an ended episode (the last 100,000); None else."""
+        return self._ended.get(episode_id)
+
     def close(self, episode_id: str, *, reward: float, truncated: bool = False) -> Episode | None:
         """End the episode with `reward`: its `Episode`, or None when it had no sampled
         turn (dropped as `no_turns`)."""

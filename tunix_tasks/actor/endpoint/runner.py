@@ -105,12 +105,14 @@ class AgentRunner:
         for http in self._http:
             await http.aclose()
 
-    async def play_group(self, group: str, *, seed: int, envs: Sequence[Environment]) -> None:
-        """One group: a program run per env, all at once, each closed or dropped."""
+    async def play_group(self, group: str, *, seed: int, envs: Sequence[Environment]) -> list[str]:
+        """One group: a program run per env, all at once, each closed or dropped; the
+        episode ids, in `envs` order."""
         opened = [self.registry.open(group=group, group_size=len(envs), seed=seed) for _ in envs]
         await asyncio.gather(
             *(self._play(ep.id, env, seed) for ep, env in zip(opened, envs, strict=True))
         )
+        return [ep.id for ep in opened]
 
     async def _play(self, episode_id: str, env: Environment, seed: int) -> None:
         client = self._openai.AsyncOpenAI(

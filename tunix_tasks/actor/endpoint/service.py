@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry, OpenEpisode
 from tunix_tasks.actor.endpoint.fidelity import HistoryMismatch, match_history
 from tunix_tasks.actor.endpoint.wire import ApiError, ChatRequest, completion
+from tunix_tasks.config import RunConfig
 from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.chat_template import ChatTemplateError
 
@@ -47,6 +48,17 @@ class EndpointLimits:
     temperature: float
     top_k: int
     max_concurrent_requests: int
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> EndpointLimits:
+        return cls(
+            model=cfg.model.checkpoint or f"tunix-{cfg.model.preset}",
+            max_episode_tokens=cfg.actor.max_episode_tokens,
+            max_new_tokens=cfg.actor.max_new_tokens,
+            temperature=cfg.actor.temperature,
+            top_k=cfg.actor.top_k,
+            max_concurrent_requests=cfg.actor.agent.max_concurrent_requests,
+        )
 
 
 class EndpointService:
