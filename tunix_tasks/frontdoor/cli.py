@@ -144,6 +144,8 @@ def train_overrides(args: argparse.Namespace) -> list[str]:
         extra.append(f"run_name={args.run_name}")
     if args.mode:
         extra.append(f"mode={args.mode}")  # RunConfig derives what sync implies
+    if getattr(args, "program", None):  # `agents`: train with the agent actor kind
+        extra += ["actor.kind=agent", f"actor.agent.program={args.program}"]
     return extra
 
 
@@ -292,6 +294,17 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    _add_config_args(p)
+    p.add_argument("--store", help="root URI of runs: a folder, file:///abs, or gs://bucket/prefix")
+    p.add_argument("--run-name", help="run name (the run lives at <store>/<run-name>)")
+    p.add_argument(
+        "--mode", choices=["async", "sync"], help="sync: the classic synchronous baseline"
+    )
+    p.add_argument("--quiet", action="store_true", help="no live progress display")
+    p.add_argument("--json", action="store_true", help="end with the summary as JSON (scripts)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tunix-tasks", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -323,14 +336,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
 
     p = command("train", _train, "run a learner and N actors locally (the main job)")
-    _add_config_args(p)
-    p.add_argument("--store", help="root URI of runs: a folder, file:///abs, or gs://bucket/prefix")
-    p.add_argument("--run-name", help="run name (the run lives at <store>/<run-name>)")
-    p.add_argument(
-        "--mode", choices=["async", "sync"], help="sync: the classic synchronous baseline"
+    _add_train_args(p)
+
+    p = command(
+        "agents",
+        _train,
+        "train your agent program: `train` with actor.kind=agent running --program "
+        "(docs/agents.md)",
     )
-    p.add_argument("--quiet", action="store_true", help="no live progress display")
-    p.add_argument("--json", action="store_true", help="end with the summary as JSON (scripts)")
+    p.add_argument(
+        "--program",
+        required=True,
+        help="package.module:function, an async run(client, task) -> reward (importable: "
+        "install it, or PYTHONPATH=its folder)",
+    )
+    _add_train_args(p)
 
     p = command("prepare", _prepare, "validate a config and write <run>/config.json")
     _add_config_args(p)

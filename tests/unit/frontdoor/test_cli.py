@@ -126,6 +126,14 @@ def test_every_command_parses_and_train_flags_are_overrides():
     assert train_overrides(args) == ["store=gs://b/p", "run_name=n", "mode=sync"]
     assert train_overrides(parser.parse_args(["train", "--mode", "async"])) == ["mode=async"]
     assert train_overrides(parser.parse_args(["train"])) == []
+    # `agents` is `train` with the agent actor kind running the given program
+    args = parser.parse_args(["agents", "--program", "my_pkg.agent:run", "--mode", "sync"])
+    assert args.func is parser.parse_args(["train"]).func
+    assert train_overrides(args) == [
+        "mode=sync",
+        "actor.kind=agent",
+        "actor.agent.program=my_pkg.agent:run",
+    ]
 
 
 def test_train_calls_the_launcher_with_the_config(monkeypatch, tmp_path, capsys):
