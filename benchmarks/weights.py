@@ -3,7 +3,9 @@
 For each size (random float32 "layer" matrices: per layer wq/wk/wv/wo d x d, up d x 4d,
 down 4d x d) and store (file://; gs:// on fake-gcs-server with --gcs), one run each of:
   full           v0 published with `WeightsPublisher`, reloaded by a fresh `WeightsClient`
-  delta, held    v1 = v0 * (1 + 1e-5 * normal), published as a delta against v0; reloaded
+  delta, held    v1 = v0 after one AdamW step at `--lr` (every weight moves by exactly lr,
+                 the size of Adam's first step, m/sqrt(v) = sign(g); a later step moves
+                 each by about lr or less), published as a delta against v0; reloaded
                  by a client that holds v0 (it loaded it): reads delta.bin only
   delta, fresh   the same v1, reloaded by a fresh client: reads v0's params and the delta
   adapter        rank-`--rank` LoRA factors (A: d_in x r, B: r x d_out) of every matrix,
@@ -17,7 +19,7 @@ old path (`read_bytes` + `safetensors.numpy.load`, which copies every tensor).
 Goals (#10): adapter reload >= 50x faster than full at the larger size; delta >= 3x
 smaller than full after one update at lr 1e-5.
 
-    python benchmarks/weights.py [--sizes 1 100] [--repeats 3] [--rank 8] [--gcs]
+    python benchmarks/weights.py [--sizes 1 100] [--repeats 3] [--rank 8] [--lr 1e-5] [--gcs]
     python benchmarks/weights.py --sizes 300          # ~300M params (~1.2 GB per blob)
 """
 
@@ -63,10 +65,13 @@ def random_params(spec: dict[str, tuple[int, ...]], seed: int) -> dict[str, np.n
     return {k: rng.standard_normal(s, dtype=np.float32) * np.float32(0.02) for k, s in spec.items()}
 
 
-def small_update(flat: dict[str, np.ndarray], rel: float = 1e-5) -> dict[str, np.ndarray]:
+def optimizer_step(flat: dict[str, np.ndarray], lr: float) -> dict[str, np.ndarray]:
+    """The weights after an update the size of a real one: Adam's first step moves every
+    weight by exactly `lr` (m / sqrt(v) = sign(g)), in a random direction here."""
     rng = np.random.default_rng(1)
+    step = np.float32(lr)
     return {
-        k: v * (1 + np.float32(rel) * rng.standard_normal(v.shape, dtype=np.float32))
+        k: v - step * np.sign(rng.standard_normal(v.shape, dtype=np.float32))
         for k, v in flat.items()
     }
 
@@ -108,7 +113,9 @@ def traced_peak(fn: Callable[[], object]) -> int:
         tracemalloc.stop()
 
 
-def run(uri: str, params_m: float, repeats: int, rank: int) -> dict[str, dict[str, float]]:
+def run(
+    uri: str, params_m: float, repeats: int, rank: int, lr: float
+) -> dict[str, dict[str, float]]:
     store = open_store(f"{uri}/deltas")
     spec = shapes(params_m)
     v0 = random_params(spec, seed=0)
@@ -129,7 +136,7 @@ def run(uri: str, params_m: float, repeats: int, rank: int) -> dict[str, dict[st
     holders = [WeightsClient(store) for _ in range(repeats)]
     for client in holders:
         client.poll()  # holds v0 from here on
-    v1 = small_update(v0)
+    v1 = optimizer_step(v0, lr)
     del v0
     publish_s = publish(pub, v1, version=1)
     row("delta, held", 1, publish_s, [reload(c) for c in holders])
@@ -168,15 +175,18 @@ def main() -> None:
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 100], help="M params")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-5, help="the delta's optimizer step")
     parser.add_argument("--gcs", action="store_true", help="also on gs:// (fake-gcs-server)")
     args = parser.parse_args()
     results: dict[tuple[str, float], dict[str, dict[str, float]]] = {}
     for size in args.sizes:
         with tempfile.TemporaryDirectory() as tmp:
-            results["file://", size] = run(f"file://{tmp}", size, args.repeats, args.rank)
+            results["file://", size] = run(f"file://{tmp}", size, args.repeats, args.rank, args.lr)
         if args.gcs:
             with FakeGcs() as gcs:
-                results["gs://", size] = run(gcs.new_bucket_uri(), size, args.repeats, args.rank)
+                results["gs://", size] = run(
+                    gcs.new_bucket_uri(), size, args.repeats, args.rank, args.lr
+                )
     print(f"{'store':<7}{'size':>6}  {'':<28}" + "".join(f"{c:>11}" for c in COLS))
     for (where, size), rows in results.items():
         for name, r in rows.items():
@@ -185,7 +195,8 @@ def main() -> None:
     for (where, size), rows in results.items():
         delta, adapter = rows["delta, held"]["x smaller"], rows["adapter"]["x faster"]
         print(
-            f"{where} {size:g}M: delta {delta:.2f}x smaller than full (goal >= 3); adapter "
+            f"{where} {size:g}M: delta {delta:.2f}x smaller than full after a step at lr "
+            f"{args.lr:g} (goal >= 3); adapter "
             f"reload {adapter:.1f}x faster than full (goal >= 50 at the larger size)"
         )
 
