@@ -2,8 +2,8 @@
 rooflines, the forward and sampling rates, and the snapshot publish / reload path.
 
     lim = limits("float32", repeats)                   # matmul FLOP/s, DRAM read bandwidth
-    tokens_per_s = measure_forward(model, batch, seq, repeats)
-    tps, wall, compiles = measure_sampling(make_sampler(model, 128, 16), 16, 32, 16, repeats)
+    tokens_per_s, xla_flops_per_token = measure_forward(model, batch, seq, repeats)
+    tps, wall, compiles, steps = measure_sampling(make_sampler(model, 128, 16), 16, 32, 16, 3)
     sampler, rows = sampling_rows(model, args, log)   # one row per --sample-batches
     reload = measure_reload("file:///tmp/run", model, sampler, repeats, probe_dir)
     apply_limits(result, lim)                          # the roofline figures, at the end
@@ -82,39 +82,49 @@ def apply_limits(r: dict[str, Any], lim: dict[str, float]) -> None:
     """The roofline figures of one family's results, from the run's final limits."""
     spec = DecoderSpec(**r["spec"])
     r["read_ref"] = lim["read_MBps"]
-    r["forward"]["limit_tokens_per_s"] = lim["matmul_flops"] / r["forward"]["flops_per_token"]
+    f = r["forward"]
+    f["matmul_flops"] = lim["matmul_flops"]
+    f["limit_tokens_per_s"] = lim["matmul_flops"] / f["flops_per_token"]
     for s in r["sampling"]:
         t = sampling_limit_s(
-            spec,
-            lim,
-            s["batch"],
-            s["prompt_bucket"],
-            s["new_tokens"],
-            s["cache_len"],
-            s["kv_itemsize"],
+            spec, lim, s["batch"], s["prompt_bucket"], s["decode_segments"], s["itemsize"]
         )
         s["limit_tokens_per_s"] = s["batch"] * s["new_tokens"] / t
 
 
 def sampling_limit_s(
-    spec: DecoderSpec, lim: dict, batch: int, prompt: int, new: int, cache: int, itemsize: int
+    spec: DecoderSpec,
+    lim: dict,
+    batch: int,
+    prompt: int,
+    segments: list[tuple[int, int]],
+    itemsize: int,
 ) -> float:
-    """Lower bound on the wall time of one sampling call (module docstring)."""
-    # float32 as stored; of an untied embedding table only the B gathered rows
-    nbytes = costs.weight_read_bytes(spec, batch, 4) + costs.kv_bytes(spec, batch * cache, itemsize)
-    prefill = max(
-        costs.prefill_flops(spec, batch * prompt, cache, logits=batch) / lim["matmul_flops"],
-        nbytes / lim["mem_bw"],
+    """Lower bound on the wall time of one sampling call (module docstring): the prefill of
+    `prompt` (bucket) tokens per row over a window of as many, then each decode segment's
+    (steps, window). Weights and K/V in the compute dtype: the sampler holds both in it."""
+
+    def step_bytes(window: int) -> int:  # of an untied embedding table, only B rows
+        return costs.weight_read_bytes(spec, batch, itemsize) + costs.kv_bytes(
+            spec, batch * window, itemsize
+        )
+
+    t = max(
+        costs.prefill_flops(spec, batch * prompt, prompt, logits=batch) / lim["matmul_flops"],
+        step_bytes(prompt) / lim["mem_bw"],
     )
-    step = max(
-        batch * costs.forward_flops_per_token(spec, cache) / lim["matmul_flops"],
-        nbytes / lim["mem_bw"],
-    )
-    return prefill + new * step
+    for steps, window in segments:
+        t += steps * max(
+            batch * costs.forward_flops_per_token(spec, window) / lim["matmul_flops"],
+            step_bytes(window) / lim["mem_bw"],
+        )
+    return t
 
 
-def measure_forward(model, batch: int, seq: int, repeats: int) -> float:
-    """Tokens/s of the jitted packed training forward at [batch, seq] (compile excluded)."""
+def measure_forward(model, batch: int, seq: int, repeats: int) -> tuple[float, float]:
+    """Tokens/s of the jitted packed training forward at [batch, seq] (compile excluded),
+    and the FLOPs per token XLA's cost analysis counts in that compiled program (the
+    cross-check of the cost model's count the roofline uses)."""
     graphdef, state = nnx.split(model)
     fwd = jax.jit(lambda s, t, p, g: nnx.merge(graphdef, s)(t, p, g))
     rng = np.random.default_rng(0)
@@ -123,15 +133,20 @@ def measure_forward(model, batch: int, seq: int, repeats: int) -> float:
     positions = jnp.asarray(np.tile(np.r_[np.arange(half), np.arange(seq - half)], (batch, 1)))
     segments = jnp.asarray(np.tile(np.r_[np.ones(half), np.full(seq - half, 2)], (batch, 1)))
     args = (state, tokens, positions.astype(jnp.int32), segments.astype(jnp.int32))
-    jax.block_until_ready(fwd(*args))  # compile
-    return batch * seq / timed(lambda: fwd(*args), repeats)
+    compiled = fwd.lower(*args).compile()  # the program timed below, and its FLOPs
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost  # a list in older jax
+    jax.block_until_ready(compiled(*args))
+    tokens_per_s = batch * seq / timed(lambda: compiled(*args), repeats)
+    return tokens_per_s, float(cost["flops"]) / (batch * seq)
 
 
 def measure_sampling(
     sampler: Sampler, batch: int, prompt: int, new: int, repeats: int
-) -> tuple[float, float, int]:
+) -> tuple[float, float, int, int]:
     """`Sampler.sample` of `batch` prompts, exactly `new` tokens each: (tokens/s, seconds
-    per call, compiles during the timed calls) after a warm-up call."""
+    per call, compiles during the timed calls, decode steps per call) after a warm-up
+    call. The prefill draws each row's first token, so a call decodes `new - 1` steps."""
     rng = np.random.default_rng(batch)
     vocab = sampler.model.vocab_size
     ctx = [rng.integers(0, vocab, prompt).tolist() for _ in range(batch)]
@@ -145,10 +160,12 @@ def measure_sampling(
         assert n == batch * new, (n, batch * new)
         return n
 
+    steps = sampler.stats.decode_steps
     call()  # compiles every program this call shape uses
+    steps = sampler.stats.decode_steps - steps
     compiles = sampler.compile_count
     wall = timed(call, repeats)
-    return batch * new / wall, wall, sampler.compile_count - compiles
+    return batch * new / wall, wall, sampler.compile_count - compiles, steps
 
 
 def make_sampler(model, max_seq_len: int, max_batch: int) -> Sampler:
@@ -183,14 +200,21 @@ def sampling_rows(
     sampler = make_sampler(model, seq, max(args.sample_batches))
     itemsize = jnp.dtype(args.compute_dtype).itemsize
     width = next(b for b in sampler.prompt_buckets if b >= args.prompt)
-    cache = next(
-        b for b in sampler.prompt_buckets if b >= min(width + args.new_tokens, spec.max_seq_len)
-    )
+    # The decode segments as `Sampler.decode_window` picks them: after the prefill's token
+    # the furthest row sits at position `prompt`; each segment attends over the bucket
+    # holding its furthest position + segment_steps + 1 (not the whole cache).
+    segments, furthest, left = [], args.prompt, args.new_tokens - 1
+    while left > 0:
+        steps = min(sampler.segment_steps, left)
+        reach = min(furthest + sampler.segment_steps + 1, sampler.max_seq_len)
+        segments.append((steps, next(w for w in sampler.prompt_buckets if w >= reach)))
+        furthest, left = furthest + steps, left - steps
     rows = []
     for b in args.sample_batches:
-        tps, wall, recompiles = measure_sampling(
+        tps, wall, recompiles, steps = measure_sampling(
             sampler, b, args.prompt, args.new_tokens, args.repeats
         )
+        assert steps == sum(n for n, _ in segments), (steps, segments)
         lp = measure_logprobs_step(b, spec.vocab_size, args.repeats)
         rows.append(
             {
@@ -198,8 +222,8 @@ def sampling_rows(
                 "prompt": args.prompt,
                 "new_tokens": args.new_tokens,
                 "prompt_bucket": width,
-                "cache_len": cache,
-                "kv_itemsize": itemsize,
+                "decode_segments": segments,
+                "itemsize": itemsize,
                 "tokens_per_s": tps,
                 "call_s": wall,
                 "compiles_in_measurement": recompiles,

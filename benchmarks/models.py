@@ -43,17 +43,24 @@ shared machine a slower one is contention). The cost model is `tunix_tasks.polic
 with L layers, d d_model, h / kv heads of size hd, f d_ff, V vocab, P_mm the matmul params
 per token = L*(2*d*h*hd + 2*d*kv*hd + 3*d*f) + d*V (the output projection, tied or not):
   forward FLOPs/token       = 2*P_mm + 4*L*h*hd*T   (T = --seq: the masked T x T attention
-                              is computed in full); limit = FLOP/s / that
-  decode step, batch B      FLOPs = B*(2*P_mm + 4*L*h*hd*S), S = the sampler's cache length
-                            bytes = params read (float32 as stored, all but an untied
-                                    embedding table, of which B rows) + the K/V cache read,
-                                    2*L*B*kv*S*hd*itemsize(compute dtype)
+                              is computed in full, and logits at every token); limit =
+                              FLOP/s / that. XLA's cost analysis of the compiled forward
+                              is printed next to it ("forward FLOP/s (XLA count)"): the
+                              two counts agree within ~0.5% (norms, softmax, RoPE)
+  decode step, batch B      FLOPs = B*(2*P_mm + 4*L*h*hd*S), S = the segment's window (the
+                                    bucket `Sampler.decode_window` picks, not the cache)
+                            bytes = params read (in the compute dtype, as the sampler holds
+                                    them; of an untied embedding table only B rows) + the
+                                    K/V read, 2*L*B*kv*S*hd*itemsize(compute dtype)
                             time >= max(FLOPs / FLOP/s, bytes / bandwidth)
   prefill, B*N tokens       FLOPs = 2*(P_mm - d*V)*B*N + 2*d*V*B (the output layer only at
                                     each row's last token: the only logits sampling needs)
-                                    + 4*L*h*hd*B*N*S, N = the prompt bucket; bytes as a step
-  sampling call             limit = prefill (FLOP- or weight-read-bound) + new_tokens
-                                    decode steps; tokens/s = B*new / that
+                                    + 4*L*h*hd*B*N*N, N = the prompt bucket (its window);
+                                    bytes as a step over N positions
+  sampling call             limit = prefill (FLOP- or weight-read-bound) + new_tokens - 1
+                                    decode steps (the prefill draws the first token; the
+                                    steps are counted by the sampler's stats); tokens/s =
+                                    B*new / that
 "ratio" against a roofline is achieved / limit (1.0 = at the roofline; the sort/softmax over
 the vocabulary, RoPE, norms and the host loop between calls are not in the limit).
 
@@ -184,12 +191,13 @@ def run_family(family: str, args, root: Path, lim: dict, gcs) -> dict[str, Any]:
     jax.block_until_ready(nnx.state(model))
     r["import_parent_s"] = time.perf_counter() - t0
     raise_limits(lim, limits(args.compute_dtype, args.repeats))
-    tps = measure_forward(model, args.fwd_batch, args.seq, args.repeats)
+    tps, xla_flops = measure_forward(model, args.fwd_batch, args.seq, args.repeats)
     r["forward"] = {
         "batch": args.fwd_batch,
         "seq": args.seq,
         "tokens_per_s": tps,
         "flops_per_token": costs.forward_flops_per_token(spec, args.seq),
+        "xla_flops_per_token": xla_flops,  # the compiled program's own count: a cross-check
     }
     log(f"[{family}] forward {tps:.0f} tokens/s")
 
