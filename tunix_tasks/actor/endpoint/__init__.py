@@ -13,7 +13,8 @@ episodes.py  `EpisodeRegistry`: open / close / drop episodes, their groups, the 
 service.py   `EndpointService`: one request: match, render the new messages, sample, record
 server.py    `build_app` (Starlette routes, errors, bearer token, body bound) and
              `EndpointServer` (uvicorn on the actor's event loop)
-runner.py    `AgentRunner`: copies of the user's `run(client, task)` against the endpoint
+runner.py    `AgentRunner`: copies of the user's `run(client, task)` against the endpoint (one
+             whose episode is dropped meanwhile is cancelled)
 actor.py     `AgentActor`: the async actor with the endpoint and the runner as its loop
 evaluation.py `play_program`: the program scored on held-out seeds on a private endpoint
              (what `tunix-tasks eval` runs for an agent run)

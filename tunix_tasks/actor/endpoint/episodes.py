@@ -21,6 +21,7 @@ its group is handed over without it.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 import uuid
@@ -50,6 +51,7 @@ class OpenEpisode:
     tools: list[dict] | None = None  # fixed by the first recorded turn
     busy: bool = False  # a request in flight
     last_active: float = field(default_factory=time.monotonic)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when it ends, however
 
 
 @dataclass(eq=False)
@@ -197,6 +199,7 @@ class EpisodeRegistry:
 
     def _end(self, ep: OpenEpisode, how: str, episode: Episode | None) -> None:
         del self._open[ep.id]
+        ep.ended.set()
         self._ended[ep.id] = how
         while len(self._ended) > 100_000:  # bounded memory of ended ids
             self._ended.popitem(last=False)

@@ -17,18 +17,22 @@ to get there (which messages, which tools, how many turns):
 
 An episode whose program raises, or returns no finite number, is dropped as
 `agent_error` (logged once per program error type); its group is committed without it.
+A program whose episode the registry drops meanwhile (`abandoned`: no request for
+`actor.agent.episode_timeout_s`; `disconnected`) is cancelled, so a hung one does not run
+on beside the episodes that replace it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry
+from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry, OpenEpisode
 from tunix_tasks.envs.base import Environment
 from tunix_tasks.episode import MAX_ABS_REWARD, reward_in_range
 from tunix_tasks.messages import Action
@@ -110,11 +114,12 @@ class AgentRunner:
         episode ids, in `envs` order."""
         opened = [self.registry.open(group=group, group_size=len(envs), seed=seed) for _ in envs]
         await asyncio.gather(
-            *(self._play(ep.id, env, seed) for ep, env in zip(opened, envs, strict=True))
+            *(self._play(ep, env, seed) for ep, env in zip(opened, envs, strict=True))
         )
         return [ep.id for ep in opened]
 
-    async def _play(self, episode_id: str, env: Environment, seed: int) -> None:
+    async def _play(self, episode: OpenEpisode, env: Environment, seed: int) -> None:
+        episode_id = episode.id
         client = self._openai.AsyncOpenAI(
             base_url=f"{self.base_url}/episodes/{episode_id}/v1",
             api_key=self._api_key,
@@ -123,7 +128,9 @@ class AgentRunner:
         self._episodes += 1
         try:
             task = await self._task(env, seed)
-            reward = await self.program(client, task)
+            finished, reward = await self._until_ended(self.program(client, task), episode)
+            if not finished:  # dropped meanwhile (abandoned, disconnected): counted there
+                return
             if (
                 isinstance(reward, bool)
                 or not isinstance(reward, int | float)
@@ -143,6 +150,26 @@ class AgentRunner:
             self.registry.close(episode_id, reward=float(reward))
         except Exception as err:  # ended meanwhile (abandoned, disconnected)
             log.info("episode %s not closed: %s", episode_id, err)
+
+    @staticmethod
+    async def _until_ended(run: Awaitable[Any], episode: OpenEpisode) -> tuple[bool, Any]:
+        """(True, the program's return value), or (False, None) once its episode ended
+        without it (the registry dropped it: idle past the timeout, or its client went
+        away): the program is cancelled then, as when the actor stops, so a program that
+        hangs does not run on forever."""
+        program = asyncio.ensure_future(run)
+        ended = asyncio.ensure_future(episode.ended.wait())
+        try:
+            await asyncio.wait({program, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+            if not program.done():
+                program.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await program  # its finally blocks run before the slot is reused
+        if program.cancelled():
+            return False, None
+        return True, program.result()
 
     @staticmethod
     async def _task(env: Environment, seed: int) -> dict[str, Any]:

@@ -62,3 +62,35 @@ def test_a_group_runs_its_copies_and_drops_the_ones_that_fail():
     assert all(e.reward in (0.5, 1.5) for e in group)  # the env's grade (0 or 1) + 0.5
     assert len({e.group_id for e in group}) == 1
     assert ep.registry.dropped["agent_error"] == 2 and len(ep.registry) == 0
+
+
+CANCELLED: list[int] = []
+
+
+async def hangs(client, task) -> float:
+    """Never calls the endpoint and never returns (a stuck tool, a lost await)."""
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        CANCELLED.append(task["seed"])
+        raise
+    return 1.0
+
+
+def test_a_program_whose_episode_was_abandoned_is_cancelled_not_left_running():
+    async def run():
+        async with endpoint(timeout_s=0.3) as ep:
+            runner = AgentRunner(hangs, ep.registry, ep.url, connections=2)
+            try:
+                await asyncio.wait_for(
+                    runner.play_group("stuck", seed=9, envs=[make_env("calculator")]), 30
+                )
+            finally:
+                await runner.aclose()
+            return ep
+
+    CANCELLED.clear()
+    ep = asyncio.run(run())
+    assert CANCELLED == [9]  # the program was cancelled when its episode was dropped
+    assert ep.registry.dropped["abandoned"] == 1 and len(ep.registry) == 0
+    assert ep.groups == []  # nothing written for it
