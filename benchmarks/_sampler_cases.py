@@ -214,6 +214,12 @@ class DecodeCase:
         }
         r["of_limit"] = r["tokens_per_s"] / r["limit"]
         r["draw_share"] = r["draw_ms"] / r["ms_per_step"]
+        # The program reads the whole padded window W; the rows hold fewer live positions
+        # (their mean over the timed steps): the roofline of only those bytes is higher.
+        s = self.sampler.segment_steps
+        r["live_positions"] = self.prompt + 1 + s + self.segments * s / 2
+        live = roof.decode(self.batch, round(r["live_positions"]), lim)
+        r["of_dram_live"] = r["tokens_per_s"] / min(live["limit_dram"], live["limit_flops"])
         return r
 
 
