@@ -22,8 +22,8 @@ Flow control (`actor.flow_control`, `admission.py`): with the weights the runtim
 the learner's `learner/flow.json`; a kind's loop asks `_admit(in_flight)` before starting
 new episodes and waits (polling) while it says no.
 
-Weights: the runtime polls `weights/LATEST` (at most every `weight_poll_s`) and swaps in a
-new snapshot once its checksum, tensor names, shapes and dtypes check out (a bad snapshot
+Weights: the runtime polls `weights/LATEST` (at most every `weight_poll_s`, one thread at
+a time) and swaps in a new snapshot once its checksum, tensor names, shapes and dtypes check out (a bad snapshot
 or pointer is refused once; the actor keeps its weights). An episode's `policy_version` is
 the OLDEST version that produced any of its tokens, so staleness is never underestimated.
 """
@@ -118,6 +118,7 @@ class ActorRuntime:
         self.weights = WeightsClient(store)
         self.version = -1
         self._last_poll = 0.0
+        self._reloading = threading.Lock()  # one weights poll at a time (`_maybe_reload`)
         self.writer = ShardWriter(
             store,
             actor_id=actor_id,
@@ -263,14 +264,22 @@ class ActorRuntime:
         log.info("actor %s loaded weights v%d", self.actor_id, manifest.version)
 
     def _maybe_reload(self) -> None:
-        now = time.monotonic()
-        if now - self._last_poll < self.cfg.actor.weight_poll_s:
+        # The async kinds call this from the engine thread (between batches) and from the
+        # event loop (group and sync loops): one polls, the other skips. Without the lock
+        # both saw each new version and loaded it twice (SmolLM2: 514 MB each time).
+        if not self._reloading.acquire(blocking=False):
             return
-        self._last_poll = now
-        # Loads, or refuses (or the store fails) and keeps the current weights.
-        self._outage.tolerate("weights poll", self.weights.poll, self._load)
-        if self.gate is not None:
-            self._outage.tolerate("flow poll", self.gate.poll)
+        try:
+            now = time.monotonic()
+            if now - self._last_poll < self.cfg.actor.weight_poll_s:
+                return
+            self._last_poll = now
+            # Loads, or refuses (or the store fails) and keeps the current weights.
+            self._outage.tolerate("weights poll", self.weights.poll, self._load)
+            if self.gate is not None:
+                self._outage.tolerate("flow poll", self.gate.poll)
+        finally:
+            self._reloading.release()
 
     def _admit(self, in_flight: int) -> bool:
         """May the actor start new episodes now (flow control; always without it)?

@@ -385,6 +385,29 @@ def test_actor_reloads_weights_and_refuses_corrupt_snapshot(store_uri, caplog, r
     assert {s.version for s in samplers} == {1}
 
 
+def test_two_threads_polling_at_once_load_a_new_version_once(tmp_path):
+    """The engine thread (between batches) and the event loop (group and sync loops)
+    both poll; an agent run on SmolLM2 loaded every 514 MB snapshot twice, 0.5 s apart."""
+    cfg = _config(f"file://{tmp_path}", weight_poll_s=1e-3)
+    store = write_config(cfg)
+    _publish(store, cfg, _peaky(1, cfg), version=0)
+    actor = Actor(cfg, store, actor_id="actor-p")
+    load = actor._load
+
+    def slow_load(flat, manifest):  # both threads are inside the poll at once
+        time.sleep(0.3)
+        load(flat, manifest)
+
+    actor._load = slow_load
+    threads = [threading.Thread(target=actor._maybe_reload) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert actor.version == 0 and actor.stats.reloads == 1
+
+
 def test_env_exceptions_do_not_kill_the_actor(store_uri):
     # shard_interval_s tiny: the watcher's time-based flushes interleave with commits
     # (no episode may be lost or written twice between the two).
