@@ -8,9 +8,10 @@ is that episode's (docs/agents.md), so every turn the SDK samples is recorded to
 token; held-out evaluation (`tunix-tasks eval`) runs it the same way, greedily. Train it
 on SmolLM2-135M-Instruct and reasoning-gym's chain_sum with the config beside it:
 
-    PYTHONPATH=examples/openai_agent tunix-tasks train \
-        --config examples/openai_agent/smollm2_chain_sum.yaml \
-        --set actor.agent.program=sdk_agent:run --set run_name=smollm2_sdk_agent
+    PYTHONPATH=examples/openai_agent tunix-tasks agents --program sdk_agent:run \
+        --config examples/openai_agent/smollm2_chain_sum.yaml --run-name smollm2_sdk_agent
+
+(held-out 0.281 -> 0.418 in 40 steps on 2 cores, docs/agents.md)
 """
 
 from __future__ import annotations
