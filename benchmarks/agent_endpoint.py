@@ -8,8 +8,9 @@ followed by one env step that sleeps `--latency` s (the reset too). In-process: 
 `play_episode` loops over a `BatchingPolicy`. Endpoint: E copies of an agent program that
 makes the same turns with `client.chat.completions.create` and steps the env through the
 task's `grade` after each one. Every sampler program
-the runs can use is compiled first (benchmarks/actor.py's `warm_sampler`, then one
-unmeasured pass of each path); both then run `--warmup` s, and episodes/s is counted
+the runs use is compiled first, by one unmeasured pass of each path at each E (what a
+steady state meets: admissions, session-reuse prefills, decode windows); both then run
+`--warmup` s, and episodes/s is counted
 over `--window` s. Overhead: at concurrency 1, the median latency of one chat completion
 through HTTP minus the median of the same call made on the policy in-process, and the
 endpoint's own bookkeeping (matching, rendering, recording; no HTTP) per request.
@@ -30,7 +31,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
-from actor import warm_sampler  # benchmarks/actor.py
 
 from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
 from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, play_episode
@@ -215,13 +215,10 @@ def main() -> None:
     if args.smoke:
         args.envs, args.latency, args.warmup, args.window, args.repeats = [4], 0.05, 3.0, 2.0, 3
     chat, sampler = build_sampler(ModelConfig(preset="tiny"), seed=0, max_sequences=max(args.envs))
-    warm_sampler(
-        sampler, min(max(args.envs), sampler.max_batch), MAX_EPISODE_TOKENS, args.new_tokens
-    )
     rows = []
     for envs in args.envs:
-        # Both paths once, unmeasured: the programs the warm-up above missed (decode
-        # windows, batch shapes) compile here, not inside either measurement.
+        # Both paths once, unmeasured: every program they use (admissions, session-reuse
+        # prefills, decode windows, batch shapes) compiles here, not inside a measurement.
         brief = argparse.Namespace(**{**vars(args), "warmup": 0.0, "window": args.warmup})
         asyncio.run(in_process(chat, sampler, envs, brief))
         asyncio.run(through_endpoint(chat, sampler, envs, brief))
