@@ -23,9 +23,10 @@ the learner's `learner/flow.json`; a kind's loop asks `_admit(in_flight)` before
 new episodes and waits (polling) while it says no.
 
 Weights: the runtime polls `weights/LATEST` (at most every `weight_poll_s`, one thread at
-a time) and swaps in a new snapshot once its checksum, tensor names, shapes and dtypes check out (a bad snapshot
-or pointer is refused once; the actor keeps its weights). An episode's `policy_version` is
-the OLDEST version that produced any of its tokens, so staleness is never underestimated.
+a time) and swaps in a new snapshot once its checksum, tensor names, shapes and dtypes
+check out (a bad snapshot or pointer is refused once; the actor keeps its weights). An
+episode's `policy_version` is the OLDEST version that produced any of its tokens, so
+staleness is never underestimated.
 """
 
 from __future__ import annotations
