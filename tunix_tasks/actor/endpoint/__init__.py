@@ -11,6 +11,8 @@ fidelity.py  `match_history`: does the client's conversation extend the episode'
 episodes.py  `EpisodeRegistry`: open / close / drop episodes, their groups, the sweep of
              abandoned ones
 service.py   `EndpointService`: one request: match, render the new messages, sample, record
+tool_choice.py `tool_choice` enforced by the template's forced tool-call opening (prompt
+             tokens, not trained) or the turn returned as text
 server.py    `build_app` (Starlette routes, errors, bearer token, body bound) and
              `EndpointServer` (uvicorn on the actor's event loop)
 runner.py    `AgentRunner`: copies of the user's `run(client, task)` against the endpoint (one

@@ -9,6 +9,8 @@ sampled turn) and appended to the episode's tokens; the policy (the actor's cont
 batched sampler, `BatchingPolicy`) continues those tokens, and the sampled ids, their
 behaviour log-probs and version are recorded exactly as sampled, like `play_episode` does.
 The parsed turn (content, tool calls) is what the client receives and must send back.
+A forced `tool_choice` prefixes the turn with the template's tool-call opening, recorded
+as prompt tokens (tool_choice.py).
 
 Sampling settings are the run's: the learner recomputes log-probs with `actor.temperature`
 and `actor.top_k`, so a request asking for another `temperature` (or `top_p` < 1, `n` > 1)
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry, OpenEpisode
 from tunix_tasks.actor.endpoint.fidelity import HistoryMismatch, match_history
+from tunix_tasks.actor.endpoint.tool_choice import as_text, forced_opening, read_tool_choice
 from tunix_tasks.actor.endpoint.wire import ApiError, ChatRequest, completion
 from tunix_tasks.config import RunConfig
 from tunix_tasks.policy.chat import ChatFormat
@@ -93,7 +96,11 @@ class EndpointService:
         try:
             ep = self.registry.get(episode_id)
             self._check(ep, request)
+            tools = request.tools or []
+            choice = read_tool_choice(request.tool_choice, tools)
             prompt, new = self._render(ep, request)
+            forced = forced_opening(self.chat, [*ep.recorded, *new], tools, choice)
+            prompt += forced
             room = self._room(ep, prompt)
             max_new = min(request.max_new or self.limits.max_new_tokens, room)
             ep.busy = True
@@ -111,7 +118,7 @@ class EndpointService:
             self.refused[code] = self.refused.get(code, 0) + 1
             raise
         self.requests += 1
-        body = self._record(ep, request, prompt, new, *got)
+        body = self._record(ep, request, choice, prompt, forced, new, *got)
         self.overhead_s.append(time.perf_counter() - t0 - policy_s)
         del self.overhead_s[:-10000]
         return body
@@ -202,7 +209,7 @@ class EndpointService:
             raise ApiError(499, "client disconnected", code="client_disconnected")
         return call.result()
 
-    def _record(self, ep, request, prompt, new, tokens, logprobs, version) -> dict:
+    def _record(self, ep, request, choice, prompt, forced, new, tokens, logprobs, version) -> dict:
         tokens, logprobs, finish, stopped = self._cut_at_stop(tokens, logprobs, request.stop)
         rec = ep.record
         ep.tools = request.tools or []  # fixed by the first turn recorded
@@ -212,7 +219,10 @@ class EndpointService:
         rec.extend(self.chat.close_turn(tokens), policy=False)
         rec.versions.add(version)
         rec.turns += 1
-        action = self.chat.parse(tokens, ep.tools)
+        turn = forced + tokens  # the turn as written: a forced tool-call opening, the sample
+        action = (
+            as_text(self.chat, turn) if choice.mode == "none" else self.chat.parse(turn, ep.tools)
+        )
         if stopped:  # OpenAI leaves the stop text out of the content
             at = [action.content.find(x) for x in request.stop if x in action.content]
             action = dataclasses.replace(action, content=action.content[: min(at, default=None)])
