@@ -17,6 +17,13 @@ status in `dropped`: `abandoned` (no request or close within `timeout_s`: `sweep
 `disconnected` (the client went away mid-request), `agent_error` (the agent program
 raised), `no_turns` (closed before any sampled turn). A dropped episode's id answers 409;
 its group is handed over without it.
+
+A request with `n` > 1 samples n choices of the turn (`PendingTurn`). The client's next
+request continues one of them (the one whose message it sends back); the others end there
+as branches. At close every branch becomes an `Episode` of the group too, with the
+episode's reward (id `<episode>.<k>`): the program picked among the choices, so each one
+had a part in the outcome. A close right after an `n` > 1 request may
+score its choices one by one (`rewards`), as a GRPO group of one prompt.
 """
 
 from __future__ import annotations
@@ -34,9 +41,18 @@ from tunix_tasks.actor.episodes import EpisodeBuilder
 from tunix_tasks.episode import Episode, EpisodeStatus
 from tunix_tasks.messages import Message
 
-__all__ = ["DROP_STATUSES", "EpisodeRegistry", "OpenEpisode"]
+__all__ = ["DROP_STATUSES", "EpisodeRegistry", "OpenEpisode", "PendingTurn"]
 
 DROP_STATUSES = ("abandoned", "disconnected", "agent_error", "no_turns")
+
+
+@dataclass(frozen=True)
+class PendingTurn:
+    """The choices of a request with `n` > 1, until the client continues one: the request's
+    new messages, and per choice the transcript through it and its parsed message."""
+
+    new: list[Message]
+    choices: list[tuple[Transcript, Message]]
 
 
 @dataclass(eq=False)
@@ -52,6 +68,17 @@ class OpenEpisode:
     busy: bool = False  # a request in flight
     last_active: float = field(default_factory=time.monotonic)
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when it ends, however
+    pending: PendingTurn | None = None  # an n > 1 turn not yet continued
+    branches: list[Transcript] = field(default_factory=list)  # choices not continued
+
+    def continue_with(self, index: int) -> None:
+        """The conversation goes on from the pending turn's choice `index`; its other
+        choices end there as branches of the episode."""
+        turn = self.pending
+        self.record, message = turn.choices[index]
+        self.recorded += [*turn.new, message]
+        self.branches += [t for i, (t, _) in enumerate(turn.choices) if i != index]
+        self.pending = None
 
 
 @dataclass(eq=False)
@@ -149,41 +176,66 @@ class EpisodeRegistry:
         """'closed' or the drop status of an ended episode (the last 100,000); None else."""
         return self._ended.get(episode_id)
 
-    def close(self, episode_id: str, *, reward: float, truncated: bool = False) -> Episode | None:
-        """End the episode with `reward`: its `Episode`, or None when it had no sampled
-        turn (dropped as `no_turns`)."""
+    def close(
+        self,
+        episode_id: str,
+        *,
+        reward: float,
+        rewards: list[float] | None = None,
+        truncated: bool = False,
+    ) -> list[Episode]:
+        """End the episode with `reward`: its `Episode`s (one per branch, module docstring),
+        or none when it had no sampled turn (dropped as `no_turns`). `rewards` scores the
+        choices of a last request with `n` > 1 one by one (ApiError 400 otherwise)."""
         ep = self.get(episode_id)
         if ep.busy:
             raise ApiError(
                 409, f"episode {episode_id} has a request in flight", code="episode_busy"
             )
-        rec = ep.record
-        if rec.turns == 0:
+        last = [ep.record] if ep.pending is None else [t for t, _ in ep.pending.choices]
+        if rewards is not None and (ep.pending is None or len(rewards) != len(last)):
+            raise ApiError(
+                400,
+                f"rewards: one per choice of a last request with n > 1 (this episode's last "
+                f"request had {len(last)} choice{'s' * (len(last) > 1)})",
+                param="rewards",
+            )
+        if last[0].turns == 0:
             self.drop(episode_id, "no_turns")
-            return None
-        rec.extend(self._end_ids, policy=False)
-        episode = self._builder(
-            rec.tokens,
-            rec.loss_mask,
-            rec.logprobs,
+            return []
+        status = EpisodeStatus.TRUNCATED if truncated else EpisodeStatus.OK
+        ends = [*zip(last, rewards or [reward] * len(last), strict=True)]
+        ends += [(b, reward) for b in ep.branches]
+        episodes = [
+            self._episode(ep, rec, r, status, ep.id if k == 0 else f"{ep.id}.{k}")
+            for k, (rec, r) in enumerate(ends)
+        ]
+        self.closed += 1
+        self._end(ep, "closed", episodes)
+        return episodes
+
+    def _episode(
+        self, ep: OpenEpisode, rec: Transcript, reward: float, status: EpisodeStatus, eid: str
+    ) -> Episode:
+        return self._builder(
+            [*rec.tokens, *self._end_ids],
+            [*rec.loss_mask, *[0] * len(self._end_ids)],
+            [*rec.logprobs, *[0.0] * len(self._end_ids)],
             group=self._groups[ep.group].number,
             seed=ep.seed,
             reward=reward,
             policy_version=min(rec.versions, default=self._default_version()),
             num_turns=rec.turns,
-            status=EpisodeStatus.TRUNCATED if truncated else EpisodeStatus.OK,
-            episode_id=ep.id,
+            status=status,
+            episode_id=eid,
         )
-        self.closed += 1
-        self._end(ep, "closed", episode)
-        return episode
 
     def drop(self, episode_id: str, status: str) -> None:
         """End the episode without writing it, counted under `status` (DROP_STATUSES)."""
         ep = self._open.get(episode_id)
         if ep is not None:
             self.dropped[status] += 1
-            self._end(ep, status, None)
+            self._end(ep, status, [])
 
     def sweep(self, now: float | None = None) -> list[str]:
         """Drop the episodes idle (no request in flight) for longer than the timeout."""
@@ -197,7 +249,7 @@ class EpisodeRegistry:
             self.drop(episode_id, "abandoned")
         return idle
 
-    def _end(self, ep: OpenEpisode, how: str, episode: Episode | None) -> None:
+    def _end(self, ep: OpenEpisode, how: str, episodes: list[Episode]) -> None:
         del self._open[ep.id]
         ep.ended.set()
         self._ended[ep.id] = how
@@ -205,8 +257,7 @@ class EpisodeRegistry:
             self._ended.popitem(last=False)
         g = self._groups[ep.group]
         g.ended += 1
-        if episode is not None:
-            g.episodes.append(episode)
+        g.episodes += episodes
         if g.ended == g.size:
             del self._groups[ep.group]
             if g.episodes:

@@ -4,7 +4,9 @@
                                                     {"episode_id", "base_url"}
     POST /episodes/{id}/v1/chat/completions         OpenAI chat completions (wire.py)
     GET  /episodes/{id}/v1/models, GET /v1/models   the one model, OpenAI's list form
-    POST /episodes/{id}/close                       {"reward", "truncated"} -> {"status"}
+    POST /episodes/{id}/close                       {"reward" | "rewards", "truncated"} ->
+                                                    {"status"} ("rewards": one per choice
+                                                    of a last request with n > 1)
 
 Every refusal is an OpenAI error body with its status (400 malformed JSON or a field of
 the wrong type, 401 a missing or wrong bearer token, 404 an unknown episode or route, 409
@@ -118,14 +120,22 @@ def build_app(
 
     async def close_episode(request: Request) -> JSONResponse:
         data = await _json_object(request, max_request_bytes)
-        reward = _field(data, "reward", (int, float), None)
+        rewards = _field(data, "rewards", list, None)
+        if rewards is not None and not all(
+            isinstance(r, int | float) and not isinstance(r, bool) for r in rewards
+        ):
+            raise ApiError(400, "rewards: must be a list of numbers", param="rewards")
+        reward = _field(data, "reward", (int, float), None if rewards is None else 0.0)
         if reward is None:
             raise ApiError(400, "reward: required (a number)", param="reward")
         truncated = _field(data, "truncated", bool, False)
-        episode = registry.close(
-            request.path_params["episode_id"], reward=float(reward), truncated=truncated
+        episodes = registry.close(
+            request.path_params["episode_id"],
+            reward=float(reward),
+            rewards=None if rewards is None else [float(r) for r in rewards],
+            truncated=truncated,
         )
-        return JSONResponse({"status": "closed" if episode is not None else "dropped: no_turns"})
+        return JSONResponse({"status": "closed" if episodes else "dropped: no_turns"})
 
     async def chat_completions(request: Request) -> Response:
         chat_request = parse_request(await _body(request, max_request_bytes))

@@ -13,11 +13,13 @@ A forced `tool_choice` prefixes the turn with the template's tool-call opening, 
 as prompt tokens (tool_choice.py).
 
 Sampling settings are the run's: the learner recomputes log-probs with `actor.temperature`
-and `actor.top_k`, so a request asking for another `temperature` (or `top_p` < 1, `n` > 1)
-is refused with a 400 naming the setting rather than sampled with a distribution the
-learner would not score. `stream: true` gets the same turn as server-sent events
-(`wire.completion_chunks`), sent once the turn is sampled. `stop` strings end the turn at the first token whose text
-completes one (the kept ids are a prefix of the sample, their log-probs unchanged).
+and `actor.top_k`, so a request asking for another `temperature` (or `top_p` < 1) is
+refused with a 400 naming the setting rather than sampled with a distribution the learner
+would not score. `n` > 1 samples n choices of the turn; the client's next request continues
+one of them, the others end as branches of the episode (episodes.py). `stream: true` gets
+the same turns as server-sent events (`wire.completion_chunks`), sent once they are
+sampled. `stop` strings end a turn at the first token whose text completes one (the kept
+ids are a prefix of the sample, their log-probs unchanged).
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry, OpenEpisode
+from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry, OpenEpisode, PendingTurn
 from tunix_tasks.actor.endpoint.fidelity import HistoryMismatch, match_history
 from tunix_tasks.actor.endpoint.tool_choice import as_text, forced_opening, read_tool_choice
-from tunix_tasks.actor.endpoint.wire import ApiError, ChatRequest, completion
+from tunix_tasks.actor.endpoint.wire import ApiError, ChatRequest, choice, completion
 from tunix_tasks.config import RunConfig
 from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.chat_template import ChatTemplateError
@@ -97,9 +99,9 @@ class EndpointService:
             ep = self.registry.get(episode_id)
             self._check(ep, request)
             tools = request.tools or []
-            choice = read_tool_choice(request.tool_choice, tools)
+            tool_choice = read_tool_choice(request.tool_choice, tools)
             prompt, new = self._render(ep, request)
-            forced = forced_opening(self.chat, [*ep.recorded, *new], tools, choice)
+            forced = forced_opening(self.chat, [*ep.recorded, *new], tools, tool_choice)
             prompt += forced
             room = self._room(ep, prompt)
             max_new = min(request.max_new or self.limits.max_new_tokens, room)
@@ -107,7 +109,9 @@ class EndpointService:
             self.in_flight += 1
             try:
                 t1 = time.perf_counter()
-                got = await self._sample(ep, ep.record.tokens + prompt, max_new, disconnected)
+                samples = await self._sample(
+                    ep, ep.record.tokens + prompt, max_new, request.n or 1, disconnected
+                )
                 policy_s = time.perf_counter() - t1
             finally:
                 ep.busy = False
@@ -118,7 +122,7 @@ class EndpointService:
             self.refused[code] = self.refused.get(code, 0) + 1
             raise
         self.requests += 1
-        body = self._record(ep, request, choice, prompt, forced, new, *got)
+        body = self._record(ep, request, tool_choice, prompt, forced, new, samples)
         self.overhead_s.append(time.perf_counter() - t0 - policy_s)
         del self.overhead_s[:-10000]
         return body
@@ -138,7 +142,6 @@ class EndpointService:
                 code="too_many_concurrent_requests",
             )
         unsupported = {
-            "n": request.n not in (None, 1) and "only n=1 (one sample per request)",
             "temperature": request.temperature not in (None, lim.temperature)
             and f"this run samples at temperature {lim.temperature} (actor.temperature), "
             "the one the learner scores with",
@@ -159,7 +162,7 @@ class EndpointService:
     def _render(self, ep: OpenEpisode, request: ChatRequest) -> tuple[list[int], list]:
         """The ids of the request's new messages (and those messages)."""
         try:
-            new = match_history(ep.recorded, request.messages)
+            new = self._match(ep, request.messages)
         except HistoryMismatch as err:
             raise ApiError(
                 409,
@@ -178,6 +181,23 @@ class EndpointService:
         except ChatTemplateError as err:
             raise ApiError(400, f"messages: {err}", param="messages") from None
 
+    @staticmethod
+    def _match(ep: OpenEpisode, messages: list) -> list:
+        """`match_history`'s new messages; after an `n` > 1 turn, the choice the client
+        sent back is the one the episode continues with (HistoryMismatch if none is)."""
+        if ep.pending is None:
+            return match_history(ep.recorded, messages)
+        mismatch = None
+        for j, (_, message) in enumerate(ep.pending.choices):
+            try:
+                new = match_history([*ep.recorded, *ep.pending.new, message], messages)
+            except HistoryMismatch as err:
+                mismatch = mismatch or err
+                continue
+            ep.continue_with(j)
+            return new
+        raise mismatch
+
     def _room(self, ep: OpenEpisode, prompt: Sequence[int]) -> int:
         """New tokens the episode has room for; ApiError context_length_exceeded when none."""
         limit = self.limits.max_episode_tokens
@@ -193,8 +213,17 @@ class EndpointService:
             )
         return room
 
-    async def _sample(self, ep, context, max_new, disconnected):
-        call = asyncio.ensure_future(self.policy(context, session=ep.id, max_new_tokens=max_new))
+    async def _sample(self, ep, context, max_new, n, disconnected):
+        """`n` samples (tokens, log-probs, version) continuing `context`; the first keeps
+        the episode's cache slot (session)."""
+        call = asyncio.ensure_future(
+            asyncio.gather(
+                *(
+                    self.policy(context, session=ep.id if i == 0 else None, max_new_tokens=max_new)
+                    for i in range(n)
+                )
+            )
+        )
         if disconnected is None:
             return await call
         gone = asyncio.ensure_future(disconnected())
@@ -209,33 +238,52 @@ class EndpointService:
             raise ApiError(499, "client disconnected", code="client_disconnected")
         return call.result()
 
-    def _record(self, ep, request, choice, prompt, forced, new, tokens, logprobs, version) -> dict:
-        tokens, logprobs, finish, stopped = self._cut_at_stop(tokens, logprobs, request.stop)
-        rec = ep.record
+    def _record(self, ep, request, tool_choice, prompt, forced, new, samples) -> dict:
+        """Each sample as a choice of the turn (the episode's next turn when n = 1, else
+        pending until the client continues one) and the `chat.completion` of them all."""
         ep.tools = request.tools or []  # fixed by the first turn recorded
-        rec.extend(prompt, policy=False)
-        context = len(rec.tokens)  # what the turn was sampled after
-        rec.extend(tokens, policy=True, logprobs=logprobs)
-        rec.extend(self.chat.close_turn(tokens), policy=False)
-        rec.versions.add(version)
-        rec.turns += 1
-        turn = forced + tokens  # the turn as written: a forced tool-call opening, the sample
-        action = (
-            as_text(self.chat, turn) if choice.mode == "none" else self.chat.parse(turn, ep.tools)
-        )
-        if stopped:  # OpenAI leaves the stop text out of the content
-            at = [action.content.find(x) for x in request.stop if x in action.content]
-            action = dataclasses.replace(action, content=action.content[: min(at, default=None)])
-        ep.recorded.extend(new)
-        ep.recorded.append(action.message())
+        context = len(ep.record.tokens) + len(prompt)  # what the turns were sampled after
         decode = self.chat.tokenizer.decode
+        turns, choices, sampled = [], [], 0
+        for index, (tokens, logprobs, version) in enumerate(samples):
+            tokens, logprobs, finish, stopped = self._cut_at_stop(tokens, logprobs, request.stop)
+            rec = dataclasses.replace(
+                ep.record,
+                tokens=[*ep.record.tokens, *prompt],
+                loss_mask=[*ep.record.loss_mask, *[0] * len(prompt)],
+                logprobs=[*ep.record.logprobs, *[0.0] * len(prompt)],
+                versions={*ep.record.versions, version},
+                turns=ep.record.turns + 1,
+            )
+            rec.extend(tokens, policy=True, logprobs=logprobs)
+            rec.extend(self.chat.close_turn(tokens), policy=False)
+            turn = forced + tokens  # the turn as written: a forced tool-call opening, the sample
+            action = (
+                as_text(self.chat, turn)
+                if tool_choice.mode == "none"
+                else self.chat.parse(turn, ep.tools)
+            )
+            if stopped:  # OpenAI leaves the stop text out of the content
+                at = [action.content.find(x) for x in request.stop if x in action.content]
+                action = dataclasses.replace(
+                    action, content=action.content[: min(at, default=None)]
+                )
+            turns.append((rec, action.message()))
+            choices.append(
+                choice(
+                    index,
+                    action,
+                    finish_reason=finish,
+                    tokens=[decode([t]) for t in tokens],
+                    logprobs=logprobs if request.logprobs else None,
+                )
+            )
+            sampled += len(tokens)
+        ep.pending = PendingTurn(new, turns)
+        if len(turns) == 1:
+            ep.continue_with(0)
         return completion(
-            action,
-            model=self.limits.model,
-            finish_reason=finish,
-            prompt_tokens=context,
-            tokens=[decode([t]) for t in tokens],
-            logprobs=logprobs if request.logprobs else None,
+            choices, model=self.limits.model, prompt_tokens=context, completion_tokens=sampled
         )
 
     def _cut_at_stop(self, tokens, logprobs, stops):

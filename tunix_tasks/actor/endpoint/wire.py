@@ -1,8 +1,8 @@
 """The OpenAI wire format: the chat-completion request, the response, the error body.
 
 `ChatRequest` validates a request's known fields (a wrong type is a 400 naming the field;
-unknown fields are ignored, as OpenAI-compatible servers do); `completion` builds the
-`chat.completion` object of one sampled turn; `ApiError` is every refusal, answered as
+unknown fields are ignored, as OpenAI-compatible servers do); `choice` and `completion`
+build the `chat.completion` object of a request's sampled turns; `ApiError` is every refusal, answered as
 OpenAI answers them:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "messages",
@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tunix_tasks.messages import Action
 
-__all__ = ["ApiError", "ChatRequest", "completion", "completion_chunks", "parse_request"]
+__all__ = ["ApiError", "ChatRequest", "choice", "completion", "completion_chunks", "parse_request"]
 
 
 class ApiError(Exception):
@@ -54,7 +54,7 @@ class ChatRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=16)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool | None = None
@@ -93,16 +93,15 @@ def parse_request(raw: bytes) -> ChatRequest:
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
-def completion(
+def choice(
+    index: int,
     action: Action,
     *,
-    model: str,
     finish_reason: FinishReason,
-    prompt_tokens: int,
     tokens: list[str],
     logprobs: list[float] | None,
 ) -> dict[str, Any]:
-    """The `chat.completion` object of one sampled turn (`tokens`: each sampled id's text,
+    """One choice of a `chat.completion`: a sampled turn (`tokens`: each sampled id's text,
     for the optional `logprobs`)."""
     message: dict[str, Any] = {"role": "assistant", "content": action.content or None}
     if action.tool_calls:
@@ -118,14 +117,14 @@ def completion(
             for call in action.tool_calls
         ]
         finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-    choice: dict[str, Any] = {
-        "index": 0,
+    out: dict[str, Any] = {
+        "index": index,
         "message": message,
         "finish_reason": finish_reason,
         "logprobs": None,
     }
     if logprobs is not None:
-        choice["logprobs"] = {
+        out["logprobs"] = {
             "content": [
                 {
                     "token": text,
@@ -136,53 +135,45 @@ def completion(
                 for text, lp in zip(tokens, logprobs, strict=True)
             ]
         }
+    return out
+
+
+def completion(
+    choices: list[dict[str, Any]], *, model: str, prompt_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
+    """The `chat.completion` object of a request's sampled `choices` (`choice`)."""
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": {
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(tokens),
-            "total_tokens": prompt_tokens + len(tokens),
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
         },
     }
 
 
 def completion_chunks(body: dict[str, Any], *, include_usage: bool) -> list[dict[str, Any]]:
-    """A `chat.completion` as the `chat.completion.chunk` objects of a streamed reply: the
-    whole turn in the first delta (the turn is sampled before anything is sent), the
-    finish reason in the second, then the usage when the request asked for it
+    """A `chat.completion` as the `chat.completion.chunk` objects of a streamed reply: each
+    choice's whole turn in one delta (the turns are sampled before anything is sent), then
+    each choice's finish reason, then the usage when the request asked for it
     (`stream_options.include_usage`, whose chunks otherwise carry `usage: null`)."""
-    (choice,) = body["choices"]
-    message = choice["message"]
-    delta: dict[str, Any] = {"role": "assistant", "content": message["content"] or ""}
-    if "tool_calls" in message:
-        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
     head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
     usage = {"usage": None} if include_usage else {}
-    chunks = [
-        head
-        | usage
-        | {
-            "choices": [
-                {"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
-            ]
-        },
-        head
-        | usage
-        | {
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": {},
-                    "logprobs": None,
-                    "finish_reason": choice["finish_reason"],
-                }
-            ]
-        },
-    ]
+    deltas, finishes = [], []
+    for c in body["choices"]:
+        message = c["message"]
+        delta: dict[str, Any] = {"role": "assistant", "content": message["content"] or ""}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": i, **t} for i, t in enumerate(message["tool_calls"])]
+        part = {"index": c["index"], "logprobs": c["logprobs"], "finish_reason": None}
+        deltas.append(head | usage | {"choices": [part | {"delta": delta}]})
+        end = {"index": c["index"], "delta": {}, "logprobs": None}
+        finishes.append(head | usage | {"choices": [end | {"finish_reason": c["finish_reason"]}]})
+    chunks = deltas + finishes
     if include_usage:
         chunks.append(head | {"choices": [], "usage": body["usage"]})
     return chunks

@@ -13,6 +13,7 @@ from tests.unit.actor.endpoint.harness import tiny_qwen3
 from tunix_tasks.actor.endpoint.fidelity import normalize
 from tunix_tasks.actor.endpoint.wire import (
     ApiError,
+    choice,
     completion,
     completion_chunks,
     parse_request,
@@ -26,36 +27,49 @@ def test_a_sampled_tool_call_becomes_openai_tool_calls_and_its_echo_matches():
     action = Action(content="", tool_calls=(ToolCall("calculate", {"expression": "23+45"}),))
     tokens = chat.render_action(history, action, [])  # the ids the model writes for the call
     parsed = chat.parse(tokens, [])
+    text = chat.tokenizer.decode(tokens[:-1])
+    plain = Action(content="68")  # a second choice (n=2): a plain answer
     body = completion(
-        parsed,
+        [
+            choice(
+                0,
+                parsed,
+                finish_reason="stop",
+                tokens=[chat.tokenizer.decode([t]) for t in tokens],
+                logprobs=None,
+            ),
+            choice(1, plain, finish_reason="stop", tokens=["6", "8"], logprobs=[-0.5, -0.25]),
+        ],
         model="m",
-        finish_reason="stop",
         prompt_tokens=7,
-        tokens=[chat.tokenizer.decode([t]) for t in tokens],
-        logprobs=None,
+        completion_tokens=len(tokens) + 2,
     )
-    [choice] = body["choices"]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-    [call] = choice["message"]["tool_calls"]
+    first, second = body["choices"]
+    assert text.startswith("<tool_call>")
+    assert second["message"] == {"role": "assistant", "content": "68"}
+    assert [c["logprob"] for c in second["logprobs"]["content"]] == [-0.5, -0.25]
+    assert first["finish_reason"] == "tool_calls" and first["message"]["content"] is None
+    [call] = first["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"]["name"] == "calculate"
     assert json.loads(call["function"]["arguments"]) == {"expression": "23+45"}
     assert body["usage"] == {
         "prompt_tokens": 7,
-        "completion_tokens": len(tokens),
-        "total_tokens": 7 + len(tokens),
+        "completion_tokens": len(tokens) + 2,
+        "total_tokens": 7 + len(tokens) + 2,
     }
     # What the client sends back is what the endpoint recorded for the turn.
-    assert normalize(choice["message"]) == parsed.message()
+    assert normalize(first["message"]) == parsed.message()
     # Streamed (stream=true), openai's own accumulator rebuilds the same completion.
     for include_usage in (False, True):
         state = ChatCompletionStreamState()
         for chunk in completion_chunks(body, include_usage=include_usage):
             state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
         final = state.get_final_completion()
-        assert final.choices[0].finish_reason == "tool_calls"
+        assert [c.finish_reason for c in final.choices] == ["tool_calls", "stop"]
         message = final.choices[0].message.model_dump(exclude_none=True)
         assert normalize(message) == parsed.message()
+        assert final.choices[1].message.content == "68"
         assert (final.usage is not None) is include_usage
 
 
