@@ -6,6 +6,8 @@
 #   make demo-real  a real pretrained model (SmolLM2-135M, from PyPI) learns reasoning-gym's
 #                chain_sum (~20 min on 2 cores), then its held-out score before and after
 #   make venv-core  only the demo's environment (no Airflow, Kubernetes, Celery, test tools)
+#   make venv-verifiers  verifiers' own environment (.venv-verifiers: it needs openai<3), for
+#                the test that plays verifiers environments against the agent endpoint
 #   make test-fast  the unit layer only (tests/unit: one part at a time, a few minutes)
 #   make bench   run the benchmarks (prints ratios against in-run baselines)
 #   make airflow start Airflow locally with the tunix DAGs
@@ -16,8 +18,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CORE_STAMP := $(VENV)/.installed-core
+VF_STAMP := .venv-verifiers/.installed
 
-.PHONY: venv venv-core bwrap browser services test test-fast lint format demo demo-real bench airflow clean
+.PHONY: venv venv-core venv-verifiers bwrap browser services test test-fast lint format demo demo-real bench airflow clean
 
 # python_exec runs model-written code under bubblewrap (docs/sandbox.md); as root, install it.
 bwrap:
@@ -56,6 +59,14 @@ venv: $(STAMP)
 
 venv-core: $(CORE_STAMP)
 
+# verifiers pins openai<3, the project's venv has 3.x (openai-agents): a venv of its own.
+$(VF_STAMP): requirements-verifiers.lock
+	test -x .venv-verifiers/bin/python || $(PYTHON) -m venv .venv-verifiers
+	.venv-verifiers/bin/python -m pip install --quiet -r requirements-verifiers.lock
+	touch $@
+
+venv-verifiers: $(VF_STAMP)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -64,7 +75,7 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: $(STAMP) bwrap browser services
+test: $(STAMP) $(VF_STAMP) bwrap browser services
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 test-fast: $(STAMP) bwrap

@@ -15,7 +15,7 @@ from tests.unit.actor.endpoint.test_server import learner_logprobs, open_episode
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
 
 
-def _check_exact(ep, episodes) -> None:
+def check_exact(ep, episodes) -> None:
     """Each episode's sampled spans are samples the policy drew, with their log-probs, and
     the learner's recomputation agrees (staleness 0)."""
     sampled = {tuple(t): lp for t, lp in ep.policy.sampled}
@@ -63,7 +63,7 @@ def test_the_client_continues_one_choice_and_the_others_are_branches():
         sorted(t for t, _ in ep.policy.sampled[:3])
     )
     assert body["usage"]["completion_tokens"] == sum(len(t) for t, _ in ep.policy.sampled[:3])
-    _check_exact(ep, episodes)
+    check_exact(ep, episodes)
 
 
 def test_rewards_score_the_choices_of_a_last_request_one_by_one():
@@ -89,4 +89,4 @@ def test_rewards_score_the_choices_of_a_last_request_one_by_one():
     episodes = ep.groups[0]
     assert [e.reward for e in episodes] == [0.0, 1.0, 0.5, 1.0]
     assert all(e.num_turns == 1 for e in episodes)
-    _check_exact(ep, episodes)
+    check_exact(ep, episodes)
