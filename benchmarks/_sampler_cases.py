@@ -114,7 +114,9 @@ def measure_draw(batch: int, vocab: int, steps: int, repeats: int) -> float:
     @jax.jit
     def draws(logits, key, rows):
         def body(i, acc):  # acc feeds back so no draw can be hoisted out of the loop
-            tok, lp = decoding.draw(logits + 1e-9 * acc[:, None], key, rows, rows.seed * 0 + i)
+            tok, lp, _, _ = decoding.draw(
+                logits + 1e-9 * acc[:, None], key, rows, rows.seed * 0 + i
+            )
             return acc + lp + tok.astype(jnp.float32)
 
         return jax.lax.fori_loop(0, steps, body, jnp.zeros(batch, jnp.float32))

@@ -19,6 +19,7 @@ import numpy as np
 from tunix_tasks.policy.decoding import RowParams
 
 __all__ = [
+    "TOP_LOGPROBS",
     "BlockingSample",
     "FinishReason",
     "Request",
@@ -39,13 +40,17 @@ class Sample:
     (temperature-scaled, top-k filtered). `finish_reason`: "stop" (stop token), "length"
     (`max_new_tokens` reached) or "max_seq_len" (the context is full). `version`: the
     oldest weights version (`Sampler.update_params(version=)`) that drew any of its
-    tokens, -1 when no version was given.
+    tokens, -1 when no version was given. `top_logprobs[i]` (when the request asked for
+    `top_logprobs` > 0): the most likely ids at `tokens[i]`'s position and their log-probs
+    under the same distribution, most likely first (ids the distribution excludes left
+    out).
     """
 
     tokens: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
     version: int = -1
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -64,16 +69,31 @@ class Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     version: int = -1
     slot: int = -1
+    top_logprobs: int = 0  # alternatives wanted per token (<= TOP_LOGPROBS)
+    top: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
 
     @property
     def sequence(self) -> list[int]:
         """The context and what was generated so far (what a re-admission prefills)."""
         return self.context + self.generated
 
-    def record(self, tokens: list[int], logprobs: list[float], version: int) -> None:
+    def record(
+        self,
+        tokens: list[int],
+        logprobs: list[float],
+        version: int,
+        top: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
+        """Tokens drawn; `top`: (ids, log-probs) [len(tokens), >= top_logprobs] of each."""
         self.generated.extend(tokens)
         self.logprobs.extend(logprobs)
         self.version = version if self.version < 0 else min(self.version, version)
+        if self.top_logprobs:
+            ids, lps = top
+            k = self.top_logprobs
+            for row_ids, row_lps in zip(ids, lps, strict=True):
+                pairs = zip(row_ids[:k].tolist(), row_lps[:k].tolist(), strict=True)
+                self.top.append([(i, lp) for i, lp in pairs if lp > -np.inf])
 
     def finish(self) -> None:
         if self.generated and self.generated[-1] in self.stop_ids:
@@ -82,7 +102,8 @@ class Request:
             reason = "length"
         else:
             reason = "max_seq_len"
-        self.on_done(Sample(self.generated, self.logprobs, reason, self.version))
+        top = self.top if self.top_logprobs else None
+        self.on_done(Sample(self.generated, self.logprobs, reason, self.version, top))
 
 
 @dataclasses.dataclass
@@ -113,10 +134,20 @@ def row_params(rows: Sequence[Request | None], batch: int, max_stops: int) -> Ro
     return RowParams(seed, temperature, top_k, max_new, stops)
 
 
+TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's bound too)
+
+
 def check_request(
-    context: Sequence[int], max_new_tokens: int, temperature: float, top_k: int, max_seq_len: int
+    context: Sequence[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    max_seq_len: int,
+    top_logprobs: int = 0,
 ) -> None:
     """ValueError naming the bad setting of a request."""
+    if not 0 <= top_logprobs <= TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be in 0..{TOP_LOGPROBS}, got {top_logprobs}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (use top_k=1 for greedy), got {temperature}")
     if top_k < 0:

@@ -45,7 +45,9 @@ Devices. A sampler's weights, cache and programs live on one device (`device`, d
 the default one); `SamplerReplicas` (policy/replicas.py) runs one sampler per device.
 
 Log-probs come from `sampling_log_probs`, the function the learner scores with, over
-float32 logits. Precision: a model with `compute_dtype` bfloat16 is held in bfloat16
+float32 logits. A request may also ask for each token's `top_logprobs` most likely
+alternatives (`submit(top_logprobs=)`): the batches holding such a row run programs with a
+static top-k pass (`decoding.draw(top=)`), every other batch the programs without one. Precision: a model with `compute_dtype` bfloat16 is held in bfloat16
 (`policy/precision.py`; snapshots load into it rounded, `update_params` keeps it so), its
 KV cache is bfloat16, and its logits are bfloat16 matmul inputs accumulated in float32,
 so the recorded log-probs differ from a float32 learner's by bf16 rounding only
@@ -69,6 +71,7 @@ from tunix_tasks.policy.model import KVCache, Transformer, merge_stacked, split_
 from tunix_tasks.policy.params import load_flat_params
 from tunix_tasks.policy.precision import cast_params
 from tunix_tasks.policy.requests import (
+    TOP_LOGPROBS,
     BlockingSample,
     Request,
     Sample,
@@ -103,6 +106,12 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
         if b >= n:
             return b
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _top(rows: Sequence[Request | None]) -> int:
+    """The programs' static top-k width: TOP_LOGPROBS when a row wants alternatives, else
+    0 (no top-k pass, the programs every other batch runs)."""
+    return TOP_LOGPROBS if any(r is not None and r.top_logprobs for r in rows) else 0
 
 
 def _slot_array(rows: list[Request], batch: int, scratch: int) -> np.ndarray:
@@ -171,10 +180,12 @@ class Sampler(BlockingSample):
         self._key = jax.random.key(0)
         self._traces = 0
         self.compiles: collections.Counter[str] = collections.Counter()  # by program kind
-        static = ("window", "max_seq_len")
+        static = ("window", "max_seq_len", "top")
         self._prefill = jax.jit(self._prefill_impl, static_argnames=static, donate_argnums=1)
         self._decode = jax.jit(
-            self._decode_impl, static_argnames=("steps", "max_seq_len"), donate_argnums=(1, 2)
+            self._decode_impl,
+            static_argnames=("steps", "max_seq_len", "top"),
+            donate_argnums=(1, 2),
         )
 
     # ------------------------------------------------------------------ weights
@@ -251,13 +262,16 @@ class Sampler(BlockingSample):
         stop_ids: Sequence[int] | None = None,
         session: Hashable | None = None,
         seed: int = 0,
+        top_logprobs: int = 0,
     ) -> None:
         """Queue one request; `on_done(Sample)` is called from `step()` when it finishes.
 
         `seed` picks the row's random stream; `session` names a conversation whose next
         turn should reuse this one's cache (module docstring). Greedy: `top_k=1`.
+        `top_logprobs` > 0: each token's most likely alternatives too (`Sample`); the
+        batches that hold such a row run programs with a top-k pass (compiled apart).
         """
-        check_request(context, max_new_tokens, temperature, top_k, self.max_seq_len)
+        check_request(context, max_new_tokens, temperature, top_k, self.max_seq_len, top_logprobs)
         stops = tuple(self.default_stop_ids if stop_ids is None else stop_ids)
         if len(stops) > _MAX_STOP_IDS:
             raise ValueError(f"at most {_MAX_STOP_IDS} stop ids, got {len(stops)}")
@@ -270,6 +284,7 @@ class Sampler(BlockingSample):
             max_new=int(max_new_tokens),
             stop_ids=stops,
             on_done=on_done,
+            top_logprobs=int(top_logprobs),
         )
         if len(row.context) >= self.max_seq_len:  # no room for a single token
             row.finish()
@@ -369,7 +384,8 @@ class Sampler(BlockingSample):
         params = row_params(rows, batch, _MAX_STOP_IDS)
         n_gen = np.zeros(batch, np.int32)
         n_gen[: len(rows)] = [len(r.generated) for r in rows]
-        self._cache, tok, lp, done = self._prefill(
+        top = _top(rows)
+        self._cache, drawn, done = self._prefill(
             self._state,
             self._cache,
             slots,
@@ -381,11 +397,14 @@ class Sampler(BlockingSample):
             params,
             window=window,
             max_seq_len=self.max_seq_len,
+            top=top,
         )
-        tok, lp, done = jax.device_get((tok, lp, done))
+        (tok, lp, top_ids, top_lp), done = jax.device_get((drawn, done))
         for i, (r, seq) in enumerate(zip(rows, seqs, strict=True)):
             self._slots.hold(r.slot, seq)
-            r.record([int(tok[i])], [float(lp[i])], self.version)
+            r.record(
+                [int(tok[i])], [float(lp[i])], self.version, (top_ids[i : i + 1], top_lp[i : i + 1])
+            )
             if done[i]:
                 self._finish(r)
             else:
@@ -400,7 +419,8 @@ class Sampler(BlockingSample):
         if work is None:
             dtype = self._cache.k[0].dtype
             work = jax.device_put(self._init_cache(batch, window, dtype), self._device)
-        self._cache, work, out_tok, out_lp, done, pos = self._decode(
+        top = _top(plan.rows)
+        self._cache, work, out, done, pos = self._decode(
             self._state,
             self._cache,
             work,
@@ -409,9 +429,10 @@ class Sampler(BlockingSample):
             row_params(plan.rows, batch, _MAX_STOP_IDS),
             steps=steps,
             max_seq_len=self.max_seq_len,
+            top=top,
         )
         self._lanes.keep(work)
-        out_tok, out_lp, done, pos = jax.device_get((out_tok, out_lp, done, pos))
+        (out_tok, out_lp, top_ids, top_lp), done, pos = jax.device_get((out, done, pos))
         self.stats.segments += 1
         self.stats.lane_copies += plan.n_stale
         self.stats.decode_steps += int((out_tok >= 0).any(axis=0).sum())
@@ -420,7 +441,12 @@ class Sampler(BlockingSample):
             if r is None:
                 continue
             keep = out_tok[i] >= 0
-            r.record(out_tok[i][keep].tolist(), out_lp[i][keep].tolist(), self.version)
+            r.record(
+                out_tok[i][keep].tolist(),
+                out_lp[i][keep].tolist(),
+                self.version,
+                (top_ids[i][keep], top_lp[i][keep]),
+            )
             # Cached for this slot: every position before the last drawn token.
             self._slots.hold(r.slot, r.sequence[: int(pos[i])])
             if done[i]:
@@ -437,7 +463,7 @@ class Sampler(BlockingSample):
 
     # ------------------------------------------------------------------ jitted programs
 
-    def _prefill_impl(self, state, cache, *args, window: int, max_seq_len: int):
+    def _prefill_impl(self, state, cache, *args, window: int, max_seq_len: int, top: int):
         self._traces += 1  # runs only while tracing: counts compilations
         self.compiles["prefill"] += 1
         return decoding.prefill(
@@ -446,10 +472,11 @@ class Sampler(BlockingSample):
             *args,
             window=window,
             max_seq_len=max_seq_len,
+            top=top,
             layers=state[1],
         )
 
-    def _decode_impl(self, state, cache, work, *args, steps: int, max_seq_len: int):
+    def _decode_impl(self, state, cache, work, *args, steps: int, max_seq_len: int, top: int):
         self._traces += 1
         self.compiles["decode"] += 1
         return decoding.decode_segment(
@@ -459,5 +486,6 @@ class Sampler(BlockingSample):
             *args,
             steps=steps,
             max_seq_len=max_seq_len,
+            top=top,
             layers=state[1],
         )

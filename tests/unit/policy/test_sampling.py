@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from tunix_tasks.config import ModelConfig
-from tunix_tasks.policy.distribution import token_logprobs
+from tunix_tasks.policy.distribution import sampling_log_probs, token_logprobs
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.params import flat_params, load_flat_params
 from tunix_tasks.policy.sampling import Sampler
@@ -234,3 +234,49 @@ def test_bf16_logprobs_differ_from_a_float32_learner_by_rounding_only():
         )
     assert gaps[jnp.float32].max() < 1e-5
     assert 1e-4 < gaps[BF16].mean() < 0.05 and gaps[BF16].max() < 0.2
+
+
+def test_top_logprobs_are_the_distributions_best_and_change_nothing_sampled(sampler):
+    """A row asking for `top_logprobs` gets, per token, the most likely ids of the
+    distribution it was drawn from (the learner's, over a full forward) with their
+    log-probs, most likely first, filtered ids left out; the batch draws the same tokens
+    as without it, and a row that did not ask gets none."""
+    contexts = _contexts(3, [5, 9])
+    temperature, top_k, want = 0.7, 6, 8
+
+    def run(top: int):
+        sampler.seed(jax.random.key(4))
+        out = [None, None]
+        for i, ctx in enumerate(contexts):
+            sampler.submit(
+                ctx,
+                max_new_tokens=20,
+                temperature=temperature,
+                top_k=top_k,
+                seed=i,
+                top_logprobs=top if i == 0 else 0,
+                on_done=lambda s, i=i: out.__setitem__(i, s),
+            )
+        while sampler.busy:
+            sampler.step()
+        return out
+
+    plain, asked = run(0), run(want)
+    assert [s.tokens for s in plain] == [s.tokens for s in asked]
+    np.testing.assert_array_equal(plain[0].logprobs, asked[0].logprobs)
+    assert plain[0].top_logprobs is None and asked[1].top_logprobs is None
+    s, ctx = asked[0], contexts[0]
+    assert len(s.top_logprobs) == len(s.tokens) > 1  # the prefill's token and decoded ones
+    seq = np.zeros((1, CFG.max_seq_len), np.int32)
+    seq[0, : len(ctx) + len(s.tokens)] = ctx + s.tokens
+    ref = np.asarray(
+        sampling_log_probs(_forward(sampler.model, jnp.asarray(seq)), temperature, top_k)
+    )[0]
+    for i, (token, logprob, alternatives) in enumerate(
+        zip(s.tokens, s.logprobs, s.top_logprobs, strict=True)
+    ):
+        row = ref[len(ctx) - 1 + i]
+        best = np.argsort(-row, kind="stable")[:top_k]  # top_k: only 6 ids have mass
+        assert [t for t, _ in alternatives] == best.tolist()
+        np.testing.assert_allclose([lp for _, lp in alternatives], row[best], rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(dict(alternatives)[token], logprob, atol=1e-6)

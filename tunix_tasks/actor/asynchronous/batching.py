@@ -15,6 +15,7 @@ Between steps the engine thread runs `before_batch` (the actor's weights reload)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 import time
@@ -82,6 +83,19 @@ class BatchingPolicy:
     ) -> tuple[list[int], list[float], int]:
         """One turn: (tokens, behaviour log-probs, weights version); `max_new_tokens`
         overrides the policy's budget for this call (an endpoint request's `max_tokens`)."""
+        s = await self.sample(context, session=session, max_new_tokens=max_new_tokens)
+        return s.tokens, s.logprobs, s.version
+
+    async def sample(
+        self,
+        context: Sequence[int],
+        *,
+        session: Hashable | None = None,
+        max_new_tokens: int | None = None,
+        top_logprobs: int = 0,
+    ) -> Sample:
+        """One turn as the sampler's `Sample` (its version resolved), with each token's
+        `top_logprobs` most likely alternatives when asked (the endpoint's `top_logprobs`)."""
         if self._thread is None:
             raise RuntimeError("use `async with BatchingPolicy(...)` before calling it")
         if self._failed is not None:
@@ -105,11 +119,13 @@ class BatchingPolicy:
             session=session,
             seed=self._seed * 1_000_003 + n,
             on_done=on_done,
+            top_logprobs=top_logprobs,
         )
         self._wake.set()
         sample: Sample = await fut
-        version = sample.version if sample.version >= 0 else self._version()
-        return sample.tokens, sample.logprobs, version
+        if sample.version < 0:
+            sample = dataclasses.replace(sample, version=self._version())
+        return sample
 
     def _engine(self) -> None:
         while not self._stopping.is_set():

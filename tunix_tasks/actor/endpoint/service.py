@@ -27,8 +27,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry, OpenEpisode, PendingTurn
 from tunix_tasks.actor.endpoint.fidelity import HistoryMismatch, match_history
@@ -37,10 +38,22 @@ from tunix_tasks.actor.endpoint.wire import ApiError, ChatRequest, choice, compl
 from tunix_tasks.config import RunConfig
 from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.chat_template import ChatTemplateError
+from tunix_tasks.policy.requests import Sample
 
 __all__ = ["EndpointLimits", "EndpointService"]
 
-Policy = Callable[..., Awaitable[tuple[list[int], list[float], int]]]
+
+class Policy(Protocol):
+    """What the endpoint samples from: the actor's `BatchingPolicy`."""
+
+    async def sample(
+        self,
+        context: Sequence[int],
+        *,
+        session: Hashable | None = None,
+        max_new_tokens: int | None = None,
+        top_logprobs: int = 0,
+    ) -> Sample: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +123,7 @@ class EndpointService:
             try:
                 t1 = time.perf_counter()
                 samples = await self._sample(
-                    ep, ep.record.tokens + prompt, max_new, request.n or 1, disconnected
+                    ep, ep.record.tokens + prompt, max_new, request, disconnected
                 )
                 policy_s = time.perf_counter() - t1
             finally:
@@ -146,6 +159,9 @@ class EndpointService:
             and f"this run samples at temperature {lim.temperature} (actor.temperature), "
             "the one the learner scores with",
             "top_p": request.top_p not in (None, 1.0) and "only top_p=1 (actor.top_k filters)",
+            "top_logprobs": bool(request.top_logprobs)
+            and not request.logprobs
+            and "needs logprobs: true",
         }
         for param, why in unsupported.items():
             if why:
@@ -213,14 +229,19 @@ class EndpointService:
             )
         return room
 
-    async def _sample(self, ep, context, max_new, n, disconnected):
-        """`n` samples (tokens, log-probs, version) continuing `context`; the first keeps
-        the episode's cache slot (session)."""
+    async def _sample(self, ep, context, max_new, request, disconnected) -> list[Sample]:
+        """`request.n` samples continuing `context`; the first keeps the episode's cache
+        slot (session)."""
         call = asyncio.ensure_future(
             asyncio.gather(
                 *(
-                    self.policy(context, session=ep.id if i == 0 else None, max_new_tokens=max_new)
-                    for i in range(n)
+                    self.policy.sample(
+                        context,
+                        session=ep.id if i == 0 else None,
+                        max_new_tokens=max_new,
+                        top_logprobs=request.top_logprobs or 0,
+                    )
+                    for i in range(request.n or 1)
                 )
             )
         )
@@ -245,14 +266,16 @@ class EndpointService:
         context = len(ep.record.tokens) + len(prompt)  # what the turns were sampled after
         decode = self.chat.tokenizer.decode
         turns, choices, sampled = [], [], 0
-        for index, (tokens, logprobs, version) in enumerate(samples):
-            tokens, logprobs, finish, stopped = self._cut_at_stop(tokens, logprobs, request.stop)
+        for index, sample in enumerate(samples):
+            tokens, logprobs, finish, stopped = self._cut_at_stop(
+                sample.tokens, sample.logprobs, request.stop
+            )
             rec = dataclasses.replace(
                 ep.record,
                 tokens=[*ep.record.tokens, *prompt],
                 loss_mask=[*ep.record.loss_mask, *[0] * len(prompt)],
                 logprobs=[*ep.record.logprobs, *[0.0] * len(prompt)],
-                versions={*ep.record.versions, version},
+                versions={*ep.record.versions, sample.version},
                 turns=ep.record.turns + 1,
             )
             rec.extend(tokens, policy=True, logprobs=logprobs)
@@ -269,6 +292,12 @@ class EndpointService:
                     action, content=action.content[: min(at, default=None)]
                 )
             turns.append((rec, action.message()))
+            top = None
+            if sample.top_logprobs is not None:
+                top = [
+                    [(decode([i]), lp) for i, lp in alternatives]
+                    for alternatives in sample.top_logprobs[: len(tokens)]
+                ]
             choices.append(
                 choice(
                     index,
@@ -276,6 +305,7 @@ class EndpointService:
                     finish_reason=finish,
                     tokens=[decode([t]) for t in tokens],
                     logprobs=logprobs if request.logprobs else None,
+                    top=top,
                 )
             )
             sampled += len(tokens)

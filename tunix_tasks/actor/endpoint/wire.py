@@ -100,9 +100,10 @@ def choice(
     finish_reason: FinishReason,
     tokens: list[str],
     logprobs: list[float] | None,
+    top: list[list[tuple[str, float]]] | None = None,
 ) -> dict[str, Any]:
     """One choice of a `chat.completion`: a sampled turn (`tokens`: each sampled id's text,
-    for the optional `logprobs`)."""
+    for the optional `logprobs`; `top`: each token's most likely (text, log-prob))."""
     message: dict[str, Any] = {"role": "assistant", "content": action.content or None}
     if action.tool_calls:
         message["tool_calls"] = [
@@ -124,18 +125,18 @@ def choice(
         "logprobs": None,
     }
     if logprobs is not None:
+        top = top or [[] for _ in tokens]
         out["logprobs"] = {
             "content": [
-                {
-                    "token": text,
-                    "logprob": lp,
-                    "bytes": list(text.encode("utf-8")),
-                    "top_logprobs": [],
-                }
-                for text, lp in zip(tokens, logprobs, strict=True)
+                _token(text, lp) | {"top_logprobs": [_token(t, x) for t, x in alternatives]}
+                for text, lp, alternatives in zip(tokens, logprobs, top, strict=True)
             ]
         }
     return out
+
+
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 def completion(

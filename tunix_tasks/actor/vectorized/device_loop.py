@@ -339,7 +339,7 @@ def advance(
         max_new=r.budget,
         stop_ids=jnp.broadcast_to(stop_ids, (shape.envs, stop_ids.size)),
     )
-    tok, lp = draw(logits[:, 0], s.key, params, fed)
+    tok, lp, _, _ = draw(logits[:, 0], s.key, params, fed)
     at = jnp.where(need, r.filled, shape.tokens)
     gen = r.gen + need
     stopped = need & jnp.any(tok[:, None] == stop_ids[None], axis=-1)

@@ -31,14 +31,16 @@ class Recording:
     def __init__(self, policy: BatchingPolicy) -> None:
         self.policy = policy
         self.sampled: list[tuple[list[int], list[float]]] = []
+        self.samples: list = []  # the `Sample`s themselves (top_logprobs)
         self.gate: asyncio.Event | None = None
 
-    async def __call__(self, context, **kwargs):
+    async def sample(self, context, **kwargs):
         if self.gate is not None:
             await self.gate.wait()
-        tokens, logprobs, version = await self.policy(context, **kwargs)
-        self.sampled.append((list(tokens), list(logprobs)))
-        return tokens, logprobs, version
+        sample = await self.policy.sample(context, **kwargs)
+        self.sampled.append((list(sample.tokens), list(sample.logprobs)))
+        self.samples.append(sample)
+        return sample
 
 
 @dataclass

@@ -9,6 +9,7 @@ import asyncio
 import httpx
 import numpy as np
 import openai
+import pytest
 from flax import nnx
 
 from tests.unit.actor.endpoint.harness import (
@@ -17,7 +18,7 @@ from tests.unit.actor.endpoint.harness import (
     TEMPERATURE,
     endpoint,
 )
-from tunix_tasks.policy.distribution import token_logprobs
+from tunix_tasks.policy.distribution import sampling_log_probs, token_logprobs
 
 CALCULATE = {
     "type": "function",
@@ -365,3 +366,43 @@ def test_stop_strings_end_the_turn_at_the_token_that_completes_one():
         assert not any(s in (choice["message"]["content"] or "") for s in stops)
     else:
         assert kept == sampled
+
+
+def test_top_logprobs_are_the_learners_most_likely_tokens():
+    """`top_logprobs: 3`: per sampled token, the three most likely tokens of the run's
+    distribution at that position, as the learner computes it over the episode; the sampled
+    token's own log-prob is unchanged. Without `logprobs: true` it is a 400."""
+
+    async def run():
+        async with endpoint() as ep, httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
+            episode_id, base_url = await open_episode(http, ep.url)
+            client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
+            messages = [{"role": "user", "content": "What is 2+3?"}]
+            with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+                await client.chat.completions.create(model="m", messages=messages, top_logprobs=3)
+            r = await client.chat.completions.create(
+                model="m", messages=messages, logprobs=True, top_logprobs=3
+            )
+            await http.post(f"{ep.url}/episodes/{episode_id}/close", json={"reward": 0.0})
+            return ep, r.choices[0].logprobs.content
+
+    ep, content = asyncio.run(run())
+    [[episode]] = ep.groups
+    [(start, end)] = policy_spans(episode)
+    tokens = episode.tokens[None]
+    positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
+    logits = nnx.jit(lambda m, t, p, s: m(t, p, s))(
+        ep.sampler.model, tokens, positions, np.ones_like(tokens)
+    )
+    full = np.asarray(sampling_log_probs(logits, TEMPERATURE))[0]
+    decode = ep.chat.tokenizer.decode
+    assert len(content) == end - start
+    for t, entry in zip(range(start, end), content, strict=True):
+        row = full[t - 1]  # the distribution the token at t was drawn from
+        best = np.argsort(-row)[:3]
+        assert [alt.token for alt in entry.top_logprobs] == [decode([i]) for i in best]
+        np.testing.assert_allclose(
+            [alt.logprob for alt in entry.top_logprobs], row[best], atol=1e-4
+        )
+        assert entry.logprob <= entry.top_logprobs[0].logprob + 1e-6
+        np.testing.assert_allclose(entry.logprob, row[episode.tokens[t]], atol=1e-4)
