@@ -257,13 +257,19 @@ def latency_audit(
     return out
 
 
+def busy_s(step: dict[str, Any]) -> float:
+    """The device's time in a learner step: `device_s` (launch to result, the host's
+    packing of the next batch excluded); records older than it have only `step_s`."""
+    return step["device_s"] if "device_s" in step else step["step_s"]
+
+
 def steady_duty_cycle(steps: Sequence[dict[str, Any]]) -> float | None:
-    """Time in train steps over wall time, from the end of the first step (compilation
-    and start-up excluded) to the last step."""
+    """Device time in train steps over wall time, from the end of the first step
+    (compilation and start-up excluded) to the last step."""
     if len(steps) < 3:
         return None
     span = steps[-1]["time"] - steps[0]["time"]
-    busy = sum(r["step_s"] for r in steps[1:])
+    busy = sum(busy_s(r) for r in steps[1:])
     return busy / span if span > 0 else None
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from tunix_tasks.frontdoor.audit import busy_s
 from tunix_tasks.learner import drop_bias
 
 __all__ = ["report_plots"]
@@ -72,7 +73,7 @@ def report_plots(
 
         def duty_panel(ax: Any) -> None:
             t = np.asarray(x_time)
-            busy = np.asarray([r["step_s"] for r in steps])
+            busy = np.asarray([busy_s(r) for r in steps])
             if len(t) > 1:
                 dt = np.diff(t)
                 ax.plot(

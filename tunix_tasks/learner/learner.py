@@ -40,7 +40,7 @@ __all__ = ["DataTimeout", "Learner", "trainer_metrics"]
 #: The trainer's metrics in every step record (objective.policy_loss / regularized_loss
 #: define them); kl_ref and entropy only when their terms are on.
 RECORD_METRICS = (
-    *("loss", "pg_loss", "nll", "grad_norm", "step_s"),
+    *("loss", "pg_loss", "nll", "grad_norm", "step_s", "device_s"),
     *("is_weight_mean", "is_weight_max", "is_clipped_frac", "ratio_mean", "ratio_max"),
     *("approx_kl", "ppo_clip_frac", "kl_ref", "entropy"),
 )
@@ -178,7 +178,7 @@ class Learner:
     def _complete(self, pending: Any, batch: PackedBatch, episodes: list[Episode]) -> None:
         self.parts.publisher.check()  # a background publish failed: stop on it here
         m = self.parts.trainer.collect(pending)
-        self.watch.add("train", m["step_s"])
+        self.watch.add("train", m["device_s"])  # the device's time, not host packing
         self.step += 1
         self.acct.trained(
             episodes, real_tokens=batch.real_tokens, longest_bucket=max(self.cfg.learner.buckets)

@@ -40,7 +40,7 @@ from jax.typing import ArrayLike
 from tunix_tasks.config import RunConfig
 from tunix_tasks.learner.checkpoint import Checkpointer
 from tunix_tasks.learner.packing import PackedBatch
-from tunix_tasks.learner.train_step import Trainer, make_mesh
+from tunix_tasks.learner.train_step import Pending, Trainer, make_mesh
 from tunix_tasks.policy.build import build_policy
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.storage.store import ObjectStore
@@ -176,7 +176,7 @@ class LeaderTrainer(Trainer):
 
     def dispatch(
         self, batch: PackedBatch, *, supervised: bool = False, lag: ArrayLike | None = None
-    ) -> tuple[dict[str, jax.Array], float]:
+    ) -> Pending:
         t0 = time.perf_counter()
         arrays = self.channel.send_batch(self.host_batch(batch, lag), supervised=supervised)
         return self.dispatch_arrays(arrays, supervised=supervised, t0=t0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 from typing import Any
 
@@ -211,6 +212,35 @@ def _loss(
 _PER_UPDATE = ("loss", "pg_loss", "grad_norm", "ppo_clip_frac")
 
 
+class _ReadyClock:
+    """When a dispatched step's results become ready: a thread blocks on them (the GIL is
+    released while it waits), so the host can pack the next batch meanwhile. Device time
+    is then launch -> ready, not the host work the step's clock overlaps."""
+
+    def __init__(self, arrays: Any) -> None:
+        self._at = 0.0
+        self._thread = threading.Thread(target=self._wait, args=(arrays,), daemon=True)
+        self._thread.start()
+
+    def _wait(self, arrays: Any) -> None:
+        jax.block_until_ready(arrays)
+        self._at = time.perf_counter()
+
+    def wait(self) -> float:
+        self._thread.join()
+        return self._at
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A dispatched step (`Trainer.dispatch`), for `Trainer.collect`."""
+
+    metrics: dict[str, jax.Array]
+    t0: float  # the step's clock started (before host packing)
+    launched: float  # the computation was handed to the device
+    ready: _ReadyClock
+
+
 class Trainer:
     """Sharded model + optimizer + the jitted update step (one compile per bucket)."""
 
@@ -250,6 +280,7 @@ class Trainer:
             for kind in ("rl", "supervised")
         }
         self.steps = 0
+        self._last_ready = 0.0  # when the last collected step's result was ready
 
     def _shard(self, node: nnx.Module | nnx.Optimizer) -> None:
         state = nnx.state(node)
@@ -327,7 +358,7 @@ class Trainer:
 
     def dispatch(
         self, batch: PackedBatch, *, supervised: bool = False, lag: ArrayLike | None = None
-    ) -> tuple[dict[str, jax.Array], float]:
+    ) -> Pending:
         """Start one batch's updates and return at once (JAX dispatch is asynchronous),
         so the host can prepare the next batch while the device computes. `lag`: per
         episode, the learner steps since its behaviour weights (`host_batch`)."""
@@ -336,15 +367,16 @@ class Trainer:
 
     def dispatch_arrays(
         self, arrays: dict[str, np.ndarray], *, supervised: bool = False, t0: float | None = None
-    ) -> tuple[dict[str, jax.Array], float]:
+    ) -> Pending:
         """`dispatch` of a `host_batch` (`t0`: when the step's clock started)."""
         t0 = time.perf_counter() if t0 is None else t0
         placed = self._place(arrays)
+        launched = time.perf_counter()
         with jax.set_mesh(self.mesh):
             metrics = self._step_fns["supervised" if supervised else "rl"](
                 self.model, self.optimizer, placed, self.reference
             )
-        return metrics, t0
+        return Pending(metrics, t0, launched, _ReadyClock(metrics))
 
     def lower_step(
         self, batch: PackedBatch, *, supervised: bool = False, lag: ArrayLike | None = None
@@ -359,12 +391,16 @@ class Trainer:
                 self.model, self.optimizer, placed, self.reference
             )
 
-    def collect(self, pending: tuple[dict[str, jax.Array], float]) -> dict[str, float]:
-        """Wait for a dispatched update; returns float metrics, `step_s` from dispatch."""
-        metrics, t0 = pending
-        out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    def collect(self, pending: Pending) -> dict[str, float]:
+        """Wait for a dispatched update; returns float metrics, `step_s` from dispatch
+        (host packing included) and `device_s`: from launch to the result being ready,
+        less any part of it the previous step's computation still held the device."""
+        out = {k: float(v) for k, v in jax.device_get(pending.metrics).items()}
         self.steps += 1
-        out["step_s"] = time.perf_counter() - t0
+        out["step_s"] = time.perf_counter() - pending.t0
+        ready = pending.ready.wait()
+        out["device_s"] = max(0.0, ready - max(pending.launched, self._last_ready))
+        self._last_ready = ready
         if not math.isfinite(out["loss"]):
             raise FloatingPointError(f"non-finite loss {out['loss']} at trainer step {self.steps}")
         return out

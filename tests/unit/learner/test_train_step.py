@@ -6,6 +6,8 @@ Uses the 8 simulated CPU devices from conftest.py. A Trainer is built on an expl
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -122,6 +124,27 @@ def test_compiles_once_per_bucket_shape():
     trainer.step(batches[2], supervised=True)  # same shape: no new compilation
     assert trainer.compile_count == 2  # the RL step was not recompiled
     assert trainer.total_compiles == 3
+
+
+def test_device_time_leaves_out_the_host_work_a_step_overlaps():
+    """`step_s` runs from dispatch to collect, so it holds whatever the host did meanwhile
+    (packing the next batch); `device_s` is launch -> result ready, and two steps in flight
+    at once are not counted twice."""
+    cfg = _cfg()
+    _, model = build_policy(cfg.model, seed=cfg.seed)
+    trainer = Trainer(cfg, model)
+    batch = _batches(2, 1)[0]
+    trainer.step(batch)  # compiles
+    alone = trainer.step(batch)
+    assert 0 < alone["device_s"] <= alone["step_s"]
+    pending = trainer.dispatch(batch)
+    time.sleep(0.5 + 2 * alone["step_s"])  # the host busy with something else
+    m = trainer.collect(pending)
+    assert m["step_s"] >= 0.5 and m["device_s"] < 0.5 * m["step_s"]
+    first, second = trainer.dispatch(batch), trainer.dispatch(batch)  # queued back to back
+    a, b = trainer.collect(first), trainer.collect(second)
+    # Counted from each launch, the second step would hold the first's computation too.
+    assert a["device_s"] + b["device_s"] <= time.perf_counter() - first.launched
 
 
 def test_lower_step_gives_xla_accounting_without_running_the_step():
