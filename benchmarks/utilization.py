@@ -9,14 +9,19 @@ steps, with every environment step taking `--latency` seconds (an emulated remot
   vectorized: async, fed by one vectorized actor (`actor.kind=vectorized`: the JAX
          calculator and the policy in one jitted loop, no emulated latency): what the
          learner reaches when supply is not the bottleneck
-  limit: the learner alone, on pre-generated shards of the same shapes (episodes of the
-         async run's mean length, groups of `group_size`), never waiting for data
+  limit: right after each run, the learner alone on episodes of that run's lengths (its
+         shards' `length` column, so the same packing density), never waiting for data:
+         what the learner can do on that load, measured next to the run it normalizes
+         rather than once for all of them
 
-and prints side by side: learner duty cycle (time in the train step / wall time, start-up
-and compilation excluded; goal: async >= 0.95), learner wall time from first to last step
-(goal: sync / async >= 5), real tokens trained per second (steady: after the first step),
-that rate as a fraction of the learner-alone limit, reward reached, the fraction of
-episodes dropped as stale, and the latency audit's verdict (report's `latency_audit`).
+and prints side by side, over each run's steady state (`steady_steps`: from where the
+learner first waited for data, once the backlog the actors built during the warm start
+is trained; the whole run when it never waits; the first step, compilation, never
+counts; "steady reached" 0 when fewer than 3 steps were left after it): the learner's duty cycle (the device's time in train steps, launch to result,
+over wall time: host work such as packing the next batch is not training; goal: async >=
+0.95), real tokens trained per second and that as a fraction of the run's own limit,
+learner wall time from first to last step (goal: sync / async >= 5), reward reached, the
+fraction of episodes dropped as stale, and the latency audit's verdict.
 
 Where the machine has 2 cores or more, the learner is pinned to core 0 and the actors to
 the others (`os.sched_setaffinity`), so the learner's rate is not eaten by the actors.
@@ -27,6 +32,7 @@ the others (`os.sched_setaffinity`), so the learner's rate is not eaten by the a
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -40,7 +46,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tunix_tasks.config import load_config
-from tunix_tasks.frontdoor.audit import learner_steps
+from tunix_tasks.frontdoor.audit import busy_s, learner_steps
 from tunix_tasks.frontdoor.entrypoints import prepare_run, run_learner
 from tunix_tasks.frontdoor.launcher import train_local
 from tunix_tasks.frontdoor.planning import plan_fleet
@@ -80,31 +86,58 @@ class Pinner(threading.Thread):
                     continue
 
 
-def steady_tokens_per_s(run_uri: str) -> float | None:
-    """Real tokens trained per second from the end of the first step to the last."""
-    steps = learner_steps(read_records(open_store(run_uri)))
+def steady_steps(steps: list[dict]) -> tuple[list[dict], bool]:
+    """The learner steps of the steady state, and whether the run reached it. A run whose
+    actors fall behind first trains the backlog they built during the warm start and the
+    first compiles; its steady state starts where the learner first waited for data
+    (its cumulative `wait_s_total` grew by more than half a step). A run that never
+    waits is learner-bound throughout: every step but the first (compilation)."""
+    for i in range(2, len(steps)):
+        waited = steps[i]["wait_s_total"] - steps[i - 1]["wait_s_total"]
+        if waited > 0.5 * busy_s(steps[i]):
+            return steps[i - 1 :], len(steps) - i >= 3
+    return steps[1:], True
+
+
+def window_rates(steps: list[dict]) -> dict:
+    """Real tokens trained per second and the device's duty cycle over `steps` (the time
+    from the first step's end to the last's; the steps after the first are inside it)."""
     span = steps[-1]["time"] - steps[0]["time"] if len(steps) > 1 else 0.0
-    return sum(r["real_tokens"] for r in steps[1:]) / span if span > 0 else None
+    if span <= 0:
+        return {"tokens/s": None, "duty": None}
+    tokens = sum(r["real_tokens"] for r in steps[1:])
+    return {"tokens/s": tokens / span, "duty": sum(busy_s(r) for r in steps[1:]) / span}
 
 
-def learner_limit(root: str, steps: int, async_uri: str, overrides: list[str]) -> float | None:
-    """Tokens/s of the learner alone (pinned to core 0) on pre-generated shards shaped like
-    the async run's episodes: the most any fleet could get out of it."""
-    done = learner_steps(read_records(open_store(async_uri)))
-    tokens, episodes = sum(r["real_tokens"] for r in done), sum(r["episodes"] for r in done)
-    length = round(tokens / max(1, episodes))
+def learner_limit(root: str, steps: int, run_uri: str, overrides: list[str], name: str) -> dict:
+    """The learner alone (pinned to the learner's core) on episodes of the lengths
+    `run_uri`'s actors wrote (its shards' `length` column, in order, cycled), in complete
+    groups of `group_size`, never waiting for data: what any fleet could get out of it on
+    that run's load, measured right after the run."""
+    source = open_store(run_uri)
+    lengths = [
+        n
+        for info in source.list("shards/")
+        if info.key.endswith(".parquet")
+        for n in pq.read_table(io.BytesIO(source.read_bytes(info.key)), columns=["length"])
+        .column("length")
+        .to_pylist()
+    ]
     cfg = load_config(
         "configs/demo.yaml",
-        [*overrides, "run_name=limit", "warm_start_steps=0", "learner.max_staleness=1000000"],
+        [*overrides, f"run_name={name}", "warm_start_steps=0", "learner.max_staleness=1000000"],
     )
     uri = prepare_run(cfg)
-    store, rng = open_store(uri), np.random.default_rng(0)
-    per_step = max([r["episodes"] for r in done] + [cfg.learner.min_episodes_per_step])
-    need = int(1.5 * steps * per_step) + 64  # never short of data
-    group = cfg.actor.group_size
-    writer = ShardWriter(store, actor_id="actor-0000", max_episodes=cfg.actor.episodes_per_shard)
+    writer = ShardWriter(
+        open_store(uri), actor_id="actor-0000", max_episodes=cfg.actor.episodes_per_shard
+    )
+    rng, group = np.random.default_rng(0), cfg.actor.group_size
+    # Never short of data: a batch takes as many episodes as its rows can pack.
+    per_step = cfg.learner.batch_rows * max(cfg.learner.buckets) // max(8, min(lengths))
+    need = (steps + 2) * per_step + 64
     for i in range(need):
-        writer.add(make_episode(rng, length=max(8, length), group_id=f"g{i // group}"))
+        length = max(8, lengths[i % len(lengths)])
+        writer.add(make_episode(rng, length=length, group_id=f"g{i // group}"))
     writer.close()
     old = os.sched_getaffinity(0) if ACTOR_CORES else None
     if old:
@@ -114,7 +147,12 @@ def learner_limit(root: str, steps: int, async_uri: str, overrides: list[str]) -
     finally:
         if old:
             os.sched_setaffinity(0, old)
-    return steady_tokens_per_s(uri)
+    done = learner_steps(read_records(open_store(uri)))
+    return window_rates(done[1:]) | {"mean length": _mean_length(done)}
+
+
+def _mean_length(steps: list[dict]) -> float:
+    return sum(r["real_tokens"] for r in steps) / max(1, sum(r["episodes"] for r in steps))
 
 
 def overrides_for(
@@ -174,11 +212,15 @@ def measure(run_uri: str, *, pinned: int = 0) -> dict:
     s = summarize(open_store(run_uri))
     dropped = sum(s["dropped_total"].values())
     generated = s["trained_episodes_ledger"] + dropped
+    steady, reached = steady_steps(learner_steps(read_records(open_store(run_uri))))
+    rates = window_rates(steady)
     return {
-        "duty cycle": s["duty_cycle_steady"],
+        "duty (steady)": rates["duty"],
+        "tokens/s (steady)": rates["tokens/s"],
+        "steady steps": len(steady),
+        "steady reached": float(reached),
+        "mean length": _mean_length(steady),
         "learner wall s": s["learner_wall_s"],
-        "tokens/s": s["trained_tokens_per_s"],
-        "tokens/s steady": steady_tokens_per_s(run_uri),
         "reward first": s["reward_first"],
         "reward last": s["reward_last"],
         "stale dropped": s["dropped_total"].get("stale", 0) / max(1, generated),
@@ -233,13 +275,16 @@ def main() -> None:
         ov = overrides_for(
             root, args.steps, args.latency, args.actors, args.envs, args.max_staleness
         )
-        results = {m: run(m, ov) for m in ("async", "sync", "vectorized")}
-        limit = learner_limit(root, args.steps, results["async"]["run_uri"], ov)
+        results, limits = {}, {}
+        for m in ("async", "sync", "vectorized"):  # each run, then the limit on its episodes
+            results[m] = run(m, ov)
+            limits[m] = learner_limit(root, args.steps, results[m]["run_uri"], ov, f"limit-{m}")
+            steady = results[m]["tokens/s (steady)"]
+            results[m]["limit tokens/s"] = limits[m]["tokens/s"]
+            results[m]["fraction of limit"] = (
+                steady / limits[m]["tokens/s"] if steady and limits[m]["tokens/s"] else None
+            )
         plan = plan_check(results["async"]["run_uri"], args.envs)
-    for r in results.values():
-        r["fraction of limit"] = (
-            r["tokens/s steady"] / limit if limit and r["tokens/s steady"] else None
-        )
     rows = [r for r in results["async"] if not isinstance(results["async"][r], str)]
     print(
         f"\n{args.steps} learner steps, env latency {args.latency}s/step, {args.actors} actors x {args.envs} envs"
@@ -251,13 +296,17 @@ def main() -> None:
             f"{r:<18}" + "".join(f"{v if v is not None else float('nan'):>12.3f}" for v in values)
         )
     print(
-        f"{'learner limit':<18}{limit or float('nan'):>12.1f}   tokens/s (learner alone, core {sorted(LEARNER_CORES)})"
+        "limit: the learner alone (core "
+        f"{sorted(LEARNER_CORES)}) right after each run, on that run's episodes; steady: "
+        "after the warm start's backlog is read; duty: device time (launch to result)"
     )
     for m in results:
         print(f"{m} audit: {results[m]['audit']}")
     ratio = results["sync"]["learner wall s"] / results["async"]["learner wall s"]
     print(f"{'sync/async wall':<18}{ratio:>12.2f}   (goal >= 5)")
-    print(f"{'async duty':<18}{results['async']['duty cycle']:>12.3f}   (goal >= 0.95)")
+    print(
+        f"{'async duty':<18}{results['async']['duty (steady)'] or float('nan'):>12.3f}   (goal >= 0.95)"
+    )
     vec = results["vectorized"]["fraction of limit"]
     print(f"{'vectorized/limit':<18}{vec or float('nan'):>12.3f}   (goal >= 0.95)")
     for k, v in plan.items():  # docs/scaling.md: the fleet planner checked on this run
@@ -266,7 +315,7 @@ def main() -> None:
         json.dumps(
             {
                 "results": results,
-                "learner_limit_tokens_per_s": limit,
+                "limits": limits,
                 "sync_over_async_wall": ratio,
                 "plan_check": plan,
             }
