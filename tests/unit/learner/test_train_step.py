@@ -143,8 +143,11 @@ def test_device_time_leaves_out_the_host_work_a_step_overlaps():
     assert m["step_s"] >= 0.5 and m["device_s"] < 0.5 * m["step_s"]
     first, second = trainer.dispatch(batch), trainer.dispatch(batch)  # queued back to back
     a, b = trainer.collect(first), trainer.collect(second)
-    # Counted from each launch, the second step would hold the first's computation too.
-    assert a["device_s"] + b["device_s"] <= time.perf_counter() - first.launched
+    # Counted from each launch, the second step would hold the first's computation too
+    # (~1.5x the wall time); the ready times come from waiter threads, so allow them the
+    # scheduling delay of a loaded CI core.
+    wall = time.perf_counter() - first.launched
+    assert a["device_s"] + b["device_s"] <= 1.1 * wall + 2e-3
 
 
 def test_lower_step_gives_xla_accounting_without_running_the_step():
