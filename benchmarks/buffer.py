@@ -15,7 +15,7 @@ run size N (shards already in the run, all consumed by the reader):
            through `ObjectStore.write_bytes` under `RunLayout.shard_key` keys at the same
            simulated cadence, 8 uploads in flight: shards/s and MB/s.
   ingest   a fresh `EpisodeSource` restored at that position drains them as the learner
-           does (`poll()` then `ack` of every episode): episodes/s and MB/s (best of two
+           does (`poll()` then `ack_entries` of every block): episodes/s and MB/s (best of two
            drains, the N of one W taking turns), and that rate over the learner's
            training rate (below). Writers and reader run one after
            the other: on 2 cores, concurrent writers would bill their CPU to the reader.
@@ -174,13 +174,13 @@ class Run:
         source.set_state(state)
         t, episodes, shards = time.perf_counter(), 0, 0
         while shards < live:
-            got = source.poll()
-            if not got:
+            blocks = source.poll()
+            if not blocks:
                 raise RuntimeError(f"reader starved after {shards} of {live} shards")
-            shards += len({e.source.shard for e in got})
-            episodes += len(got)
-            for e in got:
-                source.ack(e)
+            shards += len(blocks)
+            for block in blocks:
+                episodes += len(block)
+                source.ack_entries(block, np.arange(len(block)))
         return time.perf_counter() - t, episodes, source, counting
 
     def poll_once(self, rng: np.random.Generator) -> tuple[float, int, int]:
@@ -194,8 +194,8 @@ class Run:
         pending = source.pending_shards()
         took = time.perf_counter() - t
         assert key in pending, "the new shard was not found"
-        for e in source.poll():
-            source.ack(e)
+        for block in source.poll():
+            source.ack_entries(block, np.arange(len(block)))
         return took, store.keys - k0, store.lists - l0
 
     def store_costs(self) -> dict:

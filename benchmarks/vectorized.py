@@ -54,6 +54,7 @@ from tunix_tasks.policy.distribution import token_logprobs
 from tunix_tasks.policy.params import flat_params
 from tunix_tasks.storage.runs import mark_done, write_config
 from tunix_tasks.storage.weights import WeightsPublisher
+from tunix_tasks.testing.shard_factory import block_episodes
 
 
 def _config(root: str, name: str, kind: str, envs: int, dtype: str = "float32") -> RunConfig:
@@ -159,7 +160,7 @@ def mismatch(cfg: RunConfig, actor: ActorRuntime, limit: int = 256) -> dict[str,
     fp32 = cfg.model.model_copy(update={"dtype": "float32"})
     chat, model = build_policy(fp32, seed=cfg.seed)  # the published weights (the init)
     source = EpisodeSource(actor.store, vocab_size=chat.tokenizer.vocab_size)
-    episodes: list[Episode] = source.poll(max_shards=64)[:limit]
+    episodes: list[Episode] = block_episodes(source.poll(max_shards=64))[:limit]
     width = cfg.actor.max_episode_tokens
     tokens = np.zeros((len(episodes), width), np.int32)
     for i, e in enumerate(episodes):

@@ -18,6 +18,7 @@ from tunix_tasks.learner.source import EpisodeSource
 from tunix_tasks.storage.runs import is_done
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.storage.weights import load_snapshot, read_latest
+from tunix_tasks.testing.shard_factory import block_episodes
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,7 @@ def test_train_qwen3_checkpoint_end_to_end(tmp_path, gcs_server):
 
     # The shards hold chat-template episodes: multi-turn, tool responses in the
     # template's own tokens, sampled tokens only under the loss mask.
-    episodes = EpisodeSource(store, vocab_size=400).poll(max_shards=100_000)
+    episodes = block_episodes(EpisodeSource(store, vocab_size=400).poll(max_shards=100_000))
     assert episodes, "no episodes read back"
     multi = [ep for ep in episodes if ep.num_turns >= 2]
     assert multi, [ep.num_turns for ep in episodes]

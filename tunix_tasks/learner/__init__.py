@@ -1,9 +1,10 @@
 """The learner, in data-flow order.
 
-source.py      shards -> validated `Episode`s with advantages (`advantages.py`); the position
-flow.py        `AsyncFlow` / `SyncFlow`: ready? drop (a `DropReason`)? publish?
+source.py      shards -> validated `EpisodeBlock`s with advantages (`advantages.py`); the position
+blocks.py      `EpisodeBlock`: one shard's unacknowledged rows as columns, the buffer's unit
+flow.py        `AsyncFlow` / `SyncFlow`: ready? drop masks (per `DropReason`)? publish?
 staleness.py   `learner_version - policy_version`, the one formula, and its metric buckets
-batcher.py     the buffer: drop what the flow rejects, pack one batch
+batcher.py     the buffer: drop what the flow rejects (masks), pack one batch
 packing.py     bucket shapes, first-fit packing (pure numpy)
 objective/     off-policy corrections as a registry, `policy_loss`; `rl_math.py`: their maths
 train_step.py  mesh, sharded params/optimizer, the jitted update

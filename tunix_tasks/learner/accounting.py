@@ -6,7 +6,8 @@ trained and the stale-dropped episodes), and collects the ledger of episode ids
 accounted since the last checkpoint (written just before it, see `checkpoint.py`).
 
     acct = Accounting(source, counters=meta.get("counters"))
-    acct.drop(ep, DropReason.STALE)
+    acct.drop(ep, DropReason.STALE)                    # or, for buffered entries:
+    acct.drop_entries(block, entries, DropReason.STALE)
     acct.trained(episodes, real_tokens=batch.real_tokens, longest_bucket=max(buckets))
     ckpt.save(step, state, {..., "counters": acct.counters}, acct.take_ledger())
 
@@ -19,13 +20,17 @@ from __future__ import annotations
 import base64
 import collections
 import hashlib
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from tunix_tasks.episode import DropReason, Episode
 from tunix_tasks.learner import drop_bias
+
+if TYPE_CHECKING:
+    from tunix_tasks.learner.blocks import EpisodeBlock
 
 #: Actor incarnations whose consumed episodes the counters keep (the most recent).
 CONSUMED_KEYS = 256
@@ -34,11 +39,17 @@ CONSUMED_KEYS = 256
 def actor_key(episode: Episode) -> str:
     """The `<actor_id>/<incarnation>` that made an episode (its group id less the group
     number); "" for episodes no actor made (demonstrations)."""
-    return episode.group_id.rpartition("/")[0]
+    return group_actor(episode.group_id)
+
+
+def group_actor(group_id: str) -> str:
+    """`actor_key` of an episode of group `group_id`."""
+    return group_id.rpartition("/")[0]
 
 
 class Acknowledger(Protocol):
     def ack(self, episode: Episode) -> None: ...
+    def ack_entries(self, block: EpisodeBlock, entries: np.ndarray) -> None: ...
 
 
 def _empty_ledger() -> dict[str, Any]:
@@ -60,34 +71,59 @@ class Accounting:
         self.counters.setdefault("consumed", {})
         self._ledger = _empty_ledger()
 
-    def _consume(self, episodes: Sequence[Episode]) -> None:
+    def _consume(self, group_ids: Iterable[str]) -> None:
         """Count episodes consumed (trained or dropped) per actor incarnation, keeping
         the `CONSUMED_KEYS` most recently active (a fleet's restarts do not grow it)."""
         consumed = self.counters["consumed"]
-        for ep in episodes:
-            key = actor_key(ep)
+        for group_id in group_ids:
+            key = group_actor(group_id)
             if key:
                 consumed[key] = consumed.pop(key, 0) + 1  # re-inserted: newest last
         for old in list(consumed)[: max(0, len(consumed) - CONSUMED_KEYS)]:
             del consumed[old]
 
-    def _observe(self, side: str, episodes: Sequence[Episode]) -> None:
+    def _observe(self, side: str, lengths: ArrayLike, turns: ArrayLike, rewards: ArrayLike) -> None:
         bias = self.counters["drop_bias"]
-        bias[side] = drop_bias.add(
-            bias[side],
-            [ep.length for ep in episodes],
-            [ep.num_turns for ep in episodes],
-            [ep.reward for ep in episodes],
-        )
+        bias[side] = drop_bias.add(bias[side], lengths, turns, rewards)
 
     def drop(self, episode: Episode, reason: DropReason) -> None:
         self._source.ack(episode)
-        self._consume([episode])
-        self._ledger["dropped"].setdefault(reason, []).append(episode.episode_id)
+        self._dropped(
+            reason,
+            [episode.episode_id],
+            [episode.group_id],
+            [episode.length],
+            [episode.num_turns],
+            [episode.reward],
+        )
+
+    def drop_entries(self, block: EpisodeBlock, entries: np.ndarray, reason: DropReason) -> None:
+        """`drop` for these entries of a buffered block, column by column."""
+        self._source.ack_entries(block, entries)
+        self._dropped(
+            reason,
+            block.episode_id[entries].tolist(),
+            block.group_id[entries],
+            block.length[entries],
+            block.num_turns[entries],
+            block.reward[entries],
+        )
+
+    def _dropped(
+        self,
+        reason: DropReason,
+        ids: list[str],
+        group_ids: Iterable[str],
+        lengths: ArrayLike,
+        turns: ArrayLike,
+        rewards: ArrayLike,
+    ) -> None:
+        self._consume(group_ids)
+        self._ledger["dropped"].setdefault(reason, []).extend(ids)
         dropped = self.counters["dropped"]
-        dropped[reason] = dropped.get(reason, 0) + 1
+        dropped[reason] = dropped.get(reason, 0) + len(ids)
         if reason == DropReason.STALE:
-            self._observe("stale", [episode])
+            self._observe("stale", lengths, turns, rewards)
 
     def trained(
         self, episodes: Sequence[Episode], *, real_tokens: int, longest_bucket: int
@@ -95,9 +131,14 @@ class Accounting:
         for ep in episodes:
             self._source.ack(ep)
         self._ledger["trained"].extend(ep.episode_id for ep in episodes)
-        self._consume(episodes)
+        self._consume(ep.group_id for ep in episodes)
         self.counters["trained_episodes"] += len(episodes)
-        self._observe("trained", episodes)
+        self._observe(
+            "trained",
+            [ep.length for ep in episodes],
+            [ep.num_turns for ep in episodes],
+            [ep.reward for ep in episodes],
+        )
         self.counters["trained_tokens"] += int(real_tokens)
         # Counted when trained: a long episode may wait in the buffer over many steps.
         self.counters["truncated_sequences"] += sum(ep.length > longest_bucket for ep in episodes)
@@ -127,19 +168,24 @@ class RecentIds:
         self._set: set[int] = set()
 
     @staticmethod
-    def _digest(episode_id: str) -> int:
+    def digest(episode_id: str) -> int:
+        """The 64-bit digest an id is remembered by (a pure function: reader threads
+        compute it ahead of `holds`)."""
         return int.from_bytes(
             hashlib.blake2b(episode_id.encode(), digest_size=8).digest(), "little"
         )
 
+    def holds(self, digest: int) -> bool:
+        return digest in self._set
+
     def __contains__(self, episode_id: str) -> bool:
-        return self._digest(episode_id) in self._set
+        return self.digest(episode_id) in self._set
 
     def __len__(self) -> int:
         return len(self._order)
 
     def add(self, episode_id: str) -> None:
-        digest = self._digest(episode_id)
+        digest = self.digest(episode_id)
         if digest in self._set:
             return
         self._set.add(digest)

@@ -25,7 +25,10 @@ __all__ = ["batch_advantages", "group_advantages", "shard_advantages", "zero_var
 
 
 def _groups(group_ids: Sequence[object] | np.ndarray, size: int) -> tuple[np.ndarray, int]:
-    _, inverse = np.unique(np.asarray(group_ids, dtype=object).astype(str), return_inverse=True)
+    ids = np.asarray(group_ids)
+    if ids.dtype.kind not in "iu":  # integer codes (a shard's dictionary) are used as they are
+        ids = np.asarray(group_ids, dtype=object).astype(str)
+    _, inverse = np.unique(ids, return_inverse=True)
     if inverse.size != size:
         raise ValueError(f"{size} rewards but {inverse.size} group ids")
     return inverse, int(inverse.max(initial=-1)) + 1

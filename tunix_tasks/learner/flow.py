@@ -6,13 +6,13 @@ Reverb's rate limiters: a named object with exact semantics, validated on constr
 The learner's loop asks it, per step:
 
     flow = flow_from_config(cfg)
-    for ep in buffer: reason = flow.drop_reason(ep, version)   # a DropReason or None:
-                                                  # STALE, ENV_ERROR, ENV_TIMEOUT
+    masks = flow.drop_masks(versions, statuses, version)  # over the buffered episodes'
+    # columns: {DropReason: bool mask}, first reason first (STALE, ENV_ERROR, ENV_TIMEOUT)
     (the batcher drops what the source flags as a replay as DUPLICATE before asking, and
     groups without signal as ZERO_VARIANCE after, with learner.filter_zero_variance_groups)
-    if flow.ready(buffer, version): ...pack (flush=flow.flush), train...
+    if flow.ready(versions, version): ...pack (flush=flow.flush), train...
     flow.trained(episodes)
-    if flow.publish_due(step, buffer, version): ...publish version + 1...; flow.published()
+    if flow.publish_due(step, versions, version): ...publish version + 1...; flow.published()
     ...at the end: if flow.publish_at_end(step): publish
 
 Staleness is `learner_version - policy_version` (`staleness.py`), measured when an
@@ -52,14 +52,18 @@ def stale_mask(
 
 
 class FlowPolicy(Protocol):
-    """The questions the learner's loop asks; see the module docstring for the loop."""
+    """The questions the learner's loop asks; see the module docstring for the loop.
+    Episodes come as columns: `versions` their `policy_version`s, `statuses` their
+    `status` values (arrays, one entry per buffered episode)."""
 
     flush: bool  # pack partial batches too (sync: a version's last episodes must train)
 
-    def drop_reason(self, episode: Episode, version: int) -> DropReason | None: ...
-    def ready(self, buffer: Sequence[Episode], version: int) -> bool: ...
+    def drop_masks(
+        self, versions: ArrayLike, statuses: ArrayLike, version: int
+    ) -> dict[DropReason, np.ndarray]: ...
+    def ready(self, versions: ArrayLike, version: int) -> bool: ...
     def trained(self, episodes: Sequence[Episode]) -> None: ...
-    def publish_due(self, step: int, buffer: Sequence[Episode], version: int) -> bool: ...
+    def publish_due(self, step: int, versions: ArrayLike, version: int) -> bool: ...
     def published(self) -> None: ...
     def publish_at_end(self, step: int) -> bool: ...
 
@@ -68,15 +72,16 @@ class FlowPolicy(Protocol):
 DROPPED_STATUSES = (EpisodeStatus.ENV_ERROR, EpisodeStatus.ENV_TIMEOUT)
 
 
-def _drop_env_error(episode: Episode) -> DropReason | None:
+def _env_failures(statuses: ArrayLike) -> dict[DropReason, np.ndarray]:
     # An environment that broke or was too slow says nothing about the policy: never
     # train on it (and the source keeps it out of its group's baseline).
-    return DropReason(episode.status) if episode.status in DROPPED_STATUSES else None
+    values = np.asarray(statuses, dtype=object)
+    return {DropReason(s): values == s.value for s in DROPPED_STATUSES}
 
 
-def _fresh(episode: Episode, version: int) -> bool:
+def _fresh(versions: ArrayLike, version: int) -> np.ndarray:
     """Played with the learner's current version (staleness 0; its weights may have moved since)?"""
-    return bool(staleness(version, episode.policy_version) == 0)
+    return np.asarray(staleness(version, versions)) == 0
 
 
 class AsyncFlow:
@@ -99,18 +104,19 @@ class AsyncFlow:
         self.max_staleness = max_staleness
         self.publish_every = publish_every
 
-    def drop_reason(self, episode: Episode, version: int) -> DropReason | None:
-        if stale_mask(version, episode.policy_version, self.max_staleness):
-            return DropReason.STALE
-        return _drop_env_error(episode)
+    def drop_masks(
+        self, versions: ArrayLike, statuses: ArrayLike, version: int
+    ) -> dict[DropReason, np.ndarray]:
+        stale = np.asarray(stale_mask(version, versions, self.max_staleness)).reshape(-1)
+        return {DropReason.STALE: stale, **_env_failures(statuses)}
 
-    def ready(self, buffer: Sequence[Episode], version: int) -> bool:
-        return len(buffer) >= self.min_episodes
+    def ready(self, versions: ArrayLike, version: int) -> bool:
+        return np.size(versions) >= self.min_episodes
 
     def trained(self, episodes: Sequence[Episode]) -> None:
         pass
 
-    def publish_due(self, step: int, buffer: Sequence[Episode], version: int) -> bool:
+    def publish_due(self, step: int, versions: ArrayLike, version: int) -> bool:
         return step % self.publish_every == 0
 
     def published(self) -> None:
@@ -138,20 +144,20 @@ class SyncFlow:
         self.episodes_per_version = episodes_per_version
         self._trained = 0  # episodes of the current version trained so far
 
-    def drop_reason(self, episode: Episode, version: int) -> DropReason | None:
-        if not _fresh(episode, version):
-            return DropReason.STALE
-        return _drop_env_error(episode)
+    def drop_masks(
+        self, versions: ArrayLike, statuses: ArrayLike, version: int
+    ) -> dict[DropReason, np.ndarray]:
+        return {DropReason.STALE: ~_fresh(versions, version), **_env_failures(statuses)}
 
-    def ready(self, buffer: Sequence[Episode], version: int) -> bool:
-        fresh = sum(_fresh(ep, version) for ep in buffer)
+    def ready(self, versions: ArrayLike, version: int) -> bool:
+        fresh = int(np.count_nonzero(_fresh(versions, version)))
         return fresh > 0 and fresh + self._trained >= self.episodes_per_version
 
     def trained(self, episodes: Sequence[Episode]) -> None:
         self._trained += len(episodes)
 
-    def publish_due(self, step: int, buffer: Sequence[Episode], version: int) -> bool:
-        return not any(_fresh(ep, version) for ep in buffer)
+    def publish_due(self, step: int, versions: ArrayLike, version: int) -> bool:
+        return not _fresh(versions, version).any()
 
     def published(self) -> None:
         self._trained = 0

@@ -185,7 +185,7 @@ class Learner:
         )
         self.flow.trained(episodes)
         self.parts.metrics.log(**self._record(m, batch, episodes))
-        if self.flow.publish_due(self.step, self.batcher.buffer, self.version):
+        if self.flow.publish_due(self.step, self.batcher.buffered_versions(), self.version):
             self._publish()
         if self.step % self.cfg.learner.checkpoint_every == 0:
             self._checkpoint()
@@ -216,7 +216,7 @@ class Learner:
             "compile_count": self.parts.trainer.compile_count,
             "staleness": {str(k): v for k, v in sorted(lags.items())},
             "dropped": dict(self.acct.counters["dropped"]),
-            "buffer": len(self.batcher.buffer),
+            "buffer": self.batcher.buffered,
             "backlog_shards": source.backlog_shards,
             "quarantined": len(source.quarantined),
             # 1-2 KB: only once there is a stale drop to compare the trained episodes with.

@@ -1,7 +1,8 @@
 """Host-side packing of episodes into a few fixed ``[batch_rows, bucket_len]`` shapes.
 
 Owns: bucket choice, the truncation policy, first-fit-decreasing packing with segment
-ids and positions, the two unpacked baselines (``pad_to_max``, ``bucket_no_pack``) and
+ids and positions (`plan` over lengths, `assemble` over any `Sequences`; `pack` over
+`Episode`s is the two together), the two unpacked baselines (``pad_to_max``, ``bucket_no_pack``) and
 the packing statistics. Pure numpy; no JAX, no I/O. The learner turns ``PackedBatch``
 arrays into device arrays; the number of distinct shapes (and so of XLA compilations) is
 at most ``len(buckets)`` whatever the episode lengths (DESIGN.md, "Shapes").
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -37,13 +39,17 @@ from numpy.typing import ArrayLike
 from tunix_tasks.episode import Episode
 
 __all__ = [
+    "EpisodeList",
     "PackResult",
     "PackStats",
     "PackedBatch",
+    "Sequences",
+    "assemble",
     "bucket_no_pack",
     "choose_bucket",
     "pack",
     "pad_to_max",
+    "plan",
     "truncate",
 ]
 
@@ -146,20 +152,46 @@ def truncate(seq: Episode, max_len: int) -> Episode:
     )
 
 
-def _truncate_all(sequences: Sequence[Episode], max_len: int) -> tuple[list[Episode], int]:
-    out = [truncate(s, max_len) for s in sequences]
-    return out, sum(s.length > max_len for s in sequences)
-
-
 # --------------------------------------------------------------------------- assembly
 
-Row = list[int]  # indices into the (truncated) sequence list, in placement order
+Row = list[int]  # indices into the sequences, in placement order
 
 
-def _assemble(
-    seqs: Sequence[Episode], rows: Sequence[Row], batch_rows: int, bucket_len: int
-) -> PackedBatch:
-    """Write ``rows`` (padded with empty rows up to ``batch_rows``) into target-aligned arrays."""
+class Sequences(Protocol):
+    """What packing reads of the sequences it packs, by index: `EpisodeList` over
+    `Episode`s, or the learner's buffered columns (`batcher.py`), so packing needs no
+    object per sequence. Lengths are the full ones (packing truncates)."""
+
+    lengths: np.ndarray  # int [n]
+    advantages: np.ndarray  # float [n]
+    policy_versions: np.ndarray  # int [n]
+
+    def episode_id(self, i: int) -> str: ...
+    def arrays(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Sequence i's (tokens, loss_mask, behavior_logprobs)."""
+        ...
+
+
+class EpisodeList:
+    """`Sequences` over a list of `Episode`s."""
+
+    def __init__(self, episodes: Sequence[Episode]) -> None:
+        self.episodes = episodes
+        self.lengths = np.fromiter((e.length for e in episodes), np.int64, len(episodes))
+        self.advantages = np.asarray([e.advantage for e in episodes], np.float64)
+        self.policy_versions = np.asarray([e.policy_version for e in episodes], np.int64)
+
+    def episode_id(self, i: int) -> str:
+        return self.episodes[i].episode_id
+
+    def arrays(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        e = self.episodes[i]
+        return e.tokens, e.loss_mask, e.behavior_logprobs
+
+
+def assemble(seqs: Sequences, rows: Sequence[Row], batch_rows: int, bucket_len: int) -> PackedBatch:
+    """Write ``rows`` (padded with empty rows up to ``batch_rows``) into target-aligned
+    arrays; a sequence longer than ``bucket_len`` (alone in its row) keeps its prefix."""
     shape = (batch_rows, bucket_len)
     tokens = np.zeros(shape, np.int32)
     targets = np.zeros(shape, np.int32)
@@ -174,20 +206,21 @@ def _assemble(
     for r, row in enumerate(rows):
         start = 0
         for seg, i in enumerate(row, start=1):
-            s = seqs[i]
-            n, end = s.length, start + s.length
-            tokens[r, start:end] = s.tokens
+            n = min(int(seqs.lengths[i]), bucket_len)
+            end = start + n
+            seq_tokens, seq_mask, seq_blp = (a[:n] for a in seqs.arrays(i))
+            tokens[r, start:end] = seq_tokens
             # Targets/mask/logprobs of token j+1 sit at position j; the segment's last
             # position keeps its zeros so it never predicts the next segment.
-            targets[r, start : end - 1] = s.tokens[1:]
-            loss_mask[r, start : end - 1] = s.loss_mask[1:]
-            blp[r, start : end - 1] = s.behavior_logprobs[1:]
+            targets[r, start : end - 1] = seq_tokens[1:]
+            loss_mask[r, start : end - 1] = seq_mask[1:]
+            blp[r, start : end - 1] = seq_blp[1:]
             positions[r, start:end] = np.arange(n, dtype=np.int32)
             segment_ids[r, start:end] = seg
             episode_index[r, start:end] = len(ids)
-            adv[r, start:end] = s.advantage
-            ids.append(s.episode_id)
-            versions.append(s.policy_version)
+            adv[r, start:end] = seqs.advantages[i]
+            ids.append(seqs.episode_id(i))
+            versions.append(int(seqs.policy_versions[i]))
             start = end
         if start > bucket_len:
             raise AssertionError(f"row overflows bucket {bucket_len}: {start} tokens")
@@ -207,26 +240,27 @@ def _assemble(
 
 
 def _result(
-    seqs: Sequence[Episode],
+    episodes: Sequence[Episode],
     planned: Sequence[tuple[int, list[Row]]],
     leftover: Sequence[int],
     batch_rows: int,
-    truncated: int,
+    max_len: int,
 ) -> PackResult:
-    batches = [_assemble(seqs, rows, batch_rows, b) for b, rows in planned]
+    seqs = EpisodeList(episodes)
+    batches = [assemble(seqs, rows, batch_rows, b) for b, rows in planned]
     per_bucket: dict[int, int] = {}
     for b, _ in planned:
         per_bucket[b] = per_bucket.get(b, 0) + 1
     stats = PackStats(
-        num_sequences=len(seqs),
+        num_sequences=len(episodes),
         num_packed=sum(len(r) for _, rows in planned for r in rows),
         num_leftover=len(leftover),
-        truncated=truncated,
+        truncated=int(np.count_nonzero(seqs.lengths > max_len)),
         real_tokens=sum(b.real_tokens for b in batches),
         total_slots=sum(b.tokens.size for b in batches),
         batches_per_bucket=dict(sorted(per_bucket.items())),
     )
-    return PackResult(batches, [seqs[i] for i in leftover], stats)
+    return PackResult(batches, [truncate(episodes[i], max_len) for i in leftover], stats)
 
 
 def _check_rows(batch_rows: int) -> None:
@@ -296,27 +330,15 @@ class _LengthPool:
         return sorted(i for n, q in self.queues.items() for i in q[self.heads[n] :])
 
 
-def pack(
-    sequences: Sequence[Episode],
-    *,
-    buckets: tuple[int, ...],
-    batch_rows: int,
-    flush: bool = False,
-) -> PackResult:
-    """Pack episodes, several per row, into full ``[batch_rows, bucket]`` batches.
-
-    Batch by batch: the candidate buckets are those that fit the longest remaining episode
-    (so it always makes progress and long episodes are never starved); each candidate is
-    filled first-fit-decreasing, and the candidate with the highest density that opens
-    all ``batch_rows`` rows wins (ties: the smaller bucket, cheaper attention). When no
-    candidate fills all rows, the rest is returned as ``leftover`` for the caller to keep
-    for its next call, unless ``flush`` where the densest partial batch is padded with
-    empty rows, repeatedly, until nothing is left.
-    """
+def plan(
+    lengths: ArrayLike, *, buckets: tuple[int, ...], batch_rows: int, flush: bool = False
+) -> tuple[list[tuple[int, list[Row]]], list[int]]:
+    """`pack`'s placement over sequence lengths alone: ``[(bucket, rows)]`` for each batch,
+    and the indices left over. Lengths over the largest bucket count as that bucket."""
     _check_rows(batch_rows)
     ordered = _check_buckets(buckets)
-    seqs, truncated = _truncate_all(sequences, ordered[-1])
-    pool = _LengthPool([s.length for s in seqs], ordered[-1])
+    capped = np.minimum(np.asarray(lengths, np.int64).reshape(-1), ordered[-1])
+    pool = _LengthPool(capped.tolist(), ordered[-1])
     planned: list[tuple[int, list[Row]]] = []
     while len(pool):
         need = pool.longest()
@@ -333,7 +355,30 @@ def pack(
             break
         _, b, rows = max(candidates, key=lambda c: c[0])
         planned.append((b, pool.take(rows)))
-    return _result(seqs, planned, pool.remaining(), batch_rows, truncated)
+    return planned, pool.remaining()
+
+
+def pack(
+    sequences: Sequence[Episode],
+    *,
+    buckets: tuple[int, ...],
+    batch_rows: int,
+    flush: bool = False,
+) -> PackResult:
+    """Pack episodes, several per row, into full ``[batch_rows, bucket]`` batches.
+
+    Batch by batch: the candidate buckets are those that fit the longest remaining episode
+    (so it always makes progress and long episodes are never starved); each candidate is
+    filled first-fit-decreasing, and the candidate with the highest density that opens
+    all ``batch_rows`` rows wins (ties: the smaller bucket, cheaper attention). When no
+    candidate fills all rows, the rest is returned as ``leftover`` for the caller to keep
+    for its next call, unless ``flush`` where the densest partial batch is padded with
+    empty rows, repeatedly, until nothing is left. (`plan` + `assemble`, over
+    `Sequences`, do the same without `Episode` objects.)
+    """
+    lengths = [s.length for s in sequences]
+    planned, leftover = plan(lengths, buckets=buckets, batch_rows=batch_rows, flush=flush)
+    return _result(sequences, planned, leftover, batch_rows, max(_check_buckets(buckets)))
 
 
 # --------------------------------------------------------------------------- baselines
@@ -348,11 +393,11 @@ def _one_per_row(
 ) -> PackResult:
     _check_rows(batch_rows)
     ordered = _check_buckets(buckets)
-    seqs, truncated = _truncate_all(sequences, ordered[-1])
-    order = sorted(range(len(seqs)), key=lambda i: (-seqs[i].length, i))
+    lengths = [min(s.length, ordered[-1]) for s in sequences]
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: dict[int, list[int]] = {}
     for i in order:
-        groups.setdefault(bucket_of(seqs[i].length, ordered), []).append(i)
+        groups.setdefault(bucket_of(lengths[i], ordered), []).append(i)
     planned: list[tuple[int, list[Row]]] = []
     leftover: list[int] = []
     for b in sorted(groups, reverse=True):
@@ -362,7 +407,7 @@ def _one_per_row(
         for k in range(0, cut, batch_rows):
             planned.append((b, [[i] for i in idx[k : k + batch_rows]]))
         leftover.extend(idx[cut:])
-    return _result(seqs, planned, sorted(leftover), batch_rows, truncated)
+    return _result(sequences, planned, sorted(leftover), batch_rows, ordered[-1])
 
 
 def pad_to_max(

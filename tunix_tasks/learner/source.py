@@ -8,15 +8,16 @@ Three pieces, composed like grain's iterators (each `get_state` holds its parent
 - `EpisodeSource`: one round = list each actor's folder from its watermark, read and
   validate the shards not yet handed out concurrently (quarantining bad ones), compute
   each episode's advantage over its group (a group is always in one shard) and return
-  the `Episode`s, each tagged with its `source` row; replayed episode ids are flagged
-  (`is_duplicate`). `ack(episode)` marks it accounted for.
+  one `EpisodeBlock` per shard (`blocks.py`): its unacknowledged rows, column by column;
+  replayed episode ids are flagged (`block.duplicate`). `ack(episode)` /
+  `ack_entries(block, entries)` mark episodes accounted for.
 - `PrefetchingSource`: the same interface, with the rounds run by a background thread so
   reading overlaps the train step.
 
     source = PrefetchingSource(EpisodeSource(store, vocab_size=..., advantage="group"))
     source.set_state(checkpoint["stream"]); source.start()
-    for ep in source.drain():        # Episodes read since the last call
-        ...train or drop (as DUPLICATE if source.is_duplicate(ep))...; source.ack(ep)
+    for block in source.drain():     # EpisodeBlocks read since the last call
+        ...train (source.ack(block.episode(j))) or drop (source.ack_entries(block, js))...
     checkpoint["stream"] = source.get_state(); ...save...; source.committed()
 
 After `set_state`, every unacknowledged row is yielded again: that is what makes the
@@ -29,22 +30,24 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from tunix_tasks.config import LearnerConfig
-from tunix_tasks.episode import DropReason, Episode, ShardRow
+from tunix_tasks.episode import Episode, ShardRow
 from tunix_tasks.learner.accounting import RecentIds
 from tunix_tasks.learner.advantages import shard_advantages, zero_variance_mask
+from tunix_tasks.learner.blocks import EpisodeBlock
 from tunix_tasks.learner.flow import DROPPED_STATUSES
 from tunix_tasks.learner.position import STATE_VERSION, ShardPosition
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.runs import quarantine
-from tunix_tasks.storage.shards import table_episodes
+from tunix_tasks.storage.shards import ShardColumns
 from tunix_tasks.storage.store import ObjectStore, StoreError
-from tunix_tasks.storage.validation import ShardValidationError, read_shard
+from tunix_tasks.storage.validation import ShardValidationError, read_shard_columns
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +60,28 @@ __all__ = [
 ]
 
 
+class _Decoded(NamedTuple):
+    """One shard read by `EpisodeSource._decode`: its columns, every row's advantage,
+    which rows are in a group without signal (`zero_variance_mask`), and each row's id
+    digest (`RecentIds.digest`)."""
+
+    columns: ShardColumns
+    advantage: np.ndarray
+    zero_variance: np.ndarray
+    digests: list[int]
+
+
 class EpisodeSource:
-    """Complete shards under `shards/` -> validated `Episode`s with advantages.
+    """Complete shards under `shards/` -> validated `EpisodeBlock`s with advantages.
 
     Limits: `max_length` (quarantine `too_long`) and `newest_version`, which the learner
     sets to the newest version it has published (quarantine `future_version`: no actor
     can hold weights newer than that). Replays: an episode whose id is in flight or was
-    accounted within the last `dedup_window` ids is handed out but `is_duplicate`; the
+    accounted within the last `dedup_window` ids is handed out flagged `duplicate`; the
     learner drops it as `duplicate`. Advantages are computed over the episodes the learner
     keeps (not `DROPPED_STATUSES`); with `filter_zero_variance` the kept episodes of a
-    group without signal (`advantages.zero_variance_mask`) are flagged `zero_variance`
-    (`drop_flag`) and dropped. Listing: one listing per actor folder, from its
+    group without signal (`advantages.zero_variance_mask`) are flagged
+    (`block.zero_variance`) and dropped. Listing: one listing per actor folder, from its
     watermark, so a poll costs the shards not yet done, not the run's history. With
     `delete_consumed`, shards done in a committed checkpoint are deleted (`committed`).
     """
@@ -89,7 +103,6 @@ class EpisodeSource:
         self._store = store
         self.normalize_std = normalize_std
         self.filter_zero_variance = filter_zero_variance
-        self._zero_variance: set[ShardRow] = set()  # rows handed out flagged, not acked
         self.vocab_size = vocab_size
         self.advantage = advantage
         self.max_length = max_length
@@ -134,7 +147,6 @@ class EpisodeSource:
         self.position.set_state(state)
         self.seen.set_state(state.get("seen", {}))  # absent in checkpoints before dedup
         self._emitted, self._inflight, self._duplicates = set(), set(), set()
-        self._zero_variance = set()
         self._consumed, self._uncommitted = [], []
 
     def committed(self) -> None:
@@ -152,29 +164,28 @@ class EpisodeSource:
             except StoreError as err:  # left in place: it is done, never read again
                 log.warning("could not delete consumed shard %s: %s", key, err)
 
-    def is_duplicate(self, episode: Episode) -> bool:
-        return episode.source in self._duplicates
-
-    def drop_flag(self, episode: Episode) -> DropReason | None:
-        """Why the source says to drop this episode: DUPLICATE, ZERO_VARIANCE or None."""
-        if episode.source in self._duplicates:
-            return DropReason.DUPLICATE
-        return DropReason.ZERO_VARIANCE if episode.source in self._zero_variance else None
-
     def ack(self, episode: Episode) -> None:
         """Mark an episode accounted for (trained on, or dropped)."""
         row = episode.source
         assert row is not None, "only episodes read from a shard can be acknowledged"
-        self.position.ack(row.shard, [row.row])
-        self._zero_variance.discard(row)
-        if row in self._duplicates:
-            self._duplicates.discard(row)  # its id belongs to the original
-        else:
-            self.seen.add(episode.episode_id)
-            self._inflight.discard(episode.episode_id)
-        if row.shard in self._emitted and self.position.is_done(row.shard):
-            self._emitted.discard(row.shard)
-            self._consumed.append(row.shard)
+        self._acked(row.shard, [row.row], [episode.episode_id])
+
+    def ack_entries(self, block: EpisodeBlock, entries: np.ndarray) -> None:
+        """Mark these entries of a block accounted for, without building their episodes."""
+        self._acked(block.shard, block.rows[entries].tolist(), block.episode_id[entries])
+
+    def _acked(self, shard: str, rows: list[int], ids: Sequence[str]) -> None:
+        self.position.ack(shard, rows)
+        for row, episode_id in zip(rows, ids, strict=True):
+            key = ShardRow(shard, row)
+            if key in self._duplicates:
+                self._duplicates.discard(key)  # its id belongs to the original
+            else:
+                self.seen.add(episode_id)
+                self._inflight.discard(episode_id)
+        if shard in self._emitted and self.position.is_done(shard):
+            self._emitted.discard(shard)
+            self._consumed.append(shard)
 
     def _list_shards(self) -> list[str]:
         """Keys above each actor's watermark: one listing per actor folder, from the
@@ -200,45 +211,54 @@ class EpisodeSource:
         self.backlog_shards = len(keys) + len(self._emitted)  # not done: unread + in flight
         return keys
 
-    def poll(self, max_shards: int = 16) -> list[Episode]:
-        """One round: the unacknowledged episodes of up to `max_shards` new shards."""
+    def poll(self, max_shards: int = 16) -> list[EpisodeBlock]:
+        """One round: the unacknowledged rows of up to `max_shards` new shards."""
         keys = self.pending_shards()[:max_shards]
-        # Parquet decoding and object-store requests release the GIL: read concurrently.
-        tables = list(self._pool.map(self._read, keys))
-        out: list[Episode] = []
-        for key, table in zip(keys, tables, strict=True):
-            if isinstance(table, ShardValidationError):
-                self._quarantine(key, table)
+        # Parquet decoding and object-store requests release the GIL: read, validate and
+        # compute advantages concurrently; this thread takes each shard as it is done.
+        out: list[EpisodeBlock] = []
+        for key, shard in zip(keys, self._pool.map(self._decode, keys), strict=True):
+            if isinstance(shard, ShardValidationError):
+                self._quarantine(key, shard)
                 continue
             self._emitted.add(key)
-            acked = set(self.position.acked_rows(key))
-            self.position.opened(key, table.num_rows)
-            # Advantages over whole groups, also when part of a group was acknowledged
-            # before a restart; only the unacknowledged rows are handed out.
-            rewards, groups = table.column("reward").to_numpy(), table.column("group_id")
-            keep = ~np.isin(table.column("status").to_pylist(), DROPPED_STATUSES)
-            adv = shard_advantages(
-                rewards, groups.to_pylist(), self.advantage, keep, normalize_std=self.normalize_std
+            n = len(shard.columns)
+            rows = np.setdiff1d(np.arange(n), list(self.position.acked_rows(key)))
+            self.position.opened(key, n)
+            ids = shard.columns.episode_id[rows]
+            replayed = (
+                ids[k] in self._inflight or self.seen.holds(shard.digests[r])
+                for k, r in enumerate(rows.tolist())
             )
-            flat = zero_variance_mask(rewards, groups.to_pylist(), keep=keep)
-            for i, ep in enumerate(table_episodes(table, shard=key, advantages=adv.tolist())):
-                if i in acked:
-                    continue
-                if self.filter_zero_variance and flat[i]:
-                    self._zero_variance.add(ep.source)
-                if ep.episode_id in self._inflight or ep.episode_id in self.seen:
-                    self._duplicates.add(ep.source)
-                else:
-                    self._inflight.add(ep.episode_id)
-                out.append(ep)
+            duplicate = np.fromiter(replayed, bool, len(ids))
+            self._inflight.update(ids[~duplicate])  # ids are unique within a shard
+            self._duplicates.update(ShardRow(key, int(r)) for r in rows[duplicate])
+            zero_variance = shard.zero_variance[rows] & self.filter_zero_variance
+            block = EpisodeBlock(
+                key, shard.columns, rows, shard.advantage[rows], duplicate, zero_variance
+            )
+            out.append(block)
         return out
 
-    def _read(self, key: str) -> Any:
+    def _decode(self, key: str) -> _Decoded | ShardValidationError:
+        """A shard's episodes with their advantages, or why it is refused: a reader thread's
+        part of a round, which touches none of the source's state."""
         limits = {"max_length": self.max_length, "max_version": self.newest_version}
         try:
-            return read_shard(self._store, key, vocab_size=self.vocab_size, **limits)
+            columns = read_shard_columns(self._store, key, vocab_size=self.vocab_size, **limits)
         except ShardValidationError as err:
             return err
+        # Advantages over whole groups, also when part of a group was acknowledged before
+        # a restart (`poll` hands out only the unacknowledged rows).
+        rewards = columns.reward
+        # One integer code per group id: the advantages group by it.
+        groups = np.unique(columns.group_id, return_inverse=True)[1]
+        keep = ~np.isin(columns.status, DROPPED_STATUSES)
+        adv = shard_advantages(
+            rewards, groups, self.advantage, keep, normalize_std=self.normalize_std
+        )
+        digests = [RecentIds.digest(i) for i in columns.episode_id.tolist()]
+        return _Decoded(columns, adv, zero_variance_mask(rewards, groups, keep=keep), digests)
 
     def _quarantine(self, key: str, err: ShardValidationError) -> None:
         log.warning("invalid shard %s: %s", key, err.reason)
@@ -258,9 +278,10 @@ class PrefetchingSource:
     def __init__(self, source: EpisodeSource, *, poll_s: float = 0.2, max_queued: int = 20_000):
         self.source = source
         self._poll_s = poll_s
-        self._max_queued = max_queued
+        self._max_queued = max_queued  # episodes read and not yet drained
+        self._queued = 0
         self._lock = threading.Lock()
-        self._queue: queue.Queue[Episode] = queue.Queue()
+        self._queue: queue.Queue[EpisodeBlock] = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors = 0
@@ -278,13 +299,9 @@ class PrefetchingSource:
         with self._lock:
             self.source.ack(episode)
 
-    def is_duplicate(self, episode: Episode) -> bool:
-        # No lock (a poll may hold it for seconds): the flag is set before the episode is
-        # queued and cleared only by `ack`, on the caller's thread.
-        return self.source.is_duplicate(episode)
-
-    def drop_flag(self, episode: Episode) -> DropReason | None:
-        return self.source.drop_flag(episode)  # no lock: as `is_duplicate`
+    def ack_entries(self, block: EpisodeBlock, entries: np.ndarray) -> None:
+        with self._lock:
+            self.source.ack_entries(block, entries)
 
     def committed(self) -> None:
         with self._lock:
@@ -303,10 +320,11 @@ class PrefetchingSource:
 
     def poll_once(self) -> int:
         with self._lock:
-            episodes = self.source.poll()
-        for ep in episodes:
-            self._queue.put(ep)
-        return len(episodes)
+            blocks = self.source.poll()
+        for block in blocks:
+            self._queued += len(block)
+            self._queue.put(block)
+        return sum(map(len, blocks))
 
     def start(self) -> None:
         def loop() -> None:
@@ -317,20 +335,21 @@ class PrefetchingSource:
                     self.errors += 1
                     log.warning("shard polling failed: %s", err)
                     added = 0
-                if not added or self._queue.qsize() > self._max_queued:
+                if not added or self._queued > self._max_queued:
                     self._stop.wait(self._poll_s)
 
         self._thread = threading.Thread(target=loop, name="shard-prefetch", daemon=True)
         self._thread.start()
 
-    def drain(self, timeout_s: float = 0.0) -> list[Episode]:
-        """Episodes read since the last call; waits up to `timeout_s` for the first."""
-        out: list[Episode] = []
+    def drain(self, timeout_s: float = 0.0) -> list[EpisodeBlock]:
+        """Blocks read since the last call; waits up to `timeout_s` for the first."""
+        out: list[EpisodeBlock] = []
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 wait = max(0.0, deadline - time.monotonic()) if not out else 0
                 out.append(self._queue.get(timeout=wait))
+                self._queued -= len(out[-1])
             except queue.Empty:
                 return out
 

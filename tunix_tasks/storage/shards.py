@@ -15,6 +15,7 @@ back into `Episode`s. The learner's `EpisodeSource` follows the shards.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -26,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tunix_tasks.episode import Episode, ShardRow
+from tunix_tasks.episode import Episode, EpisodeStatus, ShardRow
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.store import ObjectStore
 
@@ -212,45 +213,109 @@ class ShardWriter:
         return self.flush()
 
 
+_STATUSES = {s.value: s for s in EpisodeStatus}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardColumns:
+    """A validated shard's rows column by column: numpy views of the decoded Arrow buffers
+    (strings as object arrays). What the learner keeps instead of one Python object per
+    row; `episode(i)` builds row i's `Episode` when one is needed.
+
+        cols = read_shard_columns(store, key, vocab_size=103)
+        cols.policy_version[cols.length > 64]    # any column, vectorised
+        tokens, loss_mask, logprobs = cols.arrays(3)
+        cols.episode(3, advantage=0.5, source=ShardRow(key, 3))
+    """
+
+    episode_id: np.ndarray  # object [n]
+    actor_id: np.ndarray  # object [n]
+    env: np.ndarray  # object [n]
+    group_id: np.ndarray  # object [n]
+    status: np.ndarray  # object [n] of str (`EpisodeStatus` values)
+    seed: np.ndarray  # int64 [n]
+    policy_version: np.ndarray  # int64 [n]
+    reward: np.ndarray  # float32 [n]
+    num_turns: np.ndarray  # int32 [n]
+    length: np.ndarray  # int32 [n]
+    created_at: np.ndarray  # float64 [n], seconds
+    # Each list column: all rows' values back to back, and row i's start in them
+    # (offsets [n + 1]); the shard's validation checked the three have equal lengths.
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    behavior_logprobs: np.ndarray
+    offsets: tuple[np.ndarray, np.ndarray, np.ndarray]
+
+    @classmethod
+    def of(cls, table: pa.Table) -> ShardColumns:
+        """The columns of a table `validation.read_shard` returned (validated)."""
+        lists, offsets = [], []
+        for name in ("tokens", "loss_mask", "behavior_logprobs"):
+            arr: pa.ListArray = table.column(name).combine_chunks()
+            offsets.append(arr.offsets.to_numpy())
+            lists.append(arr.values.to_numpy(zero_copy_only=False))
+        strings = {
+            name: table.column(name).to_numpy()
+            for name in ("episode_id", "actor_id", "env", "group_id", "status")
+        }
+        numbers = {
+            name: table.column(name).to_numpy()
+            for name in ("seed", "policy_version", "reward", "num_turns", "length")
+        }
+        created = table.column("created_at").cast(pa.int64()).to_numpy() / 1000.0
+        return cls(
+            **strings,
+            **numbers,
+            created_at=created,
+            tokens=lists[0],
+            loss_mask=lists[1],
+            behavior_logprobs=lists[2],
+            offsets=tuple(offsets),
+        )
+
+    def __len__(self) -> int:
+        return len(self.episode_id)
+
+    def arrays(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Row i's (tokens, loss_mask, behavior_logprobs), views."""
+        (t, m, b), (to, mo, bo) = (
+            (self.tokens, self.loss_mask, self.behavior_logprobs),
+            self.offsets,
+        )
+        return t[to[i] : to[i + 1]], m[mo[i] : mo[i + 1]], b[bo[i] : bo[i + 1]]
+
+    def episode(self, i: int, *, advantage: float = 0.0, source: ShardRow | None = None) -> Episode:
+        """Row i as an `Episode` (its arrays views of the columns')."""
+        tokens, loss_mask, logprobs = self.arrays(i)
+        return Episode.from_validated(
+            self.episode_id[i],
+            tokens,
+            loss_mask,
+            logprobs,
+            float(self.reward[i]),
+            int(self.policy_version[i]),
+            self.actor_id[i],
+            self.env[i],
+            self.group_id[i],
+            int(self.seed[i]),
+            int(self.num_turns[i]),
+            _STATUSES[self.status[i]],
+            float(self.created_at[i]),
+            float(advantage),
+            source,
+        )
+
+
 def table_episodes(
     table: pa.Table, *, shard: str | None = None, advantages: Sequence[float] | None = None
 ) -> Iterator[Episode]:
-    """Episodes of a (validated) shard table, in row order, as numpy views. With `shard`,
-    each is tagged with its `ShardRow`; `advantages` (one per row) fill `advantage`."""
-    cols = {name: table.column(name).combine_chunks() for name in table.column_names}
-    lists = {}
-    for name in ("tokens", "loss_mask", "behavior_logprobs"):
-        arr: pa.ListArray = cols[name]
-        lists[name] = (arr.offsets.to_numpy(), arr.values.to_numpy(zero_copy_only=False))
-    scalars = {
-        name: cols[name].to_pylist()
-        for name in ("episode_id", "actor_id", "env", "group_id", "status")
-    }
-    nums = {
-        name: cols[name].to_numpy() for name in ("seed", "policy_version", "reward", "num_turns")
-    }
-    nums = {name: values.tolist() for name, values in nums.items()}
-    created = (cols["created_at"].cast(pa.int64()).to_numpy() / 1000.0).tolist()
-    (tok_off, tok), (mask_off, mask), (lp_off, lp) = (
-        lists["tokens"],
-        lists["loss_mask"],
-        lists["behavior_logprobs"],
-    )
-    for i in range(table.num_rows):
-        yield Episode(
-            episode_id=scalars["episode_id"][i],
-            actor_id=scalars["actor_id"][i],
-            env=scalars["env"][i],
-            group_id=scalars["group_id"][i],
-            seed=nums["seed"][i],
-            policy_version=nums["policy_version"][i],
-            tokens=tok[tok_off[i] : tok_off[i + 1]],
-            loss_mask=mask[mask_off[i] : mask_off[i + 1]],
-            behavior_logprobs=lp[lp_off[i] : lp_off[i + 1]],
-            reward=nums["reward"][i],
-            num_turns=nums["num_turns"][i],
-            status=scalars["status"][i],
-            created_at=created[i],
+    """Episodes of a validated shard table (`validation.read_shard`), in row order, their
+    arrays numpy views of the table's. With `shard`, each is tagged with its `ShardRow`;
+    `advantages` (one per row) fill `advantage`."""
+    cols = ShardColumns.of(table)
+    for i in range(len(cols)):
+        yield cols.episode(
+            i,
             advantage=0.0 if advantages is None else advantages[i],
             source=None if shard is None else ShardRow(shard, i),
         )

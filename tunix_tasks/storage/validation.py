@@ -6,6 +6,7 @@ small fraction of decoding.
 
     table = read_shard(store, "shards/actor-0/....parquet", vocab_size=103)
     read_shard(store, key, vocab_size=103, max_length=192, max_version=7)  # learner limits
+    columns = read_shard_columns(store, key, vocab_size=103)  # the checked numpy columns
 
 `max_length` (the longest episode the run allows, `actor.max_episode_tokens`) rejects a
 shard as `too_long`; `max_version` (the newest weights version the learner has
@@ -22,13 +23,15 @@ expanded, are summed against `max_bytes` (`MAX_SHARD_BYTES`) before the next row
 
 from __future__ import annotations
 
+from typing import TypedDict, Unpack
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tunix_tasks.episode import MAX_ABS_REWARD, EpisodeStatus
-from tunix_tasks.storage.shards import SCHEMA_VERSION, SHARD_SCHEMA
+from tunix_tasks.storage.shards import SCHEMA_VERSION, SHARD_SCHEMA, ShardColumns
 from tunix_tasks.storage.store import NotFound, ObjectStore
 from tunix_tasks.storage.uri import join_uri
 
@@ -49,16 +52,37 @@ class ShardValidationError(ValueError):
         self.detail = detail
 
 
+class ShardLimits(TypedDict, total=False):
+    """The learner's bounds on a shard (module docstring): `max_length` tokens per
+    episode, `max_version` the newest published version, `max_bytes` decoded."""
+
+    max_length: int | None
+    max_version: int | None
+    max_bytes: int
+
+
 def read_shard(
+    store: ObjectStore, key: str, *, vocab_size: int, **limits: Unpack[ShardLimits]
+) -> pa.Table:
+    """Read and validate one shard; raises ShardValidationError (or NotFound)."""
+    return _read(store, key, vocab_size, **limits)[0]
+
+
+def read_shard_columns(
+    store: ObjectStore, key: str, *, vocab_size: int, **limits: Unpack[ShardLimits]
+) -> ShardColumns:
+    """`read_shard`, as the numpy columns the checks ran on (what the learner buffers)."""
+    return _read(store, key, vocab_size, **limits)[1]
+
+
+def _read(
     store: ObjectStore,
     key: str,
-    *,
     vocab_size: int,
     max_length: int | None = None,
     max_version: int | None = None,
     max_bytes: int = MAX_SHARD_BYTES,
-) -> pa.Table:
-    """Read and validate one shard; raises ShardValidationError (or NotFound)."""
+) -> tuple[pa.Table, ShardColumns]:
     where = join_uri(store.uri, key)
     try:
         source = store.open_input(key)
@@ -72,10 +96,10 @@ def read_shard(
         raise ShardValidationError(
             where, "corrupt", f"not a readable Parquet file ({err})"
         ) from None
-    validate_table(
+    columns = validate_table(
         table, where=where, vocab_size=vocab_size, max_length=max_length, max_version=max_version
     )
-    return table
+    return table, columns
 
 
 def _too_large(where: str, size: int, max_bytes: int, what: str) -> ShardValidationError:
@@ -123,34 +147,39 @@ def _decode(file: pq.ParquetFile, where: str, max_bytes: int) -> pa.Table:
     expanded and expanded only once all are counted."""
     parts, decoded = [], 0
     for i in range(file.num_row_groups):
-        part = file.read_row_group(i)
-        decoded += part.nbytes + sum(
-            _expanded_bytes(column) for column in part.columns if _is_dictionary(column)
-        )
+        # One thread per shard: the learner reads several shards at once, and Arrow's own
+        # pool on top of those threads only contends with them (measured in #29).
+        part = file.read_row_group(i, use_threads=False)
+        decoded += part.nbytes
+        decoded += _strings_bytes(part, max_bytes - decoded)
         if decoded > max_bytes:
             raise _too_large(where, decoded, max_bytes, f"row groups 0-{i} decode to")
         parts.append(part)
-    table = pa.concat_tables(parts) if parts else file.schema_arrow.empty_table()
-    fields = [
-        pa.field(f.name, f.type.value_type, f.nullable, f.metadata)
-        if pa.types.is_dictionary(f.type)
-        else f
-        for f in table.schema
-    ]
-    return table.cast(pa.schema(fields, metadata=table.schema.metadata))
+    if not parts:
+        return file.schema_arrow.empty_table()
+    table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+    for i, field in enumerate(table.schema):
+        if pa.types.is_dictionary(field.type):
+            plain = pa.field(field.name, field.type.value_type, field.nullable, field.metadata)
+            table = table.set_column(i, plain, table.column(i).cast(plain.type))
+    return table
 
 
-def _is_dictionary(column: pa.ChunkedArray) -> bool:
-    return pa.types.is_dictionary(column.type)
-
-
-def _expanded_bytes(column: pa.ChunkedArray) -> int:
-    """Bytes of a dictionary-encoded string column once expanded: values and offsets."""
+def _strings_bytes(part: pa.Table, budget: int) -> int:
+    """Bytes of `part`'s dictionary-encoded string columns once expanded (values and
+    offsets), or a bound of them: each row at most its whole dictionary's bytes. The bound
+    costs nothing per row and is what an honest shard (short ids, tens of rows) returns;
+    the exact count runs only when the bound exceeds what is left of the shard's budget."""
+    chunks = [c for col in part.columns if pa.types.is_dictionary(col.type) for c in col.chunks]
+    bound = sum(len(chunk) * (chunk.dictionary.nbytes + 4) for chunk in chunks)
+    if bound <= budget:
+        return bound
     total = 0
-    for chunk in column.chunks:
-        sizes = pc.binary_length(chunk.dictionary).fill_null(0).to_numpy()
-        indices = chunk.indices.fill_null(0).to_numpy()
-        total += int(sizes[indices].sum()) + 4 * len(chunk) if len(sizes) else 0
+    for chunk in chunks:
+        if len(chunk.dictionary):
+            sizes = pc.binary_length(chunk.dictionary).fill_null(0).to_numpy()
+            indices = chunk.indices.fill_null(0).to_numpy()
+            total += int(sizes[indices].sum()) + 4 * len(chunk)
     return total
 
 
@@ -161,8 +190,8 @@ def validate_table(
     vocab_size: int,
     max_length: int | None = None,
     max_version: int | None = None,
-) -> None:
-    """Raise ShardValidationError if `table` breaks the shard v1 contract."""
+) -> ShardColumns:
+    """The table's columns, or ShardValidationError if it breaks the shard v1 contract."""
     meta = table.schema.metadata or {}
     version = meta.get(b"tunix.schema_version")
     if version is not None and version != str(SCHEMA_VERSION).encode():
@@ -177,8 +206,10 @@ def validate_table(
     for name in SHARD_SCHEMA.names:
         if table.column(name).null_count:
             raise ShardValidationError(where, "null", f"column {name!r} has null values")
-    _check_lists(table, where, vocab_size, max_length)
-    _check_scalars(table, where, max_version)
+    columns = ShardColumns.of(table)  # types and nulls checked: the rest runs on these
+    _check_lists(columns, where, vocab_size, max_length)
+    _check_scalars(columns, table, where, max_version)
+    return columns
 
 
 def _check_schema(table: pa.Table, where: str) -> None:
@@ -197,19 +228,13 @@ def _check_schema(table: pa.Table, where: str) -> None:
             )
 
 
-def _list_parts(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(per-row lengths, flat values) of a list column, as numpy views where possible."""
-    arr = table.column(name).combine_chunks()
-    offsets = arr.offsets.to_numpy()
-    return np.diff(offsets), arr.flatten().to_numpy(zero_copy_only=False)
-
-
-def _check_lists(table: pa.Table, where: str, vocab_size: int, max_length: int | None) -> None:
-    lengths = table.column("length").to_numpy()
-    parts = {
-        name: _list_parts(table, name) for name in ("tokens", "loss_mask", "behavior_logprobs")
-    }
-    for name, (n, _) in parts.items():
+def _check_lists(
+    columns: ShardColumns, where: str, vocab_size: int, max_length: int | None
+) -> None:
+    lengths = columns.length
+    names = ("tokens", "loss_mask", "behavior_logprobs")
+    for name, offsets in zip(names, columns.offsets, strict=True):
+        n = np.diff(offsets)
         bad = np.nonzero(n != lengths)[0]
         if bad.size:
             row = int(bad[0])
@@ -222,7 +247,7 @@ def _check_lists(table: pa.Table, where: str, vocab_size: int, max_length: int |
         raise ShardValidationError(where, "empty_episode", "an episode has length 0")
     if max_length is not None:
         _check_lengths(lengths, where, max_length)
-    tokens = parts["tokens"][1]
+    tokens, loss_mask, logprobs = columns.tokens, columns.loss_mask, columns.behavior_logprobs
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
         raise ShardValidationError(
@@ -230,9 +255,8 @@ def _check_lists(table: pa.Table, where: str, vocab_size: int, max_length: int |
             "token_out_of_range",
             f"token ids span [{lo}, {hi}], vocabulary is [0, {vocab_size})",
         )
-    if (parts["loss_mask"][1].view(np.uint8) > 1).any():  # -1 becomes 255 as uint8
+    if (loss_mask.view(np.uint8) > 1).any():  # -1 becomes 255 as uint8
         raise ShardValidationError(where, "bad_loss_mask", "loss_mask values must be 0 or 1")
-    logprobs = parts["behavior_logprobs"][1]
     if not np.isfinite(logprobs).all():
         raise ShardValidationError(where, "non_finite", "behavior_logprobs has NaN or inf")
     if (logprobs > 1e-4).any():
@@ -253,8 +277,10 @@ def _check_lengths(lengths: np.ndarray, where: str, max_length: int, first_row: 
         )
 
 
-def _check_scalars(table: pa.Table, where: str, max_version: int | None) -> None:
-    reward = table.column("reward").to_numpy()
+def _check_scalars(
+    columns: ShardColumns, table: pa.Table, where: str, max_version: int | None
+) -> None:
+    reward = columns.reward
     if not np.isfinite(reward).all():
         raise ShardValidationError(where, "non_finite", "reward has NaN or inf")
     if (np.abs(reward) > MAX_ABS_REWARD).any():
@@ -265,7 +291,7 @@ def _check_scalars(table: pa.Table, where: str, max_version: int | None) -> None
             f"row {row}: reward {float(reward[row]):g} is outside [-{MAX_ABS_REWARD:g}, "
             f"{MAX_ABS_REWARD:g}] (episode.MAX_ABS_REWARD)",
         )
-    versions = table.column("policy_version").to_numpy()
+    versions = columns.policy_version
     if (versions < 0).any():
         raise ShardValidationError(where, "bad_version", "policy_version must be >= 0")
     if max_version is not None and versions.max() > max_version:

@@ -4,10 +4,15 @@ them, behaviour log-probs where it is set, and log-normal lengths (many short, a
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tunix_tasks.episode import Episode
+
+if TYPE_CHECKING:
+    from tunix_tasks.learner.blocks import EpisodeBlock
 
 
 def make_episode(
@@ -41,3 +46,8 @@ def make_episode(
 def realistic_lengths(rng: np.random.Generator, n: int, lo: int = 16, hi: int = 2048) -> np.ndarray:
     """Log-normal lengths clipped to [lo, hi]: many short episodes, a long tail."""
     return np.clip(rng.lognormal(mean=5.0, sigma=1.0, size=n), lo, hi).astype(np.int64)
+
+
+def block_episodes(blocks: Sequence[EpisodeBlock]) -> list[Episode]:
+    """Every entry of the source's blocks (`EpisodeSource.poll`) as an `Episode`."""
+    return [b.episode(j) for b in blocks for j in range(len(b))]

@@ -52,6 +52,7 @@ from tunix_tasks.storage.weights import (
     encode_snapshot,
     read_latest,
 )
+from tunix_tasks.testing.shard_factory import block_episodes
 
 TOK = Tokenizer()
 LOGPROB_ATOL = 1e-4  # float32: sampler (KV cache, padded batch) vs one full forward pass
@@ -209,7 +210,7 @@ class _Running:
 def _read_episodes(store: ObjectStore) -> list[Episode]:
     """Every episode of every shard, through the learner's validating reader."""
     source = EpisodeSource(store, vocab_size=TOK.vocab_size)
-    episodes = source.poll(max_shards=100_000)
+    episodes = block_episodes(source.poll(max_shards=100_000))
     assert not source.quarantined, source.quarantined
     ids = [e.episode_id for e in episodes]
     assert len(set(ids)) == len(ids), "an episode was written twice"

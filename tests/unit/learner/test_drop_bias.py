@@ -121,7 +121,9 @@ def test_accounting_keeps_the_lengths_of_stale_drops_apart(tmp_path):
     flow = AsyncFlow(min_episodes=100, max_staleness=1, publish_every=1)
     batcher = Batcher(source, flow, acct, cfg.learner)
     assert batcher.next_batch(3) is None  # drains, drops the stale ones, waits for more
-    acct.trained(batcher.buffer, real_tokens=0, longest_bucket=max(cfg.learner.buckets))
+    acct.trained(
+        batcher.buffered_episodes(), real_tokens=0, longest_bucket=max(cfg.learner.buckets)
+    )
     source.stop()
     bias = json.loads(json.dumps(acct.counters))["drop_bias"]  # as checkpointed
     t, s = (drop_bias.describe(bias[side]) for side in ("trained", "stale"))

@@ -29,17 +29,26 @@ def test_statuses_are_normalised_to_the_enum_and_unknown_ones_rejected():
         _ep(1, "weird")
 
 
+def _reasons(flow, cases, version):
+    """The reason each (policy_version, status) case is dropped for (the first mask that
+    holds it, as the batcher reads them), or None."""
+    versions, statuses = zip(*cases, strict=True)
+    masks = flow.drop_masks(np.array(versions), np.array(statuses, object), version)
+    assert all(m.shape == (len(cases),) for m in masks.values())
+    return [next((r for r, m in masks.items() if m[i]), None) for i in range(len(cases))]
+
+
 def test_async_flow_semantics():
     flow = AsyncFlow(min_episodes=2, max_staleness=2, publish_every=3)
-    assert flow.drop_reason(_ep(8), 10) is None
-    assert flow.drop_reason(_ep(7), 10) == "stale"
-    assert flow.drop_reason(_ep(10, "env_error"), 10) == "env_error"
-    assert flow.drop_reason(_ep(10, "env_timeout"), 10) == "env_timeout"
-    assert flow.drop_reason(_ep(10, "truncated"), 10) is None  # the token/turn budget
-    assert flow.drop_reason(_ep(12), 10) is None  # newer snapshot after a restore: IS handles it
+    cases = [(8, "ok"), (7, "ok"), (10, "env_error"), (10, "env_timeout"), (10, "truncated")]
+    cases += [(12, "ok"), (7, "env_error")]
+    reasons = _reasons(flow, cases, 10)
+    # truncated: the token/turn budget, trained; 12: a newer snapshot after a restore (IS
+    # handles it); a stale env_error is dropped as stale, the first reason.
+    assert reasons == [None, "stale", "env_error", "env_timeout", None, None, "stale"]
     # Typed, and spelled as the ledgers and metrics spell them (the strings above).
-    assert flow.drop_reason(_ep(10, "env_error"), 10) is DropReason.ENV_ERROR
-    assert not flow.ready([_ep(10)], 10) and flow.ready([_ep(10), _ep(3)], 10)
+    assert reasons[2] is DropReason.ENV_ERROR
+    assert not flow.ready([10], 10) and flow.ready([10, 3], 10)
     assert [flow.publish_due(s, [], 0) for s in range(1, 7)] == [False, False, True] * 2
     assert flow.publish_at_end(4) and not flow.publish_at_end(6)
     assert not flow.flush
@@ -48,17 +57,17 @@ def test_async_flow_semantics():
 def test_sync_flow_trains_a_whole_version_then_publishes():
     flow = SyncFlow(episodes_per_version=3)
     assert flow.flush
-    assert flow.drop_reason(_ep(4), 5) == "stale" and flow.drop_reason(_ep(6), 5) == "stale"
-    assert flow.drop_reason(_ep(5), 5) is None
-    assert not flow.ready([_ep(5), _ep(5)], 5)  # 2 of 3 episodes of v5 arrived
-    assert flow.ready([_ep(5)] * 3, 5)
+    cases = [(4, "ok"), (6, "ok"), (5, "ok"), (5, "env_timeout")]
+    assert _reasons(flow, cases, 5) == ["stale", "stale", None, "env_timeout"]
+    assert not flow.ready([5, 5], 5)  # 2 of 3 episodes of v5 arrived
+    assert flow.ready([5] * 3, 5) and not flow.ready([4] * 3, 5)
     flow.trained([_ep(5)] * 2)  # first batch trained, one episode of v5 still buffered
-    assert flow.ready([_ep(5)], 5)
-    assert not flow.publish_due(1, [_ep(5)], 5)
+    assert flow.ready([5], 5)
+    assert not flow.publish_due(1, [5], 5)
     flow.trained([_ep(5)])
-    assert flow.publish_due(2, [], 5)
+    assert flow.publish_due(2, [], 5) and flow.publish_due(2, [4], 5)
     flow.published()
-    assert not flow.ready([_ep(6)], 6)
+    assert not flow.ready([6], 6)
     assert not flow.publish_at_end(2)
 
 

@@ -18,7 +18,7 @@ from tunix_tasks.learner.source import EpisodeSource, PrefetchingSource
 from tunix_tasks.policy.distribution import chunked_target_logprobs, sampling_log_probs
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
-from tunix_tasks.testing.shard_factory import make_episode
+from tunix_tasks.testing.shard_factory import block_episodes, make_episode
 
 # group -> (reward, status) of its episodes
 GROUPS = {
@@ -62,7 +62,7 @@ def test_normalize_advantage_std_reaches_the_advantages(tmp_path, normalize, mag
     std 0.5)."""
     cfg = load_config(None, [f"learner.normalize_advantage_std={normalize}"])
     source = EpisodeSource.from_config(_write_groups(tmp_path), cfg.learner, vocab_size=103)
-    got = {(e.group_id, e.status, e.reward): e.advantage for e in source.poll()}
+    got = {(e.group_id, e.status, e.reward): e.advantage for e in block_episodes(source.poll())}
     source.close()
     for group in ("mixed", "signal"):
         assert got[(group, "ok", 1.0)] == pytest.approx(magnitude, abs=1e-4)
@@ -75,10 +75,10 @@ def test_dropped_statuses_and_zero_variance_groups(tmp_path, filter_zero_varianc
     source.poll_once()
     cfg = load_config(None, ["learner.min_episodes_per_step=100"])
     acct = Accounting(source)
-    batcher = Batcher(source, AsyncFlow(min_episodes=100, max_staleness=4, publish_every=1),
-                      acct, cfg.learner)  # fmt: skip
+    flow = AsyncFlow(min_episodes=100, max_staleness=4, publish_every=1)
+    batcher = Batcher(source, flow, acct, cfg.learner)
     assert batcher.next_batch(0) is None  # drains, drops, waits for more
-    got = {(e.group_id, e.status, e.reward): e.advantage for e in batcher.buffer}
+    got = {(e.group_id, e.status, e.reward): e.advantage for e in batcher.buffered_episodes()}
     # The two kept episodes of "mixed" are normalised between themselves: the timeout
     # and the error (reward -3) move neither their mean nor their std.
     assert got[("mixed", "ok", 1.0)] == pytest.approx(1.0, abs=1e-4)
@@ -90,7 +90,7 @@ def test_dropped_statuses_and_zero_variance_groups(tmp_path, filter_zero_varianc
     if filter_zero_variance:
         expected["zero_variance"] = 2  # "flat": both rewards 1, no signal
     assert dropped == expected and acct.counters["dropped"] == expected
-    assert len(batcher.buffer) == 4 + (0 if filter_zero_variance else 2)
+    assert batcher.buffered == 4 + (0 if filter_zero_variance else 2)
     source.stop()
 
 
@@ -145,7 +145,7 @@ def test_advantages_are_recentred_over_what_survives_a_stale_drop(tmp_path):
     batcher = Batcher(source, flow, acct, cfg.learner)
     assert batcher.next_batch(3) is None  # drains, drops the stale half, waits for more
     assert acct.counters["dropped"] == {"stale": 4}
-    got = sorted((e.reward, e.advantage) for e in batcher.buffer)
+    got = sorted((e.reward, e.advantage) for e in batcher.buffered_episodes())
     assert [r for r, _ in got] == [0.0, 0.0, 1.0, 1.0]
     np.testing.assert_allclose([a for _, a in got], [-1.0, -1.0, 1.0, 1.0], atol=1e-4)
     source.stop()

@@ -11,7 +11,18 @@ from tunix_tasks.learner.source import EpisodeSource, PrefetchingSource, ShardPo
 from tunix_tasks.storage.layout import SHARD_FOLDER_DIGITS, RunLayout
 from tunix_tasks.storage.shards import ShardWriter, episodes_to_table, table_to_parquet_bytes
 from tunix_tasks.storage.store import open_store
-from tunix_tasks.testing.shard_factory import make_episode
+from tunix_tasks.testing.shard_factory import block_episodes, make_episode
+
+
+def _poll(source, max_shards=16):
+    return block_episodes(source.poll(max_shards))
+
+
+def _flagged(source, max_shards=16):
+    """One round's episodes, and those the source flagged as replays."""
+    blocks = source.poll(max_shards)
+    dups = [b.episode(j) for b in blocks for j in np.flatnonzero(b.duplicate)]
+    return block_episodes(blocks), {e.source for e in dups}
 
 
 def _write(store, n, *, per_shard=8, actor="actor-0", seed=0, group=1):
@@ -33,7 +44,7 @@ def test_yields_all_and_resumes_from_state(store_uri):
     store = open_store(store_uri)
     eps, _ = _write(store, 30, per_shard=8)
     source = EpisodeSource(store, vocab_size=103)
-    got = source.poll()
+    got = _poll(source)
     assert sorted(e.episode_id for e in got) == sorted(e.episode_id for e in eps)
     by_id = {e.episode_id: e for e in eps}
     for e in got:
@@ -45,15 +56,15 @@ def test_yields_all_and_resumes_from_state(store_uri):
     state = json.loads(json.dumps(source.get_state()))
     fresh = EpisodeSource(store, vocab_size=103)
     fresh.set_state(state)
-    again = fresh.poll()
+    again = _poll(fresh)
     assert {e.episode_id for e in again} == {e.episode_id for e in got[1::2]}
-    assert fresh.poll() == []  # nothing new until more shards arrive
+    assert _poll(fresh) == []  # nothing new until more shards arrive
     for e in again:
         fresh.ack(e)
     assert fresh.get_state()["partial"] == {}
     assert all(fresh.position.is_done(k) for k in {e.source.shard for e in got})
     more, _ = _write(store, 5, per_shard=8, seed=1)
-    assert {e.episode_id for e in fresh.poll()} == {e.episode_id for e in more}
+    assert {e.episode_id for e in _poll(fresh)} == {e.episode_id for e in more}
 
 
 def test_state_version_checked():
@@ -67,12 +78,12 @@ def test_invalid_shard_is_quarantined_with_its_reason(tmp_path):
     bad = "shards/actor-0/0000000000000-bad.parquet"
     store.write_bytes(bad, b"not parquet")
     source = EpisodeSource(store, vocab_size=103)
-    assert len(source.poll()) == 4
+    assert len(_poll(source)) == 4
     assert source.quarantined == [{"shard": bad, "reason": "corrupt"}]
     assert not store.exists(bad) and store.exists(RunLayout.quarantined(bad))
     reason = json.loads(store.read_bytes(RunLayout.quarantine_reason(bad)))
     assert reason["reason"] == "corrupt"
-    assert source.poll() == []
+    assert _poll(source) == []
 
 
 def test_advantages_after_restart_use_the_whole_group(tmp_path):
@@ -80,14 +91,14 @@ def test_advantages_after_restart_use_the_whole_group(tmp_path):
     store = open_store(str(tmp_path))
     _write(store, 8, per_shard=8, group=4)
     source = EpisodeSource(store, vocab_size=103, advantage="group")
-    got = source.poll()
+    got = _poll(source)
     advantage = {e.episode_id: e.advantage for e in got}
     assert any(abs(a) > 0.1 for a in advantage.values())
     for e in got[:3]:
         source.ack(e)
     resumed = EpisodeSource(store, vocab_size=103, advantage="group")
     resumed.set_state(source.get_state())
-    again = resumed.poll()
+    again = _poll(resumed)
     assert len(again) == 5
     for e in again:
         assert e.advantage == pytest.approx(advantage[e.episode_id])
@@ -99,9 +110,9 @@ def test_prefetching_source_composes_state(tmp_path):
     pre = PrefetchingSource(EpisodeSource(store, vocab_size=103))
     pre.start()
     try:
-        got = pre.drain(timeout_s=10)
+        got = block_episodes(pre.drain(timeout_s=10))
         while len(got) < 16:
-            got += pre.drain(timeout_s=10)
+            got += block_episodes(pre.drain(timeout_s=10))
         for e in got[:5]:
             pre.ack(e)
         state = pre.get_state()
@@ -110,7 +121,7 @@ def test_prefetching_source_composes_state(tmp_path):
     assert set(state) == {"parent"}
     again = EpisodeSource(store, vocab_size=103)
     again.set_state(state["parent"])
-    assert len(again.poll()) == 11
+    assert len(_poll(again)) == 11
     old = PrefetchingSource(EpisodeSource(store, vocab_size=103))
     old.set_state(state["parent"])  # a checkpoint from before the composition
     assert old.get_state() == state
@@ -201,7 +212,7 @@ def test_future_version_and_too_long_shards_are_quarantined(tmp_path):
     _put(store, _key("actor-1", 1500, 3), [make_episode(rng, length=193, policy_version=7)])
     source = EpisodeSource(store, vocab_size=103, max_length=192)
     source.newest_version = 7
-    got = source.poll()
+    got = _poll(source)
     assert {e.episode_id for e in got} == {e.episode_id for e in good}
     assert sorted(source.quarantined, key=lambda q: q["shard"]) == [
         {"shard": _key("actor-0", 2000, 2), "reason": "future_version"},
@@ -218,9 +229,9 @@ def test_replayed_shard_is_flagged_duplicate_also_after_a_restart(tmp_path):
     replay = _key("actor-0", 9_000_000_000_000, 1)  # sorts after the original
     store.write_bytes(replay, store.read_bytes(key))
     source = EpisodeSource(store, vocab_size=103)
-    got = source.poll()
+    got, flagged = _flagged(source)
     assert len(got) == 12
-    dups = [e for e in got if source.is_duplicate(e)]
+    dups = [e for e in got if e.source in flagged]
     assert {e.source.shard for e in dups} == {replay}
     assert {e.episode_id for e in dups} == {e.episode_id for e in eps}
     for e in got:
@@ -232,8 +243,8 @@ def test_replayed_shard_is_flagged_duplicate_also_after_a_restart(tmp_path):
     again.set_state(state)
     late = _key("actor-1", 9_000_000_000_000, 2)
     store.write_bytes(late, store.read_bytes(key))
-    got = again.poll()
-    assert len(got) == 6 and all(again.is_duplicate(e) for e in got)
+    got, flagged = _flagged(again)
+    assert len(got) == 6 and all(e.source in flagged for e in got)
 
 
 def test_a_duplicate_dropped_before_its_original_is_acked_does_not_hide_it(tmp_path):
@@ -244,15 +255,15 @@ def test_a_duplicate_dropped_before_its_original_is_acked_does_not_hide_it(tmp_p
     replay = _key("actor-0", 9_000_000_000_000, 1)
     store.write_bytes(replay, store.read_bytes(key))
     source = EpisodeSource(store, vocab_size=103)
-    got = source.poll()
+    got, flagged = _flagged(source)
     for e in got:
-        if source.is_duplicate(e):
+        if e.source in flagged:
             source.ack(e)
     again = EpisodeSource(store, vocab_size=103)
     again.set_state(source.get_state())
-    got = again.poll()
+    got, flagged = _flagged(again)
     assert len(got) == 4 and {e.source.shard for e in got} == {key}
-    assert not any(again.is_duplicate(e) for e in got)
+    assert not flagged
 
 
 def test_dedup_memory_is_bounded():
@@ -297,14 +308,14 @@ def test_listing_cost_follows_new_shards_not_history(store_uri):
         for a in range(2):
             _put(inner, _key(f"actor-{a}", t0 + 1000 * i, i), [make_episode(rng, length=8)])
     source = EpisodeSource(store, vocab_size=103)
-    while got := source.poll(max_shards=64):
+    while got := _poll(source, max_shards=64):
         for e in got:
             source.ack(e)
-    source.poll()  # folds the consumed shards into the watermarks
+    _poll(source)  # folds the consumed shards into the watermarks
     for i in range(150, 153):
         _put(inner, _key("actor-0", t0 + 1000 * i, i), [make_episode(rng, length=8)])
     store.listed = 0
-    got = source.poll()
+    got = _poll(source)
     assert len(got) == 3
     print(f"keys listed by one poll: {store.listed} (history: {len(inner.list('shards/'))})")
     assert store.listed <= 3 + 2 * 10  # new + grace window of each actor
@@ -323,10 +334,10 @@ def test_shards_from_before_time_folders_are_read_exactly_once(tmp_path):
     source = EpisodeSource(store, vocab_size=103)
     seen = []
     for _ in range(2):  # two rounds acknowledged, then a checkpoint
-        for e in source.poll(max_shards=10):
+        for e in _poll(source, max_shards=10):
             seen.append(e.source.shard)
             source.ack(e)
-    source.poll(max_shards=0)  # the next sweep folds them into the watermark
+    _poll(source, max_shards=0)  # the next sweep folds them into the watermark
     state = json.loads(json.dumps(source.get_state()))
     assert state["watermarks"]["actor-0"] == flat[19].rsplit("/", 1)[-1]  # 10 s grace
     new = [_key("actor-0", t0 + 30_000 + 1000 * i, 100 + i) for i in range(5)]
@@ -334,7 +345,7 @@ def test_shards_from_before_time_folders_are_read_exactly_once(tmp_path):
         _put(store, key, [make_episode(rng, length=8)])
     resumed = EpisodeSource(store, vocab_size=103)
     resumed.set_state(state)
-    while got := resumed.poll(max_shards=7):
+    while got := _poll(resumed, max_shards=7):
         seen += [e.source.shard for e in got]
         for e in got:
             resumed.ack(e)
@@ -347,14 +358,14 @@ def test_consumed_shards_deleted_only_once_committed(tmp_path):
     store = open_store(str(tmp_path))
     _, keys = _write(store, 16, per_shard=8)
     early = EpisodeSource(store, vocab_size=103, delete_consumed=True)
-    for e in early.poll():
+    for e in _poll(early):
         early.ack(e)
     early.committed()  # no checkpoint (get_state) since the acks: nothing may go
     early.close()
     assert all(store.exists(k) for k in keys)
 
     source = EpisodeSource(store, vocab_size=103, delete_consumed=True)
-    got = source.poll()
+    got = _poll(source)
     assert {e.source.shard for e in got[:8]} == {keys[0]}
     for e in got[:8]:
         source.ack(e)
@@ -367,7 +378,7 @@ def test_consumed_shards_deleted_only_once_committed(tmp_path):
 
     kept = EpisodeSource(store, vocab_size=103)  # the default: nothing is deleted
     kept.set_state(state)
-    for e in kept.poll():
+    for e in _poll(kept):
         kept.ack(e)
     kept.get_state()
     kept.committed()

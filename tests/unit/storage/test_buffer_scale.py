@@ -20,7 +20,7 @@ from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.outage import StoreOutage
 from tunix_tasks.storage.shards import ShardWriter, episodes_to_table, table_to_parquet_bytes
 from tunix_tasks.storage.store import RETRY_DEADLINE_ENV, StoreError, open_store
-from tunix_tasks.testing.shard_factory import make_episode
+from tunix_tasks.testing.shard_factory import block_episodes, make_episode
 
 T0 = 1_700_000_000.0  # simulated creation times: one shard per actor every 10 s
 
@@ -40,6 +40,10 @@ class _Counting:
 
     def __getattr__(self, name):
         return getattr(self._store, name)
+
+
+def _poll(source, max_shards=16):
+    return block_episodes(source.poll(max_shards))
 
 
 def test_poll_after_10000_shards_reads_only_the_new_ones(tmp_path, monkeypatch):
@@ -85,7 +89,7 @@ def test_poll_after_10000_shards_reads_only_the_new_ones(tmp_path, monkeypatch):
         local_listing.os, "scandir", lambda p: names.extend(real_scandir(p)) or real_scandir(p)
     )
     t = time.perf_counter()
-    got = source.poll()
+    got = _poll(source)
     took = time.perf_counter() - t
     print(
         f"one poll over 10,003 shards: {store.entries} keys listed, {len(names)} names read, {took * 1e3:.0f} ms"
@@ -98,7 +102,7 @@ def test_poll_after_10000_shards_reads_only_the_new_ones(tmp_path, monkeypatch):
     assert store.lists == 10 and store.entries <= 3 + 10 * 2  # new + grace window of each
     assert len(names) < 600  # per actor: its folder, then ~10 names on each time level
     store.entries, names[:] = 0, []
-    assert source.poll() == [] and store.entries <= 10 * 2 and len(names) < 600
+    assert _poll(source) == [] and store.entries <= 10 * 2 and len(names) < 600
 
 
 def test_a_backlog_is_read_without_listing_again(store_uri):
@@ -113,7 +117,7 @@ def test_a_backlog_is_read_without_listing_again(store_uri):
         for _ in range(12):
             writer.add(make_episode(rng, length=8))
     source = EpisodeSource(store, vocab_size=103)
-    got = source.poll(max_shards=8)
+    got = _poll(source, max_shards=8)
     assert store.lists == 3 and len(got) == 8 and source.backlog_shards == 36
     late = ShardWriter(inner, actor_id="actor-9", max_episodes=1)
     late.add(make_episode(rng, length=8))
@@ -121,7 +125,7 @@ def test_a_backlog_is_read_without_listing_again(store_uri):
     seen = [e.source.shard for e in got]
     for e in got:
         source.ack(e)
-    while batch := source.poll(max_shards=8):
+    while batch := _poll(source, max_shards=8):
         seen += [e.source.shard for e in batch]
         for e in batch:
             source.ack(e)
@@ -131,10 +135,10 @@ def test_a_backlog_is_read_without_listing_again(store_uri):
     assert store.lists == 3 + 4 + 4  # the sweep that found the late shard, and the empty one
     restored = EpisodeSource(store, vocab_size=103)
     restored.set_state(state)
-    again = [e.source.shard for e in restored.poll(max_shards=64)]
+    again = [e.source.shard for e in _poll(restored, max_shards=64)]
     assert sorted(again) == sorted(seen)
     restored.set_state(json.loads(json.dumps(source.get_state())))
-    assert restored.poll(max_shards=64) == [] and source.backlog_shards == 0
+    assert _poll(restored, max_shards=64) == [] and source.backlog_shards == 0
 
 
 def test_shards_are_cut_by_bytes_and_named_by_their_clock(tmp_path):

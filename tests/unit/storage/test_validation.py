@@ -228,3 +228,13 @@ def test_reward_range_is_documented_and_inclusive(tmp_path):
         read_shard(store, "shards/a/over.parquet", vocab_size=VOCAB)
     assert info.value.reason == "reward_out_of_range"
     assert "row 3: reward -3e+38 is outside [-1e+06, 1e+06]" in info.value.detail
+
+
+def test_honest_shard_over_the_strings_bound_is_counted_exactly_and_read(tmp_path):
+    """The strings' cheap bound (rows x dictionary bytes) of 2,000 unique episode ids is
+    ~130 MB, over a 4 MiB budget; the exact count (~70 KB) decides, so it is read."""
+    rng = np.random.default_rng(4)
+    table = episodes_to_table([make_episode(rng, length=4) for _ in range(2_000)])
+    store = open_store(str(tmp_path))
+    store.write_bytes("shards/a/many.parquet", table_to_parquet_bytes(table))
+    assert read_shard(store, "shards/a/many.parquet", vocab_size=VOCAB, max_bytes=4 << 20)
