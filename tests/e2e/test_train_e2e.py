@@ -184,3 +184,36 @@ def _learner_steps(run_uri: str) -> list[dict]:
         return [r for r in read_metrics(open_store(run_uri), "learner") if "loss" in r]
     except Exception:  # no metrics yet, or the store is down
         return []
+
+
+def test_the_autopilot_grows_a_fleet_too_small_for_the_learner(tmp_path):
+    """`train` with `actor.autopilot` on: one slow actor (0.3 s per env step) cannot feed
+    the learner, so the launcher starts more, up to the ceiling; each decision is a
+    metrics record, and the report's "Autopilot" section lists the changes."""
+    store_uri = f"file://{tmp_path}/runs"
+    cmd = _cmd(
+        store_uri,
+        "pilot",
+        "actor.num_actors=1",
+        "actor.envs_per_actor=4",
+        "env.latency_s=0.3",
+        "learner.max_steps=20",
+        "actor.flow_control=true",
+        "actor.autopilot.enabled=true",
+        "actor.autopilot.max_actors=3",
+        "actor.autopilot.cooldown_s=5",
+        "actor.autopilot.interval_s=1",
+    )
+    summary = _run(cmd, tmp_path, timeout=600)
+    assert summary["learner_exit_code"] == 0 and summary["interrupted"] is None
+    assert len(summary["actor_exit_codes"]) >= 2, summary  # the autopilot started one more
+    assert summary["autopilot"]["changes"][0] == "1 -> 2"
+    store = open_store(summary["run_uri"])
+    decisions = read_metrics(store, "autopilot")
+    grown = [r for r in decisions if r["autopilot"] == "grow"]
+    assert grown and grown[0]["actors_before"] == 1, [r["reason"] for r in decisions]
+    assert "capacity needs" in grown[0]["reason"]
+    assert all(r["actors"] <= 3 for r in decisions)
+    assert summary["report"] == f"{summary['run_uri']}/{RunLayout.REPORT}"
+    page = store.read_bytes(RunLayout.REPORT).decode()
+    assert "<h2>Autopilot</h2>" in page and "1 -&gt; 2" in page

@@ -104,10 +104,29 @@ class EnvConfig(Frozen):
     latency_jitter: Float = Field(
         0.0, ge=0.0, description="relative jitter of the delay: uniform in [1-j, 1+j]"
     )
+    latency_schedule: tuple[tuple[Float, Float], ...] = Field(
+        (),
+        description="the delay changing during the run, [[after_s, latency_s], ...]: from "
+        "after_s seconds after the run was prepared (its config.json written), latency_s "
+        "replaces env.latency_s (a fleet tested against a changing world; docs/scaling.md)",
+    )
     step_timeout_s: Float = Field(
         30.0, gt=0.0, description="an env reset/step slower than this ends the episode (dropped)"
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra env constructor args")
+
+    @field_validator("latency_schedule")
+    @classmethod
+    def _schedule(cls, value: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+        after = [a for a, _ in value]
+        if len(value) > 64 or after != sorted(set(after)) or min(after, default=0.0) < 0:
+            raise ValueError(
+                "env.latency_schedule: at most 64 [after_s, latency_s] pairs, after_s >= 0 and "
+                f"strictly increasing (got after_s {after})"
+            )
+        if any(lat < 0 for _, lat in value):
+            raise ValueError("env.latency_schedule: each latency_s must be >= 0")
+        return value
 
     @field_validator("name")
     @classmethod

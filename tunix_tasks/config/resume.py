@@ -53,6 +53,19 @@ RESUMABLE: dict[str, str] = {
     "actor.shard_interval_s": _CADENCE,
     "actor.weight_poll_s": _CADENCE,
     "actor.flow_control": "when episodes are started, not what is trained on them",
+    **{
+        f"actor.autopilot.{name}": _SCALE
+        for name in (
+            "enabled",
+            "min_actors",
+            "max_actors",
+            "target_supply",
+            "deadband",
+            "cooldown_s",
+            "max_factor",
+            "interval_s",
+        )
+    },
     "learner.checkpoint_every": _CADENCE,
     "learner.full_snapshot_every": _CADENCE,
     "env.step_timeout_s": _TIMEOUT,

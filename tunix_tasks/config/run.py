@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from tunix_tasks.config.agent import AgentConfig
+from tunix_tasks.config.autopilot import AutopilotConfig
 from tunix_tasks.config.base import Float, FloatOrNone, Frozen, Int
 from tunix_tasks.config.env import EnvConfig, known_vec_env_names
 from tunix_tasks.config.model import ModelConfig
@@ -92,6 +93,23 @@ class ActorConfig(Frozen):
     )
 
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    autopilot: AutopilotConfig = Field(default_factory=AutopilotConfig)
+
+    @model_validator(mode="after")
+    def _check_autopilot(self) -> ActorConfig:
+        pilot = self.autopilot
+        if pilot.enabled and not self.flow_control:
+            raise ValueError(
+                "actor.autopilot.enabled=true needs actor.flow_control=true: the autopilot "
+                "aims for more supply than the learner trains, and flow control withholds "
+                "the surplus instead of letting it go stale"
+            )
+        if pilot.enabled and not pilot.min_actors <= self.num_actors <= pilot.max_actors:
+            raise ValueError(
+                f"actor.num_actors={self.num_actors} (the fleet the run starts with) is outside "
+                f"actor.autopilot's bounds [{pilot.min_actors}, {pilot.max_actors}]"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_agent(self) -> ActorConfig:
@@ -295,6 +313,11 @@ class RunConfig(Frozen):
             )
         if self.actor.kind == "vectorized":
             self._check_vectorized()
+        if self.actor.autopilot.enabled and self.mode == "sync":
+            raise ValueError(
+                "actor.autopilot.enabled=true with mode=sync: a sync learner waits for every "
+                "actor's share of each batch by design; use mode=async or turn it off"
+            )
         if self.learner.advantage == "group" and self.actor.group_size == 1:
             raise ValueError(
                 "actor.group_size=1 with learner.advantage=group gives every episode "
@@ -314,7 +337,7 @@ class RunConfig(Frozen):
             ),
             "mode=sync: the on-device loop never waits for a version": self.mode == "sync",
             "env.latency_s simulates a remote env; on-device envs have none": bool(
-                self.env.latency_s
+                self.env.latency_s or self.env.latency_schedule
             ),
             "actor.sampler_replicas > 1: the on-device loop runs on one device": (
                 self.actor.sampler_replicas > 1

@@ -111,14 +111,20 @@ def make_env(
     latency_s: float = 0.0,
     latency_jitter: float = 0.0,
     latency_seed: int | None = None,
+    latency_schedule: tuple[tuple[float, float], ...] = (),
+    started_at: float | None = None,
     **kwargs: Any,
 ) -> Environment:
-    """Build environment ``name`` with ``kwargs``; with ``latency_s > 0`` wrap it in a
-    ``LatencyWrapper`` (jitter fraction ``latency_jitter``, RNG seeded by ``latency_seed``).
+    """Build environment ``name`` with ``kwargs``; with ``latency_s > 0`` or a
+    ``latency_schedule`` wrap it in a ``LatencyWrapper`` (jitter fraction
+    ``latency_jitter``, RNG seeded by ``latency_seed``, the schedule from ``started_at``).
     Raises ``KeyError`` listing the valid names when ``name`` is unknown, ``TypeError``
     naming it when the object built does not have the protocol's members."""
     env = _REGISTRY.factory(name)(**kwargs)
     check_environment(env, name)
-    if latency_s > 0:
-        env = LatencyWrapper(env, latency_s, latency_jitter, random.Random(latency_seed))
+    if latency_s > 0 or latency_schedule:
+        rng = random.Random(latency_seed)
+        env = LatencyWrapper(
+            env, latency_s, latency_jitter, rng, schedule=latency_schedule, started_at=started_at
+        )
     return env

@@ -8,5 +8,7 @@ compile_cache.py  the persistent XLA compilation cache every actor, learner, eva
 summary.py      the end of `tunix-tasks train`: its summary as a few lines
 report.py, plots.py, evaluate.py, inspect.py   reading a run back; the report's figures
 audit.py        the latency audit of a running fleet: which side waits
+autopilot.py    the fleet's size from that audit: a pure policy, its decisions with reasons
+fleet.py        `LocalFleet`: the launcher starts and stops actors as the autopilot decides
 planning.py     planning before a run: the fleet, its staleness, the chips each role needs
 """

@@ -106,22 +106,37 @@ def actor_rate(records: Sequence[dict[str, Any]]) -> float | None:
     return episodes / span if span > 0 else None
 
 
+def paused_share(records: Sequence[dict[str, Any]]) -> float | None:
+    """The share of one actor's time flow control paused it: the growth of its
+    `flow_paused_s` over its last life's records, over their span. None without flow
+    control or two such records."""
+    lives = _lives(sorted(records, key=lambda r: r.get("time", 0.0)))
+    timed = [r for r in (lives[-1] if lives else []) if "flow_paused_s" in r]
+    if len(timed) < 2 or timed[-1]["time"] <= timed[0]["time"]:
+        return None
+    paused = timed[-1]["flow_paused_s"] - timed[0]["flow_paused_s"]
+    return min(1.0, max(0.0, paused / (timed[-1]["time"] - timed[0]["time"])))
+
+
 LATENCIES = ("env_step_p50_s", "env_step_p99_s", "policy_latency_p50_s")
 
 
 def actor_supply(actor_records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Episodes/s the actors produce (the sum of `actor_rate` over actors) and their
-    latencies: per actor the median of its records' p50/p99 from its first episode on
-    (its latest record's before that), then the median over actors. Not the latest
+    """Episodes/s the actors produce (the sum of `actor_rate` over actors), the mean
+    share of their time flow control paused them (`paused_share`), and their latencies:
+    per actor the median of its records' p50/p99 from its first episode on (its latest
+    record's before that), then the median over actors. Not the latest
     record alone: an actor's final record, after it stopped, says little."""
     by_actor: dict[str, list[dict[str, Any]]] = {}
     for r in actor_records:
         by_actor.setdefault(str(r.get("process", r.get("actor_id", "?"))), []).append(r)
-    rates, latencies = [], []
+    rates, latencies, paused = [], [], []
     for rs in by_actor.values():
         rate = actor_rate(rs)
         if rate is not None:
             rates.append(rate)
+        if (share := paused_share(rs)) is not None:
+            paused.append(share)
         producing = [r for r in rs if (r.get("episodes") or 0) > 0 and not r.get("final")]
         steady = producing or [max(rs, key=lambda r: r.get("time", 0.0))]
         latencies.append({k: _median(r.get(k) for r in steady) for k in LATENCIES})
@@ -129,6 +144,7 @@ def actor_supply(actor_records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "actors_reporting": len(by_actor),
         "eps_per_s": float(sum(rates)) if rates else None,
         "per_actor_eps_per_s": float(np.mean(rates)) if rates else None,
+        "paused_share": float(np.mean(paused)) if paused else None,
         **{k: _median(a[k] for a in latencies) for k in LATENCIES},
     }
 
@@ -198,6 +214,7 @@ def latency_audit(
         "envs_per_actor": envs,
         "actor_supply_eps_per_s": sup["eps_per_s"],
         "per_actor_eps_per_s": sup["per_actor_eps_per_s"],
+        "actor_paused_share": sup["paused_share"],
         "env_step_p50_s": sup["env_step_p50_s"],
         "env_step_p99_s": sup["env_step_p99_s"],
         "policy_latency_p50_s": sup["policy_latency_p50_s"],

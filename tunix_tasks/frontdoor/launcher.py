@@ -46,8 +46,10 @@ from tunix_tasks.frontdoor.entrypoints import (
     prepare_run,
     resume_note,
 )
+from tunix_tasks.frontdoor.fleet import LocalFleet
 from tunix_tasks.frontdoor.supervision import (
     ActorPool,
+    Child,
     close_logs,
     log_tail,
     process_log_dir,
@@ -150,14 +152,23 @@ class LiveStatus:
                         reward if self.reward_ema is None else 0.9 * self.reward_ema + 0.1 * reward
                     )
 
-    def audit(self) -> dict[str, Any] | None:
-        """The latency audit of the recent records, or `final_audit` once set (None
-        without the run's config)."""
+    def audit(self, running: set[str] | None = None) -> dict[str, Any] | None:
+        """The latency audit of the recent records (of the `running` actors' processes
+        only, when given), or `final_audit` once set (None without the run's config)."""
         if self.final_audit is not None or self.cfg is None:
             return self.final_audit
         steps = sorted(self.steps, key=lambda r: r["step"])
-        actors = [r for rs in self.actor_records.values() for r in rs]
-        return latency_audit(steps, actors, self.cfg)
+        actors = [
+            r
+            for name, rs in self.actor_records.items()
+            if running is None or name.removeprefix("actor/") in running
+            for r in rs
+        ]
+        cfg = self.cfg
+        if self.actors_total != cfg.actor.num_actors:  # the autopilot resized the fleet
+            fleet = cfg.actor.model_copy(update={"num_actors": self.actors_total})
+            cfg = cfg.model_copy(update={"actor": fleet})
+        return latency_audit(steps, actors, cfg)
 
     def lag_summary(self) -> dict[str, Any]:
         return {
@@ -398,36 +409,50 @@ def train_local(
         interrupted.append(signal.Signals(signum).name)
 
     old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+
+    def start_actor(i: int) -> Child:
+        return spawn(actor_name(i), ["actor", "--run", run_uri, "--actor-id", str(i)], log_dir, env)
+
     learner = spawn("learner", ["learner", "--run", run_uri], log_dir, env)
-    actors = [
-        spawn(actor_name(i), ["actor", "--run", run_uri, "--actor-id", str(i)], log_dir, env)
-        for i in range(cfg.actor.num_actors)
-    ]
+    actors = [start_actor(i) for i in range(cfg.actor.num_actors)]  # every one started
     children = [learner, *actors]
+    fleet: LocalFleet | None = None
     failed: str | None = None
     polls = 0
     utilization: dict[str, Any] = {}  # the report's figures of the whole run (run_utilization)
     try:
         with _Display(status, quiet=quiet) as display:
             pool = ActorPool(
-                actors,
+                list(actors),  # the running fleet; `actors`: every actor started
                 env=env,
                 report=display.alert,
                 max_restarts=max_restarts,
                 restart_delay_s=restart_delay_s,
             )
+            if cfg.actor.autopilot.enabled:
+
+                def start_more(i: int) -> Child:
+                    actors.append(start_actor(i))
+                    return actors[-1]
+
+                fleet = LocalFleet(
+                    cfg.actor.autopilot, store, pool, start_more, report=display.message
+                )
             next_poll = 0.0
             while learner.running and not interrupted:
                 pool.check()
                 status.actors_alive = pool.alive
                 if pool.failed_for_good() and not _done(store):
-                    failed = f"all {len(actors)} actors died ({pool.describe()})"
+                    failed = f"all {len(pool.actors)} actors died ({pool.describe()})"
                     interrupted.append("actors dead")
                     break
                 if time.monotonic() >= next_poll:
                     poll()
                     polls += 1
                     next_poll = time.monotonic() + POLL_S
+                if fleet is not None:
+                    fleet.tick(status.audit(running=fleet.names()), now=time.monotonic())
+                    status.actors_total = len(pool.actors)
                 display.refresh()
                 time.sleep(0.25)
             if interrupted:
@@ -461,6 +486,9 @@ def train_local(
             status.actors_alive = pool.alive
             display.refresh(force=True)
     finally:
+        if fleet is not None:
+            fleet.close()
+        children = [learner, *actors]  # with those the autopilot started
         stop(children, signal.SIGTERM, GRACE_S)  # none left running, unless we failed
         for s, h in old.items():
             signal.signal(s, h)
@@ -472,6 +500,7 @@ def train_local(
         "learner_exit_code": learner.proc.returncode,
         "actor_exit_codes": [a.proc.returncode for a in actors],
         "actor_restarts": {a.name: a.restarts for a in actors if a.restarts},
+        "autopilot": fleet.summary() if fleet is not None else None,
         "interrupted": interrupted[0] if interrupted else None,
         "failed": failed,
         "logs": log_dir,

@@ -31,6 +31,7 @@ from tunix_tasks.frontdoor.audit import (
     step_records,
     utc,
 )
+from tunix_tasks.frontdoor.autopilot import PROCESS as AUTOPILOT
 from tunix_tasks.frontdoor.inspect import answer_phases, read_episodes, turn_label
 from tunix_tasks.frontdoor.plots import report_plots
 from tunix_tasks.learner import drop_bias
@@ -93,6 +94,34 @@ def stale_drop_bias(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
         "hint": drop_bias.hint(trained, stale),
         **drop_bias.compare(trained, stale),
         "by_side": [{"side": side, **drop_bias.describe(bias[side])} for side in drop_bias.SIDES],
+    }
+
+
+def autopilot_decisions(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The autopilot's decisions (`actor.autopilot`, frontdoor/autopilot.py): how many,
+    the fleet's range, and each change with its time (seconds since the run's first
+    record) and reason. None when it did not run."""
+    decisions = [r for r in records if r.get("process") == AUTOPILOT]
+    if not decisions:
+        return None
+    start = min(r["time"] for r in records)
+    return {
+        "decisions": len(decisions),
+        "actors_range": [
+            min(r["actors"] for r in decisions),
+            max(r["actors"] for r in decisions),
+        ],
+        "last": decisions[-1]["reason"],
+        "changes": [
+            {
+                "at_s": round(r["time"] - start, 1),
+                "action": r["autopilot"],
+                "actors": f"{r['actors_before']} -> {r['actors']}",
+                "reason": r["reason"],
+            }
+            for r in decisions
+            if r["autopilot"] != "hold"
+        ],
     }
 
 
@@ -179,6 +208,7 @@ def summarize(store: ObjectStore, records: list[dict[str, Any]] | None = None) -
             "compile_count": steps[-1]["compile_count"] if steps else 0,
             "staleness_histogram": {str(s): n for s, n in sorted(staleness.items())},
             "stale_drop_bias": stale_drop_bias(steps),
+            "autopilot": autopilot_decisions(records),
             "sampler_mismatch": sampler_mismatch(steps, cfg),
             "evaluations": sorted(
                 (
@@ -236,6 +266,7 @@ SECTIONS = (
     *("actors", "latency_audit", "health", "baseline", "duty_cycle_explained"),
     "sampler_mismatch",
     "stale_drop_bias",
+    "autopilot",
     "answers_by_phase",
 )
 # Shards the report reads and episodes it decodes at most, spread over the run's time:
@@ -306,6 +337,19 @@ def _drop_bias_html(summary: dict[str, Any]) -> str:
     return f"<p>{html.escape(said)}.</p>{_table(bias['by_side'])}"
 
 
+def _autopilot_html(summary: dict[str, Any]) -> str:
+    """The "Autopilot" section: its decisions and every change with its reason."""
+    pilot = summary.get("autopilot")
+    if not pilot:
+        return "<p>The autopilot was off (actor.autopilot.enabled): the fleet kept its size.</p>"
+    low, high = pilot["actors_range"]
+    said = (
+        f"{pilot['decisions']} decisions, {len(pilot['changes'])} changes; the fleet ran "
+        f"{low}-{high} actors. Last: {pilot['last']}"
+    )
+    return f"<p>{html.escape(said)}.</p>" + (_table(pilot["changes"]) if pilot["changes"] else "")
+
+
 def render_html(
     summary: dict[str, Any], plots: list[tuple[str, str]], conversations: str = ""
 ) -> str:
@@ -347,6 +391,7 @@ pre.talk{{white-space:pre-wrap;background:#f6f6f6;padding:6px}} .model{{color:#1
 <h2>Summary</h2>{rows}<h2>Utilization</h2>{utilization}<h2>Processes</h2>{why}{_table(procs)}
 <h2>Sampler vs learner numerics</h2>{numerics}
 <h2>Stale drops vs trained episodes</h2>{_drop_bias_html(summary)}
+<h2>Autopilot</h2>{_autopilot_html(summary)}
 <p>Times: seconds since the run's first metrics record ({summary.get("started_utc")} UTC).</p>
 <h2>Plots</h2>{imgs}
 <h2>What the model wrote</h2>{conversations}

@@ -43,6 +43,13 @@ def _actors(s: dict[str, Any]) -> str:
     return text
 
 
+def _autopilot(pilot: dict[str, Any]) -> str:
+    """`2 changes (1 -> 2, 2 -> 3), 3 actors at the end; last: ...`."""
+    changes = pilot["changes"]
+    done = f"{len(changes)} changes ({', '.join(changes)})" if changes else "no change"
+    return f"{done}, {pilot['actors']} actors at the end; last: {pilot['last']}"
+
+
 def _utilization(s: dict[str, Any]) -> str:
     """The report's steady duty cycle (start-up excluded) when the run's records were
     read at the end, else the last step's (compilation included)."""
@@ -73,6 +80,7 @@ def format_train_summary(s: dict[str, Any]) -> str:
         f"diff| {_num(step.get('max_abs_logprob_diff_s0'))} (last step)",
         "audit": (s.get("latency_audit") or {}).get("advice") or "-",
         "actors": _actors(s),
+        **({"autopilot": _autopilot(s["autopilot"])} if s.get("autopilot") else {}),
         "display": f"lag mean {_num(lag.get('mean'))} s, max {_num(lag.get('max'))} s",
         "report": s.get("report") or s.get("report_error") or "not written",
         "logs": str(s.get("logs") or "-"),

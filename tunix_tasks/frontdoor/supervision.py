@@ -171,6 +171,20 @@ class ActorPool:
     def alive(self) -> int:
         return sum(a.running for a in self.actors)
 
+    def add(self, child: Child) -> None:
+        """Watch (and restart) one more actor."""
+        self.actors.append(child)
+        self._seen.discard(child.name)
+
+    def retire(self, children: list[Child]) -> None:
+        """Stop watching `children` and ask them to stop (SIGTERM: they flush their
+        shards and exit); the caller waits for them."""
+        for child in children:
+            self.actors.remove(child)
+            self._due.pop(child.name, None)
+            if child.running:
+                child.proc.send_signal(signal.SIGTERM)
+
     def check(self, *, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for a in self.actors:

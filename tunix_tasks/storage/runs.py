@@ -62,6 +62,14 @@ def read_config(run_uri: str) -> tuple[RunConfig, ObjectStore]:
     return cfg, store
 
 
+def prepared_at(store: ObjectStore) -> float | None:
+    """When the run was last prepared (its config.json written, by `train` / `prepare` or
+    a resume), seconds since the epoch; None without one. `env.latency_schedule` counts
+    from it, so every actor of a run, whenever it started, sees the same schedule."""
+    infos = [i for i in store.list(RunLayout.CONFIG) if i.key == RunLayout.CONFIG]
+    return infos[0].updated if infos else None
+
+
 def mark_done(store: ObjectStore, reason: str) -> None:
     store.write_bytes(RunLayout.DONE, json.dumps({"reason": reason, "time": time.time()}).encode())
 

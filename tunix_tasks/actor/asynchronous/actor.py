@@ -35,6 +35,7 @@ from tunix_tasks.episode import Episode
 from tunix_tasks.policy.build import build_sampler
 from tunix_tasks.policy.replicas import SamplerReplicas
 from tunix_tasks.policy.sampling import Sampler
+from tunix_tasks.storage.runs import prepared_at
 from tunix_tasks.storage.store import ObjectStore
 
 __all__ = ["Actor"]
@@ -60,6 +61,8 @@ class Actor(ActorRuntime):
         self._group_counter = 0
         self._playing = 0  # groups being played (flow control counts them in flight)
         self.limits = EpisodeLimits.from_config(cfg)
+        # `env.latency_schedule` counts from the run's preparation, the same for every actor.
+        self._prepared_at = prepared_at(store) if cfg.env.latency_schedule else None
 
     def _build_engine(self) -> Sampler | SamplerReplicas:
         # The rollout renders with the sampler's own chat format (stop ids, template).
@@ -130,6 +133,8 @@ class Actor(ActorRuntime):
             latency_s=e.latency_s,
             latency_jitter=e.latency_jitter,
             latency_seed=seed * 131 + k,
+            latency_schedule=e.latency_schedule,
+            started_at=self._prepared_at,
             **e.kwargs,
         )
 

@@ -1,0 +1,257 @@
+"""The autopilot's policy over traces of a simulated fleet: it converges to the fleet that
+keeps the learner busy, follows a world whose env latency jumps, shrinks a learner-bound
+fleet, never oscillates on noisy rates, and stays within its bounds."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from tunix_tasks.config.autopilot import AutopilotConfig
+from tunix_tasks.frontdoor.autopilot import (
+    SMOOTHING,
+    Autopilot,
+    FleetDecision,
+    FleetObservation,
+)
+
+EPISODES_PER_STEP = 32
+
+
+@dataclasses.dataclass
+class Trace:
+    decisions: list[tuple[float, FleetDecision]]
+    actors: np.ndarray  # per simulated second
+    duty: np.ndarray  # the learner's busy share per second
+
+    def changes(self, start: float = 0.0, end: float = math.inf) -> list[FleetDecision]:
+        return [d for t, d in self.decisions if start <= t < end and d.action != "hold"]
+
+    def reversals(self) -> int:
+        actions = [d.action for d in self.changes()]
+        return sum(a != b for a, b in itertools.pairwise(actions))
+
+
+def simulate(
+    cfg: AutopilotConfig,
+    *,
+    minutes: float,
+    capacity: float,
+    supply,  # seconds -> episodes/s one actor supplies then
+    actors: int = 1,
+    startup_s: float = 30.0,
+    noise: float = 0.15,
+    bound_steps: float = 4.0,
+    seed: int = 0,
+) -> Trace:
+    """A fleet under flow control in 1 s ticks: each actor could produce `supply(t)`
+    episodes/s once `startup_s` after it started; with `bound_steps` batches buffered
+    flow control pauses them to what the learner trains (up to `capacity` episodes/s).
+    Every `interval_s` the policy sees the audit's figures with multiplicative noise, as
+    on a loaded machine, and the fleet is resized at once (stopped actors first)."""
+    rng = np.random.default_rng(seed)
+    pilot = Autopilot(cfg)
+    started = [-startup_s] * actors  # the first fleet is warm
+    backlog, decisions, fleet, duty = 0.0, [], [], []
+    for t in range(int(minutes * 60)):
+        producing = sum(t - s >= startup_s for s in started)
+        could = producing * supply(t)
+        made = min(could, capacity) if backlog >= bound_steps * EPISODES_PER_STEP else could
+        trained = min(capacity, backlog + made)
+        backlog += made - trained
+        duty.append(trained / capacity)
+        fleet.append(len(started))
+        if t % cfg.interval_s == 0:
+            audit = {
+                "learner_capacity_eps_per_s": capacity * rng.lognormal(0, noise),
+                "per_actor_eps_per_s": (made / producing) * rng.lognormal(0, noise)
+                if producing and t >= startup_s
+                else None,
+                "actor_paused_share": 1 - made / could if could else 0.0,
+                "backlog_steps": backlog / EPISODES_PER_STEP,
+            }
+            decision = pilot.decide(
+                FleetObservation.of(audit, time_s=float(t), actors=len(started))
+            )
+            decisions.append((float(t), decision))
+            while len(started) > decision.actors:
+                started.pop()
+            while len(started) < decision.actors:
+                started.append(t)
+    return Trace(decisions, np.array(fleet), np.array(duty))
+
+
+CFG = AutopilotConfig(enabled=True, max_actors=16)
+
+
+def test_a_single_actor_grows_to_the_fleet_that_keeps_the_learner_busy():
+    # Learner 20 eps/s, an actor 4 eps/s: 1.25x capacity needs 7 actors.
+    trace = simulate(CFG, minutes=20, capacity=20.0, supply=lambda t: 4.0)
+    assert 6 <= trace.actors[-1] <= 9, trace.changes()
+    first_full = int(np.argmax(trace.actors >= 6))
+    assert first_full < 5 * 60, "1 -> 2 -> 4 -> 8 with a 60 s cooldown: within 5 minutes"
+    assert trace.duty[first_full + 60 :].mean() > 0.97
+    assert trace.reversals() <= 1
+    grew = trace.changes()[0]
+    assert grew.action == "grow" and grew.actors == 2  # at most x2 per decision
+    assert "at most x2 per decision" in grew.reason and "needs 7" in grew.reason
+
+
+def test_a_latency_jump_grows_the_fleet_to_its_ceiling_and_back_without_oscillating():
+    # Env latency x10 between minutes 10 and 20: an actor supplies 4, then 0.4, then 4.
+    def supply(t: float) -> float:
+        return 0.4 if 600 <= t < 1200 else 4.0
+
+    trace = simulate(CFG, minutes=30, capacity=20.0, supply=supply)
+    assert 6 <= trace.actors[599] <= 9
+    assert trace.actors[1199] == 16  # the slow phase wants 63: held at the ceiling
+    ceiling = [d for d in trace.changes(600, 1200) if d.actors == 16]
+    assert ceiling and "at the ceiling max_actors=16" in ceiling[0].reason
+    assert 6 <= trace.actors[-1] <= 9, trace.changes(1200)  # back once the backlog builds
+    # One direction per phase; a change at most every cooldown_s.
+    assert trace.reversals() <= 3, [d.reason for d in trace.changes()]
+    times = [t for t, d in trace.decisions if d.action != "hold"]
+    assert all(b - a >= CFG.cooldown_s for a, b in itertools.pairwise(times))
+    per_minute = len(times) / 30
+    assert per_minute <= 0.5
+
+
+def test_a_learner_bound_fleet_shrinks_once_data_piles_up_and_never_grows():
+    # Each actor supplies twice what the learner trains: 1 actor would do.
+    trace = simulate(CFG, minutes=15, capacity=5.0, supply=lambda t: 10.0, actors=8)
+    assert all(d.action == "shrink" for d in trace.changes())
+    assert trace.actors[-1] == 1
+    assert trace.duty[120:].mean() > 0.99  # shrinking never starved it
+
+
+def test_noisy_rates_around_a_balanced_fleet_change_nothing():
+    # 1.25 x 20 / 3.6 = 6.9: 7 actors, each rate measured with 20% noise, 30 minutes.
+    for seed in range(5):
+        trace = simulate(
+            CFG, minutes=30, capacity=20.0, supply=lambda t: 3.6, actors=7, noise=0.2, seed=seed
+        )
+        assert len(trace.changes()) <= 1, [d.reason for d in trace.changes()]
+
+
+def test_a_fleet_paused_by_flow_control_is_measured_by_what_it_could_supply():
+    # 12 actors of 6 eps/s against a learner of 20: flow control pauses them ~70% of the
+    # time, so each reports ~1.7 eps/s; the rates alone would grow the fleet to 15.
+    trace = simulate(CFG, minutes=15, capacity=20.0, supply=lambda t: 6.0, actors=12)
+    assert not [d for d in trace.changes() if d.action == "grow"]
+    assert 4 <= trace.actors[-1] <= 6  # 1.25 x 20 / 6 = 4.2 -> 5
+    assert trace.duty[60:].mean() > 0.99
+
+
+def _obs(**kw) -> FleetObservation:
+    base = dict(time_s=0.0, actors=4, capacity_eps=10.0, per_actor_eps=1.0, backlog_steps=0.0)
+    return FleetObservation(**{**base, **kw})
+
+
+def test_no_decision_without_measurements_and_the_bounds_always_hold():
+    pilot = Autopilot(AutopilotConfig(enabled=True, min_actors=2, max_actors=6))
+    d = pilot.decide(_obs(per_actor_eps=None))
+    assert (d.action, d.actors) == ("hold", 4) and d.reason.startswith("measuring")
+    d = pilot.decide(_obs(actors=9))  # a resumed run with a lower ceiling
+    assert (d.action, d.actors) == ("shrink", 6) and "bounds [2, 6]" in d.reason
+    pilot = Autopilot(AutopilotConfig(enabled=True, min_actors=2, max_actors=6))
+    surplus = _obs(actors=2, capacity_eps=1.0, per_actor_eps=10.0, backlog_steps=9.0)
+    reasons = [pilot.decide(surplus).reason for _ in range(SMOOTHING)]
+    assert reasons[0] == "measuring: 1 of 5 readings"
+    d = pilot.decide(surplus)
+    assert (d.action, d.actors) == ("hold", 2) and "at the floor min_actors=2" in d.reason
+    assert d.record() == {
+        "autopilot": "hold",
+        "actors": 2,
+        "actors_before": 2,
+        "actors_wanted": 1,
+        "reason": d.reason,
+    }
+
+
+def test_the_config_refuses_bounds_that_cannot_hold():
+    from tunix_tasks.config import RunConfig
+
+    with pytest.raises(ValueError, match=r"min_actors=5 is above actor\.autopilot\.max_actors=2"):
+        AutopilotConfig(min_actors=5, max_actors=2)
+    on = {"flow_control": True, "autopilot": {"enabled": True}}
+    with pytest.raises(ValueError, match=r"num_actors=9 .* outside actor.autopilot's bounds"):
+        RunConfig.model_validate({"actor": {**on, "num_actors": 9}})
+    with pytest.raises(ValueError, match=r"autopilot\.enabled=true with mode=sync"):
+        RunConfig.model_validate({"mode": "sync", "actor": on})
+    with pytest.raises(ValueError, match=r"needs actor\.flow_control=true"):
+        RunConfig.model_validate({"actor": {"autopilot": {"enabled": True}}})
+
+
+def test_the_local_fleet_starts_and_stops_real_processes_and_logs_each_decision(tmp_path):
+    """`LocalFleet` over real child processes: a grow starts the lowest free ids, a shrink
+    sends SIGTERM to the highest, and every decision is a metrics record that the report
+    reads back as the run's autopilot section."""
+    import subprocess
+    import sys
+
+    from tunix_tasks.frontdoor.fleet import LocalFleet
+    from tunix_tasks.frontdoor.report import autopilot_decisions
+    from tunix_tasks.frontdoor.summary import format_train_summary
+    from tunix_tasks.frontdoor.supervision import ActorPool, Child
+    from tunix_tasks.storage.metrics import read_metrics
+    from tunix_tasks.storage.store import open_store
+
+    def start(i: int) -> Child:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        log = open(tmp_path / f"{i}.log", "ab")  # noqa: SIM115 - closed below
+        return Child(f"actor-{i:04d}", [], str(tmp_path / f"{i}.log"), proc, log)
+
+    store = open_store(f"file://{tmp_path}/run")
+    started = [start(0)]
+    pool = ActorPool(list(started), env={}, report=print)
+    cfg = AutopilotConfig(enabled=True, max_actors=4, cooldown_s=1.0, interval_s=1.0)
+
+    def start_more(i: int) -> Child:
+        started.append(start(i))
+        return started[-1]
+
+    fleet = LocalFleet(cfg, store, pool, start_more, report=print)
+    short = {"learner_capacity_eps_per_s": 20.0, "per_actor_eps_per_s": 5.0, "backlog_steps": 0.0}
+    decisions = []
+
+    def tick(audit: dict, now: float) -> None:
+        decisions.append(fleet.tick(audit, now=now))
+        assert fleet.tick(audit, now=now + 0.5) is None  # between intervals
+
+    try:
+        now = 0.0
+        while len(pool.actors) < 4 and now < 60:
+            tick(short, now := now + 1.0)
+        assert [a.name for a in pool.actors] == [f"actor-{i:04d}" for i in range(4)]
+        assert [d.action for d in decisions if d.action != "hold"] == ["grow", "grow"]
+        surplus = {**short, "per_actor_eps_per_s": 25.0, "backlog_steps": 5.0}  # 1 would do
+        while len(pool.actors) > 2 and now < 120:
+            tick(surplus, now := now + 1.0)
+        assert fleet.names() == {"actor-0000", "actor-0001"}  # x2 per decision: 4 -> 2
+        gone = fleet.retired
+        assert [a.name for a in gone] == ["actor-0002", "actor-0003"]
+        for child in gone:
+            assert child.proc.wait(timeout=10) == -15  # SIGTERM
+        slow = {**short, "per_actor_eps_per_s": 10.0}  # 1.25 x 20 / 10: 3 actors
+        while len(pool.actors) < 3 and now < 180:
+            tick(slow, now := now + 1.0)
+        assert fleet.names() == {"actor-0000", "actor-0001", "actor-0002"}  # an id reused
+        fleet.close()
+        summary = fleet.summary()
+        assert summary["changes"] == ["1 -> 2", "2 -> 4", "4 -> 2", "2 -> 3"]
+        line = format_train_summary({"autopilot": summary}).splitlines()
+        assert any(ln.startswith("autopilot") and "4 changes (1 -> 2, 2 -> 4" in ln for ln in line)
+    finally:
+        for child in started:
+            child.proc.kill()
+            child.proc.wait()
+            child.log.close()
+    records = read_metrics(store, "autopilot")
+    assert len(records) == len(decisions) and all(r["reason"] for r in records)
+    report = autopilot_decisions(records)
+    assert [c["actors"] for c in report["changes"]] == ["1 -> 2", "2 -> 4", "4 -> 2", "2 -> 3"]
+    assert report["actors_range"] == [1, 4] and report["decisions"] == len(decisions)
