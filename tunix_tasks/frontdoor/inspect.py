@@ -38,7 +38,7 @@ from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.shards import length_histogram, table_episodes
 from tunix_tasks.storage.store import NotFound, open_store
 from tunix_tasks.storage.uri import join_uri, normalize_uri
-from tunix_tasks.storage.validation import ShardValidationError, read_shard
+from tunix_tasks.storage.validation import ShardValidationError, read_shard, read_shard_columns
 
 
 def _split(uri: str) -> tuple[str, list[str]]:
@@ -206,7 +206,7 @@ def read_episodes(uri: str, *, max_shards: int | None = None) -> list[Episode]:
     episodes: list[Episode] = []
     for key in dict.fromkeys(keys):  # once each (rounded positions may repeat)
         try:
-            episodes += table_episodes(read_shard(store, key, vocab_size=1 << 31))
+            episodes += table_episodes(read_shard_columns(store, key, vocab_size=1 << 31))
         except ShardValidationError:
             continue
     return episodes

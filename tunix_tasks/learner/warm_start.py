@@ -22,7 +22,7 @@ from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsWriter
 from tunix_tasks.storage.shards import table_episodes
 from tunix_tasks.storage.store import ObjectStore
-from tunix_tasks.storage.validation import read_shard
+from tunix_tasks.storage.validation import read_shard_columns
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def read_demonstrations(store: ObjectStore, *, vocab_size: int) -> list[Episode]
     episodes = [
         dataclasses.replace(ep, advantage=1.0)
         for key in keys
-        for ep in table_episodes(read_shard(store, key, vocab_size=vocab_size))
+        for ep in table_episodes(read_shard_columns(store, key, vocab_size=vocab_size))
     ]
     return sorted(episodes, key=lambda ep: ep.episode_id)  # seed order, as they were played
 

@@ -307,12 +307,16 @@ class ShardColumns:
 
 
 def table_episodes(
-    table: pa.Table, *, shard: str | None = None, advantages: Sequence[float] | None = None
+    table: pa.Table | ShardColumns,
+    *,
+    shard: str | None = None,
+    advantages: Sequence[float] | None = None,
 ) -> Iterator[Episode]:
-    """Episodes of a validated shard table (`validation.read_shard`), in row order, their
-    arrays numpy views of the table's. With `shard`, each is tagged with its `ShardRow`;
-    `advantages` (one per row) fill `advantage`."""
-    cols = ShardColumns.of(table)
+    """Episodes of a validated shard (`validation.read_shard`'s table, or the columns
+    `read_shard_columns` already extracted), in row order, their arrays numpy views of
+    the shard's. With `shard`, each is tagged with its `ShardRow`; `advantages` (one per
+    row) fill `advantage`."""
+    cols = table if isinstance(table, ShardColumns) else ShardColumns.of(table)
     for i in range(len(cols)):
         yield cols.episode(
             i,
