@@ -83,7 +83,10 @@ def resume(params: dict | None = None) -> list[dict]:
     current = int(ep.learner_progress(run_uri).get("step") or 0)
     target = current + int(params["steps_per_interval"])
     return publish_run_info(
-        run_uri, num_actors, max_steps=target, deadline_s=params.get("deadline_s") or 0
+        run_uri,
+        ep.launched_actors(cfg, num_actors),
+        max_steps=target,
+        deadline_s=params.get("deadline_s") or 0,
     )
 
 

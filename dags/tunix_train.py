@@ -53,7 +53,7 @@ def prepare(params: dict | None = None, run_id: str | None = None) -> list[dict]
         run_uri = ep.prepare_run(cfg)
     except (ConfigError, ValueError) as err:
         raise AirflowFailException(f"invalid run configuration: {err}") from err  # no retry
-    return publish_run_info(run_uri, cfg.actor.num_actors, deadline_s=cfg.deadline_s)
+    return publish_run_info(run_uri, ep.launched_actors(cfg), deadline_s=cfg.deadline_s)
 
 
 @dag(

@@ -8,6 +8,8 @@ Actors and learner running *concurrently* are checked by `test_cluster.py`.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip(
@@ -28,6 +30,13 @@ FAST = [
     "learner.min_episodes_per_step=8",
     "actor.episodes_per_shard=8",
     "actor.shard_interval_s=3",
+]
+
+
+AUTOPILOT = [
+    "actor.flow_control=true",
+    "actor.autopilot.enabled=true",
+    "actor.autopilot.max_actors=2",
 ]
 
 
@@ -54,16 +63,21 @@ def test_train_dag_in_process(airflow_db, dagbag, store):
         "deadline_s": 20,
         "warm_start_steps": 0,  # the form's default is the demo's recipe: 140
         "env_latency_s": None,  # empty: the config's default, no latency
-        "overrides": FAST,
+        # the autopilot on: the DAG maps max_actors actors, the learner task parks the surplus
+        "overrides": [*FAST, *AUTOPILOT],
     }
     dr = dag.test(run_conf=conf, mark_success_pattern=r"^actor$")
     states = _states(dr)
     assert dr.state == "success", states
     assert states["prepare"] == states["learner"] == states["report"] == "success"
     assert states["stop_fleet"] == "success"
+    mapped = sorted(ti.map_index for ti in dr.get_task_instances() if ti.task_id == "actor")
+    assert mapped == [0, 1]
     run = open_store(f"{store}/dagtest")
     assert run.exists(RunLayout.CONFIG) and run.exists(RunLayout.LATEST)
     assert run.exists(RunLayout.DONE)
+    fleet = json.loads(run.read_bytes(RunLayout.FLEET))  # the autopilot ran beside the learner
+    assert fleet["active"] == 1 and fleet["reason"] == "the run's first fleet"
 
 
 def test_eval_dag_manual_params(airflow_db, dagbag, store):

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from tunix_tasks.learner.checkpoint import read_ledger
@@ -217,3 +218,63 @@ def test_the_autopilot_grows_a_fleet_too_small_for_the_learner(tmp_path):
     assert summary["report"] == f"{summary['run_uri']}/{RunLayout.REPORT}"
     page = store.read_bytes(RunLayout.REPORT).decode()
     assert "<h2>Autopilot</h2>" in page and "1 -&gt; 2" in page
+
+
+def test_a_fleet_started_at_its_ceiling_parks_the_actors_it_does_not_need(tmp_path):
+    """What the Airflow DAGs do with `actor.autopilot` on: every actor up to `max_actors`
+    starts (`launched_actors`) and the learner runs beside a `FleetAutopilot`; the actors
+    outside its fleet park. One slow actor cannot feed the learner, so the autopilot
+    unparks the second, which only then makes episodes that the learner trains."""
+    import os
+
+    from tunix_tasks.config import config_from_dict
+    from tunix_tasks.frontdoor.entrypoints import actor_name, launched_actors, prepare_run
+    from tunix_tasks.frontdoor.fleet import FleetAutopilot
+    from tunix_tasks.frontdoor.supervision import close_logs, spawn, stop
+
+    cfg = config_from_dict(
+        {"store": f"file://{tmp_path}/runs", "run_name": "parked"},
+        [
+            *SHORT,
+            "actor.num_actors=1",
+            "actor.envs_per_actor=4",
+            "env.latency_s=0.3",
+            "learner.max_steps=20",
+            "actor.flow_control=true",
+            "actor.autopilot.enabled=true",
+            "actor.autopilot.max_actors=2",
+            "actor.autopilot.cooldown_s=5",
+            "actor.autopilot.interval_s=1",
+        ],
+    )
+    run_uri = prepare_run(cfg)
+    assert launched_actors(cfg) == 2
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+    learner = spawn("learner", ["learner", "--run", run_uri], str(tmp_path), env)
+    actors = [
+        spawn(actor_name(i), ["actor", "--run", run_uri, "--actor-id", str(i)], str(tmp_path), env)
+        for i in range(2)
+    ]
+    try:
+        with FleetAutopilot(run_uri, poll_s=1.0) as pilot:
+            assert learner.proc.wait(timeout=600) == 0, (tmp_path / "learner.log").read_text()
+        for actor in actors:
+            assert actor.proc.wait(timeout=60) == 0
+    finally:
+        stop([learner, *actors], 15, 10.0)
+        close_logs([learner, *actors])
+    assert pilot.fleet is not None and pilot.fleet.summary()["changes"][0] == "1 -> 2"
+    store = open_store(run_uri)
+    grown = [r for r in read_metrics(store, "autopilot") if r["autopilot"] == "grow"]
+    assert grown[0]["actors_before"] == 1 and "capacity needs" in grown[0]["reason"]
+    second = read_metrics(store, "actor/actor-0001")
+    before = [r for r in second if r["time"] < grown[0]["time"]]
+    assert before and all(r["parked"] and r["episodes"] == 0 for r in before), before
+    assert "parked by the autopilot (1 active)" in {r.get("phase") for r in before}
+    assert second[-1]["episodes"] > 0 and not second[-1]["parked"]
+    made = set()
+    for info in store.list(f"{RunLayout.SHARDS}actor-0001/"):
+        with store.open_input(info.key) as f:
+            made |= set(pq.read_table(f, columns=["episode_id"]).column(0).to_pylist())
+    trained = {i for e in read_ledger(store) for i in e["trained"]}
+    assert made & trained, "the unparked actor's episodes were trained"

@@ -16,17 +16,28 @@ stops that before the episodes are made (in the spirit of Reverb's rate limiters
 `admission` is the pure decision; `AdmissionGate` is its I/O and its pause bookkeeping.
 Only the start of an episode (async actor: a group; vectorized actor: a segment) is
 gated: episodes in flight finish.
+
+With the autopilot on (`actor.autopilot`), the gate also *parks* an actor whose index is
+at or above the fleet the autopilot asks for (`control/fleet.json`, `storage/runs.py`
+`write_fleet`; `actor.num_actors` before it writes one): a parked actor admits nothing,
+keeps its sampler and weights warm, and resumes as soon as the fleet includes it again.
+That is how a fleet started at its ceiling (the mapped Airflow fleet, its pods) sizes
+itself without starting processes (docs/scaling.md, "Autopilot").
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from tunix_tasks.storage.layout import RunLayout
+from tunix_tasks.storage.runs import read_fleet
 from tunix_tasks.storage.store import NotFound, ObjectStore
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Admission", "AdmissionGate", "LearnerFlow", "admission"]
 
@@ -115,7 +126,13 @@ class LearnerFlow:
 
 class AdmissionGate:
     """An actor's side of flow control: reads the learner's flow object (`poll`), decides
-    (`decide`) and keeps the time paused and the last reason (its metrics)."""
+    (`decide`) and keeps the time paused and the last reason (its metrics).
+
+    `park_index` (the actor's index in the fleet; None: never parked) turns parking on:
+    `poll` also reads the autopilot's fleet file, and an actor at or above its `active`
+    count (`default_active` before there is one) is paused with reason "parked". Time
+    parked counts as paused: the audit measures an actor's supply over its unpaused time.
+    """
 
     def __init__(
         self,
@@ -125,6 +142,8 @@ class AdmissionGate:
         max_staleness: int,
         fallback_episodes_per_version: float,
         fleet: int = 1,
+        park_index: int | None = None,
+        default_active: int | None = None,
     ) -> None:
         if fallback_episodes_per_version <= 0:
             raise ValueError(
@@ -137,25 +156,46 @@ class AdmissionGate:
         self.fallback_episodes_per_version = fallback_episodes_per_version
         self.fleet = fleet  # actors assumed until the learner has consumed from any
         self.flow: LearnerFlow | None = None
+        self.park_index = park_index
+        self.active = default_active  # the autopilot's fleet (parking), as last read
         self.last = Admission(True, "no learner position", 0.0)
         self.paused_s = 0.0  # total time paused
         self.pauses = 0  # admit -> pause transitions
         self._paused_since: float | None = None
 
     def poll(self) -> None:
-        """Read the learner's flow object (absent: nothing changes)."""
+        """Read the learner's flow object (absent: nothing changes), and with parking
+        the fleet file (absent or unreadable: the last count holds)."""
+        if self.park_index is not None:
+            try:
+                active = read_fleet(self.store)
+            except ValueError as err:  # a hand-edited file must not stop the actor
+                log.warning("ignoring the fleet control file: %s", err)
+            else:
+                self.active = self.active if active is None else active
         try:
             raw = self.store.read_bytes(RunLayout.FLOW)
         except NotFound:
             return
         self.flow = LearnerFlow.from_json(json.loads(raw))
 
+    @property
+    def parked(self) -> bool:
+        """Outside the autopilot's fleet: admit nothing."""
+        return (
+            self.park_index is not None
+            and self.active is not None
+            and (self.park_index >= self.active)
+        )
+
     def decide(self, *, version: int, committed: int, in_flight: int) -> Admission:
         """Admit or pause an actor at weights `version` that has committed `committed`
         episodes in this incarnation and has `in_flight` more coming (including those
         this admission would start)."""
         flow = self.flow
-        if flow is None or time.time() - flow.time > FLOW_MAX_AGE_S:
+        if self.parked:
+            got = Admission(False, f"parked by the autopilot ({self.active} active)", 0.0)
+        elif flow is None or time.time() - flow.time > FLOW_MAX_AGE_S:
             got = Admission(True, "no learner position", 0.0)
         else:
             # The learner reads all actors' shards oldest first, interleaved: this
@@ -191,6 +231,7 @@ class AdmissionGate:
         self._account(self.last.admit)  # bring paused_s up to now
         return {
             "flow_paused": not self.last.admit,
+            "parked": self.parked,
             "flow_reason": self.last.reason,
             "flow_predicted_staleness": round(self.last.predicted_staleness, 2),
             "flow_paused_s": round(self.paused_s, 3),

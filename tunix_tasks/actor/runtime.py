@@ -145,6 +145,8 @@ class ActorRuntime:
                 max_staleness=lc.max_staleness,
                 fallback_episodes_per_version=lc.min_episodes_per_step * lc.publish_every,
                 fleet=cfg.actor.num_actors,
+                park_index=RunLayout.actor_index(actor_id) if cfg.actor.autopilot.enabled else None,
+                default_active=cfg.actor.num_actors,
             )
             if cfg.actor.flow_control and cfg.mode == "async"
             else None
@@ -329,6 +331,8 @@ class ActorRuntime:
             return "stopped"
         if self.version < 0:
             return "waiting for the first weights"
+        if self.gate is not None and self.gate.parked:
+            return self.gate.last.reason  # a parked actor has compiled nothing yet
         if self.stats.episodes == 0:
             n = self.engine.compile_count
             return "compiling the sampler" + (f" ({n} programs so far)" if n else "")

@@ -16,13 +16,14 @@ __all__ = ["AutopilotConfig"]
 
 
 class AutopilotConfig(Frozen):
-    """Bounds and pace of the autopilot (`mode: async`, the local launcher)."""
+    """Bounds and pace of the autopilot (`mode: async`; `frontdoor/fleet.py`)."""
 
     enabled: bool = Field(
         False,
-        description="on (true): `tunix-tasks train` starts and stops actor processes during "
-        "the run so their supply meets the learner's capacity (async mode; docs/scaling.md, "
-        "'Autopilot'); off (false): actor.num_actors actors for the whole run",
+        description="on (true): the fleet sizes itself during the run so its supply meets "
+        "the learner's capacity: `tunix-tasks train` starts and stops actor processes, the "
+        "Airflow DAGs start max_actors actors and park those not needed (async mode; "
+        "docs/scaling.md, 'Autopilot'); off (false): actor.num_actors actors for the whole run",
     )
     min_actors: Int = Field(1, ge=1, le=1024, description="the fewest actors it runs")
     max_actors: Int = Field(

@@ -29,6 +29,7 @@ cost of synchrony, not a fleet that is too small.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import glob
 import math
@@ -193,6 +194,51 @@ def _backlog_text(out: dict[str, Any]) -> str:
     )
     at_bound = (out["staleness_max"] or 0) >= out["max_staleness"]
     return text + (f", staleness at its bound {out['max_staleness']}" if at_bound else "")
+
+
+class AuditWindow:
+    """The recent records a live latency audit reads: the learner's last `STEPS` step
+    records and each actor's last `PER_ACTOR` (about two minutes at one per 5 s).
+
+        window.add(records)                                   # as metrics arrive
+        window.audit(cfg, running={"actor-0000"}, actors=1)   # those actors only
+    """
+
+    STEPS = 200
+    PER_ACTOR = 24
+
+    def __init__(self) -> None:
+        self.steps: collections.deque[dict[str, Any]] = collections.deque(maxlen=self.STEPS)
+        self.actors: dict[str, collections.deque[dict[str, Any]]] = {}  # process -> records
+
+    def add(self, records: Iterable[dict[str, Any]]) -> None:
+        for r in records:
+            process = str(r.get("process", ""))
+            if process.startswith("actor/"):
+                window = self.actors.setdefault(process, collections.deque(maxlen=self.PER_ACTOR))
+                window.append(r)
+            elif "step" in r and "loss" in r:
+                self.steps.append(r)
+
+    def latest_actor_records(self) -> list[dict[str, Any]]:
+        return [rs[-1] for rs in self.actors.values() if rs]
+
+    def audit(
+        self, cfg: Any, *, running: set[str] | None = None, actors: int | None = None
+    ) -> dict[str, Any]:
+        """`latency_audit` of the window: of the `running` actors' records only when
+        given (actor ids, `actor-0003`), for a fleet of `actors` (default: the config's)."""
+        if actors is not None and actors != cfg.actor.num_actors:  # a resized fleet
+            cfg = cfg.model_copy(
+                update={"actor": cfg.actor.model_copy(update={"num_actors": actors})}
+            )
+        records = [
+            r
+            for name, rs in self.actors.items()
+            if running is None or name.removeprefix("actor/") in running
+            for r in rs
+        ]
+        return latency_audit(sorted(self.steps, key=lambda r: r["step"]), records, cfg)
 
 
 def latency_audit(

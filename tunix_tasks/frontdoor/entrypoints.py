@@ -18,6 +18,7 @@ from typing import Any
 
 from tunix_tasks.config import ConfigError, RunConfig, check_resume, config_from_dict
 from tunix_tasks.frontdoor.compile_cache import enable_compile_cache
+from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.outage import first_contact
 from tunix_tasks.storage.runs import finished_step, read_config, stored_config, write_config
 from tunix_tasks.storage.runs import mark_done as _mark_done
@@ -36,7 +37,7 @@ ACTOR_KINDS: dict[str, str] = {
 
 
 def actor_name(actor_id: int | str) -> str:
-    return actor_id if isinstance(actor_id, str) else f"actor-{actor_id:04d}"
+    return actor_id if isinstance(actor_id, str) else RunLayout.actor_name(actor_id)
 
 
 def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None = None) -> str:
@@ -114,6 +115,24 @@ def run_actor(
     if handle_signals:
         actor.install_signal_handlers()
     return actor.run()
+
+
+def launched_actors(cfg: RunConfig, requested: int | None = None) -> int:
+    """How many actors a launcher that cannot start more during a run (the mapped Airflow
+    fleet) starts: `max_actors` with the autopilot, which parks those it does not need
+    (`frontdoor/fleet.py` `ParkedFleet`); else `requested` (default `actor.num_actors`)."""
+    autopilot = cfg.actor.autopilot
+    if autopilot.enabled:
+        return autopilot.max_actors
+    return cfg.actor.num_actors if requested is None else requested
+
+
+def fleet_autopilot(run_uri: str):
+    """The run's `FleetAutopilot` (a context manager: a thread while the learner runs;
+    nothing when `actor.autopilot` is off)."""
+    from tunix_tasks.frontdoor.fleet import FleetAutopilot
+
+    return FleetAutopilot(run_uri)
 
 
 LEARNER_FENCED_EXIT_CODE = 3

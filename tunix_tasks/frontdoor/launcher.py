@@ -33,9 +33,9 @@ from typing import Any
 
 from tunix_tasks.config import RunConfig
 from tunix_tasks.frontdoor.audit import (
+    AuditWindow,
     display_line,
     explain_duty,
-    latency_audit,
     rounded,
     run_utilization,
     utc,
@@ -97,8 +97,7 @@ class LiveStatus:
         cfg: RunConfig | None = None,
     ) -> None:
         self.cfg = cfg
-        self.steps: collections.deque[dict[str, Any]] = collections.deque(maxlen=200)
-        self.actor_records: dict[str, collections.deque[dict[str, Any]]] = {}
+        self.window = AuditWindow()  # what the live audit reads
         self.max_steps = max_steps
         self.warm_start_steps = warm_start_steps
         self.actors_total = actors_total
@@ -134,7 +133,7 @@ class LiveStatus:
             if "warm_start_step" in r:
                 self.warm_step = max(self.warm_step, int(r["warm_start_step"]))
             if str(r.get("process", "")).startswith("actor/"):
-                self.actor_records.setdefault(r["process"], collections.deque(maxlen=24)).append(r)
+                self.window.add([r])
             elif "phase" in r:
                 if r.get("time", 0.0) >= self.learner_phase.get("time", 0.0):
                     after_phase = self.learner_phase.get("time", 0.0) >= self.learner_seen
@@ -143,7 +142,7 @@ class LiveStatus:
             elif isinstance(t, int | float):  # a warm-start or step record ends a phase
                 self.learner_seen = max(self.learner_seen, t)
             if "step" in r and "loss" in r:
-                self.steps.append(r)
+                self.window.add([r])
                 if int(r["step"]) >= int(self.record.get("step", -1)):
                     self.record = r
                 reward = r.get("reward_mean")
@@ -157,18 +156,8 @@ class LiveStatus:
         only, when given), or `final_audit` once set (None without the run's config)."""
         if self.final_audit is not None or self.cfg is None:
             return self.final_audit
-        steps = sorted(self.steps, key=lambda r: r["step"])
-        actors = [
-            r
-            for name, rs in self.actor_records.items()
-            if running is None or name.removeprefix("actor/") in running
-            for r in rs
-        ]
-        cfg = self.cfg
-        if self.actors_total != cfg.actor.num_actors:  # the autopilot resized the fleet
-            fleet = cfg.actor.model_copy(update={"num_actors": self.actors_total})
-            cfg = cfg.model_copy(update={"actor": fleet})
-        return latency_audit(steps, actors, cfg)
+        # actors_total: the fleet the autopilot resized, when it did
+        return self.window.audit(self.cfg, running=running, actors=self.actors_total)
 
     def lag_summary(self) -> dict[str, Any]:
         return {
@@ -192,7 +181,7 @@ class LiveStatus:
             parts.append(f"learner {lp['phase']} ({max(0.0, now - self.learner_phase_from):.0f}s)")
         elif max(lp.get("time", 0.0), self.learner_seen) < self.started_at:
             parts.append(f"learner starting ({max(0.0, now - self.started_at):.0f}s)")
-        latest = [rs[-1] for rs in self.actor_records.values() if rs]
+        latest = self.window.latest_actor_records()
         phases = [str(r["phase"]) for r in latest if "phase" in r and r["time"] >= self.started_at]
         if not phases:
             phases = ["starting"] * self.actors_total

@@ -192,6 +192,19 @@ class Checkpointer:
             raise self._failure("read", step, err) from err
         return got["state"], dict(got["meta"])
 
+    def read_meta(self, step: int | None = None) -> dict[str, Any] | None:
+        """The `meta` item of `step` (default: the latest) without its state: step,
+        version, counters and the stream's position; None without a checkpoint."""
+        self.wait()
+        step = self._manager.latest_step() if step is None else step
+        if step is None:
+            return None
+        try:
+            got = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as err:
+            raise self._failure("read", step, err) from err
+        return dict(got["meta"])
+
     def prune_ledger_after(self, step: int) -> int:
         """Delete ledger files of steps > `step` (work lost with the crash)."""
         removed = 0

@@ -38,6 +38,7 @@ class RunLayout:
 
     CONFIG = "config.json"
     DONE = "control/DONE"
+    FLEET = "control/fleet.json"  # the autopilot's active fleet: actors above it park
     SHARDS = "shards/"
     DEMOS = "demos/"
     QUARANTINE = "quarantine/"
@@ -61,6 +62,17 @@ class RunLayout:
         actor's shards."""
         stamp = _stamp(created_at)
         return f"{RunLayout.SHARDS}{actor_id}/{_time_folders(stamp)}{stamp}.parquet"
+
+    @staticmethod
+    def actor_name(index: int) -> str:
+        """The id (and shard folder) of the fleet's actor `index`: `actor-0003`."""
+        return f"actor-{index:04d}"
+
+    @staticmethod
+    def actor_index(actor_id: str) -> int | None:
+        """The fleet index of an `actor_name` id; None for another id (an endpoint's)."""
+        prefix, _, digits = actor_id.partition("-")
+        return int(digits) if prefix == "actor" and digits.isdigit() else None
 
     @staticmethod
     def shard_actor(key: str) -> str:

@@ -5,6 +5,8 @@ Layout under the run root (see docs/architecture.md for the full table):
     config.json                  the RunConfig, written by `prepare` (a resume may change
                                  only `config.RESUMABLE` fields)
     control/DONE                 {"reason": ..., "time": ...}: actors stop when it appears
+    control/fleet.json           {"active": n, "reason": ..., "time": ...}: the autopilot's
+                                 fleet; actor ids >= n park (admit no new episodes)
     quarantine/<shard key>       a shard that failed validation (moved here) ...
     quarantine/<shard key>.reason.json   ... and why
 """
@@ -34,6 +36,7 @@ def write_config(cfg: RunConfig) -> ObjectStore:
         check_resume(stored, cfg)
     store.write_bytes(RunLayout.CONFIG, cfg.to_json().encode())
     store.delete(RunLayout.DONE)
+    store.delete(RunLayout.FLEET)  # a resumed run starts with actor.num_actors active
     return store
 
 
@@ -90,6 +93,29 @@ def finished_step(store: ObjectStore, max_steps: int) -> int | None:
     records = read_metrics(store, "learner")
     last = max((int(r["step"]) for r in records if "step" in r and "loss" in r), default=0)
     return last if last >= max_steps else None
+
+
+def write_fleet(store: ObjectStore, active: int, reason: str) -> None:
+    """Ask the run's actors with ids `active` and above to park (the autopilot's
+    `ParkedFleet`); those below admit episodes as flow control lets them."""
+    body = {"active": int(active), "reason": reason, "time": time.time()}
+    store.write_bytes(RunLayout.FLEET, json.dumps(body).encode())
+
+
+def read_fleet(store: ObjectStore) -> int | None:
+    """The active fleet `write_fleet` asked for; None before any. A control file that
+    does not hold a count >= 0 raises ValueError naming it."""
+    try:
+        raw = store.read_bytes(RunLayout.FLEET)
+    except NotFound:
+        return None
+    try:
+        active = json.loads(raw)["active"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{RunLayout.FLEET}: not a fleet control file ({err!r})") from None
+    if isinstance(active, bool) or not isinstance(active, int) or active < 0:
+        raise ValueError(f"{RunLayout.FLEET}: 'active' must be a count >= 0, got {active!r}")
+    return active
 
 
 def quarantine(store: ObjectStore, key: str, *, reason: str, detail: str) -> str:

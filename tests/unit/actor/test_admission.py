@@ -164,6 +164,35 @@ def test_gate_reads_the_learners_position_and_accounts_pauses(tmp_path):
         AdmissionGate(store, actor_key="a/b", max_staleness=1, fallback_episodes_per_version=0)
 
 
+def test_gate_parks_an_actor_outside_the_autopilots_fleet(tmp_path, caplog):
+    """Actor 2 of a fleet started at 4, with 2 active before any fleet file: parked (and
+    paused for the audit); admitted once the file grows the fleet past it, parked again
+    when it shrinks; a malformed file is ignored with a warning, the last count kept."""
+    from tunix_tasks.storage.runs import write_fleet
+
+    store = open_store(f"file://{tmp_path}/run")
+    _write_flow(store, consumed={}, actors=4)
+    kw = {"max_staleness": 4, "fallback_episodes_per_version": 32, "fleet": 4}
+    gate = AdmissionGate(store, actor_key="actor-0002/a", park_index=2, default_active=2, **kw)
+    never = AdmissionGate(store, actor_key="ep/a", park_index=None, default_active=2, **kw)
+    gate.poll(), never.poll()
+    got = gate.decide(version=5, committed=0, in_flight=1)
+    assert (got.admit, got.reason) == (False, "parked by the autopilot (2 active)")
+    assert gate.metrics()["parked"] and gate.metrics()["flow_paused"]
+    assert never.decide(version=5, committed=0, in_flight=1).admit and not never.parked
+    write_fleet(store, 3, "grow")
+    gate.poll()
+    assert gate.decide(version=5, committed=0, in_flight=1).admit and not gate.parked
+    write_fleet(store, 2, "shrink")
+    gate.poll()
+    assert not gate.decide(version=5, committed=0, in_flight=1).admit
+    store.write_bytes(RunLayout.FLEET, b'{"active": "all"}')
+    gate.poll()
+    assert gate.active == 2 and "'active' must be a count >= 0" in caplog.text
+    assert RunLayout.actor_index(RunLayout.actor_name(12)) == 12
+    assert RunLayout.actor_index("endpoint-1") is None and RunLayout.actor_index("actor-x") is None
+
+
 class _Acks:
     def ack(self, episode: Episode) -> None:
         pass

@@ -173,10 +173,11 @@ def test_checkpointer_round_trip_keeps_values_and_shardings(tmp_path):
     trainer = Trainer(cfg, model)
     ckpt = Checkpointer(store)
     try:
-        assert ckpt.restore(trainer.state()) is None
+        assert ckpt.restore(trainer.state()) is None and ckpt.read_meta() is None
         meta = {"step": 5, "version": 2, "counters": {"x": 1}, "stream": {"version": 1}}
         ckpt.save(5, trainer.state(), meta, {"trained": ["a"], "dropped": {}})
         assert ckpt.latest_step() == 5
+        assert ckpt.read_meta() == meta  # without the state (no template needed)
         _, fresh = build_policy(cfg.model, seed=2)
         other = Trainer(cfg, fresh)
         state, got_meta = ckpt.restore(other.state())
