@@ -187,6 +187,20 @@ def _learner_steps(run_uri: str) -> list[dict]:
         return []
 
 
+#: One slow actor (0.3 s per env step) that cannot feed the learner, the autopilot on and
+#: quick to decide.
+TOO_SMALL_A_FLEET = [
+    "actor.num_actors=1",
+    "actor.envs_per_actor=4",
+    "env.latency_s=0.3",
+    "learner.max_steps=20",
+    "actor.flow_control=true",
+    "actor.autopilot.enabled=true",
+    "actor.autopilot.cooldown_s=5",
+    "actor.autopilot.interval_s=1",
+]
+
+
 def test_the_autopilot_grows_a_fleet_too_small_for_the_learner(tmp_path):
     """`train` with `actor.autopilot` on: one slow actor (0.3 s per env step) cannot feed
     the learner, so the launcher starts more, up to the ceiling; each decision is a
@@ -195,15 +209,8 @@ def test_the_autopilot_grows_a_fleet_too_small_for_the_learner(tmp_path):
     cmd = _cmd(
         store_uri,
         "pilot",
-        "actor.num_actors=1",
-        "actor.envs_per_actor=4",
-        "env.latency_s=0.3",
-        "learner.max_steps=20",
-        "actor.flow_control=true",
-        "actor.autopilot.enabled=true",
+        *TOO_SMALL_A_FLEET,
         "actor.autopilot.max_actors=3",
-        "actor.autopilot.cooldown_s=5",
-        "actor.autopilot.interval_s=1",
     )
     summary = _run(cmd, tmp_path, timeout=600)
     assert summary["learner_exit_code"] == 0 and summary["interrupted"] is None
@@ -234,18 +241,7 @@ def test_a_fleet_started_at_its_ceiling_parks_the_actors_it_does_not_need(tmp_pa
 
     cfg = config_from_dict(
         {"store": f"file://{tmp_path}/runs", "run_name": "parked"},
-        [
-            *SHORT,
-            "actor.num_actors=1",
-            "actor.envs_per_actor=4",
-            "env.latency_s=0.3",
-            "learner.max_steps=20",
-            "actor.flow_control=true",
-            "actor.autopilot.enabled=true",
-            "actor.autopilot.max_actors=2",
-            "actor.autopilot.cooldown_s=5",
-            "actor.autopilot.interval_s=1",
-        ],
+        [*SHORT, *TOO_SMALL_A_FLEET, "actor.autopilot.max_actors=2"],
     )
     run_uri = prepare_run(cfg)
     assert launched_actors(cfg) == 2

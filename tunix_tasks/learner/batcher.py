@@ -114,7 +114,7 @@ class Batcher:
         self.drop_unusable(version)
         batch = None
         if self._flow.ready(self.buffered_versions(), version):
-            batch = self._pack()
+            batch = self._pack(version)
         if batch is None:
             self._take(timeout_s=0.05)
             if time.monotonic() - self._last_data > self._cfg.data_timeout_s:
@@ -126,9 +126,13 @@ class Batcher:
         self._last_data = time.monotonic()
         return batch
 
-    def _pack(self) -> tuple[PackedBatch, list[Episode]] | None:
-        """The densest batch of the packing window (ties: the oldest data), its entries
-        taken out of the buffer."""
+    def _pack(self, version: int) -> tuple[PackedBatch, list[Episode]] | None:
+        """A batch of the packing window, its entries taken out of the buffer: the one
+        with the most episodes the next publish would drop (`flow.due`, packed first),
+        then the densest (ties: the oldest data). Density alone would starve the shorter
+        episodes whenever more data than a batch is buffered: longer ones keep arriving
+        and win every batch until the short ones go stale (docs/scaling.md, "Flow
+        control")."""
         live = [np.flatnonzero(b.live) for b in self.blocks]
 
         def gather(name: str) -> np.ndarray:
@@ -141,16 +145,24 @@ class Batcher:
         columns = {name: gather(name)[order] for name in ("length", "advantage", "policy_version")}
         window = _Window(self.blocks, b[order], np.concatenate(live)[order], **columns)
         cfg = self._cfg
+        due = self._flow.due(window.policy_versions, version)
         planned, _ = plan(
-            window.lengths, buckets=cfg.buckets, batch_rows=cfg.batch_rows, flush=self._flow.flush
+            window.lengths,
+            buckets=cfg.buckets,
+            batch_rows=cfg.batch_rows,
+            flush=self._flow.flush,
+            first=due,
         )
         if not planned:
             return None
-        densities = [
-            sum(min(int(window.lengths[i]), bucket) for row in rows for i in row) / bucket
+        scores = [
+            (
+                sum(int(due[i]) for row in rows for i in row),
+                sum(min(int(window.lengths[i]), bucket) for row in rows for i in row) / bucket,
+            )
             for bucket, rows in planned
         ]
-        bucket, rows = planned[int(np.argmax(densities))]
+        bucket, rows = planned[max(range(len(planned)), key=scores.__getitem__)]
         chosen = [i for row in rows for i in row]
         for i in chosen:
             self.blocks[window.b[i]].live[window.j[i]] = False

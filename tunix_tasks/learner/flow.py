@@ -10,7 +10,7 @@ The learner's loop asks it, per step:
     # columns: {DropReason: bool mask}, first reason first (STALE, ENV_ERROR, ENV_TIMEOUT)
     (the batcher drops what the source flags as a replay as DUPLICATE before asking, and
     groups without signal as ZERO_VARIANCE after, with learner.filter_zero_variance_groups)
-    if flow.ready(versions, version): ...pack (flush=flow.flush), train...
+    if flow.ready(versions, version): ...pack (flush=flow.flush; flow.due(...) first), train...
     flow.trained(episodes)
     if flow.publish_due(step, versions, version): ...publish version + 1...; flow.published()
     ...at the end: if flow.publish_at_end(step): publish
@@ -62,6 +62,10 @@ class FlowPolicy(Protocol):
         self, versions: ArrayLike, statuses: ArrayLike, version: int
     ) -> dict[DropReason, np.ndarray]: ...
     def ready(self, versions: ArrayLike, version: int) -> bool: ...
+    def due(self, versions: ArrayLike, version: int) -> np.ndarray:
+        """Episodes the next publish would drop: packed before the others."""
+        ...
+
     def trained(self, episodes: Sequence[Episode]) -> None: ...
     def publish_due(self, step: int, versions: ArrayLike, version: int) -> bool: ...
     def published(self) -> None: ...
@@ -113,6 +117,10 @@ class AsyncFlow:
     def ready(self, versions: ArrayLike, version: int) -> bool:
         return np.size(versions) >= self.min_episodes
 
+    def due(self, versions: ArrayLike, version: int) -> np.ndarray:
+        # at the bound now: stale once version + 1 is out (within publish_every steps)
+        return np.asarray(stale_mask(version + 1, versions, self.max_staleness)).reshape(-1)
+
     def trained(self, episodes: Sequence[Episode]) -> None:
         pass
 
@@ -152,6 +160,9 @@ class SyncFlow:
     def ready(self, versions: ArrayLike, version: int) -> bool:
         fresh = int(np.count_nonzero(_fresh(versions, version)))
         return fresh > 0 and fresh + self._trained >= self.episodes_per_version
+
+    def due(self, versions: ArrayLike, version: int) -> np.ndarray:
+        return np.zeros(np.shape(versions), bool)  # every version is trained in full
 
     def trained(self, episodes: Sequence[Episode]) -> None:
         self._trained += len(episodes)

@@ -272,73 +272,87 @@ def _check_rows(batch_rows: int) -> None:
 
 
 class _LengthPool:
-    """Remaining sequences indexed by length, so "largest that fits in f" is one numpy scan.
+    """Remaining sequences indexed by (tier, length), so "largest of a tier that fits in f"
+    is one numpy scan. Tier 0 (`first`) is placed before tier 1 in every row.
 
-    Within one length, sequences leave in input order (determinism).
+    Within one tier and length, sequences leave in input order (determinism).
     """
 
-    def __init__(self, lengths: Sequence[int], max_len: int) -> None:
-        self.counts = np.zeros(max_len + 1, np.int64)
-        self.queues: dict[int, list[int]] = {}
-        for i, n in enumerate(lengths):
-            self.counts[n] += 1
-            self.queues.setdefault(n, []).append(i)
+    def __init__(self, lengths: Sequence[int], max_len: int, first: Sequence[bool]) -> None:
+        self.counts = np.zeros((2, max_len + 1), np.int64)
+        self.queues: dict[tuple[int, int], list[int]] = {}
+        for i, (n, head) in enumerate(zip(lengths, first, strict=True)):
+            key = (0 if head else 1, n)
+            self.counts[key] += 1
+            self.queues.setdefault(key, []).append(i)
         self.heads = dict.fromkeys(self.queues, 0)
 
     def __len__(self) -> int:
         return int(self.counts.sum())
 
     def longest(self) -> int:
-        return int(np.flatnonzero(self.counts)[-1])
+        return int(np.flatnonzero(self.counts.sum(axis=0))[-1])
 
-    def plan_batch(self, bucket_len: int, batch_rows: int) -> list[list[int]]:
-        """FFD into at most ``batch_rows`` rows of ``bucket_len``; returns rows of LENGTHS.
+    def plan_batch(self, bucket_len: int, batch_rows: int) -> list[list[tuple[int, int]]]:
+        """FFD into at most ``batch_rows`` rows of ``bucket_len``, tier 0 first; returns
+        rows of (tier, LENGTH).
 
         FFD with a row limit equals filling rows one at a time with the largest remaining
         sequence that still fits: each row's content under FFD is exactly that greedy
         sequence, because every item tries the earlier rows first in decreasing order.
+        With tiers, a row takes the largest tier-0 sequence that fits while one does.
         """
         counts = self.counts.copy()
-        rows: list[list[int]] = []
+        rows: list[list[tuple[int, int]]] = []
         while len(rows) < batch_rows:
             row, free = [], bucket_len
-            while True:
-                fits = np.flatnonzero(counts[: free + 1])
-                if fits.size == 0:
-                    break
-                n = int(fits[-1])
-                counts[n] -= 1
-                row.append(n)
-                free -= n
+            for tier in (0, 1):
+                while True:
+                    fits = np.flatnonzero(counts[tier, : free + 1])
+                    if fits.size == 0:
+                        break
+                    n = int(fits[-1])
+                    counts[tier, n] -= 1
+                    row.append((tier, n))
+                    free -= n
             if not row:
                 break
             rows.append(row)
         return rows
 
-    def take(self, length_rows: list[list[int]]) -> list[Row]:
+    def take(self, keyed_rows: list[list[tuple[int, int]]]) -> list[Row]:
         out: list[Row] = []
-        for lengths in length_rows:
+        for keys in keyed_rows:
             row = []
-            for n in lengths:
-                row.append(self.queues[n][self.heads[n]])
-                self.heads[n] += 1
-                self.counts[n] -= 1
+            for key in keys:
+                row.append(self.queues[key][self.heads[key]])
+                self.heads[key] += 1
+                self.counts[key] -= 1
             out.append(row)
         return out
 
     def remaining(self) -> list[int]:
-        return sorted(i for n, q in self.queues.items() for i in q[self.heads[n] :])
+        return sorted(i for key, q in self.queues.items() for i in q[self.heads[key] :])
 
 
 def plan(
-    lengths: ArrayLike, *, buckets: tuple[int, ...], batch_rows: int, flush: bool = False
+    lengths: ArrayLike,
+    *,
+    buckets: tuple[int, ...],
+    batch_rows: int,
+    flush: bool = False,
+    first: ArrayLike | None = None,
 ) -> tuple[list[tuple[int, list[Row]]], list[int]]:
     """`pack`'s placement over sequence lengths alone: ``[(bucket, rows)]`` for each batch,
-    and the indices left over. Lengths over the largest bucket count as that bucket."""
+    and the indices left over. Lengths over the largest bucket count as that bucket.
+    `first` (a bool per sequence): those go into the first rows before any other, so the
+    first batch holds as many of them as fit (the learner's episodes about to go stale:
+    packing by length alone starves the shorter ones while longer ones keep coming)."""
     _check_rows(batch_rows)
     ordered = _check_buckets(buckets)
     capped = np.minimum(np.asarray(lengths, np.int64).reshape(-1), ordered[-1])
-    pool = _LengthPool(capped.tolist(), ordered[-1])
+    head = np.zeros(capped.size, bool) if first is None else np.asarray(first, bool).reshape(-1)
+    pool = _LengthPool(capped.tolist(), ordered[-1], head.tolist())
     planned: list[tuple[int, list[Row]]] = []
     while len(pool):
         need = pool.longest()
@@ -347,7 +361,7 @@ def plan(
             rows = pool.plan_batch(b, batch_rows)
             full = len(rows) == batch_rows
             if full or flush:
-                density = sum(map(sum, rows)) / (batch_rows * b)
+                density = sum(n for row in rows for _, n in row) / (batch_rows * b)
                 # Full batches first (partial ones only exist under flush), then density,
                 # then the smaller bucket.
                 candidates.append(((full, density, -b), b, rows))

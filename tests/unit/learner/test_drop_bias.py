@@ -136,3 +136,51 @@ def test_accounting_keeps_the_lengths_of_stale_drops_apart(tmp_path):
     )
     old = Accounting(source, counters={"trained_episodes": 8, "dropped": {}, "trained_tokens": 0})
     assert old.counters["drop_bias"]["stale"] == drop_bias.empty()
+
+
+@pytest.mark.parametrize("due_first", [True, False])
+def test_packing_does_not_starve_shorter_episodes_into_staleness(tmp_path, due_first):
+    """More data than the learner trains, the shorter episodes oldest: each step brings
+    a batch's worth of longer ones. Packing by density alone keeps choosing the longer ones
+    until the short ones go stale (the stale-drop bias benchmarks/autopilot.py showed);
+    episodes the next publish would drop are packed first, so they are trained."""
+    store = open_store(str(tmp_path))
+    rng = np.random.default_rng(3)
+    writer = ShardWriter(store, actor_id="actor-0", max_episodes=1000)
+
+    def arrive(length: int, version: int, n: int, tag: str) -> list:
+        eps = [
+            make_episode(rng, length=length, policy_version=version, group_id=f"{tag}{i // 4}")
+            for i in range(n)
+        ]
+        for i in range(0, n, 4):
+            writer.add_group(eps[i : i + 4])
+        writer.flush()
+        return eps
+
+    short = arrive(72, 0, 8, "s")
+    arrive(78, 0, 16, "l0-")
+    source = PrefetchingSource(EpisodeSource(store, vocab_size=103, advantage="group"))
+    cfg = load_config(None, ["learner.batch_rows=8", "learner.buckets=[128]"])
+    acct = Accounting(source)
+    flow = AsyncFlow(min_episodes=8, max_staleness=2, publish_every=1)
+    if not due_first:  # what packing did before: density alone
+        flow.due = lambda versions, version: np.zeros(np.shape(versions), bool)
+    batcher = Batcher(source, flow, acct, cfg.learner)
+    trained: list[str] = []
+    try:
+        for version in range(6):
+            source.poll_once()
+            got = batcher.next_batch(version)
+            assert got is not None
+            _, episodes = got
+            acct.trained(episodes, real_tokens=0, longest_bucket=128)
+            trained += [ep.episode_id for ep in episodes]
+            arrive(78, version + 1, 8, f"l{version + 1}-")  # the actors keep up
+    finally:
+        source.stop()
+    short_trained = {ep.episode_id for ep in short} & set(trained)
+    if due_first:
+        assert len(short_trained) == 8, "every short episode trained before going stale"
+    else:
+        assert not short_trained and acct.counters["dropped"]["stale"] >= 8

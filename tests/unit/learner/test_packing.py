@@ -12,6 +12,7 @@ from tunix_tasks.learner.packing import (
     choose_bucket,
     pack,
     pad_to_max,
+    plan,
 )
 
 BUCKETS = (256, 512, 1024, 2048)
@@ -220,3 +221,17 @@ def test_stats_consistent() -> None:
     assert s.total_slots == sum(b.tokens.size for b in res.batches)
     assert s.num_batches == len(res.batches) == sum(s.batches_per_bucket.values())
     assert 0 < s.density <= 1
+
+
+def test_plan_places_the_first_tier_before_any_other() -> None:
+    """`first` sequences go into the first rows, largest first, and the rest fills the room
+    they leave; without `first` the longest win the first batch."""
+    lengths = [72, 72, 78, 78, 78, 78, 30, 20]
+    first = [True, True] + [False] * 6
+    planned, left = plan(lengths, buckets=(128,), batch_rows=2, first=first)
+    (bucket, rows), *_ = planned
+    assert bucket == 128 and rows == [[0, 6, 7], [1]]  # 72 + 30 + 20, then 72 (no 78 fits)
+    by_length, _ = plan(lengths, buckets=(128,), batch_rows=2)
+    assert by_length[0][1] == [[2, 6, 7], [3]]  # 78 + 30 + 20, 78: the short ones wait
+    placed = [i for _, rows in planned for row in rows for i in row]
+    assert sorted(placed + left) == list(range(8))  # every sequence once
