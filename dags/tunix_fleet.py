@@ -143,13 +143,12 @@ def learner(run_uri: str, max_steps: int | None = None, deadline_s: float | None
     turns a crashed or pre-empted learner into a pause rather than a lost run. Meanwhile
     a `WeightsWatcher` announces each new `weights/LATEST` as a `tunix_weights` event,
     and with `actor.autopilot` on, the fleet's autopilot parks the mapped actors it does
-    not need (`entrypoints.fleet_autopilot`; the DAG mapped `max_actors` of them).
+    not need (`launch_learner` runs it; the DAG mapped `max_actors` of them).
     """
     quiet_library_loggers()
     publisher = WeightsEventPublisher(run_uri)
     progress = LearnerProgressLog(run_uri)
-    autopilot = entrypoints().fleet_autopilot(run_uri)  # parks surplus actors, when on
-    with WeightsWatcher(run_uri, publisher, on_poll=progress), autopilot:
+    with WeightsWatcher(run_uri, publisher, on_poll=progress):
         summary = launch_learner(
             run_uri,
             max_steps=int(max_steps) if max_steps else None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import threading
@@ -304,6 +305,9 @@ class _FakeEntrypoints:
     def run_actor(self, run_uri, actor_id, **kwargs):
         self.calls.append((run_uri, actor_id, kwargs))
         return {"episodes": 0}
+
+    def fleet_autopilot(self, run_uri):
+        return contextlib.nullcontext()  # the autopilot off, as in the run's config
 
 
 def test_learner_task_announces_weights_locally(fake_api, tmp_path, monkeypatch):

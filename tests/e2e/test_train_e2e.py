@@ -266,6 +266,7 @@ def test_a_fleet_started_at_its_ceiling_parks_the_actors_it_does_not_need(tmp_pa
     second = read_metrics(store, "actor/actor-0001")
     before = [r for r in second if r["time"] < grown[0]["time"]]
     assert before and all(r["parked"] and r["episodes"] == 0 for r in before), before
+    assert max(r["reloads"] for r in before) <= 1  # parked: the first weights only
     assert "parked by the autopilot (1 active)" in {r.get("phase") for r in before}
     assert second[-1]["episodes"] > 0 and not second[-1]["parked"]
     made = set()

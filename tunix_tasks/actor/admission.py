@@ -19,8 +19,9 @@ gated: episodes in flight finish.
 
 With the autopilot on (`actor.autopilot`), the gate also *parks* an actor whose index is
 at or above the fleet the autopilot asks for (`control/fleet.json`, `storage/runs.py`
-`write_fleet`; `actor.num_actors` before it writes one): a parked actor admits nothing,
-keeps its sampler and weights warm, and resumes as soon as the fleet includes it again.
+`write_fleet`; `actor.num_actors` before it writes one): a parked actor admits nothing
+and loads no new weights (`runtime.py`), and resumes as soon as the fleet includes it
+again, loading the latest weights first.
 That is how a fleet started at its ceiling (the mapped Airflow fleet, its pods) sizes
 itself without starting processes (docs/scaling.md, "Autopilot").
 """

@@ -277,10 +277,12 @@ class ActorRuntime:
             if now - self._last_poll < self.cfg.actor.weight_poll_s:
                 return
             self._last_poll = now
-            # Loads, or refuses (or the store fails) and keeps the current weights.
-            self._outage.tolerate("weights poll", self.weights.poll, self._load)
-            if self.gate is not None:
+            if self.gate is not None:  # first: the poll that unparks loads weights below
                 self._outage.tolerate("flow poll", self.gate.poll)
+            # Loads, or refuses (or the store fails) and keeps the current weights. A
+            # parked actor loads none (a snapshot can be 500 MB): it catches up unparked.
+            if self.gate is None or not self.gate.parked or self.version < 0:
+                self._outage.tolerate("weights poll", self.weights.poll, self._load)
         finally:
             self._reloading.release()
 
@@ -293,7 +295,7 @@ class ActorRuntime:
             version=self.version, committed=self.stats.episodes, in_flight=in_flight
         )
         flow = self.gate.flow
-        if not got.admit and flow is not None and flow.version > self.version:
+        if not got.admit and not self.gate.parked and flow and flow.version > self.version:
             # Paused with older weights than the learner says it published: poll them
             # now, not a weight_poll_s later (a fast learner moves versions in between).
             self._last_poll = 0.0
