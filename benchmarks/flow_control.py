@@ -10,8 +10,13 @@ stale (goal with flow control: <= 0.02), the share never read by the end, learne
 cycle (steady; goal: no lower than without), the actors' time paused, and tokens trained
 per second.
 
-    python benchmarks/flow_control.py [--steps 60] [--warm-start 20]
+    python benchmarks/flow_control.py [--steps 200] [--warm-start 20]
+    python benchmarks/flow_control.py --actor async    # the demo's own actor, env latency 0.2 s
     python benchmarks/flow_control.py --smoke     # a few steps: the code paths
+
+The default is the vectorized actor, where flow control matters (it makes several times
+what the learner trains); `--actor async` is the demo as `make demo` runs it (actor-bound:
+flow control should rarely pause it and must cost nothing).
 """
 
 from __future__ import annotations
@@ -29,14 +34,14 @@ from tunix_tasks.frontdoor.report import read_records, summarize
 from tunix_tasks.storage.store import open_store
 
 
-def run(root: str, flow: str, steps: int, warm_start: int) -> dict:
+def run(root: str, flow: str, steps: int, warm_start: int, actor: str) -> dict:
+    kind = ["actor.kind=vectorized", "env.latency_s=0"] if actor == "vectorized" else []
     cfg = load_config(
         "configs/demo.yaml",
         [
             f"store={root}",
             f"run_name=flow-{flow}",
-            "actor.kind=vectorized",
-            "env.latency_s=0",
+            *kind,
             f"actor.flow_control={flow}",
             f"learner.max_steps={steps}",
             f"learner.checkpoint_every={steps}",
@@ -67,7 +72,8 @@ def run(root: str, flow: str, steps: int, warm_start: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--actor", choices=("vectorized", "async"), default="vectorized")
     p.add_argument("--warm-start", type=int, default=20, help="warm_start_steps (demo: 140)")
     p.add_argument("--smoke", action="store_true", help="a few steps: the code paths")
     p.add_argument("--keep", help="keep the runs under this folder instead of a temp dir")
@@ -75,8 +81,8 @@ def main() -> None:
     steps, warm = (6, 2) if args.smoke else (args.steps, args.warm_start)
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or tmp
-        results = {flow: run(root, flow, steps, warm) for flow in ("off", "on")}
-    print(f"\nvectorized demo, {steps} learner steps (warm start {warm})")
+        results = {flow: run(root, flow, steps, warm, args.actor) for flow in ("off", "on")}
+    print(f"\n{args.actor} actor on the demo, {steps} learner steps (warm start {warm})")
     print(f"{'':<22}" + "".join(f"{'flow ' + m:>12}" for m in results))
     for row in results["off"]:
         values = (results[m][row] for m in results)

@@ -3,19 +3,20 @@
 The learner writes `learner/flow.json` (`RunLayout.FLOW`, `learner/flow.py`
 `FlowReport`): its published version, the episodes it has consumed (trained or dropped)
 from each actor incarnation, how many episodes it consumes per published version and per
-second (the gate extrapolates its position between polls, up to `EXTRAPOLATE_S`), and
-how many actors it is reading. An actor that generates faster than the learner trains
+second of having data, and how many actors it is reading. An actor that generates faster
+than the learner trains
 builds a backlog whose tail is stale by the time the learner reaches it; the rule below
 stops that before the episodes are made (in the spirit of Reverb's rate limiters).
 
     gate = AdmissionGate(store, actor_key="actor-0/3fa2", max_staleness=4,
                          fallback_episodes_per_version=32, fleet=2)
     gate.poll()                                  # at the weight-poll cadence (one GET)
-    if gate.decide(version=v, committed=n, in_flight=k).admit: ...start episodes
+    got = gate.decide(version=v, committed=n, in_flight=k)
+    if got.admit: ...start episodes (a group; or up to `got.room` of them)
 
 `admission` is the pure decision; `AdmissionGate` is its I/O and its pause bookkeeping.
-Only the start of an episode (async actor: a group; vectorized actor: a segment) is
-gated: episodes in flight finish.
+Only the start of an episode is gated (async actor: a group at a time; vectorized actor:
+a segment's budget of `room` episodes): episodes in flight finish.
 
 With the autopilot on (`actor.autopilot`), the gate also *parks* an actor whose index is
 at or above the fleet the autopilot asks for (`control/fleet.json`, `storage/runs.py`
@@ -28,6 +29,8 @@ itself without starting processes (docs/scaling.md, "Autopilot").
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import time
@@ -45,22 +48,29 @@ __all__ = ["Admission", "AdmissionGate", "LearnerFlow", "admission"]
 #: A flow object older than this says nothing about the learner now (stopped, restarting):
 #: the gate then admits, as without flow control.
 FLOW_MAX_AGE_S = 120.0
-#: How far past the flow object's time the gate extrapolates the learner's consumption
-#: (its published rate): the object is polled every `actor.weight_poll_s`, a fast learner
-#: moves several versions meanwhile, and a stalled one must not look like it drains.
+#: How far past the flow object's time a paused actor extrapolates the learner's
+#: consumption (its published rate) to guess when to read the position again; a stalled
+#: learner must not look like it drains.
 EXTRAPOLATE_S = 2.0
-#: How often a paused actor decides again (no I/O: the extrapolated position).
+#: How often a paused actor decides again (no I/O: the extrapolated guess).
 PAUSED_RECHECK_S = 0.05
+#: A paused actor reads the learner's position again (and loads newer weights) once the
+#: extrapolated guess says it could resume, at most this often (`confirm`): it resumes
+#: within about this long of the backlog draining instead of a `weight_poll_s` later,
+#: with one small GET per resume.
+CONFIRM_S = 0.2
 
 
 @dataclass(frozen=True)
 class Admission:
-    """One decision: `admit` new episodes or pause, why, and the staleness it predicts
-    for an episode started now when the learner reaches it."""
+    """One decision: `admit` new episodes or pause, why, the staleness it predicts for
+    an episode started now when the learner reaches it, and the `room`: how many more
+    episodes could start before the last of them would reach the bound."""
 
     admit: bool
     reason: str
     predicted_staleness: float
+    room: float = float("inf")
 
 
 def admission(
@@ -84,22 +94,27 @@ def admission(
     the episode's own generation time); a paused one resumes at `predicted <=
     max_staleness - 1` (hysteresis: no flapping at the bound). Nothing unread always
     admits: pausing then could only starve the learner, so flow control never deadlocks.
+    The same rule in episodes: `room = (max_staleness - version_lag) *
+    episodes_per_version - unread - in_flight` more could start (`predicted <
+    max_staleness` exactly while it is > 0; never below 0).
     """
     if episodes_per_version <= 0:
         raise ValueError(f"episodes_per_version must be > 0, got {episodes_per_version}")
     if max_staleness < 0:
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     lag = max(0, version_lag)
+    ahead = max(0.0, unread_episodes) + max(0.0, in_flight_episodes)
+    room = max(0.0, (max_staleness - lag) * episodes_per_version - ahead)
     if unread_episodes <= 0:
-        return Admission(True, "learner caught up", float(lag))
-    predicted = lag + (unread_episodes + max(0.0, in_flight_episodes)) / episodes_per_version
+        return Admission(True, "learner caught up", float(lag), room)
+    predicted = lag + ahead / episodes_per_version
     if paused:
         if predicted <= max_staleness - 1:
-            return Admission(True, "backlog drained", predicted)
-        return Admission(False, "backlog would be stale", predicted)
+            return Admission(True, "backlog drained", predicted, room)
+        return Admission(False, "backlog would be stale", predicted, room)
     if predicted < max_staleness:
-        return Admission(True, "backlog fresh", predicted)
-    return Admission(False, "backlog would be stale", predicted)
+        return Admission(True, "backlog fresh", predicted, room)
+    return Admission(False, "backlog would be stale", predicted, room)
 
 
 @dataclass(frozen=True)
@@ -160,13 +175,16 @@ class AdmissionGate:
         self.park_index = park_index
         self.active = default_active  # the autopilot's fleet (parking), as last read
         self.last = Admission(True, "no learner position", 0.0)
+        self.confirm = False  # wants a fresh position before it resumes (`decide`)
         self.paused_s = 0.0  # total time paused
         self.pauses = 0  # admit -> pause transitions
         self._paused_since: float | None = None
+        self._polled_at = float("-inf")  # time.monotonic() of the last `poll`
 
     def poll(self) -> None:
         """Read the learner's flow object (absent: nothing changes), and with parking
         the fleet file (absent or unreadable: the last count holds)."""
+        self._polled_at = time.monotonic()
         if self.park_index is not None:
             try:
                 active = read_fleet(self.store)
@@ -191,28 +209,49 @@ class AdmissionGate:
 
     def decide(self, *, version: int, committed: int, in_flight: int) -> Admission:
         """Admit or pause an actor at weights `version` that has committed `committed`
-        episodes in this incarnation and has `in_flight` more coming (including those
-        this admission would start)."""
+        episodes in this incarnation and has `in_flight` more coming (started, and, for
+        a kind that admits a unit at a time, that unit). The returned `room` is this
+        actor's share of the fleet's.
+
+        The decision is exact on the position as read, however old: the learner reads
+        an episode started now after the backlog it had then, whatever it consumed since
+        (what it consumed since, it published versions for; an episode started with the
+        actor's weights is that much staler). Room grows only with newer weights, so an
+        actor told to pause whose guess (the position extrapolated at the learner's
+        drain rate, with its newest weights) says admit, on a read older than
+        `CONFIRM_S`, sets `confirm`: its runtime reads the position and newer weights at
+        once and decides again.
+        """
         flow = self.flow
+        self.confirm = False
         if self.parked:
-            got = Admission(False, f"parked by the autopilot ({self.active} active)", 0.0)
+            got = Admission(False, f"parked by the autopilot ({self.active} active)", 0.0, 0.0)
         elif flow is None or time.time() - flow.time > FLOW_MAX_AGE_S:
             got = Admission(True, "no learner position", 0.0)
         else:
             # The learner reads all actors' shards oldest first, interleaved: this
             # actor's newest episode waits behind about every actor's backlog.
             actors = max(1, flow.actors or self.fleet)
-            since = min(max(0.0, time.time() - flow.time), EXTRAPOLATE_S)
-            consumed = flow.consumed.get(self.actor_key, 0) + flow.episodes_per_s / actors * since
-            got = admission(
-                unread_episodes=(committed - consumed) * actors,
+            consumed = flow.consumed.get(self.actor_key, 0)
+            rule = functools.partial(
+                admission,
                 in_flight_episodes=in_flight * actors,
                 episodes_per_version=flow.episodes_per_version
                 or self.fallback_episodes_per_version,
-                version_lag=flow.version - version,
                 max_staleness=self.max_staleness,
                 paused=not self.last.admit,
             )
+            got = rule(
+                unread_episodes=(committed - consumed) * actors, version_lag=flow.version - version
+            )
+            got = dataclasses.replace(got, room=got.room / actors)
+            if not got.admit:
+                since = min(max(0.0, time.time() - flow.time), EXTRAPOLATE_S)
+                drained = flow.episodes_per_s / actors * since
+                guess = rule(
+                    unread_episodes=(committed - consumed - drained) * actors, version_lag=0
+                )
+                self.confirm = guess.admit and time.monotonic() - self._polled_at >= CONFIRM_S
         self._account(got.admit)
         self.last = got
         return got

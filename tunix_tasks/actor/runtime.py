@@ -289,17 +289,34 @@ class ActorRuntime:
     def _admit(self, in_flight: int) -> bool:
         """May the actor start new episodes now (flow control; always without it)?
         `in_flight`: episodes started and not committed, with those it would start."""
+        return self._room(in_flight) > 0
+
+    def _room(self, in_flight: int) -> float:
+        """How many new episodes the actor may start now: 0 while flow control pauses
+        it, `inf` without flow control. `in_flight`: episodes started, not committed."""
         if self.gate is None:
-            return True
+            return float("inf")
         got = self.gate.decide(
             version=self.version, committed=self.stats.episodes, in_flight=in_flight
         )
         flow = self.gate.flow
-        if not got.admit and not self.gate.parked and flow and flow.version > self.version:
-            # Paused with older weights than the learner says it published: poll them
-            # now, not a weight_poll_s later (a fast learner moves versions in between).
+        if not got.admit and (
+            self.gate.confirm or (not self.gate.parked and flow and flow.version > self.version)
+        ):
+            # About to resume, or paused with older weights than the learner says it
+            # published: poll the position and the weights now, not a weight_poll_s
+            # later (a fast learner moves versions in between).
             self._last_poll = 0.0
-        return got.admit
+        # Admitted with less room than one episode: one still starts, or nothing would
+        # ever be read that could make room (flow control never deadlocks).
+        return max(got.room, 1.0) if got.admit else 0.0
+
+    def _flush_while_paused(self) -> None:
+        """Paused by flow control, commit a partial shard now, not `shard_interval_s`
+        later: nothing more is coming for a while, and the learner must read these
+        episodes before they go stale."""
+        if self.gate is not None and not self.gate.last.admit and self.writer.pending:
+            self._outage.tolerate("shard commit", self._locked, self.writer.flush)
 
     # -- records -------------------------------------------------------------------
     def _commit(self, episodes: list[Episode]) -> None:

@@ -58,11 +58,11 @@ class ActorConfig(Frozen):
     max_episode_tokens: Int = Field(192, ge=8)
     weight_poll_s: Float = Field(1.0, gt=0.0)
     flow_control: bool = Field(
-        False,  # opt-in until it keeps the learner's duty cycle too (docs/scaling.md)
+        True,
         description="on (true): actors pause starting new episodes while the unread backlog "
         "would be staler than learner.max_staleness when the learner reaches it, and resume "
         "as it drains (async mode; docs/scaling.md, 'Flow control'); off (false): actors "
-        "never wait",
+        "never wait, and what arrives too stale is dropped",
     )
     kv_cache_slots: Int = Field(
         0,

@@ -36,6 +36,7 @@ from tunix_tasks.episode import DropReason, Episode, EpisodeStatus
 from tunix_tasks.learner.staleness import staleness
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.store import ObjectStore
+from tunix_tasks.storage.uri import scheme_of
 
 
 def stale_mask(
@@ -192,27 +193,36 @@ class FlowReport:
     """The learner's consumption position for the actors' flow control (`learner/flow.json`,
     read by `actor/admission.py`): its version, the episodes consumed per actor
     incarnation (`Accounting`'s checkpointed counter), the episodes it consumes per
-    published version over the last `window` publishes and per second over the last
-    `rate_s` (the actors extrapolate its position between reads), and how many actors it
+    published version over the last `window` publishes and per second of having data over
+    the last `rate_s` (the actors extrapolate its position between reads), and how many actors it
     consumed from in the last `active_s`. Written at most every `every_s`.
 
         report = FlowReport(store)
         report.published(version, consumed_total)         # at each publish
-        report.maybe_write(version, consumed, consumed_total)   # every loop round
+        report.maybe_write(version, consumed, consumed_total, waited_s)   # every loop round
     """
 
     def __init__(
-        self, store: ObjectStore, *, every_s: float = 0.5, window: int = 4, active_s: float = 60.0
+        self,
+        store: ObjectStore,
+        *,
+        every_s: float | None = None,
+        window: int = 4,
+        active_s: float = 60.0,
     ) -> None:
         self.store = store
-        self.every_s = every_s
+        # A fresher position lets paused actors resume sooner (docs/scaling.md): every
+        # 0.5 s on a local folder, every second on an object store (GCS sustains about
+        # one write a second to one object name).
+        local = scheme_of(store.uri) == "file"
+        self.every_s = every_s if every_s is not None else 0.5 if local else 1.0
         self.active_s = active_s
         self._publishes: collections.deque[tuple[int, int]] = collections.deque(maxlen=window + 1)
         self._seen: dict[str, tuple[int, float]] = {}  # actor key -> (count, when it moved)
         self._written = 0.0
-        # (when, consumed_total) over about the last `rate_s`: the consumption rate
-        self._samples: collections.deque[tuple[float, int]] = collections.deque()
-        self.rate_s = 10.0
+        # (when, consumed_total, waited_s) over about the last `rate_s`: the drain rate
+        self._samples: collections.deque[tuple[float, int, float]] = collections.deque()
+        self.rate_s = 5.0
 
     def published(self, version: int, consumed_total: int) -> None:
         self._publishes.append((version, consumed_total))
@@ -224,17 +234,25 @@ class FlowReport:
         return (c1 - c0) / (v1 - v0) if c1 > c0 and v1 > v0 else None
 
     def episodes_per_s(self) -> float:
+        """Episodes consumed per second the learner had data (its time waiting for data
+        excluded): how fast it drains a backlog, which is what an actor extrapolates.
+        Over wall time, a learner the actors starve would look as slow as its supply, and
+        paused actors would resume late."""
         if len(self._samples) < 2:
             return 0.0
-        (t0, c0), (t1, c1) = self._samples[0], self._samples[-1]
-        return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
+        (t0, c0, w0), (t1, c1, w1) = self._samples[0], self._samples[-1]
+        busy = (t1 - t0) - (w1 - w0)
+        return (c1 - c0) / busy if busy > 0 else 0.0
 
-    def maybe_write(self, version: int, consumed: dict[str, int], consumed_total: int) -> None:
+    def maybe_write(
+        self, version: int, consumed: dict[str, int], consumed_total: int, waited_s: float
+    ) -> None:
+        """`waited_s`: the learner's total time waiting for data so far."""
         now = time.monotonic()
         if now - self._written < self.every_s:
             return
         self._written = now
-        self._samples.append((now, consumed_total))
+        self._samples.append((now, consumed_total, waited_s))
         while len(self._samples) > 2 and now - self._samples[1][0] >= self.rate_s:
             self._samples.popleft()
         for key, n in consumed.items():

@@ -232,7 +232,10 @@ class Learner:
             return
         try:  # advisory: an actor without it admits as without flow control
             self.flow_report.maybe_write(
-                self.version, self.acct.counters["consumed"], self._consumed_total()
+                self.version,
+                self.acct.counters["consumed"],
+                self._consumed_total(),
+                waited_s=self.watch.totals.get("wait", 0.0),
             )
         except StoreError as err:
             log.warning("flow report not written: %s", err)

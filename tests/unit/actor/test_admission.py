@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tunix_tasks.actor.admission import (
-    EXTRAPOLATE_S,
+    CONFIRM_S,
     FLOW_MAX_AGE_S,
     AdmissionGate,
     admission,
@@ -147,16 +147,30 @@ def test_gate_reads_the_learners_position_and_accounts_pauses(tmp_path):
     gate.poll()
     got = gate.decide(version=5, committed=120, in_flight=7)
     assert got.predicted_staleness == pytest.approx(3 * 127 / 32)
-    # Between polls the learner's position moves at its rate (per actor: 20 / 2 a second),
-    # for at most EXTRAPOLATE_S.
+    # The decision stays on the position as read, however old (what the learner consumed
+    # since, it published versions for): 22 unread x 2 actors at 10 per version.
     _write_flow(store, consumed={"actor-0/abc": 100}, actors=2, rate=20.0, age_s=1.0)
     gate.poll()
-    got = gate.decide(version=5, committed=120, in_flight=0)
-    assert got.predicted_staleness == pytest.approx(2 * (120 - 110) / 10, abs=0.05)
+    got = gate.decide(version=5, committed=122, in_flight=0)
+    assert (got.admit, got.predicted_staleness, got.room) == (False, 4.4, 0.0)
+    assert not gate.confirm  # read just now: nothing fresher to read
+    # The guess moves it on at the learner's drain rate (per actor 20 / 2 a second) with
+    # the newest weights: 12 unread, 2.4 <= 4 - 1 could resume, so read again first.
+    time.sleep(CONFIRM_S)
+    got = gate.decide(version=5, committed=122, in_flight=0)
+    assert not got.admit and gate.confirm
+    # ...for at most EXTRAPOLATE_S: a stalled learner must not look like it drains.
     _write_flow(store, consumed={"actor-0/abc": 100}, actors=2, rate=20.0, age_s=60.0)
     gate.poll()
-    got = gate.decide(version=5, committed=120, in_flight=0)
-    assert got.predicted_staleness == pytest.approx(2 * (20 - 10 * EXTRAPOLATE_S) / 10)
+    time.sleep(CONFIRM_S)
+    got = gate.decide(version=5, committed=150, in_flight=0)
+    assert not got.admit and not gate.confirm  # 50 - 10 x 2 s unread: 6.0 > 3
+    # Admitted, the room is this actor's share of what may still start: (4 - 0) x 10
+    # episodes per version, less 3 unread and 1 in flight, x 2 actors; over 2.
+    _write_flow(store, consumed={"actor-0/abc": 100}, actors=2)
+    gate.poll()
+    got = gate.decide(version=5, committed=103, in_flight=1)
+    assert got.admit and got.room == pytest.approx((40 - 8) / 2)
     _write_flow(store, age_s=FLOW_MAX_AGE_S + 1)  # a stopped learner: fail open
     gate.poll()
     assert gate.decide(version=0, committed=10_000, in_flight=0).reason == "no learner position"
@@ -216,15 +230,20 @@ def test_learner_counts_consumption_per_actor_and_reports_it(tmp_path):
 
     store = open_store(f"file://{tmp_path}/run")
     report = FlowReport(store, every_s=0.0)
-    report.maybe_write(1, {}, 0)
+    start = time.monotonic()
+    report.maybe_write(1, {}, 0, waited_s=2.0)
     assert json.loads(store.read_bytes(RunLayout.FLOW))["episodes_per_s"] == 0.0
     report.published(1, 0)
     assert report.episodes_per_version() is None  # one publish says nothing yet
     report.published(3, 50)
-    report.maybe_write(3, {"actor-0/abc": 30, "actor-1/def": 20}, 50)
+    time.sleep(0.2)
+    report.maybe_write(3, {"actor-0/abc": 30, "actor-1/def": 20}, 50, waited_s=2.1)
+    wall = time.monotonic() - start
     body = json.loads(store.read_bytes(RunLayout.FLOW))
     assert body["episodes_per_version"] == 25.0 and body["actors"] == 2
-    assert body["episodes_per_s"] > 0  # 50 consumed since the first write
+    # 50 consumed since the first write, over the time it had data (0.1 s of it waited):
+    # how fast it drains a backlog, not its wall-clock pace.
+    assert body["episodes_per_s"] >= 50 / (wall - 0.1) > 1.4 * 50 / wall
     assert body["version"] == 3 and body["consumed"]["actor-1/def"] == 20
 
 

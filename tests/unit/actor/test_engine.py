@@ -8,7 +8,6 @@ import inspect
 import time
 import typing
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -23,6 +22,7 @@ from tunix_tasks.config import ActorConfig, ModelConfig, load_config
 from tunix_tasks.envs.vectorized import make_vec_env
 from tunix_tasks.frontdoor.entrypoints import ACTOR_KINDS
 from tunix_tasks.policy.build import build_policy
+from tunix_tasks.policy.params import flat_params
 from tunix_tasks.policy.replicas import SamplerReplicas
 from tunix_tasks.policy.sampling import Sampler
 from tunix_tasks.storage.snapshot_format import Manifest
@@ -129,18 +129,31 @@ def test_episode_builder_stamps_the_writers_fields():
     np.testing.assert_array_equal(ep.loss_mask, [0, 1, 0])
 
 
-def test_ondevice_restart_starts_every_row_at_the_next_whole_group():
-    """Flow control's restart after a long pause: rows in flight are dropped and new
-    tickets start at a group boundary, so no GRPO group mixes dropped and new rows."""
+def test_ondevice_starts_no_more_episodes_than_the_segments_budget():
+    """Flow control's budget: a segment starts at most `budget` new episodes, plus the
+    tickets that complete the open group; rows past it finish their episode and idle, and
+    a segment with no live row and no budget runs no step. A later budget starts idle
+    rows, at the current weights' version."""
     chat, model = build_policy(ModelConfig(preset="tiny"))
     layout, env = TokenLayout.from_chat(chat), make_vec_env("calculator")
     shape = Shape(envs=4, tokens=96, max_new=8, max_turns=2, group_size=3, capacity=8)
     rollout = OnDeviceRollout(
         model, env, layout, shape, temperature=1.0, top_k=0, token_seed=1, env_seed=2
     )
-    assert rollout.restart() == 0  # nothing started yet
-    rollout._loop = rollout._start(rollout._state, rollout._sampling(), jnp.int32(5))
-    assert rollout._loop.rows.ticket.tolist() == [5, 6, 7, 8]  # next ticket 9
-    assert rollout.restart() == 9
-    assert rollout._loop.rows.ticket.tolist() == [9, 10, 11, 12]
-    assert rollout.restart() == 15 and int(rollout._loop.next_ticket) == 19
+    out, ran, live = rollout.run_segment(4, budget=2)  # tickets 0, 1 start: 2 rows idle
+    assert (ran, live, out.count) == (4, 2, 0)
+    tickets: list[int] = []
+    for _ in range(12):  # about one episode (<= 96 tokens) per segment
+        out, ran, live = rollout.run_segment(48, budget=0)
+        tickets += out.ticket[: out.count].tolist()
+        if live == 0:
+            break
+    assert sorted(tickets) == [0, 1, 2]  # 2 completes group 0, then nothing
+    assert rollout.run_segment(48, budget=0)[1:] == (0, 0)  # nothing live: no step
+
+    rollout.update_params(flat_params(model), version=7)
+    out, ran, live = rollout.run_segment(96, budget=5)
+    assert live <= 4 and ran == 96 and out.count > 0
+    started = set(out.ticket[: out.count].tolist()) | set(rollout._loop.rows.ticket.tolist())
+    assert max(started) <= 3 + 5 + 2  # the budget, and at most the rest of a group
+    assert min(out.ticket[: out.count]) >= 3 and set(out.version[: out.count].tolist()) == {7}

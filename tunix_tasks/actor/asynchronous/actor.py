@@ -143,6 +143,7 @@ class Actor(ActorRuntime):
         in_flight = (self._playing + 1) * self.cfg.actor.group_size
         while not self._should_stop() and not self._admit(in_flight):
             await asyncio.to_thread(self._maybe_reload)  # also reads the learner's position
+            await asyncio.to_thread(self._flush_while_paused)
             await asyncio.sleep(PAUSED_RECHECK_S)
 
     async def _group_loop(self, slot: int) -> None:

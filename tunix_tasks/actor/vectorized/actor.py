@@ -11,9 +11,11 @@ its task) and commits each GRPO group (`group_size` episodes of one task) once a
 members are in. The shards are the asynchronous actor's: same schema, same validation,
 one learner for both.
 
-Flow control (`actor/admission.py`) gates segments: paused, no segment is launched and
-the rows hold their state; after a pause over which the weights moved 2 versions or more
-the rows restart (`OnDeviceRollout.restart`), since their episodes would arrive stale.
+Flow control (`actor/admission.py`) sets each segment's budget of new episodes: its
+room, what can start before the last would reach the learner past the staleness bound
+(0 while paused). Rows that finish past the budget go idle (after completing the open
+group), so nothing is held through a pause to arrive stale, and while no row is live and
+there is no room, no segment is launched.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 from tunix_tasks.actor.admission import PAUSED_RECHECK_S
 from tunix_tasks.actor.runtime import ActorRuntime, episode_seed
 from tunix_tasks.actor.vectorized.device_loop import Finished, Shape
-from tunix_tasks.actor.vectorized.ondevice import OnDeviceRollout
+from tunix_tasks.actor.vectorized.ondevice import UNLIMITED, OnDeviceRollout
 from tunix_tasks.actor.vectorized.token_layout import TokenLayout
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs.vectorized import make_vec_env
@@ -48,7 +50,6 @@ class VectorizedActor(ActorRuntime):
         self.row_steps = 0  # since the start, as of `collected_at` (a segment's end)
         self.collected_at = time.monotonic()
         self._rate_from = (0, self.collected_at)  # at the previous metrics record
-        self.flow_discarded = 0  # episodes dropped in flight after a long pause
 
     def _build_engine(self) -> OnDeviceRollout:
         cfg, a = self.cfg, self.cfg.actor
@@ -70,24 +71,26 @@ class VectorizedActor(ActorRuntime):
         )
 
     def _serve(self) -> None:
-        pending = self.engine.launch(self.segment_steps)
+        pending, budget = None, 0  # the segment launched, not yet fetched, and its budget
         last_watch = 0.0
-        paused_at: int | None = None  # weights version when flow control paused
+        live = 0  # rows playing an episode, as of the last segment fetched
         try:
             while not self._should_stop():
                 self._maybe_reload()  # rows in flight continue under the new weights
-                # Flow control gates whole segments (about one episode per row each; the
-                # pending one and this one are in flight): paused, the rows hold their
-                # state on the device until it admits again.
-                admit = self._admit(2 * self.engine.shape.envs)
-                if not admit and paused_at is None:
-                    paused_at = self.version
-                if admit and paused_at is not None:  # nothing pending: it paused before
-                    self._resume(paused_at)
-                    paused_at = None
-                launched = self.engine.launch(self.segment_steps) if admit else None
+                # Started, not committed: rows playing, the pending segment's starts (at
+                # most its budget) and the finished members of open groups.
+                held = sum(len(m) for m in self._groups.values())
+                in_flight = live + (budget if pending else 0) + held
+                room = self._room(in_flight)
+                if not room and self.gate is not None and self.gate.confirm:
+                    self._maybe_reload()  # a fresh position and newer weights may make room
+                    room = self._room(in_flight)
+                launched, budget = None, int(min(room, UNLIMITED))
+                if budget or live:  # no room: the live rows finish, then idle
+                    launched = self.engine.launch(self.segment_steps, budget=budget)
                 if pending is not None:
-                    self._collect(*self.engine.fetch(pending))
+                    live = self._collect(*self.engine.fetch(pending))
+                self._flush_while_paused()
                 pending = launched
                 if pending is None:
                     time.sleep(PAUSED_RECHECK_S)
@@ -99,20 +102,9 @@ class VectorizedActor(ActorRuntime):
             if pending is not None:
                 self._collect(*self.engine.fetch(pending))
 
-    def _resume(self, paused_at: int) -> None:
-        """After a pause: the rows held since `paused_at` started their episodes under
-        that version; once the learner has moved 2 versions or more they would arrive at
-        least 1 past the bound the gate resumes at, so they restart (counted as
-        `flow_discarded`, with the open groups that lose members)."""
-        if self.version - paused_at < 2:
-            return
-        first = self.engine.restart()
-        g = self.cfg.actor.group_size
-        lost = [k for k in self._groups if k < first // g]
-        self.flow_discarded += self.engine.shape.envs + sum(len(self._groups.pop(k)) for k in lost)
-
-    def _collect(self, out: Finished, ran: int) -> None:
-        """Episodes of a segment; commit every group whose members are all in."""
+    def _collect(self, out: Finished, ran: int, live: int) -> int:
+        """Episodes of a segment; commit every group whose members are all in. Returns
+        the rows still `live` at its end."""
         g = self.cfg.actor.group_size
         self.row_steps += ran * self.engine.shape.envs
         self.collected_at = time.monotonic()
@@ -133,6 +125,7 @@ class VectorizedActor(ActorRuntime):
             members.append(ep)
             if len(members) == g:
                 self._commit(self._groups.pop(group))
+        return live
 
     def _engine_metrics(self) -> dict[str, Any]:
         steps, since = self._rate_from
@@ -143,5 +136,4 @@ class VectorizedActor(ActorRuntime):
             "envs": self.engine.shape.envs,
             "groups_open": len(self._groups),
             "row_steps_per_s": rate,
-            "flow_discarded": self.flow_discarded,
         }

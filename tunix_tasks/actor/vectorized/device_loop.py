@@ -11,7 +11,15 @@ environment's observation). One step, for all rows at once:
     a turn ended (stop id or budget): env.step on the turn's text (jax.vmap), then write
         close + reply (prefix, observation, suffix), or close + end when the episode ends
     an episode ended: copy it into the segment's `Finished` buffer, reset the row
-        (auto-reset: a fresh ticket, a new env state, the start prompt)
+        (auto-reset: a fresh ticket, a new env state, the start prompt) while the
+        segment's budget of new episodes lasts (flow control), else leave it idle
+
+A segment starts with `Sampling.budget` new episodes it may start (flow control's room;
+effectively unlimited without it): first in idle rows (`wake`), then as rows finish.
+Beyond the budget, rows still reset to complete the GRPO group that is open (its other
+members already play), so no group waits out a pause half started. Idle rows are carried
+through the step with nothing fed, drawn or written, and a segment ends early once no
+row is live.
 
 So prefill and decode are the same step (an observation is fed one token per step while
 other rows sample), no row waits for another, and the shapes never change: one compile
@@ -49,6 +57,7 @@ __all__ = [
     "group_seed",
     "refill",
     "start",
+    "wake",
 ]
 
 
@@ -77,6 +86,7 @@ class Rows(NamedTuple):
     ticket: jax.Array  # [E] the episode's number in this actor
     seed: jax.Array  # [E] its group's env seed
     version: jax.Array  # [E] weights version when it started
+    live: jax.Array  # [E] bool: playing an episode (False: idle, flow control paused it)
     env: Any  # the environments' states, [E, ...] leaves
 
 
@@ -84,6 +94,7 @@ class Loop(NamedTuple):
     rows: Rows
     cache: KVCache
     next_ticket: jax.Array
+    budget: jax.Array  # new episodes this segment may still start
 
 
 class Finished(NamedTuple):
@@ -110,6 +121,7 @@ class Sampling(NamedTuple):
     temperature: jax.Array
     top_k: jax.Array
     version: jax.Array
+    budget: jax.Array  # int32: new episodes the segment may start (flow control)
 
 
 def group_seed(env_key: jax.Array, group: jax.Array) -> jax.Array:
@@ -183,6 +195,7 @@ def _reset(
         ticket=ticket,
         seed=seed,
         version=jnp.full_like(rows.version, s.version),
+        live=jnp.ones_like(rows.live),
         env=env_state,
     )
     rows = _select(which, fresh, rows)
@@ -198,7 +211,7 @@ def start(
     s: Sampling,
     first_ticket: jax.Array | int = 0,
 ) -> Loop:
-    """Every row at the start of a new episode, tickets from `first_ticket`."""
+    """Every row idle (the first segment's `wake` starts them), tickets from `first_ticket`."""
     e, t = shape.envs, shape.tokens
     key = jax.random.key(0)  # only gives the env state its shapes; every row is reset
     env_state, _ = jax.vmap(env.reset)(jax.random.split(key, e))
@@ -217,11 +230,11 @@ def start(
         z,
         z,
         z,
+        jnp.zeros((e,), bool),
         env_state,
     )
     first = jnp.asarray(first_ticket, jnp.int32)
-    rows, next_ticket = _reset(rows, jnp.ones((e,), bool), first, env, layout, shape, s)
-    return Loop(rows, model.init_cache(e, t), next_ticket)
+    return Loop(rows, model.init_cache(e, t), first, jnp.int32(0))
 
 
 def empty_finished(shape: Shape) -> Finished:
@@ -304,15 +317,19 @@ def _end_turns(
         env=_select(ended, env_state, r.env),
     )
 
-    def finish(rows: Rows, out: Finished, next_ticket: jax.Array):
+    def finish(rows: Rows, out: Finished, next_ticket: jax.Array, budget: jax.Array):
         out = _emit(out, rows, finished, out_of_turns | no_room)
-        rows, next_ticket = _reset(rows, finished, next_ticket, env, layout, shape, s)
-        return rows, out, next_ticket
+        # The budget, or at least the tickets that complete the open group.
+        allowed = jnp.maximum(budget, (-next_ticket) % shape.group_size)
+        again = finished & (jnp.cumsum(finished) <= allowed)
+        rows, next_ticket = _reset(rows, again, next_ticket, env, layout, shape, s)
+        rows = rows._replace(live=rows.live & ~(finished & ~again))
+        return rows, out, next_ticket, jnp.maximum(budget - jnp.sum(again), 0).astype(jnp.int32)
 
-    rows, out, next_ticket = jax.lax.cond(
-        jnp.any(finished), finish, lambda *a: a, rows, out, loop.next_ticket
+    rows, out, next_ticket, budget = jax.lax.cond(
+        jnp.any(finished), finish, lambda *a: a, rows, out, loop.next_ticket, loop.budget
     )
-    return Loop(rows, loop.cache, next_ticket), out
+    return Loop(rows, loop.cache, next_ticket, budget), out
 
 
 def advance(
@@ -329,8 +346,8 @@ def advance(
     e = jnp.arange(shape.envs)
     x = r.tokens[e, r.fed]
     logits, cache = model.forward_with_cache(x[:, None], r.fed[:, None], loop.cache)
-    fed = r.fed + 1
-    need = fed == r.filled
+    fed = r.fed + r.live.astype(jnp.int32)  # an idle row's forward is discarded
+    need = r.live & (fed == r.filled)
     stop_ids = jnp.asarray(layout.stop_ids, jnp.int32)
     params = RowParams(
         seed=r.ticket,
@@ -352,7 +369,7 @@ def advance(
         filled=r.filled + need,
         gen=gen,
     )
-    loop = Loop(rows, cache, loop.next_ticket)
+    loop = loop._replace(rows=rows, cache=cache)
     return jax.lax.cond(
         jnp.any(ended),
         lambda lo, o: _end_turns(lo, o, ended, stopped, env, layout, shape, s),
@@ -360,6 +377,16 @@ def advance(
         loop,
         out,
     )
+
+
+def wake(loop: Loop, env: VecEnv, layout: TokenLayout, shape: Shape, s: Sampling) -> Loop:
+    """A segment's first act: take its budget, and start new episodes in idle rows
+    while it lasts."""
+    idle = ~loop.rows.live
+    which = idle & (jnp.cumsum(idle) <= s.budget)
+    rows, next_ticket = _reset(loop.rows, which, loop.next_ticket, env, layout, shape, s)
+    budget = jnp.maximum(s.budget - jnp.sum(which), 0).astype(jnp.int32)
+    return Loop(rows, loop.cache, next_ticket, budget)
 
 
 def refill(model: Transformer, loop: Loop, block: int) -> Loop:

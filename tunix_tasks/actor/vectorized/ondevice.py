@@ -3,9 +3,14 @@
     engine = OnDeviceRollout(model, env, layout, shape, temperature=1.0, top_k=0,
                              token_seed=7, env_seed=8)
     engine.update_params(flat, version=3)    # between segments; rows in flight are re-cached
-    finished, ran = engine.run_segment(192)   # numpy `Finished`: the episodes that ended
-    handle = engine.launch(192)               # or: queue the next segment, then
-    finished, ran = engine.fetch(handle)      # read it (overlaps host work with the device)
+    finished, ran, live = engine.run_segment(192)   # numpy `Finished`: the episodes that ended
+    handle = engine.launch(192, budget=20)    # or: queue the next segment, then
+    finished, ran, live = engine.fetch(handle)      # read it (overlaps host work with the device)
+
+`budget` is how many new episodes a segment may start (flow control's room; the open
+GRPO group is completed beyond it); rows that finish past it go idle, and `live` is how
+many rows still play at the segment's end. With `budget=0` they fall to 0 within about
+one episode, and a segment with no live row and no budget runs no step.
 
 It holds the model's params in the model's compute dtype (bf16 sampling: half the bytes a
 decode step reads; log-probs stay float32) and compiles one segment program for the run:
@@ -29,7 +34,10 @@ from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.params import load_flat_params
 from tunix_tasks.policy.precision import cast_params
 
-__all__ = ["OnDeviceRollout"]
+__all__ = ["UNLIMITED", "OnDeviceRollout"]
+
+#: A segment's budget without flow control: more new episodes than any segment starts.
+UNLIMITED = 2**30
 
 
 class OnDeviceRollout:
@@ -76,7 +84,7 @@ class OnDeviceRollout:
         """How many times a program was traced (== XLA compilations it caused)."""
         return self._traces
 
-    def _sampling(self) -> Sampling:
+    def _sampling(self, budget: int = UNLIMITED) -> Sampling:
         temperature, top_k, token_seed, env_seed = self._settings
         return Sampling(
             key=jax.random.key(token_seed),
@@ -84,6 +92,7 @@ class OnDeviceRollout:
             temperature=jnp.float32(temperature),
             top_k=jnp.int32(top_k),
             version=jnp.int32(max(self.version, 0)),
+            budget=jnp.int32(budget),
         )
 
     def update_params(
@@ -97,38 +106,30 @@ class OnDeviceRollout:
         if self._loop is not None:
             self._loop = self._refill(self._state, self._loop)
 
-    def launch(self, steps: int) -> tuple[Finished, jax.Array]:
+    def launch(
+        self, steps: int, *, budget: int = UNLIMITED
+    ) -> tuple[Finished, jax.Array, jax.Array]:
         """Queue a segment of up to `steps` steps of every row and return at once (its
-        results are device arrays: the host can commit the previous segment meanwhile)."""
+        results are device arrays: the host can commit the previous segment meanwhile).
+        It starts at most `budget` new episodes, plus those completing the open group."""
         if self._loop is None:
             self._loop = self._start(self._state, self._sampling(), jnp.int32(0))
-        self._loop, out, ran = self._segment(self._state, self._loop, self._sampling(), steps=steps)
-        return out, ran
+        s = self._sampling(min(budget, UNLIMITED))
+        self._loop, out, ran, live = self._segment(self._state, self._loop, s, steps=steps)
+        return out, ran, live
 
     @staticmethod
-    def fetch(launched: tuple[Finished, jax.Array]) -> tuple[Finished, int]:
-        """A launched segment's finished episodes (numpy) and how many steps it ran."""
-        out, ran = jax.device_get(launched)
-        return out, int(ran)
+    def fetch(launched: tuple[Finished, jax.Array, jax.Array]) -> tuple[Finished, int, int]:
+        """A launched segment's finished episodes (numpy), how many steps it ran and how
+        many rows were still live at its end."""
+        out, ran, live = jax.device_get(launched)
+        return out, int(ran), int(live)
 
-    def run_segment(self, steps: int) -> tuple[Finished, int]:
-        """`fetch(launch(steps))`."""
-        return self.fetch(self.launch(steps))
+    def run_segment(self, steps: int, *, budget: int = UNLIMITED) -> tuple[Finished, int, int]:
+        """`fetch(launch(steps, budget=budget))`."""
+        return self.fetch(self.launch(steps, budget=budget))
 
     # ------------------------------------------------------------------ jitted programs
-
-    def restart(self) -> int:
-        """Drop every row's episode in flight and start each row afresh (flow control:
-        episodes held through a long pause would arrive stale). New tickets start at the
-        next whole group, so no group mixes old and new rows; returns that first ticket
-        (every group below it that is still open can no longer complete)."""
-        if self._loop is None:
-            return 0
-        nxt = int(self._loop.next_ticket)
-        g = self.shape.group_size
-        first = -(-nxt // g) * g
-        self._loop = self._start(self._state, self._sampling(), jnp.int32(first))
-        return first
 
     def _start_impl(self, state, s: Sampling, first_ticket: jax.Array) -> Loop:
         self._traces += 1  # runs only while tracing: counts compilations
@@ -141,17 +142,19 @@ class OnDeviceRollout:
         e = self.shape.envs
 
         def cond(carry):
-            i, _, out = carry
-            return (i < steps) & (out.count <= self.shape.capacity - e)
+            i, loop, out = carry
+            room = out.count <= self.shape.capacity - e
+            return (i < steps) & room & jnp.any(loop.rows.live)
 
         def body(carry):
             i, loop, out = carry
             loop, out = device_loop.advance(model, loop, out, self.env, self.layout, self.shape, s)
             return i + 1, loop, out
 
+        loop = device_loop.wake(loop, self.env, self.layout, self.shape, s)
         init = (jnp.int32(0), loop, device_loop.empty_finished(self.shape))
         ran, loop, out = jax.lax.while_loop(cond, body, init)
-        return loop, out, ran
+        return loop, out, ran, jnp.sum(loop.rows.live, dtype=jnp.int32)
 
     def _refill_impl(self, state, loop: Loop) -> Loop:
         self._traces += 1
