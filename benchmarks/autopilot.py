@@ -58,7 +58,9 @@ def run(root: str, name: str, actors: int, args: argparse.Namespace, pilot: bool
         "learner.checkpoint_every=100000",
         f"deadline_s={3 * p}",
     ]
-    if pilot:
+    if not pilot:  # a static fleet: the same actors throughout
+        overrides.append("actor.autopilot.enabled=false")
+    else:
         overrides += [
             "actor.autopilot.enabled=true",
             "actor.autopilot.min_actors=1",

@@ -136,14 +136,19 @@ def actor(run_uri: str, actor_id: int, deadline_s: float | None = None) -> dict:
     retry_delay=timedelta(seconds=float(os.environ.get("TUNIX_LEARNER_RETRY_DELAY_S", "45"))),
     execution_timeout=LEARNER_TIMEOUT,
 )
-def learner(run_uri: str, max_steps: int | None = None, deadline_s: float | None = None) -> dict:
+def learner(
+    run_uri: str,
+    max_steps: int | None = None,
+    deadline_s: float | None = None,
+    num_actors: int | None = None,
+) -> dict:
     """The learner: trains from the shards, publishes snapshots (+ asset events).
 
     A retry resumes from the latest checkpoint (`run_learner` does that), so `retries`
     turns a crashed or pre-empted learner into a pause rather than a lost run. Meanwhile
     a `WeightsWatcher` announces each new `weights/LATEST` as a `tunix_weights` event,
     and with `actor.autopilot` on, the fleet's autopilot parks the mapped actors it does
-    not need (`launch_learner` runs it; the DAG mapped `max_actors` of them).
+    not need (`launch_learner` runs it; the DAG mapped `num_actors` of them).
     """
     quiet_library_loggers()
     publisher = WeightsEventPublisher(run_uri)
@@ -153,6 +158,7 @@ def learner(run_uri: str, max_steps: int | None = None, deadline_s: float | None
             run_uri,
             max_steps=int(max_steps) if max_steps else None,
             deadline_s=optional_deadline(deadline_s),
+            actors=int(num_actors) if num_actors else None,
         )
     progress.flush()
     summary = dict(summary or {})
@@ -197,8 +203,8 @@ def publish_run_info(
     """Called by the setup task: push the run's facts as XComs, return the actor kwargs.
 
     Airflow maps only over a task's `return_value`, so the setup task returns one kwargs
-    dict per actor (`actor.expand_kwargs`) and pushes `run_uri`, `max_steps` and
-    `deadline_s` under their own keys for the learner and the teardowns.
+    dict per actor (`actor.expand_kwargs`) and pushes `run_uri`, `max_steps`,
+    `deadline_s` and `num_actors` under their own keys for the learner and the teardowns.
     """
     from airflow.sdk import get_current_context
 
@@ -208,6 +214,7 @@ def publish_run_info(
     # (XComNotFound when the learner's arguments are resolved).
     ti.xcom_push(key="max_steps", value=int(max_steps or 0))
     ti.xcom_push(key="deadline_s", value=float(deadline_s or 0))
+    ti.xcom_push(key="num_actors", value=int(num_actors))  # the autopilot's ceiling
     return [
         {"run_uri": run_uri, "actor_id": i, "deadline_s": float(deadline_s or 0)}
         for i in range(int(num_actors))
@@ -230,6 +237,7 @@ def fleet(setup: Any):
         run_uri=run_uri,
         max_steps=XComArg(setup_op, key="max_steps"),
         deadline_s=XComArg(setup_op, key="deadline_s"),
+        num_actors=XComArg(setup_op, key="num_actors"),
     )
     stop = stop_fleet(run_uri)
     rep = report(run_uri)

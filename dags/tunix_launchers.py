@@ -63,12 +63,17 @@ def launch_actor(run_uri: str, actor_id: int, *, deadline_s: float | None = None
 
 
 def launch_learner(
-    run_uri: str, *, max_steps: int | None = None, deadline_s: float | None = None
+    run_uri: str,
+    *,
+    max_steps: int | None = None,
+    deadline_s: float | None = None,
+    actors: int | None = None,
 ) -> dict:
     """Run the learner (resuming from its latest checkpoint) until `max_steps` / deadline.
     With `actor.autopilot` on, the fleet's autopilot runs beside it in this process
-    (`entrypoints.fleet_autopilot`), parking the mapped actors it does not need."""
-    with entrypoints().fleet_autopilot(run_uri):
+    (`entrypoints.fleet_autopilot`), parking those of the `actors` mapped actors it does
+    not need."""
+    with entrypoints().fleet_autopilot(run_uri, launched=actors):
         if launcher_kind() == KUBERNETES:
             settings = tunix_k8s.K8sSettings.from_env()
             manifests = tunix_k8s.learner_manifests(

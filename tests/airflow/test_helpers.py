@@ -306,7 +306,7 @@ class _FakeEntrypoints:
         self.calls.append((run_uri, actor_id, kwargs))
         return {"episodes": 0}
 
-    def fleet_autopilot(self, run_uri):
+    def fleet_autopilot(self, run_uri, *, launched=None):
         return contextlib.nullcontext()  # the autopilot off, as in the run's config
 
 

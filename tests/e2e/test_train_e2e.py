@@ -157,6 +157,7 @@ def test_train_rides_out_a_store_outage(tmp_path, monkeypatch):
                 proc.kill()
                 proc.communicate()
         assert time.monotonic() - t_up < 240, "the launcher hung after the outage"
+        assert "\n{" in out, f"no summary (exit {proc.returncode}):\n{err[-3000:]}"
         summary = json.loads(out[out.index("\n{") + 1 :])
         assert summary["actor_exit_codes"] == [0, 0], err[-3000:]
         assert summary["actor_restarts"] == {}

@@ -145,8 +145,11 @@ class ActorRuntime:
                 max_staleness=lc.max_staleness,
                 fallback_episodes_per_version=lc.min_episodes_per_step * lc.publish_every,
                 fleet=cfg.actor.num_actors,
-                park_index=RunLayout.actor_index(actor_id) if cfg.actor.autopilot.enabled else None,
-                default_active=cfg.actor.num_actors,
+                park_index=RunLayout.actor_index(actor_id) if cfg.autopilot_on else None,
+                # Until the autopilot writes its fleet file, actors above the run's fleet
+                # park only where a launcher started them at an explicit ceiling; an actor
+                # started by hand (`tunix-tasks actor --actor-id N`) runs.
+                default_active=cfg.actor.num_actors if cfg.actor.autopilot.max_actors else None,
             )
             if cfg.actor.flow_control and cfg.mode == "async"
             else None

@@ -18,19 +18,23 @@ __all__ = ["AutopilotConfig"]
 class AutopilotConfig(Frozen):
     """Bounds and pace of the autopilot (`mode: async`; `frontdoor/fleet.py`)."""
 
-    enabled: bool = Field(
-        False,
+    enabled: bool | None = Field(
+        None,
         description="on (true): the fleet sizes itself during the run so its supply meets "
         "the learner's capacity: `tunix-tasks train` starts and stops actor processes, the "
-        "Airflow DAGs start max_actors actors and park those not needed (async mode; "
-        "docs/scaling.md, 'Autopilot'); off (false): actor.num_actors actors for the whole run",
+        "Airflow DAGs start max_actors actors and park those not needed (async mode with "
+        "actor.flow_control; docs/scaling.md, 'Autopilot'); off (false): actor.num_actors "
+        "actors for the whole run; unset (the default): on where it is safe, in async mode "
+        "with flow control on",
     )
     min_actors: Int = Field(1, ge=1, le=1024, description="the fewest actors it runs")
-    max_actors: Int = Field(
-        8,
+    max_actors: Int | None = Field(
+        None,
         ge=1,
         le=1024,
-        description="the most actors it runs: the fleet's cost ceiling (processes, cores)",
+        description="the most actors it runs: the fleet's cost ceiling (processes, cores); "
+        "unset: actor.num_actors, so the fleet never grows past what the run asks for, "
+        "only parks or stops the actors the learner does not need",
     )
     target_supply: Float = Field(
         1.25,
@@ -64,9 +68,14 @@ class AutopilotConfig(Frozen):
         10.0, gt=0.0, le=600.0, description="how often the launcher asks the policy"
     )
 
+    def with_ceiling(self, fleet: int) -> AutopilotConfig:
+        """These bounds with `max_actors` set: as configured, else `fleet` (the actors the
+        run starts with, or the launcher started)."""
+        return self.model_copy(update={"max_actors": self.max_actors or fleet})
+
     @model_validator(mode="after")
     def _check_bounds(self) -> AutopilotConfig:
-        if self.min_actors > self.max_actors:
+        if self.max_actors is not None and self.min_actors > self.max_actors:
             raise ValueError(
                 f"actor.autopilot.min_actors={self.min_actors} is above "
                 f"actor.autopilot.max_actors={self.max_actors}"

@@ -104,10 +104,12 @@ class ActorConfig(Frozen):
                 "aims for more supply than the learner trains, and flow control withholds "
                 "the surplus instead of letting it go stale"
             )
-        if pilot.enabled and not pilot.min_actors <= self.num_actors <= pilot.max_actors:
+        bounds = pilot.with_ceiling(self.num_actors)
+        on = pilot.enabled or (pilot.enabled is None and self.flow_control)
+        if on and not bounds.min_actors <= self.num_actors <= bounds.max_actors:
             raise ValueError(
                 f"actor.num_actors={self.num_actors} (the fleet the run starts with) is outside "
-                f"actor.autopilot's bounds [{pilot.min_actors}, {pilot.max_actors}]"
+                f"actor.autopilot's bounds [{bounds.min_actors}, {bounds.max_actors}]"
             )
         return self
 
@@ -313,7 +315,7 @@ class RunConfig(Frozen):
             )
         if self.actor.kind == "vectorized":
             self._check_vectorized()
-        if self.actor.autopilot.enabled and self.mode == "sync":
+        if self.actor.autopilot.enabled is True and self.mode == "sync":
             raise ValueError(
                 "actor.autopilot.enabled=true with mode=sync: a sync learner waits for every "
                 "actor's share of each batch by design; use mode=async or turn it off"
@@ -372,6 +374,15 @@ class RunConfig(Frozen):
                 "not exactly 1"
             )
         return out
+
+    @property
+    def autopilot_on(self) -> bool:
+        """Does the fleet size itself (`actor.autopilot.enabled`; unset: where it is safe,
+        in async mode with flow control, which withholds the surplus it aims for)?"""
+        enabled = self.actor.autopilot.enabled
+        if enabled is None:
+            return self.mode == "async" and self.actor.flow_control
+        return enabled
 
     @property
     def sync_groups_per_actor(self) -> int:

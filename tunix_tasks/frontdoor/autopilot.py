@@ -109,6 +109,8 @@ class Autopilot:
     `SMOOTHING` readings of the wanted fleet."""
 
     def __init__(self, cfg: AutopilotConfig) -> None:
+        if cfg.max_actors is None:
+            raise ValueError("Autopilot needs a ceiling: AutopilotConfig.with_ceiling(fleet)")
         self.cfg = cfg
         self.last_change_s: float | None = None
         self._wanted: collections.deque[int] = collections.deque(maxlen=SMOOTHING)

@@ -119,20 +119,22 @@ def run_actor(
 
 def launched_actors(cfg: RunConfig, requested: int | None = None) -> int:
     """How many actors a launcher that cannot start more during a run (the mapped Airflow
-    fleet) starts: `max_actors` with the autopilot, which parks those it does not need
-    (`frontdoor/fleet.py` `ParkedFleet`); else `requested` (default `actor.num_actors`)."""
-    autopilot = cfg.actor.autopilot
-    if autopilot.enabled:
-        return autopilot.max_actors
-    return cfg.actor.num_actors if requested is None else requested
+    fleet) starts: `requested` (default `actor.num_actors`), or with the autopilot its
+    `max_actors` when set, parking those it does not need (`frontdoor/fleet.py`
+    `ParkedFleet`)."""
+    fleet = cfg.actor.num_actors if requested is None else requested
+    if cfg.autopilot_on:
+        return cfg.actor.autopilot.with_ceiling(fleet).max_actors
+    return fleet
 
 
-def fleet_autopilot(run_uri: str):
-    """The run's `FleetAutopilot` (a context manager: a thread while the learner runs;
-    nothing when `actor.autopilot` is off)."""
+def fleet_autopilot(run_uri: str, *, launched: int | None = None):
+    """The run's `FleetAutopilot` over the `launched` actors (default: what
+    `launched_actors` gives the run's config); a context manager: a thread while the
+    learner runs, nothing when the autopilot is off."""
     from tunix_tasks.frontdoor.fleet import FleetAutopilot
 
-    return FleetAutopilot(run_uri)
+    return FleetAutopilot(run_uri, launched=launched)
 
 
 LEARNER_FENCED_EXIT_CODE = 3

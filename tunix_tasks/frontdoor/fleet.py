@@ -77,14 +77,21 @@ class Fleet:
         self._next_s = now + self.cfg.interval_s
         obs = FleetObservation.of(audit, time_s=now, actors=self.active)
         decision = self.pilot.decide(obs)
-        self.metrics.log(
-            **decision.record(),
-            capacity_eps=obs.capacity_eps,
-            per_actor_eps=obs.per_actor_eps,
-            backlog_steps=obs.backlog_steps,
-        )
+        try:  # an outage: the record stays buffered, the next flush writes it
+            self.metrics.log(
+                **decision.record(),
+                capacity_eps=obs.capacity_eps,
+                per_actor_eps=obs.per_actor_eps,
+                backlog_steps=obs.backlog_steps,
+            )
+        except StoreError as err:
+            log.warning("autopilot: decision record not written yet (%r)", err)
         if decision.action != "hold":
-            write_fleet(self.store, decision.actors, decision.reason)  # before new actors
+            try:  # before new actors start, which park by it
+                write_fleet(self.store, decision.actors, decision.reason)
+            except StoreError as err:  # the fleet stays as it is; the next tick decides again
+                log.warning("autopilot: the store did not answer (%r); fleet unchanged", err)
+                return None
             self._resize(decision.actors)
             self.active = decision.actors
             self._report(f"autopilot: {decision.reason}")
@@ -106,7 +113,10 @@ class Fleet:
         }
 
     def close(self) -> None:
-        self.metrics.close()
+        try:
+            self.metrics.close()
+        except StoreError as err:  # the decisions' records are a view: never fatal
+            log.warning("autopilot: its last records were not written: %r", err)
 
 
 class LocalFleet(Fleet):
@@ -154,16 +164,22 @@ class FleetAutopilot:
 
     POLL_S = 5.0  # actors write a metrics record every ~5 s
 
-    def __init__(self, run_uri: str, *, poll_s: float = POLL_S) -> None:
+    def __init__(
+        self, run_uri: str, *, launched: int | None = None, poll_s: float = POLL_S
+    ) -> None:
         self.cfg, self.store = read_config(run_uri)
+        # The ceiling: the actors the DAG mapped (a recurring run's fleet may differ from
+        # the stored config's), else what it maps for this config (`launched_actors`).
+        pilot = self.cfg.actor.autopilot
+        self.launched = launched or pilot.with_ceiling(self.cfg.actor.num_actors).max_actors
         self.poll_s = poll_s
         self.fleet: ParkedFleet | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> FleetAutopilot:
-        autopilot = self.cfg.actor.autopilot
-        if autopilot.enabled:
+        autopilot = self.cfg.actor.autopilot.with_ceiling(self.launched)
+        if self.cfg.autopilot_on:
             # A retried learner task goes on with the fleet its predecessor chose (a new
             # or resumed run has none: `write_config` deleted it).
             try:

@@ -418,15 +418,14 @@ def train_local(
                 max_restarts=max_restarts,
                 restart_delay_s=restart_delay_s,
             )
-            if cfg.actor.autopilot.enabled:
+            if cfg.autopilot_on:
 
                 def start_more(i: int) -> Child:
                     actors.append(start_actor(i))
                     return actors[-1]
 
-                fleet = LocalFleet(
-                    cfg.actor.autopilot, store, pool, start_more, report=display.message
-                )
+                bounds = cfg.actor.autopilot.with_ceiling(cfg.actor.num_actors)
+                fleet = LocalFleet(bounds, store, pool, start_more, report=display.message)
             next_poll = 0.0
             while learner.running and not interrupted:
                 pool.check()

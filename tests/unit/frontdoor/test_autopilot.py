@@ -177,13 +177,37 @@ def test_the_config_refuses_bounds_that_cannot_hold():
 
     with pytest.raises(ValueError, match=r"min_actors=5 is above actor\.autopilot\.max_actors=2"):
         AutopilotConfig(min_actors=5, max_actors=2)
-    on = {"flow_control": True, "autopilot": {"enabled": True}}
+    on = {"flow_control": True, "autopilot": {"enabled": True, "max_actors": 8}}
     with pytest.raises(ValueError, match=r"num_actors=9 .* outside actor.autopilot's bounds"):
         RunConfig.model_validate({"actor": {**on, "num_actors": 9}})
     with pytest.raises(ValueError, match=r"autopilot\.enabled=true with mode=sync"):
         RunConfig.model_validate({"mode": "sync", "actor": on})
     with pytest.raises(ValueError, match=r"needs actor\.flow_control=true"):
-        RunConfig.model_validate({"actor": {"autopilot": {"enabled": True}}})
+        RunConfig.model_validate({"actor": {"autopilot": {"enabled": True}, "flow_control": False}})
+    with pytest.raises(ValueError, match=r"needs a ceiling"):
+        Autopilot(AutopilotConfig())
+
+
+def test_the_autopilot_is_on_by_default_where_it_is_safe_and_never_grows_past_the_run():
+    """Unset, `actor.autopilot.enabled` is on in async mode with flow control (which
+    withholds the surplus it aims for) and off elsewhere, without refusing the config;
+    unset, `max_actors` is the fleet the run starts with (or the launcher started): the
+    autopilot parks or stops actors the learner does not need, and starts no more."""
+    from tunix_tasks.config import RunConfig
+    from tunix_tasks.frontdoor.entrypoints import launched_actors
+
+    cfg = RunConfig.model_validate({"actor": {"num_actors": 3}})
+    assert cfg.autopilot_on and cfg.actor.flow_control and cfg.mode == "async"
+    assert cfg.actor.autopilot.with_ceiling(cfg.actor.num_actors).max_actors == 3
+    assert launched_actors(cfg) == 3 and launched_actors(cfg, 5) == 5  # a recurring interval
+    assert not RunConfig.model_validate({"mode": "sync"}).autopilot_on
+    assert not RunConfig.model_validate({"actor": {"flow_control": False}}).autopilot_on
+    off = RunConfig.model_validate({"actor": {"autopilot": {"enabled": False}}})
+    assert not off.autopilot_on and launched_actors(off, 5) == 5
+    grows = RunConfig.model_validate({"actor": {"autopilot": {"max_actors": 6}}})
+    assert grows.autopilot_on and launched_actors(grows) == 6  # the DAG maps the ceiling
+    with pytest.raises(ValueError, match=r"num_actors=3 .* outside actor.autopilot's bounds"):
+        RunConfig.model_validate({"actor": {"num_actors": 3, "autopilot": {"min_actors": 4}}})
 
 
 def test_the_local_fleet_starts_and_stops_real_processes_and_logs_each_decision(tmp_path):
