@@ -20,7 +20,8 @@ a segment's budget of `room` episodes): episodes in flight finish.
 
 With the autopilot on (`actor.autopilot`), the gate also *parks* an actor whose index is
 at or above the fleet the autopilot asks for (`control/fleet.json`, `storage/runs.py`
-`write_fleet`; `actor.num_actors` before it writes one): a parked actor admits nothing
+`write_fleet`; before it writes one, `actor.num_actors` where the fleet was started at an
+explicit `max_actors`, else nothing parks): a parked actor admits nothing
 and loads no new weights (`runtime.py`), and resumes as soon as the fleet includes it
 again, loading the latest weights first.
 That is how a fleet started at its ceiling (the mapped Airflow fleet, its pods) sizes

@@ -154,9 +154,9 @@ class ParkedFleet(Fleet):
 
 class FleetAutopilot:
     """A `ParkedFleet` driven by the run's own metrics, in a background thread: what the
-    Airflow learner task runs beside the learner when `actor.autopilot.enabled` (the
-    DAG mapped `max_actors` actors, `actor.num_actors` of them active at first). Off, it
-    does nothing. Stops at exit, or once the run is DONE.
+    Airflow learner task runs beside the learner when the autopilot is on (the DAG
+    mapped `launched` actors, its ceiling; `actor.num_actors` of them active at first).
+    Off, it does nothing. Stops at exit, or once the run is DONE.
 
         with FleetAutopilot(run_uri):
             run_learner(run_uri)
