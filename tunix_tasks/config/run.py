@@ -104,13 +104,6 @@ class ActorConfig(Frozen):
                 "aims for more supply than the learner trains, and flow control withholds "
                 "the surplus instead of letting it go stale"
             )
-        bounds = pilot.with_ceiling(self.num_actors)
-        on = pilot.enabled or (pilot.enabled is None and self.flow_control)
-        if on and not bounds.min_actors <= self.num_actors <= bounds.max_actors:
-            raise ValueError(
-                f"actor.num_actors={self.num_actors} (the fleet the run starts with) is outside "
-                f"actor.autopilot's bounds [{bounds.min_actors}, {bounds.max_actors}]"
-            )
         return self
 
     @model_validator(mode="after")
@@ -315,6 +308,12 @@ class RunConfig(Frozen):
             )
         if self.actor.kind == "vectorized":
             self._check_vectorized()
+        bounds, n = self.actor.autopilot.with_ceiling(self.actor.num_actors), self.actor.num_actors
+        if self.autopilot_on and not bounds.min_actors <= n <= bounds.max_actors:
+            raise ValueError(
+                f"actor.num_actors={n} (the fleet the run starts with) is outside "
+                f"actor.autopilot's bounds [{bounds.min_actors}, {bounds.max_actors}]"
+            )
         if self.actor.autopilot.enabled is True and self.mode == "sync":
             raise ValueError(
                 "actor.autopilot.enabled=true with mode=sync: a sync learner waits for every "

@@ -5,7 +5,7 @@ clock, no store, no processes) and returns a `FleetDecision` with its reason. Th
 launcher (launcher.py) starts or stops actor processes to match and logs every decision
 as a metrics record of process `autopilot`, which the report and the live display show.
 
-    pilot = Autopilot(cfg.actor.autopilot)
+    pilot = Autopilot(cfg.actor.autopilot.with_ceiling(fleet))   # max_actors, else `fleet`
     every cfg.actor.autopilot.interval_s:
         decision = pilot.decide(FleetObservation.of(audit, time_s=now, ...))
         if decision.action != "hold": start or stop actors until decision.actors run

@@ -13,7 +13,8 @@ Every fleet writes the size it wants to `control/fleet.json` (`storage/runs.py`
   actor keeps its process (and its pod's resources): the ceiling is the fleet's cost.
   `FleetAutopilot` runs it in a thread beside the learner (the learner task does).
 
-    fleet = LocalFleet(cfg.actor.autopilot, store, pool, start_actor, report=display.message)
+    bounds = cfg.actor.autopilot.with_ceiling(cfg.actor.num_actors)
+    fleet = LocalFleet(bounds, store, pool, start_actor, report=display.message)
     while the run goes on:
         fleet.tick(status.audit(running=fleet.names()), now=time.monotonic())
     fleet.close()
@@ -178,15 +179,18 @@ class FleetAutopilot:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> FleetAutopilot:
-        autopilot = self.cfg.actor.autopilot.with_ceiling(self.launched)
+        pilot = self.cfg.actor.autopilot
+        autopilot = pilot.with_ceiling(self.launched)
         if self.cfg.autopilot_on:
             # A retried learner task goes on with the fleet its predecessor chose (a new
-            # or resumed run has none: `write_config` deleted it).
+            # or resumed run has none: `write_config` deleted it). Else every actor the
+            # DAG mapped, or without an explicit ceiling `actor.num_actors` of them.
+            first = self.launched if pilot.max_actors is None else self.cfg.actor.num_actors
             try:
-                active = read_fleet(self.store) or self.cfg.actor.num_actors
-            except ValueError as err:  # a hand-edited file: start over from the config
-                log.warning("autopilot: %s; starting from actor.num_actors", err)
-                active = self.cfg.actor.num_actors
+                active = read_fleet(self.store) or first
+            except ValueError as err:  # a hand-edited file: start over
+                log.warning("autopilot: %s; starting from %d actors", err, first)
+                active = first
             active = min(max(active, autopilot.min_actors), autopilot.max_actors)
             self.fleet = ParkedFleet(autopilot, self.store, actors=active, report=log.info)
             self._thread = threading.Thread(target=self._run, name="autopilot", daemon=True)

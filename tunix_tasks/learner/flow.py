@@ -194,7 +194,7 @@ class FlowReport:
     read by `actor/admission.py`): its version, the episodes consumed per actor
     incarnation (`Accounting`'s checkpointed counter), the episodes it consumes per
     published version over the last `window` publishes and per second of having data over
-    the last `rate_s` (the actors extrapolate its position between reads), and how many actors it
+    the last `rate_s` (a paused actor extrapolates it to guess when to read again), and how many actors it
     consumed from in the last `active_s`. Written at most every `every_s`.
 
         report = FlowReport(store)

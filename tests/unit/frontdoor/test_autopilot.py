@@ -208,6 +208,31 @@ def test_the_autopilot_is_on_by_default_where_it_is_safe_and_never_grows_past_th
     assert grows.autopilot_on and launched_actors(grows) == 6  # the DAG maps the ceiling
     with pytest.raises(ValueError, match=r"num_actors=3 .* outside actor.autopilot's bounds"):
         RunConfig.model_validate({"actor": {"num_actors": 3, "autopilot": {"min_actors": 4}}})
+    sync = {"mode": "sync", "actor": {"num_actors": 3, "autopilot": {"min_actors": 4}}}
+    assert not RunConfig.model_validate(sync).autopilot_on  # off there: its bounds unchecked
+
+
+@pytest.mark.parametrize(("ceiling", "first"), [(None, 4), (6, 2)])
+def test_the_airflow_fleet_starts_with_every_mapped_actor_unless_a_ceiling_was_set(
+    tmp_path, ceiling, first
+):
+    """A recurring interval may map more actors than the run's stored `num_actors` (2):
+    without an explicit `max_actors` all 4 mapped ones start active, not 2 of them with
+    the rest parked; with one (the DAG maps it), `num_actors` start and the rest park
+    until the learner needs them."""
+    from tunix_tasks.config import config_from_dict
+    from tunix_tasks.frontdoor.entrypoints import prepare_run
+    from tunix_tasks.frontdoor.fleet import FleetAutopilot
+    from tunix_tasks.storage.runs import read_fleet
+    from tunix_tasks.storage.store import open_store
+
+    extra = [] if ceiling is None else [f"actor.autopilot.max_actors={ceiling}"]
+    cfg = config_from_dict(
+        {"store": f"file://{tmp_path}/runs", "run_name": "r"}, ["actor.num_actors=2", *extra]
+    )
+    run_uri = prepare_run(cfg)
+    with FleetAutopilot(run_uri, launched=4 if ceiling is None else ceiling, poll_s=60.0):
+        assert read_fleet(open_store(run_uri)) == first
 
 
 def test_the_local_fleet_starts_and_stops_real_processes_and_logs_each_decision(tmp_path):

@@ -140,10 +140,11 @@ class Actor(ActorRuntime):
 
     async def _admitted(self) -> None:
         """Wait while flow control pauses new groups (groups in flight go on)."""
-        in_flight = (self._playing + 1) * self.cfg.actor.group_size
-        while not self._should_stop() and not self._admit(in_flight):
+        g = self.cfg.actor.group_size
+        while not self._should_stop() and not self._admit((self._playing + 1) * g):
             await asyncio.to_thread(self._maybe_reload)  # also reads the learner's position
-            await asyncio.to_thread(self._flush_while_paused)
+            if self.writer.pending:
+                await asyncio.to_thread(self._flush_while_paused)
             await asyncio.sleep(PAUSED_RECHECK_S)
 
     async def _group_loop(self, slot: int) -> None:

@@ -78,9 +78,11 @@ class VectorizedActor(ActorRuntime):
             while not self._should_stop():
                 self._maybe_reload()  # rows in flight continue under the new weights
                 # Started, not committed: rows playing, the pending segment's starts (at
-                # most its budget) and the finished members of open groups.
+                # most its budget, and never more than its rows and finished slots) and the
+                # finished members of open groups.
                 held = sum(len(m) for m in self._groups.values())
-                in_flight = live + (budget if pending else 0) + held
+                starts = min(budget, self.engine.shape.envs + self.engine.shape.capacity)
+                in_flight = live + (starts if pending else 0) + held
                 room = self._room(in_flight)
                 if not room and self.gate is not None and self.gate.confirm:
                     self._maybe_reload()  # a fresh position and newer weights may make room
