@@ -58,8 +58,9 @@ PAUSED_RECHECK_S = 0.05
 #: A paused actor reads the learner's position again (and loads newer weights) once the
 #: extrapolated guess says it could resume, at most this often (`confirm`): it resumes
 #: within about this long of the backlog draining instead of a `weight_poll_s` later,
-#: with one small GET per resume. Reads that find the object unchanged (a learner
-#: compiling, checkpointing or stalled) double the interval, up to `CONFIRM_MAX_S`.
+#: with one small GET per resume. A position older than `CONFIRM_MAX_S` (a learner
+#: compiling, checkpointing or stalled writes none: it writes one every second at most)
+#: is read again only every `CONFIRM_MAX_S`.
 CONFIRM_S = 0.2
 CONFIRM_MAX_S = 2.0
 
@@ -183,7 +184,6 @@ class AdmissionGate:
         self.pauses = 0  # admit -> pause transitions
         self._paused_since: float | None = None
         self._polled_at = float("-inf")  # time.monotonic() of the last `poll`
-        self._confirm_every = CONFIRM_S  # backs off while the position does not move
 
     def poll(self) -> None:
         """Read the learner's flow object (absent: nothing changes), and with parking
@@ -200,10 +200,7 @@ class AdmissionGate:
             raw = self.store.read_bytes(RunLayout.FLOW)
         except NotFound:
             return
-        flow = LearnerFlow.from_json(json.loads(raw))
-        same = self.flow is not None and flow.time == self.flow.time
-        self._confirm_every = min(2 * self._confirm_every, CONFIRM_MAX_S) if same else CONFIRM_S
-        self.flow = flow
+        self.flow = LearnerFlow.from_json(json.loads(raw))
 
     @property
     def parked(self) -> bool:
@@ -258,8 +255,9 @@ class AdmissionGate:
                 guess = rule(
                     unread_episodes=(committed - consumed - drained) * actors, version_lag=0
                 )
-                since_poll = time.monotonic() - self._polled_at
-                self.confirm = guess.admit and since_poll >= self._confirm_every
+                stalled = time.time() - flow.time > CONFIRM_MAX_S
+                every = CONFIRM_MAX_S if stalled else CONFIRM_S
+                self.confirm = guess.admit and time.monotonic() - self._polled_at >= every
         self._account(got.admit)
         self.last = got
         return got

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from tunix_tasks.actor.admission import AdmissionGate
+from tunix_tasks.actor.admission import CONFIRM_S, AdmissionGate
 from tunix_tasks.actor.engine import RolloutEngine
 from tunix_tasks.actor.episodes import EpisodeBuilder
 from tunix_tasks.config import RunConfig
@@ -119,7 +119,7 @@ class ActorRuntime:
         self.weights = WeightsClient(store)
         self.version = -1
         self._last_poll = 0.0
-        self._polled_for = -1  # the learner's version a paused actor last polled at once for
+        self._behind_poll_at = float("-inf")  # when a paused actor behind last polled at once
         self._reloading = threading.Lock()  # one weights poll at a time (`_maybe_reload`)
         self.writer = ShardWriter(
             store,
@@ -304,19 +304,21 @@ class ActorRuntime:
             version=self.version, committed=self.stats.episodes, in_flight=in_flight
         )
         flow = self.gate.flow
-        # Paused with older weights than the learner says it published (once per version
-        # it names: one it refuses or is still uploading is not polled every 50 ms).
+        # Paused with older weights than the learner says it published (at most every
+        # CONFIRM_S: one it refuses or is still uploading is not polled every 50 ms).
+        now = time.monotonic()
         newer = (
             not self.gate.parked
             and flow is not None
-            and self.version < flow.version != self._polled_for
+            and self.version < flow.version
+            and now - self._behind_poll_at >= CONFIRM_S
         )
         if not got.admit and (self.gate.confirm or newer):
             # About to resume, or behind: poll the position and the weights now, not a
             # weight_poll_s later (a fast learner moves versions in between).
             self._last_poll = 0.0
             if newer:
-                self._polled_for = flow.version
+                self._behind_poll_at = now
         # Admitted with less room than one episode: one still starts, or nothing would
         # ever be read that could make room (flow control never deadlocks).
         return max(got.room, 1.0) if got.admit else 0.0
