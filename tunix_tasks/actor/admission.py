@@ -179,9 +179,8 @@ class AdmissionGate:
         self.park_index = park_index
         self.active = default_active  # the autopilot's fleet (parking), as last read
         self.last = Admission(True, "no learner position", 0.0)
-        self.confirm = (
-            False  # wants a fresh position and weights before it pauses or stays paused (`decide`)
-        )
+        # `decide`: wants a fresh position and weights before it pauses or stays paused
+        self.confirm = False
         self.paused_s = 0.0  # total time paused
         self.pauses = 0  # admit -> pause transitions
         self._paused_since: float | None = None
