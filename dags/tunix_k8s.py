@@ -4,7 +4,8 @@ Pure functions of the run and the environment (`K8sSettings`) build plain dicts 
 the Kubernetes API objects (`tests/airflow/test_k8s.py` validates every one against the
 `kubernetes` client's OpenAPI models):
 
-- one **actor** = one Pod on the CPU node pool;
+- one **actor** = one Pod on the CPU node pool at a time: a parked actor's pod exits and
+  is deleted, and its task starts a new one when the autopilot unparks it;
 - the **learner** on a single-host TPU slice = one Pod with the GKE TPU selectors
   (`cloud.google.com/gke-tpu-accelerator`, `cloud.google.com/gke-tpu-topology`) and
   `google.com/tpu` chips;
@@ -163,8 +164,14 @@ def _pod(name: str, run_uri: str, role: str, spec: dict[str, Any], s: K8sSetting
 def actor_pod(
     run_uri: str, actor_id: int, *, deadline_s: float | None = None, s: K8sSettings
 ) -> dict[str, Any]:
-    """One actor: a Pod on the CPU node pool."""
-    command = entrypoint_command("run_actor", [run_uri, int(actor_id)], {"deadline_s": deadline_s})
+    """One actor's shift: a Pod on the CPU node pool. It leaves once the autopilot parks
+    it (`leave_when_parked`); its task starts a new pod when it is unparked
+    (`entrypoints.run_actor_shifts`)."""
+    command = entrypoint_command(
+        "run_actor",
+        [run_uri, int(actor_id)],
+        {"deadline_s": deadline_s, "leave_when_parked": True},
+    )
     spec = _pod_spec(
         s,
         command,

@@ -9,7 +9,8 @@ The DAG tasks call `launch_actor` / `launch_learner`; this module decides how:
 - ``TUNIX_LAUNCHER=kubernetes``: the task builds the manifests of `tunix_k8s` (an
   actor Pod on the CPU node pool; the learner as a Pod on one TPU host, or an Indexed Job
   + headless Service across the hosts of a multi-host slice) and runs them with the
-  operators of `apache-airflow-providers-cncf-kubernetes`, imported only then.
+  operators of `apache-airflow-providers-cncf-kubernetes`, imported only then. An actor
+  parked by the autopilot gives its pod back; its task starts a new one when unparked.
 
 Either way the learner's weight snapshots are announced by the learner task's
 `tunix_weights.WeightsWatcher`, which watches the run's `weights/LATEST`.
@@ -54,11 +55,17 @@ def entrypoints():
 
 
 def launch_actor(run_uri: str, actor_id: int, *, deadline_s: float | None = None) -> dict:
-    """Run actor `actor_id` of the run until the run is DONE (or its deadline)."""
+    """Run actor `actor_id` of the run until the run is DONE (or its deadline). On
+    Kubernetes in shifts: a pod while the autopilot's fleet holds the actor, none while
+    it is parked (`entrypoints.run_actor_shifts`); the local launcher parks it in place."""
     if launcher_kind() == KUBERNETES:
         settings = tunix_k8s.K8sSettings.from_env()
-        pod = tunix_k8s.actor_pod(run_uri, actor_id, deadline_s=deadline_s, s=settings)
-        return run_manifests([pod], task_suffix=f"actor-{actor_id}")
+
+        def shift(seconds_left: float | None) -> dict:
+            pod = tunix_k8s.actor_pod(run_uri, actor_id, deadline_s=seconds_left, s=settings)
+            return run_manifests([pod], task_suffix=f"actor-{actor_id}")
+
+        return entrypoints().run_actor_shifts(run_uri, actor_id, shift, deadline_s=deadline_s)
     return entrypoints().run_actor(run_uri, actor_id, deadline_s=deadline_s)
 
 

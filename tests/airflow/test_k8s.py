@@ -35,6 +35,19 @@ def assert_valid(manifest: dict) -> None:
     assert roundtrip(manifest) == manifest
 
 
+def entry_kwargs(code: str) -> dict:
+    """The keyword arguments a pod's `python -c` passes to its entry point."""
+    import ast
+    import json
+
+    loads = next(
+        n
+        for n in ast.walk(ast.parse(code))
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "loads"
+    )
+    return json.loads(loads.args[0].value)["kwargs"]
+
+
 @pytest.fixture
 def settings():
     import tunix_k8s
@@ -146,6 +159,11 @@ def test_operators_build_what_the_manifests_say(settings, context):
     base = next(c for c in built["spec"]["containers"] if c["name"] == "base")
     assert base["image"] == actor["spec"]["containers"][0]["image"]
     assert base["command"] == actor["spec"]["containers"][0]["command"]
+    assert entry_kwargs(base["command"][2]) == {"deadline_s": None, "leave_when_parked": True}
+    # Each shift is a new pod: the operator names it afresh, so a parked actor's next pod
+    # does not collide with the last one while that one is still being deleted.
+    again = op.build_pod_request_obj(context).metadata.name
+    assert again != built["metadata"]["name"] and again.startswith(actor["metadata"]["name"])
     assert built["spec"]["nodeSelector"] == actor["spec"]["nodeSelector"]
     assert built["spec"]["serviceAccountName"] == "tunix-runner"
 

@@ -276,3 +276,92 @@ def test_a_fleet_started_at_its_ceiling_parks_the_actors_it_does_not_need(tmp_pa
             made |= set(pq.read_table(f, columns=["episode_id"]).column(0).to_pylist())
     trained = {i for e in read_ledger(store) for i in e["trained"]}
     assert made & trained, "the unparked actor's episodes were trained"
+
+
+def test_a_parked_actor_on_shifts_gives_its_process_back_and_returns_when_unparked(tmp_path):
+    """What an actor's task does on the Kubernetes launcher (`run_actor_shifts`), with a
+    real actor process as each shift's pod (`tunix-tasks actor --leave-when-parked`):
+    parked at first, it starts nothing; grown over, its process makes episodes; parked
+    again, the process commits them and exits while the run goes on; unparked, a new
+    process serves. Nothing it made is lost across the shifts."""
+    import os
+    import threading
+
+    from tunix_tasks.actor.admission import LEFT_PARKED
+    from tunix_tasks.config import config_from_dict
+    from tunix_tasks.frontdoor.entrypoints import prepare_run
+    from tunix_tasks.frontdoor.fleet import run_actor_shifts
+    from tunix_tasks.frontdoor.supervision import close_logs, spawn, stop
+    from tunix_tasks.storage.runs import mark_done, write_fleet
+
+    cfg = config_from_dict(
+        {"store": f"file://{tmp_path}/runs", "run_name": "shifts"},
+        [
+            *SHORT,
+            "actor.num_actors=1",
+            "actor.flow_control=true",
+            "actor.autopilot.enabled=true",
+            "actor.autopilot.max_actors=2",
+            "learner.max_steps=100000",
+        ],
+    )
+    run_uri = prepare_run(cfg)
+    store = open_store(run_uri)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+    learner = spawn("learner", ["learner", "--run", run_uri], str(tmp_path), env)
+    first = ["actor", "--run", run_uri, "--actor-id", "0"]
+    actor0 = spawn("actor-0000", first, str(tmp_path), env)
+    shifts: list[tuple[float, dict]] = []  # (when it ended, its summary)
+
+    def pod(seconds_left: float | None) -> dict:
+        cmd = [sys.executable, "-m", "tunix_tasks.frontdoor.cli", "actor", "--run", run_uri]
+        cmd += ["--actor-id", "1", "--leave-when-parked"]
+        with open(tmp_path / f"actor-0001.{len(shifts)}.log", "w") as log:
+            done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+        assert done.returncode == 0, (tmp_path / f"actor-0001.{len(shifts)}.log").read_text()
+        shifts.append((time.time(), json.loads(done.stdout)))
+        return shifts[-1][1]
+
+    out: dict = {}
+    slot = threading.Thread(
+        target=lambda: out.update(run_actor_shifts(run_uri, 1, pod, poll_s=0.2))
+    )
+    slot.start()
+
+    def wait(what, timeout: float = 240.0):
+        end = time.time() + timeout
+        while not (got := what()):
+            assert time.time() < end and learner.proc.poll() is None, "timed out"
+            time.sleep(0.2)
+        return got
+
+    def made() -> int:
+        return len(store.list(f"{RunLayout.SHARDS}actor-0001/"))
+
+    try:
+        wait(lambda: read_latest(store) is not None)
+        time.sleep(1.0)
+        assert made() == 0 and not shifts  # parked before any fleet file: no process
+        write_fleet(store, 2, "grow")
+        wait(lambda: made() >= 1)
+        write_fleet(store, 1, "shrink")
+        left_at, summary = wait(lambda: shifts and shifts[0])
+        assert summary["stop_reason"] == LEFT_PARKED and summary["episodes"] > 0
+        assert is_done(store) is None and learner.proc.poll() is None  # the run went on
+        time.sleep(1.0)
+        assert len(shifts) == 1 and slot.is_alive()  # parked: no process
+        before = made()
+        write_fleet(store, 2, "grow")
+        wait(lambda: made() > before)
+    finally:
+        mark_done(store, "test over")
+        slot.join(timeout=120)
+        stop([learner, actor0], 15, 10.0)
+        close_logs([learner, actor0])
+    assert out["shifts"] == 2 and out["stop_reason"].startswith("run done")
+    rows = 0
+    for info in store.list(f"{RunLayout.SHARDS}actor-0001/"):
+        with store.open_input(info.key) as f:
+            rows += pq.read_metadata(f).num_rows
+    assert rows == out["episodes"] == sum(s["episodes"] for _, s in shifts)
+    assert left_at < json.loads(store.read_bytes(RunLayout.DONE))["time"]

@@ -63,6 +63,8 @@ PAUSED_RECHECK_S = 0.05
 #: is read again only every `CONFIRM_MAX_S`.
 CONFIRM_S = 0.2
 CONFIRM_MAX_S = 2.0
+#: `stop_reason` of an actor that left because it was parked (`leave_when_parked`).
+LEFT_PARKED = "parked by the autopilot"
 
 
 @dataclass(frozen=True)
@@ -230,7 +232,7 @@ class AdmissionGate:
         flow = self.flow
         self.confirm = False
         if self.parked:
-            got = Admission(False, f"parked by the autopilot ({self.active} active)", 0.0, 0.0)
+            got = Admission(False, f"{LEFT_PARKED} ({self.active} active)", 0.0, 0.0)
         elif flow is None or time.time() - flow.time > FLOW_MAX_AGE_S:
             got = Admission(True, "no learner position", 0.0)
         else:

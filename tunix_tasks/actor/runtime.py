@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from tunix_tasks.actor.admission import CONFIRM_S, AdmissionGate
+from tunix_tasks.actor.admission import CONFIRM_S, LEFT_PARKED, AdmissionGate
 from tunix_tasks.actor.engine import RolloutEngine
 from tunix_tasks.actor.episodes import EpisodeBuilder
 from tunix_tasks.config import RunConfig
@@ -59,7 +59,13 @@ from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import ObjectStore, StoreError
 from tunix_tasks.storage.weights import Manifest, WeightsClient
 
-__all__ = ["FINAL_FLUSH_S", "HELD_OUT_SEED_BASE", "ActorRuntime", "ActorStats", "episode_seed"]
+__all__ = [
+    "FINAL_FLUSH_S",
+    "HELD_OUT_SEED_BASE",
+    "ActorRuntime",
+    "ActorStats",
+    "episode_seed",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +108,12 @@ class ActorRuntime:
         weights_timeout_s: float = 900.0,
         incarnation: str | None = None,
         store_outage_s: float | None = None,
+        leave_when_parked: bool = False,
     ) -> None:
         self.cfg = cfg
+        # Exit once parked with nothing in flight (stop_reason LEFT_PARKED), for a
+        # launcher that frees the actor's resources and starts it again when unparked.
+        self._leave_when_parked = leave_when_parked
         self._outage = StoreOutage(should_stop=self._should_stop, limit_s=store_outage_s)
         store = self._outage.observe(store)  # every store call that works ends an outage
         self.store = store
@@ -147,10 +157,7 @@ class ActorRuntime:
                 fallback_episodes_per_version=lc.min_episodes_per_step * lc.publish_every,
                 fleet=cfg.actor.num_actors,
                 park_index=RunLayout.actor_index(actor_id) if cfg.autopilot_on else None,
-                # Until the autopilot writes its fleet file, actors above the run's fleet
-                # park only where a launcher started them at an explicit ceiling; an actor
-                # started by hand (`tunix-tasks actor --actor-id N`) runs.
-                default_active=cfg.actor.num_actors if cfg.actor.autopilot.max_actors else None,
+                default_active=cfg.first_active_actors,
             )
             if cfg.actor.flow_control and cfg.mode == "async"
             else None
@@ -193,6 +200,8 @@ class ActorRuntime:
         got = self._wait_for_weights()
         try:
             if got is not None:  # already loaded by `_load`
+                if self.gate is not None:  # the first decision on the position and fleet file
+                    self._outage.tolerate("flow poll", self.gate.poll)
                 self._outage.tolerate("metrics", self._log_metrics, None)  # phase: compiling
                 self._serve()
         finally:  # the last shard, even in an outage (bounded: the launcher's grace is 60 s)
@@ -322,6 +331,13 @@ class ActorRuntime:
         # Admitted with less room than one episode: one still starts, or nothing would
         # ever be read that could make room (flow control never deadlocks).
         return max(got.room, 1.0) if got.admit else 0.0
+
+    def _leave_if_parked(self, in_flight: int) -> None:
+        """With `leave_when_parked`, stop once the autopilot parks this actor and its last
+        episodes are in (`in_flight` 0); the final shard is flushed as at any stop."""
+        parked = self.gate is not None and self.gate.parked
+        if self._leave_when_parked and parked and in_flight == 0:
+            self.request_stop(LEFT_PARKED)
 
     def _flush_while_paused(self) -> None:
         """Paused by flow control, commit a partial shard now, not `shard_interval_s`

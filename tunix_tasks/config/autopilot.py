@@ -70,8 +70,11 @@ class AutopilotConfig(Frozen):
 
     def with_ceiling(self, fleet: int) -> AutopilotConfig:
         """These bounds with `max_actors` set: as configured, else `fleet` (the actors the
-        run starts with, or the launcher started)."""
-        return self.model_copy(update={"max_actors": self.max_actors or fleet})
+        run starts with, or the launcher started). A floor above that ceiling (a launcher
+        that started fewer actors than `min_actors`) comes down to it."""
+        ceiling = self.max_actors or fleet
+        bounds = {"max_actors": ceiling, "min_actors": min(self.min_actors, ceiling)}
+        return type(self).model_validate({**self.model_dump(), **bounds})
 
     @model_validator(mode="after")
     def _check_bounds(self) -> AutopilotConfig:

@@ -308,11 +308,11 @@ class RunConfig(Frozen):
             )
         if self.actor.kind == "vectorized":
             self._check_vectorized()
-        bounds, n = self.actor.autopilot.with_ceiling(self.actor.num_actors), self.actor.num_actors
-        if self.autopilot_on and not bounds.min_actors <= n <= bounds.max_actors:
+        pilot, n = self.actor.autopilot, self.actor.num_actors
+        if self.autopilot_on and not pilot.min_actors <= n <= (pilot.max_actors or n):
             raise ValueError(
                 f"actor.num_actors={n} (the fleet the run starts with) is outside "
-                f"actor.autopilot's bounds [{bounds.min_actors}, {bounds.max_actors}]"
+                f"actor.autopilot's bounds [{pilot.min_actors}, {pilot.max_actors or n}]"
             )
         if self.actor.autopilot.enabled is True and self.mode == "sync":
             raise ValueError(
@@ -382,6 +382,17 @@ class RunConfig(Frozen):
         if enabled is None:
             return self.mode == "async" and self.actor.flow_control
         return enabled
+
+    @property
+    def first_active_actors(self) -> int | None:
+        """The actors that admit episodes before the autopilot writes its fleet file
+        (`control/fleet.json`): `actor.num_actors` where a launcher started the fleet at
+        an explicit `actor.autopilot.max_actors`, the others park; None (every actor
+        runs) without one, so an actor started by hand (`tunix-tasks actor --actor-id
+        N`) runs."""
+        if not self.autopilot_on or self.actor.autopilot.max_actors is None:
+            return None
+        return self.actor.num_actors
 
     @property
     def sync_groups_per_actor(self) -> int:

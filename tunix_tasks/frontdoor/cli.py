@@ -204,7 +204,14 @@ def _actor(args: argparse.Namespace) -> int:
 
     _check_run_config(args.run)
 
-    _print_json(run_actor(args.run, args.actor_id, deadline_s=args.deadline, kind=args.kind))
+    summary = run_actor(
+        args.run,
+        args.actor_id,
+        deadline_s=args.deadline,
+        kind=args.kind,
+        leave_when_parked=args.leave_when_parked,
+    )
+    _print_json(summary)
     return 0
 
 
@@ -364,6 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("async", "vectorized", "agent"),
         default=None,
         help="override the run's actor.kind for this actor (a fleet may mix both)",
+    )
+    p.add_argument(
+        "--leave-when-parked",
+        action="store_true",
+        help="exit (stop_reason 'parked by the autopilot') once the autopilot parks this "
+        "actor, for a launcher that starts it again when the fleet grows over it",
     )
 
     p = command("learner", _learner, "run the learner of a prepared run (resumes)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tunix_tasks.config import ConfigError, RunConfig, check_resume, config_from_dict
@@ -97,10 +97,12 @@ def run_actor(
     deadline_s: float | None = None,
     handle_signals: bool = True,
     kind: str | None = None,
+    leave_when_parked: bool = False,
 ) -> dict[str, Any]:
     """Run actor `actor_id` of a prepared run until DONE, the deadline or a signal.
     `kind` (async / vectorized) overrides the run's `actor.kind` for this actor: one
-    run's fleet can mix both, the learner reads their shards alike."""
+    run's fleet can mix both, the learner reads their shards alike. `leave_when_parked`:
+    also return once the autopilot parks it (`run_actor_shifts` starts it again)."""
     enable_compile_cache()
     cfg, store = read_config(run_uri)
     if kind is not None and kind != cfg.actor.kind:
@@ -110,7 +112,11 @@ def run_actor(
     module, name = ACTOR_KINDS[cfg.actor.kind].split(":")
     actor_cls = getattr(importlib.import_module(module), name)
     actor = actor_cls(
-        cfg, store, actor_id=actor_name(actor_id), deadline_s=deadline_s or cfg.deadline_s or None
+        cfg,
+        store,
+        actor_id=actor_name(actor_id),
+        deadline_s=deadline_s or cfg.deadline_s or None,
+        leave_when_parked=leave_when_parked,
     )
     if handle_signals:
         actor.install_signal_handlers()
@@ -135,6 +141,21 @@ def fleet_autopilot(run_uri: str, *, launched: int | None = None):
     from tunix_tasks.frontdoor.fleet import FleetAutopilot
 
     return FleetAutopilot(run_uri, launched=launched)
+
+
+def run_actor_shifts(
+    run_uri: str,
+    actor_id: int,
+    launch: Callable[[float | None], dict[str, Any]],
+    *,
+    deadline_s: float | None = None,
+) -> dict[str, Any]:
+    """Actor `actor_id`'s slot in a fleet whose parked actors give their resources back:
+    `launch(seconds_left)` runs the actor (with `leave_when_parked`) while the
+    autopilot's fleet holds it, nothing while it is parked (`frontdoor/fleet.py`)."""
+    from tunix_tasks.frontdoor.fleet import run_actor_shifts as shifts
+
+    return shifts(run_uri, int(actor_id), launch, deadline_s=deadline_s)
 
 
 LEARNER_FENCED_EXIT_CODE = 3

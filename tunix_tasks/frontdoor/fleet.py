@@ -8,10 +8,13 @@ Every fleet writes the size it wants to `control/fleet.json` (`storage/runs.py`
 - `LocalFleet` (`tunix-tasks train`): starts and stops actor processes. A new actor takes
   the lowest free actor id (`start_actor(i)` spawns `actor-000i`); a shrink stops the
   highest ids first with SIGTERM, so they flush their shards and exit.
-- `ParkedFleet` (the mapped Airflow fleet, its Kubernetes pods): every actor up to
-  `max_actors` was started by the DAG; the file alone parks and unparks them. A parked
-  actor keeps its process (and its pod's resources): the ceiling is the fleet's cost.
-  `FleetAutopilot` runs it in a thread beside the learner (the learner task does).
+- `ParkedFleet` (the mapped Airflow fleet): every actor up to `max_actors` was started
+  by the DAG; the file alone parks and unparks them. `FleetAutopilot` runs it in a
+  thread beside the learner (the learner task does). With the local launcher a parked
+  actor keeps its process, its weights and its compiled programs, and resumes at once.
+  With the Kubernetes launcher each mapped task runs `run_actor_shifts`: a parked actor
+  leaves (`leave_when_parked`) and its pod is deleted, the task waits holding no pod,
+  and a new pod starts when the fleet grows over it again.
 
     bounds = cfg.actor.autopilot.with_ceiling(cfg.actor.num_actors)
     fleet = LocalFleet(bounds, store, pool, start_actor, report=display.message)
@@ -22,6 +25,7 @@ Every fleet writes the size it wants to `control/fleet.json` (`storage/runs.py`
 
     with FleetAutopilot(run_uri):   # a ParkedFleet over the run's metrics, until exit
         run_learner(run_uri)
+    run_actor_shifts(run_uri, i, launch_pod)   # meanwhile, in each actor's task
 """
 
 from __future__ import annotations
@@ -32,14 +36,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tunix_tasks.actor.admission import LEFT_PARKED
 from tunix_tasks.config.autopilot import AutopilotConfig
 from tunix_tasks.frontdoor.audit import AuditWindow
 from tunix_tasks.frontdoor.autopilot import PROCESS, Autopilot, FleetDecision, FleetObservation
 from tunix_tasks.frontdoor.supervision import ActorPool, Child
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsTail, MetricsWriter
-from tunix_tasks.storage.runs import is_done, read_config, read_fleet, write_fleet
-from tunix_tasks.storage.store import ObjectStore, StoreError
+from tunix_tasks.storage.runs import is_done, parse_fleet, read_config, read_fleet, write_fleet
+from tunix_tasks.storage.store import NotFound, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +69,8 @@ class Fleet:
         self.metrics = MetricsWriter(store, PROCESS, tensorboard=False)
         self._next_s = 0.0
         self.decisions: list[FleetDecision] = []  # the changes, and the latest decision
-        write_fleet(store, actors, "the run's first fleet")
+        self._unwritten: str | None = "the run's first fleet"  # the file's reason, if owed
+        self._write_owed()
 
     def names(self) -> set[str]:
         """The ids of the actors in the fleet now (the others are not audited)."""
@@ -73,6 +79,7 @@ class Fleet:
     def tick(self, audit: dict[str, Any] | None, *, now: float) -> FleetDecision | None:
         """Every `interval_s`: decide from `audit` (a `latency_audit` of the fleet's
         actors), log the decision, resize the fleet. None between intervals."""
+        self._write_owed()
         if audit is None or now < self._next_s:
             return None
         self._next_s = now + self.cfg.interval_s
@@ -93,6 +100,7 @@ class Fleet:
             except StoreError as err:  # the fleet stays as it is; the next tick decides again
                 log.warning("autopilot: the store did not answer (%r); fleet unchanged", err)
                 return None
+            self._unwritten = None  # this file supersedes an unwritten first one
             self._resize(decision.actors)
             self.active = decision.actors
             self._report(f"autopilot: {decision.reason}")
@@ -100,6 +108,18 @@ class Fleet:
             self.decisions.pop()  # keep the changes and the latest hold only: bounded
         self.decisions.append(decision)
         return decision
+
+    def _write_owed(self) -> None:
+        """The first fleet file, once the store answers: until then actors keep
+        `RunConfig.first_active_actors`, and the autopilot still decides."""
+        if self._unwritten is None:
+            return
+        try:
+            write_fleet(self.store, self.active, self._unwritten)
+        except StoreError as err:
+            log.warning("autopilot: the fleet file is not written yet (%r)", err)
+        else:
+            self._unwritten = None
 
     def _resize(self, actors: int) -> None:
         """What a change means beyond the fleet file (nothing: the actors park)."""
@@ -216,3 +236,95 @@ class FleetAutopilot:
                 self.fleet.tick(audit, now=time.monotonic())
             except StoreError as err:  # an outage: the fleet stays as it is, try again
                 log.warning("autopilot: the store did not answer (%r); fleet unchanged", err)
+
+
+SHIFT_POLL_S = 5.0  # how often a parked actor's slot reads the fleet file
+
+
+def run_actor_shifts(
+    run_uri: str,
+    actor_id: int,
+    launch: Callable[[float | None], dict[str, Any]],
+    *,
+    deadline_s: float | None = None,
+    poll_s: float = SHIFT_POLL_S,
+) -> dict[str, Any]:
+    """One slot of a fleet whose parked actors give their resources back (the mapped
+    Airflow fleet on Kubernetes). While the autopilot's fleet holds actor `actor_id`,
+    `launch(seconds_left)` runs it until it returns (one pod, started with
+    `leave_when_parked`: it leaves once parked with its episodes committed); while the
+    actor is parked the slot holds nothing and reads `control/fleet.json` every `poll_s`.
+    Returns when the run is DONE, at the deadline, or when a shift ended for another
+    reason than parking (a launch that raises fails the slot as it would the actor);
+    the summary adds its shifts up.
+
+        launch = lambda left: run_pod(actor_pod(run_uri, i, deadline_s=left))
+        summary = run_actor_shifts(run_uri, i, launch, deadline_s=deadline_s)
+    """
+    cfg, store = read_config(run_uri)
+    t0 = time.monotonic()
+    end = t0 + deadline_s if deadline_s else None
+    active = cfg.first_active_actors  # None: nothing parks until the fleet file says so
+    left_on: bytes | None = None  # the fleet file as the actor left parked
+    shifts: list[dict[str, Any]] = []
+    reason = ""
+    while True:
+        try:
+            done = is_done(store)
+            active, file = _read_active(store, active)
+        except StoreError as err:  # an outage: wait as we are, try again
+            log.warning("actor %d: the store did not answer (%r)", actor_id, err)
+            done, file = None, left_on
+        left = None if end is None else end - time.monotonic()
+        if done is not None or (left is not None and left <= 0):
+            reason = f"run done: {done.get('reason', '')}" if done is not None else "deadline"
+            break
+        # Parked, or left parked and no new decision since: a slot never restarts an
+        # actor on the same fleet file it left on (no start-and-leave loop).
+        if (active is not None and actor_id >= active) or (left_on and file == left_on):
+            time.sleep(poll_s if left is None else min(poll_s, left))
+            continue
+        log.info("actor %d: starting shift %d (%s active)", actor_id, len(shifts) + 1, active)
+        shifts.append(launch(left))
+        reason = str(shifts[-1].get("stop_reason", ""))
+        if reason != LEFT_PARKED:
+            break
+        try:
+            left_on = _read_active(store, active)[1] or b"none"
+        except StoreError:  # unknown: the next file read counts as new
+            left_on = b"unknown"
+        log.info("actor %d: parked, its resources given back until the fleet grows", actor_id)
+    return _add_shifts(RunLayout.actor_name(actor_id), shifts, reason, time.monotonic() - t0)
+
+
+def _read_active(store: ObjectStore, last: int | None) -> tuple[int | None, bytes | None]:
+    """The fleet file's count (`last` when there is none yet or it is unreadable), and
+    the file as read (None: absent)."""
+    try:
+        raw = store.read_bytes(RunLayout.FLEET)
+    except NotFound:
+        return last, None
+    try:
+        return parse_fleet(raw), raw
+    except ValueError as err:  # a hand-edited file must not stop the slot
+        log.warning("ignoring the fleet control file: %s", err)
+        return last, raw
+
+
+def _add_shifts(
+    name: str, shifts: list[dict[str, Any]], reason: str, wall_s: float
+) -> dict[str, Any]:
+    """One actor summary (`ActorRuntime.run`'s keys) over its shifts."""
+    episodes = sum(int(s.get("episodes", 0)) for s in shifts)
+    rewards = sum(float(s.get("reward_mean", 0.0)) * int(s.get("episodes", 0)) for s in shifts)
+    return {
+        "actor_id": name,
+        "episodes": episodes,
+        "shards": sum(int(s.get("shards", 0)) for s in shifts),
+        "reward_mean": rewards / max(1, episodes),
+        "last_version": max((int(s.get("last_version", -1)) for s in shifts), default=-1),
+        "stop_reason": reason,
+        "compile_count": sum(int(s.get("compile_count", 0)) for s in shifts),
+        "wall_s": wall_s,
+        "shifts": len(shifts),
+    }

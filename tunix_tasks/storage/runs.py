@@ -109,6 +109,11 @@ def read_fleet(store: ObjectStore) -> int | None:
         raw = store.read_bytes(RunLayout.FLEET)
     except NotFound:
         return None
+    return parse_fleet(raw)
+
+
+def parse_fleet(raw: bytes) -> int:
+    """The active count of a fleet control file's bytes (`read_fleet`)."""
     try:
         active = json.loads(raw)["active"]
     except (ValueError, KeyError, TypeError) as err:

@@ -210,6 +210,9 @@ def test_the_autopilot_is_on_by_default_where_it_is_safe_and_never_grows_past_th
         RunConfig.model_validate({"actor": {"num_actors": 3, "autopilot": {"min_actors": 4}}})
     sync = {"mode": "sync", "actor": {"num_actors": 3, "autopilot": {"min_actors": 4}}}
     assert not RunConfig.model_validate(sync).autopilot_on  # off there: its bounds unchecked
+    fewer = AutopilotConfig(min_actors=3).with_ceiling(2)  # a launcher started fewer
+    assert (fewer.min_actors, fewer.max_actors) == (2, 2)
+    assert AutopilotConfig(min_actors=3, max_actors=5).with_ceiling(2).max_actors == 5
 
 
 @pytest.mark.parametrize(("ceiling", "first"), [(None, 4), (6, 2)])
@@ -304,3 +307,113 @@ def test_the_local_fleet_starts_and_stops_real_processes_and_logs_each_decision(
     report = autopilot_decisions(records)
     assert [c["actors"] for c in report["changes"]] == ["1 -> 2", "2 -> 4", "4 -> 2", "2 -> 3"]
     assert report["actors_range"] == [1, 4] and report["decisions"] == len(decisions)
+
+
+def test_a_parked_actors_slot_holds_no_actor_and_starts_it_again_when_the_fleet_grows(
+    tmp_path, caplog
+):
+    """`run_actor_shifts` (an actor's task on the Kubernetes launcher): parked by default
+    (index 1 of a fleet that starts 1 of 2), it launches nothing; grown over, it launches
+    the actor; an actor that left parked is not relaunched until the fleet file includes
+    it again, nor on the very file it left on (no start-and-leave loop); an unreadable
+    file changes nothing; the summary adds the shifts up and ends with the run's DONE."""
+    import threading
+    import time
+
+    from tunix_tasks.actor.admission import LEFT_PARKED
+    from tunix_tasks.config import config_from_dict
+    from tunix_tasks.frontdoor.entrypoints import prepare_run
+    from tunix_tasks.frontdoor.fleet import run_actor_shifts
+    from tunix_tasks.storage.layout import RunLayout
+    from tunix_tasks.storage.runs import mark_done, write_fleet
+    from tunix_tasks.storage.store import open_store
+
+    cfg = config_from_dict(
+        {"store": f"file://{tmp_path}/runs", "run_name": "r"},
+        ["actor.num_actors=1", "actor.autopilot.max_actors=2"],
+    )
+    run_uri = prepare_run(cfg)
+    store = open_store(run_uri)
+    launched: list[float | None] = []
+
+    def launch(seconds_left: float | None) -> dict:
+        launched.append(seconds_left)
+        if len(launched) == 1:
+            write_fleet(store, 1, "shrink")  # parked while it ran: it leaves
+        if len(launched) == 3:
+            mark_done(store, "finished")
+            return {"stop_reason": "run done: finished", "episodes": 1, "shards": 1}
+        # The second leaves parked on a file that includes it (it read another one).
+        return {"stop_reason": LEFT_PARKED, "episodes": 3, "reward_mean": 1.0, "shards": 1}
+
+    def until(n: int) -> None:
+        while len(launched) < n and slot.is_alive():
+            time.sleep(0.01)
+        time.sleep(0.3)  # then nothing more starts
+        assert len(launched) == n
+
+    out: dict = {}
+    slot = threading.Thread(
+        target=lambda: out.update(
+            run_actor_shifts(run_uri, 1, launch, deadline_s=60.0, poll_s=0.01)
+        )
+    )
+    slot.start()
+    time.sleep(0.3)
+    assert launched == []  # parked before any fleet file: `num_actors` of 2 run
+    write_fleet(store, 2, "grow")
+    until(1)  # left parked: waits again
+    assert 0 < launched[0] <= 60.0
+    store.write_bytes(RunLayout.FLEET, b"not json")
+    time.sleep(0.3)
+    assert len(launched) == 1  # an unreadable file: the last count (parked) holds
+    write_fleet(store, 2, "grow")
+    until(2)  # left parked on a file that says 2: waits for a new decision
+    write_fleet(store, 2, "grow again")
+    slot.join(timeout=10)
+    assert not slot.is_alive() and len(launched) == 3
+    assert out["shifts"] == 3 and out["episodes"] == 7 and out["shards"] == 3
+    assert out["reward_mean"] == 6 / 7 and out["stop_reason"] == "run done: finished"
+    assert out["actor_id"] == "actor-0001"
+    assert "ignoring the fleet control file" in caplog.text
+    # DONE or the deadline while parked: the slot returns without launching.
+    write_fleet(store, 0, "shrink")
+    assert run_actor_shifts(run_uri, 1, launch, poll_s=0.01)["stop_reason"].startswith("run done")
+    store.delete(RunLayout.DONE)
+    idle = run_actor_shifts(run_uri, 1, launch, deadline_s=0.2, poll_s=0.01)
+    assert idle["stop_reason"] == "deadline" and idle["shifts"] == 0 and len(launched) == 3
+
+
+def test_the_autopilot_rides_out_a_store_outage(tmp_path, caplog):
+    """A store that fails every write: the fleet starts anyway (its first fleet file owed),
+    its decisions neither raise nor change the fleet; once the store answers, the owed
+    file is written and the next decision applies."""
+    from tunix_tasks.frontdoor.fleet import ParkedFleet
+    from tunix_tasks.storage.backends.local import LocalStore
+    from tunix_tasks.storage.runs import read_fleet
+    from tunix_tasks.storage.store import StoreError
+
+    class Down(LocalStore):
+        down = True
+
+        def write_bytes(self, key: str, data: bytes) -> None:
+            if self.down:
+                raise StoreError(f"{key}: 503 service unavailable")
+            super().write_bytes(key, data)
+
+    store = Down(f"file://{tmp_path}/run")
+    cfg = AutopilotConfig(enabled=True, max_actors=4, cooldown_s=1.0, interval_s=1.0)
+    fleet = ParkedFleet(cfg, store, actors=1, report=print)
+    short = {"learner_capacity_eps_per_s": 20.0, "per_actor_eps_per_s": 5.0, "backlog_steps": 0.0}
+    for t in range(1, 12):
+        fleet.tick(short, now=float(t))
+    assert fleet.active == 1 and read_fleet(store) is None
+    assert "the fleet file is not written yet" in caplog.text and "fleet unchanged" in caplog.text
+    store.down = False
+    fleet.tick(None, now=12.0)
+    assert read_fleet(store) == 1  # the owed first file
+    t = 12.0
+    while fleet.active == 1 and t < 30:
+        fleet.tick(short, now=(t := t + 1.0))
+    assert fleet.active == 2 and read_fleet(store) == 2
+    fleet.close()

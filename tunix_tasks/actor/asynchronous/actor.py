@@ -142,6 +142,7 @@ class Actor(ActorRuntime):
         """Wait while flow control pauses new groups (groups in flight go on)."""
         g = self.cfg.actor.group_size
         while not self._should_stop() and not self._admit((self._playing + 1) * g):
+            self._leave_if_parked(self._playing * g)
             await asyncio.to_thread(self._maybe_reload)  # also reads the learner's position
             if self.writer.pending:
                 await asyncio.to_thread(self._flush_while_paused)

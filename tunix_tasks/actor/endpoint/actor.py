@@ -108,6 +108,11 @@ class AgentActor(Actor):
             return None
         return f"flow control: {self.gate.last.reason}"
 
+    def _leave_if_parked(self, in_flight: int) -> None:
+        """An external harness's open episodes are in flight too: leave only once they
+        ended and their groups are committed."""
+        super()._leave_if_parked(in_flight + len(self.registry) + len(self._commits))
+
     def _on_group(self, name: str, episodes: list[Episode]) -> None:
         """The registry's hand-over of an ended group (on the event loop): the runner's
         own groups go back to their group loop, an external harness's are committed here."""

@@ -95,6 +95,7 @@ class VectorizedActor(ActorRuntime):
                 self._flush_while_paused()
                 pending = launched
                 if pending is None:
+                    self._leave_if_parked(live + sum(len(m) for m in self._groups.values()))
                     time.sleep(PAUSED_RECHECK_S)
                 if time.monotonic() - last_watch >= 1.0:
                     last_watch = time.monotonic()
