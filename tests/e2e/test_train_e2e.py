@@ -8,6 +8,8 @@ snapshots and a gs:// run through a store outage.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import subprocess
 import sys
@@ -110,6 +112,32 @@ def test_sync_mode_runs_lockstep_on_delta_snapshots(tmp_path):
     more = _run([*cmd, "--set", "learner.max_steps=5"], tmp_path, timeout=300)
     assert more["last_step"]["step"] == 5 and more["actor_exit_codes"] == [0, 0]
     assert [r["step"] for r in read_metrics(store, "learner") if "loss" in r] == [1, 2, 3, 4, 5]
+
+
+def test_actors_that_reload_every_k_versions_train_stale_data_up_to_the_bound(tmp_path):
+    """`actor.reload_every_versions=3` (the staleness study's lever, issue #27): actors
+    load a new version only once the learner is 3 ahead, so the learner trains on
+    episodes up to its bound old, not only on the newest weights' (and never deadlocks
+    on its own flow control)."""
+    cmd = _cmd(
+        str(tmp_path / "runs"),
+        "stale",
+        "learner.max_steps=16",
+        "learner.max_staleness=3",
+        "actor.reload_every_versions=3",
+        mode="async",
+    )
+    summary = _run(cmd, tmp_path)
+    store = open_store(summary["run_uri"])
+    assert summary["learner_exit_code"] == 0 and summary["actor_exit_codes"] == [0, 0]
+    lags = collections.Counter()
+    for r in read_metrics(store, "learner"):
+        lags.update({int(k): v for k, v in r.get("staleness", {}).items()})
+    assert max(lags) <= 3 and sum(v for k, v in lags.items() if k >= 2) > 0, lags
+    for actor in ("actor-0000", "actor-0001"):
+        loaded = sorted({r["weights_version"] for r in read_metrics(store, f"actor/{actor}")})
+        loaded = [v for v in loaded if v >= 0]
+        assert all(b - a >= 3 for a, b in itertools.pairwise(loaded[1:])), loaded
 
 
 @pytest.mark.gcs

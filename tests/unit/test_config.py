@@ -319,6 +319,19 @@ def test_async_max_staleness_0_is_refused():
     assert (sync.mode, sync.learner.max_staleness) == ("sync", 0)
 
 
+def test_forced_staleness_stays_within_the_bound_and_async():
+    """`actor.reload_every_versions` above `learner.max_staleness` would make every episode
+    a drop, and a sync learner waits for each version: both refused, naming the fields."""
+    for overrides in (
+        ["actor.reload_every_versions=5", "learner.max_staleness=4"],
+        ["actor.reload_every_versions=2", "mode=sync"],
+    ):
+        with pytest.raises(ConfigError, match=r"actor.reload_every_versions=\d needs mode=async"):
+            load_config(None, overrides)
+    cfg = load_config(None, ["actor.reload_every_versions=4", "learner.max_staleness=4"])
+    assert cfg.actor.reload_every_versions == 4
+
+
 def test_shipped_configs_load():
     configs = sorted((REPO / "configs").glob("*.yaml"))
     # the examples' too, but the plug-in's: its env exists once the example is installed

@@ -295,7 +295,9 @@ class ActorRuntime:
             # Loads, or refuses (or the store fails) and keeps the current weights. A
             # parked actor loads none (a snapshot can be 500 MB): it catches up unparked.
             if self.gate is None or not self.gate.parked or self.version < 0:
-                self._outage.tolerate("weights poll", self.weights.poll, self._load)
+                ahead = self.cfg.actor.reload_every_versions
+                poll = functools.partial(self.weights.poll, self._load, ahead=ahead)
+                self._outage.tolerate("weights poll", poll)
         finally:
             self._reloading.release()
 
@@ -319,7 +321,7 @@ class ActorRuntime:
         newer = (
             not self.gate.parked
             and flow is not None
-            and self.version < flow.version
+            and self.version + self.cfg.actor.reload_every_versions <= flow.version
             and now - self._behind_poll_at >= CONFIRM_S
         )
         if not got.admit and (self.gate.confirm or newer):

@@ -57,6 +57,14 @@ class ActorConfig(Frozen):
     max_new_tokens: Int = Field(16, ge=1, description="tokens the policy may generate per turn")
     max_episode_tokens: Int = Field(192, ge=8)
     weight_poll_s: Float = Field(1.0, gt=0.0)
+    reload_every_versions: Int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="load new weights only once the learner is this many versions ahead "
+        "(1: every new version); more forces staleness up to the bound, for studies of "
+        "off-policy corrections (async mode, at most learner.max_staleness)",
+    )
     flow_control: bool = Field(
         True,
         description="on (true): actors pause starting new episodes while the unread backlog "
@@ -313,6 +321,14 @@ class RunConfig(Frozen):
             raise ValueError(
                 f"actor.num_actors={n} (the fleet the run starts with) is outside "
                 f"actor.autopilot's bounds [{pilot.min_actors}, {pilot.max_actors or n}]"
+            )
+        k = self.actor.reload_every_versions
+        if k > 1 and (self.mode == "sync" or k > self.learner.max_staleness):
+            raise ValueError(
+                f"actor.reload_every_versions={k} needs mode=async and at most "
+                f"learner.max_staleness={self.learner.max_staleness} (mode={self.mode}): "
+                "a sync learner waits for each version, and staler weights than the bound "
+                "make every episode a drop"
             )
         if self.actor.autopilot.enabled is True and self.mode == "sync":
             raise ValueError(

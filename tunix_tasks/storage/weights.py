@@ -400,9 +400,14 @@ class WeightsClient:
         self._full: FullBlob | None = None  # the base for deltas, once the run has them
 
     def poll(
-        self, apply: Callable[[dict[str, np.ndarray], Manifest], None] | None = None
+        self,
+        apply: Callable[[dict[str, np.ndarray], Manifest], None] | None = None,
+        *,
+        ahead: int = 1,
     ) -> tuple[dict[str, np.ndarray], Manifest] | None:
-        """New (flat, manifest), after `apply(flat, manifest)` took them; None otherwise."""
+        """New (flat, manifest), after `apply(flat, manifest)` took them; None otherwise.
+        Once it holds weights, only a version at least `ahead` past them is new (1: any
+        newer one; more forces staleness, `actor.reload_every_versions`)."""
         try:
             latest = read_latest(self._store)
         except PointerError as err:
@@ -411,7 +416,8 @@ class WeightsClient:
                 log.error("refusing weights pointer, keeping v%d: %s", self.version, err)
             return None
         self._refused_generation = self.refused_pointer = None
-        if latest is None or latest[0] <= self.version or latest[0] in self.refused:
+        newest = self.version + (ahead if self.version >= 0 else 1) - 1
+        if latest is None or latest[0] <= newest or latest[0] in self.refused:
             return None
         version = latest[0]
         t0 = time.perf_counter()

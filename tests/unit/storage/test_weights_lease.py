@@ -56,6 +56,23 @@ def test_publish_then_client_reloads_when_latest_moves(store_uri):
     assert {"weights/v00000001/params.safetensors", "weights/v00000001/manifest.json"} <= keys
 
 
+def test_a_client_told_to_stay_behind_loads_only_versions_far_enough_ahead(store_uri):
+    """`poll(ahead=3)` (`actor.reload_every_versions`): the first weights whatever their
+    version, then only a version at least 3 past those it holds."""
+    store = open_store(store_uri)
+    client, pub = WeightsClient(store), WeightsPublisher(store)
+    for v in (0, 1):
+        pub.publish(_params(v), version=v, step=v, model={})
+    assert client.poll(ahead=3)[1].version == 1  # the first: whatever LATEST is
+    for v in (2, 3):
+        pub.publish(_params(v), version=v, step=v, model={})
+        assert client.poll(ahead=3) is None and client.version == 1
+    pub.publish(_params(4), version=4, step=4, model={})
+    assert client.poll(ahead=3)[1].version == 4
+    pub.publish(_params(5), version=5, step=5, model={})
+    assert client.poll()[1].version == 5  # ahead=1: any newer one
+
+
 def test_corrupt_snapshot_refused_client_keeps_old(store_uri):
     store = open_store(store_uri)
     pub = WeightsPublisher(store)
