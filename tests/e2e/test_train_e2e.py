@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -71,21 +72,22 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 600) -> dict:
     return _run_out(cmd, cwd, timeout)[0]
 
 
+def _train(tmp_path: Path, name: str, *extra: str, mode: str) -> tuple[list[str], dict, Any]:
+    """A `train` run that ends cleanly: its command, its summary and its run's store."""
+    cmd = _cmd(str(tmp_path / "runs"), name, *extra, mode=mode)
+    summary = _run(cmd, tmp_path)
+    assert summary["learner_exit_code"] == 0 and summary["actor_exit_codes"] == [0, 0]
+    return cmd, summary, open_store(summary["run_uri"])
+
+
 def test_sync_mode_runs_lockstep_on_delta_snapshots(tmp_path):
     """Sync mode, full fine-tuning publishing deltas between full snapshots (every 3
     versions): actors rebuild deltas and sample only with the newest weights. Issue #31.1:
     the same command again finds the run finished and leaves it alone; with max_steps
     raised it trains on from where it stopped."""
-    cmd = _cmd(
-        str(tmp_path / "runs"),
-        "sync",
-        "learner.max_steps=4",
-        "learner.full_snapshot_every=3",
-        mode="sync",
+    cmd, summary, store = _train(
+        tmp_path, "sync", "learner.max_steps=4", "learner.full_snapshot_every=3", mode="sync"
     )
-    summary = _run(cmd, tmp_path)
-    store = open_store(summary["run_uri"])
-    assert summary["learner_exit_code"] == 0 and summary["actor_exit_codes"] == [0, 0]
     steps = [r for r in read_metrics(store, "learner") if "loss" in r]
     assert len(steps) == 4
     # Synchronous: every trained episode came from the newest weights.
@@ -116,28 +118,27 @@ def test_sync_mode_runs_lockstep_on_delta_snapshots(tmp_path):
 
 def test_actors_that_reload_every_k_versions_train_stale_data_up_to_the_bound(tmp_path):
     """`actor.reload_every_versions=3` (the staleness study's lever, issue #27): actors
-    load a new version only once the learner is 3 ahead, so the learner trains on
-    episodes up to its bound old, not only on the newest weights' (and never deadlocks
-    on its own flow control)."""
-    cmd = _cmd(
-        str(tmp_path / "runs"),
+    load a new version only once the learner is 3 ahead, or when flow control pauses
+    them (only newer weights make room: without that, a learner waiting for data and
+    actors waiting for room deadlocked), so the learner trains on episodes up to its
+    bound old, not only on the newest weights'."""
+    _, _, store = _train(
+        tmp_path,
         "stale",
         "learner.max_steps=16",
         "learner.max_staleness=3",
         "actor.reload_every_versions=3",
         mode="async",
     )
-    summary = _run(cmd, tmp_path)
-    store = open_store(summary["run_uri"])
-    assert summary["learner_exit_code"] == 0 and summary["actor_exit_codes"] == [0, 0]
     lags = collections.Counter()
     for r in read_metrics(store, "learner"):
         lags.update({int(k): v for k, v in r.get("staleness", {}).items()})
     assert max(lags) <= 3 and sum(v for k, v in lags.items() if k >= 2) > 0, lags
+    jumps = []  # versions between an actor's successive loads (not counting v0)
     for actor in ("actor-0000", "actor-0001"):
         loaded = sorted({r["weights_version"] for r in read_metrics(store, f"actor/{actor}")})
-        loaded = [v for v in loaded if v >= 0]
-        assert all(b - a >= 3 for a, b in itertools.pairwise(loaded[1:])), loaded
+        jumps += [b - a for a, b in itertools.pairwise(v for v in loaded if v > 0)]
+    assert jumps and max(jumps) >= 3, jumps  # held its weights while the learner moved on
 
 
 @pytest.mark.gcs

@@ -295,7 +295,11 @@ class ActorRuntime:
             # Loads, or refuses (or the store fails) and keeps the current weights. A
             # parked actor loads none (a snapshot can be 500 MB): it catches up unparked.
             if self.gate is None or not self.gate.parked or self.version < 0:
-                ahead = self.cfg.actor.reload_every_versions
+                # `reload_every_versions` holds old weights only while flow control
+                # admits: paused, only newer weights make room (else a learner waiting
+                # for data and actors waiting for room would wait for each other).
+                paused = self.gate is not None and not self.gate.last.admit
+                ahead = 1 if paused else self.cfg.actor.reload_every_versions
                 poll = functools.partial(self.weights.poll, self._load, ahead=ahead)
                 self._outage.tolerate("weights poll", poll)
         finally:
@@ -321,7 +325,7 @@ class ActorRuntime:
         newer = (
             not self.gate.parked
             and flow is not None
-            and self.version + self.cfg.actor.reload_every_versions <= flow.version
+            and self.version < flow.version
             and now - self._behind_poll_at >= CONFIRM_S
         )
         if not got.admit and (self.gate.confirm or newer):
