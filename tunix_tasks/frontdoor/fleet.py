@@ -263,6 +263,7 @@ def run_actor_shifts(
     """
     cfg, store = read_config(run_uri)
     t0 = time.monotonic()
+    deadline_s = deadline_s or cfg.deadline_s  # from the slot's start, not each shift's
     end = t0 + deadline_s if deadline_s else None
     active = cfg.first_active_actors  # None: nothing parks until the fleet file says so
     left_on: bytes | None = None  # the fleet file as the actor left parked

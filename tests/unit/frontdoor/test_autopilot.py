@@ -382,6 +382,9 @@ def test_a_parked_actors_slot_holds_no_actor_and_starts_it_again_when_the_fleet_
     store.delete(RunLayout.DONE)
     idle = run_actor_shifts(run_uri, 1, launch, deadline_s=0.2, poll_s=0.01)
     assert idle["stop_reason"] == "deadline" and idle["shifts"] == 0 and len(launched) == 3
+    timed = prepare_run(cfg.model_copy(update={"run_name": "timed", "deadline_s": 0.2}))
+    write_fleet(open_store(timed), 0, "shrink")  # the run's own deadline, from the start
+    assert run_actor_shifts(timed, 1, launch, poll_s=0.01)["stop_reason"] == "deadline"
 
 
 def test_the_autopilot_rides_out_a_store_outage(tmp_path, caplog):
