@@ -397,8 +397,11 @@ class Trainer:
         less any part of it the previous step's computation still held the device."""
         out = {k: float(v) for k, v in jax.device_get(pending.metrics).items()}
         self.steps += 1
-        out["step_s"] = time.perf_counter() - pending.t0
-        ready = pending.ready.wait()
+        fetched = time.perf_counter()
+        out["step_s"] = fetched - pending.t0
+        # The waiter thread stamps the time only once it gets the GIL back, which can be
+        # after this thread already fetched the results: they were ready by `fetched`.
+        ready = min(pending.ready.wait(), fetched)
         out["device_s"] = max(0.0, ready - max(pending.launched, self._last_ready))
         self._last_ready = ready
         if not math.isfinite(out["loss"]):
