@@ -9,6 +9,8 @@ must not turn into a negative advantage for the others); dropped episodes get 0.
   arXiv:2402.03300): episodes sharing an env seed are the natural baseline and need no
   value network.
 * ``batch_advantages``: normalisation over all (kept) episodes given.
+* ``shard_group_codes``: group ids of several shards as integers, a group per shard (the
+  learner computes a round of shards' advantages at once).
 * ``zero_variance_mask``: groups that carry no signal (all kept rewards equal, or fewer
   than two kept episodes): DAPO's dynamic sampling filter (Yu et al. 2025,
   arXiv:2503.14476) drops them instead of spending compute on zero gradients.
@@ -21,7 +23,13 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
-__all__ = ["batch_advantages", "group_advantages", "shard_advantages", "zero_variance_mask"]
+__all__ = [
+    "batch_advantages",
+    "group_advantages",
+    "shard_advantages",
+    "shard_group_codes",
+    "zero_variance_mask",
+]
 
 
 def _groups(group_ids: Sequence[object] | np.ndarray, size: int) -> tuple[np.ndarray, int]:
@@ -81,17 +89,22 @@ def batch_advantages(
     normalize_std: bool = True,
 ) -> np.ndarray:
     """Batch-normalised advantages ``(r - mean) / (std + eps)`` over the kept episodes
-    (``normalize_std=False``: ``r - mean``).
+    (``normalize_std=False``: ``r - mean``): the group normalisation with one group.
 
     Use when episodes have no meaningful groups (e.g. one episode per env seed).
     """
     r = np.asarray(rewards, np.float64).reshape(-1)
-    k = _keep(keep, r.size)
-    if not k.any():
-        return np.zeros(r.size, np.float32)
-    kept = r[k]
-    scale = kept.std() + eps if normalize_std else 1.0
-    return np.where(k, (r - kept.mean()) / scale, 0.0).astype(np.float32)
+    return group_advantages(
+        r, np.zeros(r.size, np.int64), keep=keep, eps=eps, normalize_std=normalize_std
+    )
+
+
+def shard_group_codes(group_ids: Sequence[object] | np.ndarray, shards: ArrayLike) -> np.ndarray:
+    """One integer per (shard, group id) of the episodes of several shards, each episode's
+    shard index in `shards`: a group id names a group within its shard only."""
+    shard = np.asarray(shards, np.int64).reshape(-1)
+    inverse, n = _groups(group_ids, shard.size)
+    return shard * max(n, 1) + inverse
 
 
 def zero_variance_mask(
@@ -113,15 +126,19 @@ def zero_variance_mask(
 
 def shard_advantages(
     rewards: ArrayLike,
-    group_ids: Sequence[object],
+    group_ids: Sequence[object] | np.ndarray,
     mode: str,
     keep: ArrayLike | None = None,
     *,
     normalize_std: bool = True,
+    shards: ArrayLike | None = None,
 ) -> np.ndarray:
-    """Advantages for the episodes of one shard: group-normalised (GRPO) or over the
-    shard; ``normalize_std=False`` only centres them (Dr. GRPO,
+    """Advantages for the episodes of one shard, or of several (`shards`: each episode's
+    shard index; `group_ids` then `shard_group_codes`): group-normalised (GRPO) or over
+    each shard; ``normalize_std=False`` only centres them (Dr. GRPO,
     ``learner.normalize_advantage_std``)."""
     if mode == "group":
         return group_advantages(rewards, group_ids, keep=keep, normalize_std=normalize_std)
-    return batch_advantages(rewards, keep=keep, normalize_std=normalize_std)
+    if shards is None:
+        return batch_advantages(rewards, keep=keep, normalize_std=normalize_std)
+    return group_advantages(rewards, shards, keep=keep, normalize_std=normalize_std)

@@ -5,12 +5,13 @@ Three pieces, composed like grain's iterators (each `get_state` holds its parent
 - `ShardPosition` (`position.py`): which shards and rows are acknowledged (trained or
   dropped). Pure state, bounded: a per-actor watermark replaces the keys of every fully
   acknowledged shard below it, so a checkpoint does not grow with the run's history.
-- `EpisodeSource`: one round = list each actor's folder from its watermark, read and
-  validate the shards not yet handed out concurrently (quarantining bad ones), compute
-  each episode's advantage over its group (a group is always in one shard) and return
-  one `EpisodeBlock` per shard (`blocks.py`): its unacknowledged rows, column by column;
-  replayed episode ids are flagged (`block.duplicate`). `ack(episode)` /
-  `ack_entries(block, entries)` mark episodes accounted for.
+- `EpisodeSource`: one round = list each actor's folder from its watermark, decode the
+  shards not yet handed out concurrently, validate them all in one vectorised pass
+  (quarantining bad ones), compute each episode's advantage over its group (a group is
+  always in one shard) and return one `EpisodeBlock` per shard (`blocks.py`): its
+  unacknowledged rows, column by column; replayed episode ids are flagged
+  (`block.duplicate`). `ack(episode)` / `ack_entries(block, entries)` mark episodes
+  accounted for.
 - `PrefetchingSource`: the same interface, with the rounds run by a background thread so
   reading overlaps the train step.
 
@@ -35,11 +36,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
+import pyarrow as pa
 
 from tunix_tasks.config import LearnerConfig
 from tunix_tasks.episode import Episode, ShardRow
 from tunix_tasks.learner.accounting import RecentIds
-from tunix_tasks.learner.advantages import shard_advantages, zero_variance_mask
+from tunix_tasks.learner.advantages import (
+    shard_advantages,
+    shard_group_codes,
+    zero_variance_mask,
+)
 from tunix_tasks.learner.blocks import EpisodeBlock
 from tunix_tasks.learner.flow import DROPPED_STATUSES
 from tunix_tasks.learner.position import STATE_VERSION, ShardPosition
@@ -47,7 +53,12 @@ from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.runs import quarantine
 from tunix_tasks.storage.shards import ShardColumns
 from tunix_tasks.storage.store import ObjectStore, StoreError
-from tunix_tasks.storage.validation import ShardValidationError, read_shard_columns
+from tunix_tasks.storage.uri import join_uri
+from tunix_tasks.storage.validation import (
+    ShardValidationError,
+    read_shard_table,
+    validate_tables,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +72,7 @@ __all__ = [
 
 
 class _Decoded(NamedTuple):
-    """One shard read by `EpisodeSource._decode`: its columns, every row's advantage,
+    """One shard of a round `EpisodeSource._decode` read: its columns, every row's advantage,
     which rows are in a group without signal (`zero_variance_mask`), and each row's id
     digest (`RecentIds.digest`)."""
 
@@ -214,16 +225,15 @@ class EpisodeSource:
     def poll(self, max_shards: int = 16) -> list[EpisodeBlock]:
         """One round: the unacknowledged rows of up to `max_shards` new shards."""
         keys = self.pending_shards()[:max_shards]
-        # Parquet decoding and object-store requests release the GIL: read, validate and
-        # compute advantages concurrently; this thread takes each shard as it is done.
         out: list[EpisodeBlock] = []
-        for key, shard in zip(keys, self._pool.map(self._decode, keys), strict=True):
+        for key, shard in zip(keys, self._decode(keys), strict=True):
             if isinstance(shard, ShardValidationError):
                 self._quarantine(key, shard)
                 continue
             self._emitted.add(key)
             n = len(shard.columns)
-            rows = np.setdiff1d(np.arange(n), list(self.position.acked_rows(key)))
+            acked = self.position.acked_rows(key)  # rows done before a restart
+            rows = np.setdiff1d(np.arange(n), list(acked)) if acked else np.arange(n)
             self.position.opened(key, n)
             ids = shard.columns.episode_id[rows]
             replayed = (
@@ -240,25 +250,48 @@ class EpisodeSource:
             out.append(block)
         return out
 
-    def _decode(self, key: str) -> _Decoded | ShardValidationError:
-        """A shard's episodes with their advantages, or why it is refused: a reader thread's
-        part of a round, which touches none of the source's state."""
-        limits = {"max_length": self.max_length, "max_version": self.newest_version}
+    def _decode(self, keys: list[str]) -> list[_Decoded | ShardValidationError]:
+        """The shards' episodes with their advantages, or why each is refused. Reader
+        threads decode the files (Parquet decoding and object-store requests release the
+        GIL); the rest is vectorised over the whole round, as per-shard Python work would
+        hold the GIL about as long as the decoding takes (#29)."""
+        out: list[Any] = list(self._pool.map(self._read, keys))
+        ok = [i for i, r in enumerate(out) if not isinstance(r, ShardValidationError)]
+        valid = validate_tables(
+            [out[i] for i in ok],
+            [join_uri(self._store.uri, keys[i]) for i in ok],
+            vocab_size=self.vocab_size,
+            max_length=self.max_length,
+            max_version=self.newest_version,
+        )
+        if valid.columns is not None:
+            cols, starts = valid.columns, valid.starts
+            shard = np.repeat(np.arange(len(ok)), np.diff(starts))
+            # Advantages over whole groups, also when part of a group was acknowledged
+            # before a restart (`poll` hands out only the unacknowledged rows).
+            groups = shard_group_codes(cols.group_id, shard)
+            keep = ~np.isin(cols.status, DROPPED_STATUSES)
+            adv = shard_advantages(
+                cols.reward,
+                groups,
+                self.advantage,
+                keep,
+                normalize_std=self.normalize_std,
+                shards=shard,
+            )
+            flat = zero_variance_mask(cols.reward, groups, keep=keep)
+            digests = [RecentIds.digest(i) for i in cols.episode_id.tolist()]
+        for j, i in enumerate(ok):  # (no columns: every shard is invalid, so has an error)
+            a, b = int(valid.starts[j]), int(valid.starts[j + 1])
+            out[i] = valid.errors[j] or _Decoded(cols.rows(a, b), adv[a:b], flat[a:b], digests[a:b])
+        return out
+
+    def _read(self, key: str) -> pa.Table | ShardValidationError:
+        """A reader thread's part of a round (it touches none of the source's state)."""
         try:
-            columns = read_shard_columns(self._store, key, vocab_size=self.vocab_size, **limits)
+            return read_shard_table(self._store, key, max_length=self.max_length)
         except ShardValidationError as err:
             return err
-        # Advantages over whole groups, also when part of a group was acknowledged before
-        # a restart (`poll` hands out only the unacknowledged rows).
-        rewards = columns.reward
-        # One integer code per group id: the advantages group by it.
-        groups = np.unique(columns.group_id, return_inverse=True)[1]
-        keep = ~np.isin(columns.status, DROPPED_STATUSES)
-        adv = shard_advantages(
-            rewards, groups, self.advantage, keep, normalize_std=self.normalize_std
-        )
-        digests = [RecentIds.digest(i) for i in columns.episode_id.tolist()]
-        return _Decoded(columns, adv, zero_variance_mask(rewards, groups, keep=keep), digests)
 
     def _quarantine(self, key: str, err: ShardValidationError) -> None:
         log.warning("invalid shard %s: %s", key, err.reason)

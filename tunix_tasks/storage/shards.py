@@ -214,6 +214,7 @@ class ShardWriter:
 
 
 _STATUSES = {s.value: s for s in EpisodeStatus}
+_LISTS = ("tokens", "loss_mask", "behavior_logprobs")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -250,7 +251,7 @@ class ShardColumns:
     def of(cls, table: pa.Table) -> ShardColumns:
         """The columns of a table `validation.read_shard` returned (validated)."""
         lists, offsets = [], []
-        for name in ("tokens", "loss_mask", "behavior_logprobs"):
+        for name in _LISTS:
             arr: pa.ListArray = table.column(name).combine_chunks()
             offsets.append(arr.offsets.to_numpy())
             lists.append(arr.values.to_numpy(zero_copy_only=False))
@@ -272,6 +273,40 @@ class ShardColumns:
             behavior_logprobs=lists[2],
             offsets=tuple(offsets),
         )
+
+    @classmethod
+    def concat(cls, parts: Sequence[ShardColumns]) -> ShardColumns:
+        """Several shards' columns back to back (at least one), offsets shifted."""
+        out: dict[str, Any] = {
+            f.name: np.concatenate([getattr(p, f.name) for p in parts])
+            for f in dataclasses.fields(cls)
+            if f.name not in _LISTS and f.name != "offsets"
+        }
+        offsets = []
+        for k, name in enumerate(_LISTS):
+            values, offs, total = [], [np.zeros(1, np.int64)], 0
+            for part in parts:
+                o = part.offsets[k]
+                values.append(getattr(part, name)[o[0] : o[-1]])
+                offs.append(o[1:] - o[0] + total)
+                total += int(o[-1] - o[0])
+            out[name] = np.concatenate(values)
+            offsets.append(np.concatenate(offs))
+        return cls(**out, offsets=tuple(offsets))
+
+    def rows(self, start: int, stop: int) -> ShardColumns:
+        """Rows `start:stop` as columns of their own: the list values copied, so these do
+        not keep the other rows' alive, and the offsets counted from 0."""
+        out: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            if field.name not in _LISTS and field.name != "offsets":
+                out[field.name] = getattr(self, field.name)[start:stop]
+        offsets = []
+        for name, offs in zip(_LISTS, self.offsets, strict=True):
+            lo, hi = offs[start], offs[stop]
+            out[name] = getattr(self, name)[lo:hi].copy()
+            offsets.append(offs[start : stop + 1] - lo)
+        return ShardColumns(**out, offsets=tuple(offsets))
 
     def __len__(self) -> int:
         return len(self.episode_id)

@@ -7,6 +7,9 @@ small fraction of decoding.
     table = read_shard(store, "shards/actor-0/....parquet", vocab_size=103)
     read_shard(store, key, vocab_size=103, max_length=192, max_version=7)  # learner limits
     columns = read_shard_columns(store, key, vocab_size=103)  # the checked numpy columns
+    # the learner's rounds: decode in reader threads, then check all at once
+    tables = [read_shard_table(store, k, max_length=192) for k in keys]
+    valid = validate_tables(tables, keys, vocab_size=103, max_length=192, max_version=7)
 
 `max_length` (the longest episode the run allows, `actor.max_episode_tokens`) rejects a
 shard as `too_long`; `max_version` (the newest weights version the learner has
@@ -23,7 +26,8 @@ expanded, are summed against `max_bytes` (`MAX_SHARD_BYTES`) before the next row
 
 from __future__ import annotations
 
-from typing import TypedDict, Unpack
+from collections.abc import Sequence
+from typing import Any, NamedTuple, TypedDict, Unpack
 
 import numpy as np
 import pyarrow as pa
@@ -39,6 +43,7 @@ from tunix_tasks.storage.uri import join_uri
 # honest shard (at most one group over that) never comes near it, while the learner's
 # 4 concurrent reads stay under 1 GiB whatever the files declare.
 MAX_SHARD_BYTES = 256 << 20
+_VERSION_KEY = b"tunix.schema_version"
 _STRINGS = [f.name for f in SHARD_SCHEMA if pa.types.is_string(f.type)]
 
 
@@ -75,6 +80,32 @@ def read_shard_columns(
     return _read(store, key, vocab_size, **limits)[1]
 
 
+def read_shard_table(
+    store: ObjectStore,
+    key: str,
+    *,
+    max_length: int | None = None,
+    max_bytes: int = MAX_SHARD_BYTES,
+) -> pa.Table:
+    """A shard's rows decoded within the size bounds (module docstring), not yet validated
+    (`validate_table` / `validate_tables`), strings still dictionary-encoded: the part of
+    reading that releases the GIL, for a reader thread. Raises ShardValidationError (or
+    NotFound)."""
+    where = join_uri(store.uri, key)
+    try:
+        source = store.open_input(key)
+        # ParquetFile skips the dataset layer of read_table: same result, less overhead.
+        file = pq.ParquetFile(source, read_dictionary=_STRINGS)
+        _check_declared(file, where, max_length, max_bytes)
+        return _decode(file, where, max_bytes)
+    except (NotFound, ShardValidationError):
+        raise
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise ShardValidationError(
+            where, "corrupt", f"not a readable Parquet file ({err})"
+        ) from None
+
+
 def _read(
     store: ObjectStore,
     key: str,
@@ -83,23 +114,74 @@ def _read(
     max_version: int | None = None,
     max_bytes: int = MAX_SHARD_BYTES,
 ) -> tuple[pa.Table, ShardColumns]:
-    where = join_uri(store.uri, key)
-    try:
-        source = store.open_input(key)
-        # ParquetFile skips the dataset layer of read_table: same result, less overhead.
-        file = pq.ParquetFile(source, read_dictionary=_STRINGS)
-        _check_declared(file, where, max_length, max_bytes)
-        table = _decode(file, where, max_bytes)
-    except (NotFound, ShardValidationError):
-        raise
-    except (pa.ArrowException, OSError, ValueError) as err:
-        raise ShardValidationError(
-            where, "corrupt", f"not a readable Parquet file ({err})"
-        ) from None
+    table = read_shard_table(store, key, max_length=max_length, max_bytes=max_bytes)
+    table = _plain_strings(table)
     columns = validate_table(
-        table, where=where, vocab_size=vocab_size, max_length=max_length, max_version=max_version
+        table,
+        where=join_uri(store.uri, key),
+        vocab_size=vocab_size,
+        max_length=max_length,
+        max_version=max_version,
     )
     return table, columns
+
+
+class ValidShards(NamedTuple):
+    """`validate_tables`' answer: the valid shards' rows back to back (None if no shard
+    is valid); shard i's are rows `starts[i]:starts[i + 1]` (none when it is invalid) and
+    `errors[i]` says why it is."""
+
+    columns: ShardColumns | None
+    starts: np.ndarray  # int64 [k + 1]
+    errors: list[ShardValidationError | None]
+
+
+def validate_tables(
+    tables: Sequence[pa.Table],
+    wheres: Sequence[str],
+    *,
+    vocab_size: int,
+    max_length: int | None = None,
+    max_version: int | None = None,
+) -> ValidShards:
+    """`validate_table` of several shards (`read_shard_table`'s tables; `wheres` name
+    them) in one vectorised pass over all their rows, so a round of shards costs the
+    Python work of about one: per shard, that work holds the GIL about as long as the
+    decoding does (#29). Every check holds for all rows only if it holds for each shard's
+    (episode ids unique over all of them is stricter), so when the pass fails, or the
+    shards differ in schema or one is empty, they are checked one by one, which names
+    each invalid shard."""
+    checks: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "max_length": max_length,
+        "max_version": max_version,
+    }
+    sizes = [t.num_rows for t in tables]
+    schema = tables[0].schema if tables else None
+    # Each shard's metadata differs (its length histogram); their schema versions may not.
+    versions = {(t.schema.metadata or {}).get(_VERSION_KEY) for t in tables}
+    if all(sizes) and len(versions) <= 1 and all(t.schema.equals(schema) for t in tables):
+        try:
+            together = _plain_strings(pa.concat_tables(tables)) if tables else None
+            columns = validate_table(together, where="", **checks) if together else None
+        except ShardValidationError:
+            pass  # which shards, and why: one by one, below
+        else:
+            return ValidShards(columns, _starts(sizes), [None] * len(tables))
+    parts: list[ShardColumns] = []
+    errors: list[ShardValidationError | None] = []
+    for i, (table, where) in enumerate(zip(tables, wheres, strict=True)):
+        try:
+            parts.append(validate_table(_plain_strings(table), where=where, **checks))
+            errors.append(None)
+        except ShardValidationError as err:
+            errors.append(err)
+            sizes[i] = 0
+    return ValidShards(ShardColumns.concat(parts) if parts else None, _starts(sizes), errors)
+
+
+def _starts(sizes: Sequence[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
 
 
 def _too_large(where: str, size: int, max_bytes: int, what: str) -> ShardValidationError:
@@ -144,7 +226,7 @@ def _check_declared(
 def _decode(file: pq.ParquetFile, where: str, max_bytes: int) -> pa.Table:
     """The file's rows, one row group at a time, stopping once `max_bytes` are decoded.
     Strings come as dictionaries (a value stored once may stand for every row), counted
-    expanded and expanded only once all are counted."""
+    expanded; `_plain_strings` expands them once all are counted."""
     parts, decoded = [], 0
     for i in range(file.num_row_groups):
         # One thread per shard: the learner reads several shards at once, and Arrow's own
@@ -157,7 +239,11 @@ def _decode(file: pq.ParquetFile, where: str, max_bytes: int) -> pa.Table:
         parts.append(part)
     if not parts:
         return file.schema_arrow.empty_table()
-    table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+    return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+
+
+def _plain_strings(table: pa.Table) -> pa.Table:
+    """`table` with its dictionary-encoded columns expanded (the shard schema's types)."""
     for i, field in enumerate(table.schema):
         if pa.types.is_dictionary(field.type):
             plain = pa.field(field.name, field.type.value_type, field.nullable, field.metadata)
@@ -193,7 +279,7 @@ def validate_table(
 ) -> ShardColumns:
     """The table's columns, or ShardValidationError if it breaks the shard v1 contract."""
     meta = table.schema.metadata or {}
-    version = meta.get(b"tunix.schema_version")
+    version = meta.get(_VERSION_KEY)
     if version is not None and version != str(SCHEMA_VERSION).encode():
         raise ShardValidationError(
             where,

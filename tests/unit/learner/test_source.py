@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
+from tunix_tasks.learner.advantages import batch_advantages, group_advantages
 from tunix_tasks.learner.source import EpisodeSource, PrefetchingSource, ShardPosition
 from tunix_tasks.storage.layout import SHARD_FOLDER_DIGITS, RunLayout
 from tunix_tasks.storage.shards import ShardWriter, episodes_to_table, table_to_parquet_bytes
@@ -102,6 +104,46 @@ def test_advantages_after_restart_use_the_whole_group(tmp_path):
     assert len(again) == 5
     for e in again:
         assert e.advantage == pytest.approx(advantage[e.episode_id])
+
+
+@pytest.mark.parametrize("mode", ["group", "batch"])
+def test_a_rounds_shards_get_the_advantages_each_would_alone(tmp_path, mode):
+    """A round is validated and normalised at once; two actors' shards that reuse a
+    group id are still two groups, and each shard its own baseline in batch mode."""
+    store = open_store(str(tmp_path))
+    for actor in ("actor-0", "actor-1", "actor-2"):
+        _write(store, 8, per_shard=8, group=4, actor=actor, seed=len(actor) + ord(actor[-1]))
+    blocks = EpisodeSource(store, vocab_size=103, advantage=mode).poll()
+    assert len(blocks) == 3
+    for block in blocks:
+        alone = EpisodeSource(store, vocab_size=103, advantage=mode)._decode([block.shard])[0]
+        np.testing.assert_array_equal(block.advantage, alone.advantage)
+        expected = (
+            group_advantages(block.reward, block.group_id)
+            if mode == "group"
+            else batch_advantages(block.reward)
+        )
+        np.testing.assert_array_equal(block.advantage, expected)
+        assert np.abs(block.advantage).max() > 0.1
+        np.testing.assert_array_equal(block.columns.offsets[0], alone.columns.offsets[0])
+        assert block.columns.tokens.size == block.columns.offsets[0][-1]  # its own rows only
+
+
+def test_one_bad_shard_in_a_round_is_quarantined_alone(tmp_path):
+    store = open_store(str(tmp_path))
+    eps, keys = _write(store, 24, per_shard=8)
+    bad = _good_table_with(eps[:8], status="weird")
+    store.write_bytes(keys[1], table_to_parquet_bytes(bad))
+    source = EpisodeSource(store, vocab_size=103)
+    got = _poll(source)
+    assert {e.episode_id for e in got} == {e.episode_id for e in eps[:8] + eps[16:]}
+    assert source.quarantined == [{"shard": keys[1], "reason": "bad_status"}]
+
+
+def _good_table_with(episodes, *, status):
+    table = episodes_to_table(episodes)
+    i = table.schema.get_field_index("status")
+    return table.set_column(i, "status", pa.array([status] * len(episodes)))
 
 
 def test_prefetching_source_composes_state(tmp_path):

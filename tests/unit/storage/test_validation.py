@@ -11,9 +11,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tunix_tasks.storage import validation
 from tunix_tasks.storage.shards import episodes_to_table, table_to_parquet_bytes
 from tunix_tasks.storage.store import open_store
-from tunix_tasks.storage.validation import ShardValidationError, read_shard
+from tunix_tasks.storage.validation import (
+    ShardValidationError,
+    read_shard,
+    read_shard_columns,
+    read_shard_table,
+    validate_tables,
+)
 from tunix_tasks.testing.shard_factory import make_episode
 
 VOCAB = 103
@@ -103,6 +110,83 @@ def test_bad_shards_raise_typed_error(tmp_path, reason, data):
         read_shard(store, "shards/a/bad.parquet", vocab_size=VOCAB)
     assert info.value.reason == reason
     assert "shards/a/bad.parquet" in str(info.value)
+
+
+def _round(store, datas):
+    """`read_shard_table` of each file, as a reader thread would: (keys, tables) of those
+    it could decode, and the reason of each it refused."""
+    keys, tables, refused = [], [], {}
+    for i, data in enumerate(datas):
+        key = f"shards/a/{i}.parquet"
+        store.write_bytes(key, data)
+        try:
+            tables.append(read_shard_table(store, key))
+            keys.append(key)
+        except ShardValidationError as err:
+            refused[key] = err.reason
+    return keys, tables, refused
+
+
+@pytest.mark.parametrize(
+    "reason,data", list(_cases()), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_a_round_refuses_each_bad_shard_for_its_reason_and_keeps_the_rest(tmp_path, reason, data):
+    """The learner's rounds check all their shards at once (`validate_tables`): one bad
+    shard between good ones is refused for the reason `read_shard` gives, alone."""
+    store = open_store(str(tmp_path))
+    rng = np.random.default_rng(5)
+    good = [
+        table_to_parquet_bytes(episodes_to_table([make_episode(rng, length=9) for _ in range(4)]))
+        for _ in range(2)
+    ]
+    keys, tables, refused = _round(store, [good[0], data, good[1]])
+    valid = validate_tables(tables, keys, vocab_size=VOCAB)
+    errors = {k: e.reason for k, e in zip(keys, valid.errors, strict=True) if e is not None}
+    assert {**refused, **errors} == {"shards/a/1.parquet": reason}
+    assert valid.columns is not None and len(valid.columns) == 8
+    for key in ("shards/a/0.parquet", "shards/a/2.parquet"):
+        i = keys.index(key)
+        part = valid.columns.rows(int(valid.starts[i]), int(valid.starts[i + 1]))
+        alone = read_shard_columns(store, key, vocab_size=VOCAB)
+        np.testing.assert_array_equal(part.episode_id, alone.episode_id)
+        for j in range(len(alone)):
+            for a, b in zip(part.arrays(j), alone.arrays(j), strict=True):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_a_round_of_good_shards_is_checked_in_one_pass(tmp_path, monkeypatch):
+    """The point of `validate_tables`: one vectorised pass, not one per shard (shards'
+    metadata differ, by their length histograms, and must not force the slow path)."""
+    store = open_store(str(tmp_path))
+    rng = np.random.default_rng(6)
+    datas = [
+        table_to_parquet_bytes(
+            episodes_to_table([make_episode(rng, length=n + 3) for _ in range(n)])
+        )
+        for n in (2, 5, 9)
+    ]
+    keys, tables, _ = _round(store, datas)
+    calls, real = [], validation.validate_table
+
+    def counted(table, **kw):
+        calls.append(table.num_rows)
+        return real(table, **kw)
+
+    monkeypatch.setattr(validation, "validate_table", counted)
+    valid = validate_tables(tables, keys, vocab_size=VOCAB)
+    assert calls == [16] and valid.starts.tolist() == [0, 2, 7, 16]
+
+
+def test_a_round_with_a_replayed_shard_keeps_both_copies(tmp_path):
+    """Episode ids must be unique within a shard, not across a round: a shard written
+    twice (a replay) is valid twice, and the learner's dedup drops the copy."""
+    store = open_store(str(tmp_path))
+    data = table_to_parquet_bytes(_good_table())
+    keys, tables, _ = _round(store, [data, data])
+    valid = validate_tables(tables, keys, vocab_size=VOCAB)
+    assert valid.errors == [None, None]
+    assert valid.starts.tolist() == [0, 6, 12]
+    assert validate_tables([], [], vocab_size=VOCAB).columns is None
 
 
 def test_good_shard_passes(tmp_path):
