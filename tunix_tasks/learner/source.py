@@ -62,6 +62,9 @@ from tunix_tasks.storage.validation import (
 
 log = logging.getLogger(__name__)
 
+#: Shards a round validates at once, while the reader threads decode the next ones.
+CHECK_EVERY = 8
+
 __all__ = [
     "STATE_VERSION",
     "EpisodeSource",
@@ -253,9 +256,25 @@ class EpisodeSource:
     def _decode(self, keys: list[str]) -> list[_Decoded | ShardValidationError]:
         """The shards' episodes with their advantages, or why each is refused. Reader
         threads decode the files (Parquet decoding and object-store requests release the
-        GIL); the rest is vectorised over the whole round, as per-shard Python work would
-        hold the GIL about as long as the decoding takes (#29)."""
-        out: list[Any] = list(self._pool.map(self._read, keys))
+        GIL); the rest is vectorised over `CHECK_EVERY` shards at a time, as per-shard
+        Python work would hold the GIL about as long as the decoding takes (#29), while
+        the threads go on decoding the next ones."""
+        reads = [self._pool.submit(self._read, key) for key in keys]
+        out: list[_Decoded | ShardValidationError] = []
+        try:
+            for start in range(0, len(keys), CHECK_EVERY):
+                part = range(start, min(start + CHECK_EVERY, len(keys)))
+                out += self._check([keys[i] for i in part], [reads[i].result() for i in part])
+        finally:
+            for read in reads:  # after an error, the round is read again
+                read.cancel()
+        return out
+
+    def _check(
+        self, keys: list[str], reads: list[pa.Table | ShardValidationError]
+    ) -> list[_Decoded | ShardValidationError]:
+        """`_decode`'s validation, advantages and replay digests of decoded shards."""
+        out: list[Any] = list(reads)
         ok = [i for i, r in enumerate(out) if not isinstance(r, ShardValidationError)]
         valid = validate_tables(
             [out[i] for i in ok],

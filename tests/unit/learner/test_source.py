@@ -8,11 +8,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from tunix_tasks.learner import source as source_mod
 from tunix_tasks.learner.advantages import batch_advantages, group_advantages
 from tunix_tasks.learner.source import EpisodeSource, PrefetchingSource, ShardPosition
 from tunix_tasks.storage.layout import SHARD_FOLDER_DIGITS, RunLayout
 from tunix_tasks.storage.shards import ShardWriter, episodes_to_table, table_to_parquet_bytes
-from tunix_tasks.storage.store import open_store
+from tunix_tasks.storage.store import StoreError, open_store
 from tunix_tasks.testing.shard_factory import block_episodes, make_episode
 
 
@@ -138,6 +139,28 @@ def test_one_bad_shard_in_a_round_is_quarantined_alone(tmp_path):
     got = _poll(source)
     assert {e.episode_id for e in got} == {e.episode_id for e in eps[:8] + eps[16:]}
     assert source.quarantined == [{"shard": keys[1], "reason": "bad_status"}]
+
+
+def test_a_store_error_late_in_a_round_loses_none_of_its_shards(tmp_path, monkeypatch):
+    """A round reads its shards concurrently and checks the first while the last are read;
+    a failed read (an outage past the retries) fails the whole round before any shard is
+    handed out, and the next round hands out every one."""
+    store = open_store(str(tmp_path))
+    eps, keys = _write(store, 8 * (source_mod.CHECK_EVERY + 2), per_shard=8)
+    source = EpisodeSource(store, vocab_size=103)
+    read = source._read
+
+    def outage(key):
+        if key == keys[-1]:
+            raise StoreError(f"{key}: unavailable")
+        return read(key)
+
+    monkeypatch.setattr(source, "_read", outage)
+    with pytest.raises(StoreError):
+        source.poll(max_shards=len(keys))
+    monkeypatch.setattr(source, "_read", read)
+    got = _poll(source, max_shards=len(keys))
+    assert sorted(e.episode_id for e in got) == sorted(e.episode_id for e in eps)
 
 
 def _good_table_with(episodes, *, status):
