@@ -28,6 +28,7 @@ go to `<out>/real_learning.png`, all numbers to `<out>/real_learning.json`.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -64,11 +65,18 @@ def interval(values: list[float]) -> tuple[float, float]:
     return mean, t * statistics.stdev(values) / len(values) ** 0.5
 
 
-def curve(run_uri: str) -> list[tuple[int, float, float]]:
+def curve(steps: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
     """(step, learner wall seconds since the first step ended, trained reward) per step."""
-    steps = learner_steps(read_records(open_store(run_uri)))
     t0 = steps[0]["time"] if steps else 0.0
     return [(r["step"], r["time"] - t0, r.get("reward_mean", 0.0)) for r in steps]
+
+
+def trained_staleness(steps: list[dict[str, Any]]) -> dict[str, int]:
+    """How many trained episodes were 0, 1, ... versions behind the learner."""
+    counts: collections.Counter[str] = collections.Counter()
+    for r in steps:
+        counts.update(r.get("staleness", {}))
+    return {k: counts[k] for k in sorted(counts, key=int)}
 
 
 def seen_fraction(cfg: RunConfig, held: list[int]) -> float:
@@ -112,7 +120,8 @@ def one_run(args: argparse.Namespace, root: str, mode: str, seed: int) -> dict[s
     total = time.monotonic() - t0
     held = held_out_seeds(args.episodes)
     final = evaluate_snapshot(cfg.run_uri, seeds=held)
-    points = curve(cfg.run_uri)
+    steps = learner_steps(read_records(open_store(cfg.run_uri)))
+    points = curve(steps)
     out = {
         "run_uri": cfg.run_uri,
         "reward": final["reward_mean"],
@@ -124,6 +133,8 @@ def one_run(args: argparse.Namespace, root: str, mode: str, seed: int) -> dict[s
         "wall_s": points[-1][1] if points else 0.0,
         "total_s": total,
         "curve": points,
+        "staleness": trained_staleness(steps),
+        "dropped": steps[-1].get("dropped", {}) if steps else {},
     }
     print(
         f"{mode} seed {seed}: held-out reward {out['reward']:.3f} solved {out['solved']:.3f} "
@@ -156,14 +167,22 @@ def _maybe(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _by_staleness(runs: list[dict[str, Any]]) -> str:
+    """Trained episodes 0/1/2/... versions old, summed over the runs that recorded it."""
+    counts: collections.Counter[int] = collections.Counter()
+    for r in runs:
+        counts.update({int(k): v for k, v in r.get("staleness", {}).items()})
+    return "/".join(str(counts[k]) for k in range(max(counts) + 1)) if counts else "-"
+
+
 def table(out: dict[str, Any]) -> str:
     base = out["base"]
     rows = [
         "| policy | seeds | held-out reward | solved | gain vs base | learner wall s | seen "
-        "| transfer |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| transfer | trained, by staleness | dropped stale |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| base (pretrained) | - | {base['reward']:.3f} | {base['solved']:.3f} | | | "
-        f"| {_maybe(base.get('transfer'))} |",
+        f"| {_maybe(base.get('transfer'))} | | |",
     ]
 
     def fmt(values: list[float], spec: str = ".3f") -> str:
@@ -181,7 +200,8 @@ def table(out: dict[str, Any]) -> str:
             f"| {fmt([r['reward'] - base['reward'] for r in runs], '+.3f')} "
             f"| {fmt([r['wall_s'] for r in runs], '.0f')} "
             f"| {fmt([r.get('seen', float('nan')) for r in runs], '.2f')} "
-            f"| {fmt(transfer)} |"
+            f"| {fmt(transfer)} | {_by_staleness(runs)} "
+            f"| {fmt([r['dropped'].get('stale', 0) for r in runs if 'dropped' in r], '.0f')} |"
         )
     return "\n".join(rows)
 
@@ -221,15 +241,18 @@ def plot(out: dict[str, Any], path: Path, smooth: int = 5) -> None:
 
 def merge(paths: list[str]) -> dict[str, Any]:
     """Earlier results (their real_learning.json) combined seed by seed; the base score
-    and arguments of the first."""
+    and arguments of the first. Files whose `--set` overrides differ are rows of their
+    own, named by the mode and the overrides that differ (a study's cells)."""
+    done = [json.loads(Path(path).read_text()) for path in paths]
+    common = set.intersection(*(set(d["args"]["set"]) for d in done))
     out: dict[str, Any] = {"runs": {}, "total_s": 0.0, "merged": paths}
-    for path in paths:
-        done = json.loads(Path(path).read_text())
-        out.setdefault("base", done["base"])
-        out.setdefault("args", done["args"])
-        for mode, by_seed in done["runs"].items():
-            out["runs"].setdefault(mode, {}).update(by_seed)
-        out["total_s"] += done["total_s"]
+    for d in done:
+        out.setdefault("base", d["base"])
+        out.setdefault("args", d["args"])
+        cell = [o for o in d["args"]["set"] if o not in common]
+        for mode, by_seed in d["runs"].items():
+            out["runs"].setdefault(", ".join([mode, *cell]), {}).update(by_seed)
+        out["total_s"] += d["total_s"]
     return out
 
 

@@ -5,8 +5,9 @@ ShardWriter, then reads them back in the same run, interleaved, best of `--repea
   baseline: plain `pyarrow.parquet.read_table` of each file (pyarrow's filesystem) on as
             many threads as the reader reads with (4, `EpisodeSource`'s `read_threads`);
             also on one thread, for scale
-  reader:   `EpisodeSource.poll()`: list, read, validate, advantages and replay flags, into
-            the columnar `EpisodeBlock`s the learner buffers (no object per episode)
+  reader:   `EpisodeSource.poll()`: list, decode on the reader threads, then validate,
+            advantages and replay flags over `CHECK_EVERY` shards at once, into the
+            columnar `EpisodeBlock`s the learner buffers (no object per episode)
   episodes: the same, then every block entry built as an `Episode` (what the reader
             cost when it handed out one Python object per episode)
 and prints trajectories/s, MB/s and reader/baseline throughput ratio (goal >= 0.8 of the

@@ -169,11 +169,17 @@ class RecentIds:
 
     @staticmethod
     def digest(episode_id: str) -> int:
-        """The 64-bit digest an id is remembered by (a pure function: reader threads
-        compute it ahead of `holds`)."""
-        return int.from_bytes(
-            hashlib.blake2b(episode_id.encode(), digest_size=8).digest(), "little"
-        )
+        """The 64-bit digest an id is remembered by (a pure function: the source computes
+        a round's ahead of `holds`, with `digests`)."""
+        return RecentIds.digests([episode_id])[0]
+
+    @staticmethod
+    def digests(episode_ids: Iterable[str]) -> list[int]:
+        """`digest` of each id (names bound once: this runs for every episode read)."""
+        blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+        return [
+            from_bytes(blake2b(i.encode(), digest_size=8).digest(), "little") for i in episode_ids
+        ]
 
     def holds(self, digest: int) -> bool:
         return digest in self._set

@@ -299,7 +299,7 @@ class EpisodeSource:
                 shards=shard,
             )
             flat = zero_variance_mask(cols.reward, groups, keep=keep)
-            digests = [RecentIds.digest(i) for i in cols.episode_id.tolist()]
+            digests = RecentIds.digests(cols.episode_id.tolist())
         for j, i in enumerate(ok):  # (no columns: every shard is invalid, so has an error)
             a, b = int(valid.starts[j]), int(valid.starts[j + 1])
             out[i] = valid.errors[j] or _Decoded(cols.rows(a, b), adv[a:b], flat[a:b], digests[a:b])
