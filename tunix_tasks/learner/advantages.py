@@ -103,8 +103,12 @@ def shard_group_codes(group_ids: Sequence[object] | np.ndarray, shards: ArrayLik
     """One integer per (shard, group id) of the episodes of several shards, each episode's
     shard index in `shards`: a group id names a group within its shard only."""
     shard = np.asarray(shards, np.int64).reshape(-1)
-    inverse, n = _groups(group_ids, shard.size)
-    return shard * max(n, 1) + inverse
+    # Python's own comparisons on the objects: a fixed-width copy (`astype(str)`) would
+    # cost rows x the longest id, and drops trailing NULs ("a" and "a\0" would merge).
+    uniques, inverse = np.unique(np.asarray(group_ids, dtype=object), return_inverse=True)
+    if inverse.size != shard.size:
+        raise ValueError(f"{shard.size} shard indices but {inverse.size} group ids")
+    return shard * max(len(uniques), 1) + inverse.reshape(-1)
 
 
 def zero_variance_mask(

@@ -6,12 +6,12 @@ Three pieces, composed like grain's iterators (each `get_state` holds its parent
   dropped). Pure state, bounded: a per-actor watermark replaces the keys of every fully
   acknowledged shard below it, so a checkpoint does not grow with the run's history.
 - `EpisodeSource`: one round = list each actor's folder from its watermark, decode the
-  shards not yet handed out concurrently, validate them all in one vectorised pass
-  (quarantining bad ones), compute each episode's advantage over its group (a group is
-  always in one shard) and return one `EpisodeBlock` per shard (`blocks.py`): its
-  unacknowledged rows, column by column; replayed episode ids are flagged
-  (`block.duplicate`). `ack(episode)` / `ack_entries(block, entries)` mark episodes
-  accounted for.
+  shards not yet handed out concurrently, validate them `CHECK_EVERY` at a time in one
+  vectorised pass (quarantining bad ones), compute each episode's advantage over its
+  group (a group is always in one shard) and return one `EpisodeBlock` per shard
+  (`blocks.py`): its unacknowledged rows, column by column; replayed episode ids are
+  flagged (`block.duplicate`). `ack(episode)` / `ack_entries(block, entries)` mark
+  episodes accounted for.
 - `PrefetchingSource`: the same interface, with the rounds run by a background thread so
   reading overlaps the train step.
 
@@ -259,12 +259,17 @@ class EpisodeSource:
         GIL); the rest is vectorised over `CHECK_EVERY` shards at a time, as per-shard
         Python work would hold the GIL about as long as the decoding takes (#29), while
         the threads go on decoding the next ones."""
-        reads = [self._pool.submit(self._read, key) for key in keys]
+        chunks = [keys[i : i + CHECK_EVERY] for i in range(0, len(keys), CHECK_EVERY)]
         out: list[_Decoded | ShardValidationError] = []
+        reads = [self._pool.submit(self._read, key) for key in chunks[0]] if chunks else []
         try:
-            for start in range(0, len(keys), CHECK_EVERY):
-                part = range(start, min(start + CHECK_EVERY, len(keys)))
-                out += self._check([keys[i] for i in part], [reads[i].result() for i in part])
+            for n, chunk in enumerate(chunks):
+                tables = [read.result() for read in reads]
+                # The next chunk decodes while this one is checked: at most two chunks of
+                # decoded shards are held at once, whatever the round's size.
+                following = chunks[n + 1] if n + 1 < len(chunks) else []
+                reads = [self._pool.submit(self._read, key) for key in following]
+                out += self._check(chunk, tables)
         finally:
             for read in reads:  # after an error, the round is read again
                 read.cancel()

@@ -249,7 +249,8 @@ class ShardColumns:
 
     @classmethod
     def of(cls, table: pa.Table) -> ShardColumns:
-        """The columns of a table `validation.read_shard` returned (validated)."""
+        """The columns of a validated table (`validation.read_shard`'s, or several shards'
+        back to back, `validation.validate_tables`)."""
         lists, offsets = [], []
         for name in _LISTS:
             arr: pa.ListArray = table.column(name).combine_chunks()
@@ -295,8 +296,8 @@ class ShardColumns:
         return cls(**out, offsets=tuple(offsets))
 
     def rows(self, start: int, stop: int) -> ShardColumns:
-        """Rows `start:stop` as columns of their own: the list values copied, so these do
-        not keep the other rows' alive, and the offsets counted from 0."""
+        """Rows `start:stop`: the list values copied, so these do not keep the other rows'
+        (the bulk of the bytes) alive, the offsets counted from 0, the other columns views."""
         out: dict[str, Any] = {}
         for field in dataclasses.fields(self):
             if field.name not in _LISTS and field.name != "offsets":

@@ -40,8 +40,9 @@ from tunix_tasks.storage.store import NotFound, ObjectStore
 from tunix_tasks.storage.uri import join_uri
 
 # Decoded bytes one shard may hold: 32x the 8 MiB at which a `ShardWriter` commits, so an
-# honest shard (at most one group over that) never comes near it, while the learner's
-# 4 concurrent reads stay under 1 GiB whatever the files declare.
+# honest shard (at most one group over that) never comes near it, while the learner, which
+# holds at most 2 x `source.CHECK_EVERY` = 16 decoded shards at once, stays under 4 GiB
+# whatever the files declare.
 MAX_SHARD_BYTES = 256 << 20
 _VERSION_KEY = b"tunix.schema_version"
 _STRINGS = [f.name for f in SHARD_SCHEMA if pa.types.is_string(f.type)]
@@ -163,8 +164,8 @@ def validate_tables(
     if all(sizes) and len(versions) <= 1 and all(t.schema.equals(schema) for t in tables):
         try:
             together = _plain_strings(pa.concat_tables(tables)) if tables else None
-            columns = validate_table(together, where="", **checks) if together else None
-        except ShardValidationError:
+            columns = validate_table(together, where="", **checks) if together is not None else None
+        except (ShardValidationError, pa.ArrowInvalid):  # (or over 2^31 list values in all)
             pass  # which shards, and why: one by one, below
         else:
             return ValidShards(columns, _starts(sizes), [None] * len(tables))
@@ -277,7 +278,25 @@ def validate_table(
     max_length: int | None = None,
     max_version: int | None = None,
 ) -> ShardColumns:
-    """The table's columns, or ShardValidationError if it breaks the shard v1 contract."""
+    """The table's columns, or ShardValidationError if it breaks the shard v1 contract
+    (reason `unreadable` when a check cannot even run on what the shard holds)."""
+    try:
+        return _validate(table, where, vocab_size, max_length, max_version)
+    except ShardValidationError:
+        raise
+    except (pa.ArrowException, ValueError, TypeError, ArithmeticError, LookupError) as err:
+        raise ShardValidationError(
+            where, "unreadable", f"the checks cannot read its content ({err!r})"
+        ) from None
+
+
+def _validate(
+    table: pa.Table,
+    where: str,
+    vocab_size: int,
+    max_length: int | None,
+    max_version: int | None,
+) -> ShardColumns:
     meta = table.schema.metadata or {}
     version = meta.get(_VERSION_KEY)
     if version is not None and version != str(SCHEMA_VERSION).encode():
@@ -290,7 +309,9 @@ def validate_table(
     if table.num_rows == 0:
         raise ShardValidationError(where, "empty", "shard has no rows")
     for name in SHARD_SCHEMA.names:
-        if table.column(name).null_count:
+        column = table.column(name)
+        lists = pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
+        if column.null_count or (lists and any(c.flatten().null_count for c in column.chunks)):
             raise ShardValidationError(where, "null", f"column {name!r} has null values")
     columns = ShardColumns.of(table)  # types and nulls checked: the rest runs on these
     _check_lists(columns, where, vocab_size, max_length)
@@ -307,7 +328,9 @@ def _check_schema(table: pa.Table, where: str) -> None:
         actual = table.schema.field(f.name).type
         if not actual.equals(f.type) and not (
             # dictionary-encoded strings read back as strings; accept large_list too
-            pa.types.is_large_list(actual) and actual.value_type.equals(f.type.value_type)
+            pa.types.is_list(f.type)
+            and pa.types.is_large_list(actual)
+            and actual.value_type.equals(f.type.value_type)
         ):
             raise ShardValidationError(
                 where, "wrong_type", f"column {f.name!r} has type {actual}, expected {f.type}"

@@ -15,6 +15,7 @@ from tunix_tasks.episode import Episode
 from tunix_tasks.learner.advantages import (
     batch_advantages,
     group_advantages,
+    shard_group_codes,
     zero_variance_mask,
 )
 from tunix_tasks.learner.objective import CorrectionParams, policy_loss
@@ -225,6 +226,24 @@ def test_group_advantages_hand_example() -> None:
     np.testing.assert_allclose(with_fallback[[0, 5, 7]], adv[[0, 5, 7]])
     unscaled = group_advantages(rewards, groups, normalize_std=False)
     np.testing.assert_allclose(unscaled, [0.25, -0.75, 0.25, 0.25, 0, 0, 0, 1, -1], atol=1e-7)
+
+
+def test_shard_group_codes_tell_every_group_of_every_shard_apart() -> None:
+    """A round's group ids coded as one integer per (shard, group): the same id in two
+    shards is two groups, and ids numpy's fixed-width strings would merge (a trailing NUL)
+    stay apart, as per shard (`np.unique` on the objects)."""
+    ids = np.array(["a", "a\x00", "b", "a", "a\x00", "a"], dtype=object)
+    shards = np.array([0, 0, 0, 0, 1, 1])
+    codes = shard_group_codes(ids, shards)
+    assert len(set(codes[:4])) == 3 and codes[0] == codes[3]
+    assert len(set(codes)) == 5 and codes[4] != codes[1] and codes[5] != codes[0]
+    rewards = np.array([1.0, 0.0, 0.5, 0.0, 1.0, 0.25])
+    together = group_advantages(rewards, codes)
+    for s in (0, 1):
+        own = np.unique(ids[shards == s], return_inverse=True)[1]
+        np.testing.assert_array_equal(
+            together[shards == s], group_advantages(rewards[shards == s], own)
+        )
 
 
 def test_batch_advantages() -> None:

@@ -94,6 +94,17 @@ def _cases():
     for absurd in (3e38, -3e38, 1.5e6):  # finite float32, out of the documented range
         rewards = pa.array([0.0, 1.0, absurd, 0, 0, 0], pa.float32())
         yield "reward_out_of_range", _raw_bytes(_set_column(t, "reward", rewards))
+    # Poison that crashed the checks themselves (and so stalled every round) before:
+    yield (
+        "null",  # a null inside a list, not the list
+        _raw_bytes(
+            _mutate_list(t, "tokens", lambda i, r: [None, *r[1:]] if i == 0 else r, pa.int32())
+        ),
+    )
+    yield (
+        "wrong_type",  # a scalar column stored as a large_list
+        _raw_bytes(_set_column(t, "reward", pa.array([[0.5]] * 6, pa.large_list(pa.float32())))),
+    )
     yield "bad_status", _raw_bytes(_set_column(t, "status", pa.array(["ok"] * 5 + ["weird"])))
     yield "empty", _raw_bytes(t.slice(0, 0))
     meta = t.replace_schema_metadata({"tunix.schema_version": "7"})
