@@ -62,8 +62,9 @@ from tunix_tasks.storage.validation import (
 
 log = logging.getLogger(__name__)
 
-#: Shards a round validates at once, while the reader threads decode the next ones.
-CHECK_EVERY = 8
+#: Shards validated at once (a round's default `max_shards`): the fixed cost of a pass is
+#: spread over them, and at most this many decoded shards are held at a time.
+CHECK_EVERY = 16
 
 __all__ = [
     "STATE_VERSION",
@@ -257,22 +258,11 @@ class EpisodeSource:
         """The shards' episodes with their advantages, or why each is refused. Reader
         threads decode the files (Parquet decoding and object-store requests release the
         GIL); the rest is vectorised over `CHECK_EVERY` shards at a time, as per-shard
-        Python work would hold the GIL about as long as the decoding takes (#29), while
-        the threads go on decoding the next ones."""
-        chunks = [keys[i : i + CHECK_EVERY] for i in range(0, len(keys), CHECK_EVERY)]
+        Python work would hold the GIL about as long as the decoding takes (#29)."""
         out: list[_Decoded | ShardValidationError] = []
-        reads = [self._pool.submit(self._read, key) for key in chunks[0]] if chunks else []
-        try:
-            for n, chunk in enumerate(chunks):
-                tables = [read.result() for read in reads]
-                # The next chunk decodes while this one is checked: at most two chunks of
-                # decoded shards are held at once, whatever the round's size.
-                following = chunks[n + 1] if n + 1 < len(chunks) else []
-                reads = [self._pool.submit(self._read, key) for key in following]
-                out += self._check(chunk, tables)
-        finally:
-            for read in reads:  # after an error, the round is read again
-                read.cancel()
+        for start in range(0, len(keys), CHECK_EVERY):
+            chunk = keys[start : start + CHECK_EVERY]
+            out += self._check(chunk, list(self._pool.map(self._read, chunk)))
         return out
 
     def _check(
