@@ -41,7 +41,7 @@ from tunix_tasks.storage.uri import join_uri
 
 # Decoded bytes one shard may hold: 32x the 8 MiB at which a `ShardWriter` commits, so an
 # honest shard (at most one group over that) never comes near it, while the learner, which
-# holds at most 2 x `source.CHECK_EVERY` = 16 decoded shards at once, stays under 4 GiB
+# holds at most `source.CHECK_EVERY` = 16 decoded shards at once, stays under 4 GiB
 # whatever the files declare.
 MAX_SHARD_BYTES = 256 << 20
 _VERSION_KEY = b"tunix.schema_version"
