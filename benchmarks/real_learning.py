@@ -244,12 +244,12 @@ def merge(paths: list[str]) -> dict[str, Any]:
     and arguments of the first. Files whose `--set` overrides differ are rows of their
     own, named by the mode and the overrides that differ (a study's cells)."""
     done = [json.loads(Path(path).read_text()) for path in paths]
-    common = set.intersection(*(set(d["args"]["set"]) for d in done))
+    common = set.intersection(*(set(d["args"].get("set", [])) for d in done))
     out: dict[str, Any] = {"runs": {}, "total_s": 0.0, "merged": paths}
     for d in done:
         out.setdefault("base", d["base"])
         out.setdefault("args", d["args"])
-        cell = [o for o in d["args"]["set"] if o not in common]
+        cell = [o for o in d["args"].get("set", []) if o not in common]
         for mode, by_seed in d["runs"].items():
             out["runs"].setdefault(", ".join([mode, *cell]), {}).update(by_seed)
         out["total_s"] += d["total_s"]

@@ -36,7 +36,7 @@ def test_table_intervals_time_to_target_and_plot(tmp_path):
     assert "| base (pretrained) | - | 0.250 | 0.250 | | | |" in text
     # mean 0.40, sd 0.05 over 3 seeds: t(2) 4.303 * 0.05 / sqrt(3) = 0.124
     sync = "| sync, 10 steps | 3 | 0.400 ± 0.124 | 0.400 ± 0.124 | +0.150 ± 0.124 | 200 ± 0 |"
-    assert f"{sync} 0.30 ± 0.00 | - |" in text
+    assert f"{sync} 0.30 ± 0.00 | - | - | - |" in text
     assert "| async, 10 steps | 3 | 0.350 ± 0.124 |" in text
     out = json.loads((out_dir / "real_learning.json").read_text())
     # sync's final trained reward: mean of its last 5 steps (0.3..0.5) = 0.4, reached by
@@ -44,3 +44,30 @@ def test_table_intervals_time_to_target_and_plot(tmp_path):
     assert out["time_to_sync_final"]["sync"] == {"0": 200.0, "1": 200.0, "2": 200.0}
     assert out["time_to_sync_final"]["async"]["0"] == 100.0
     assert (out_dir / "real_learning.png").stat().st_size > 10_000
+
+
+def test_a_studys_cells_are_rows_with_their_staleness_and_drops(tmp_path):
+    """Files whose `--set` overrides differ (a staleness x correction study) are rows of
+    their own, named by the overrides that differ; the trained episodes by staleness
+    are summed over the seeds, the stale drops averaged."""
+    paths = []
+    for seed, correction, reward in (("0", "none", 0.5), ("1", "none", 0.7), ("0", "tis", 0.4)):
+        run = {**_run(reward, 100.0, 0.05), "staleness": {"0": 2, "2": 5}, "dropped": {"stale": 9}}
+        result = {
+            "base": {"reward": 0.25, "solved": 0.25},
+            "args": {
+                "config": "c.yaml",
+                "steps": 10,
+                "episodes": 8,
+                "set": ["actor.reload_every_versions=4", f"learner.correction={correction}"],
+            },
+            "runs": {"async": {seed: run}},
+            "total_s": 60.0,
+        }
+        paths.append(tmp_path / f"{seed}-{correction}.json")
+        paths[-1].write_text(json.dumps(result))
+    text = run_benchmark("real_learning.py", "--merge", *map(str, paths), "--out", str(tmp_path))
+    assert "| async, learner.correction=none, 10 steps | 2 | 0.600 ± 1.271 |" in text
+    assert "| 4/0/10 | 9 ± 0 |" in text
+    assert "| async, learner.correction=tis, 10 steps | 1 | 0.400 |" in text
+    assert "| 2/0/5 | 9 |" in text
