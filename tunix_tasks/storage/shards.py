@@ -279,9 +279,7 @@ class ShardColumns:
     def concat(cls, parts: Sequence[ShardColumns]) -> ShardColumns:
         """Several shards' columns back to back (at least one), offsets shifted."""
         out: dict[str, Any] = {
-            f.name: np.concatenate([getattr(p, f.name) for p in parts])
-            for f in dataclasses.fields(cls)
-            if f.name not in _LISTS and f.name != "offsets"
+            name: np.concatenate([getattr(p, name) for p in parts]) for name in _row_columns()
         }
         offsets = []
         for k, name in enumerate(_LISTS):
@@ -298,10 +296,7 @@ class ShardColumns:
     def rows(self, start: int, stop: int) -> ShardColumns:
         """Rows `start:stop`: the list values copied, so these do not keep the other rows'
         (the bulk of the bytes) alive, the offsets counted from 0, the other columns views."""
-        out: dict[str, Any] = {}
-        for field in dataclasses.fields(self):
-            if field.name not in _LISTS and field.name != "offsets":
-                out[field.name] = getattr(self, field.name)[start:stop]
+        out: dict[str, Any] = {name: getattr(self, name)[start:stop] for name in _row_columns()}
         offsets = []
         for name, offs in zip(_LISTS, self.offsets, strict=True):
             lo, hi = offs[start], offs[stop]
@@ -340,6 +335,11 @@ class ShardColumns:
             float(advantage),
             source,
         )
+
+
+def _row_columns() -> list[str]:
+    """`ShardColumns`' one-value-per-row columns (all but the lists and their offsets)."""
+    return [f.name for f in dataclasses.fields(ShardColumns) if f.name not in (*_LISTS, "offsets")]
 
 
 def table_episodes(
