@@ -184,6 +184,9 @@ class RecentIds:
     def holds(self, digest: int) -> bool:
         return digest in self._set
 
+    def holds_any(self, digests: Iterable[int]) -> bool:
+        return not self._set.isdisjoint(digests)
+
     def __contains__(self, episode_id: str) -> bool:
         return self.digest(episode_id) in self._set
 

@@ -22,7 +22,6 @@ import dataclasses
 import numpy as np
 
 from tunix_tasks.episode import Episode, ShardRow
-from tunix_tasks.learner.flow import DROPPED_STATUSES
 from tunix_tasks.storage.shards import ShardColumns
 
 
@@ -30,7 +29,7 @@ from tunix_tasks.storage.shards import ShardColumns
 class EpisodeBlock:
     """Entries j = 0..n-1 are the shard's rows `rows[j]` (ascending). The per-entry
     columns below are gathered from `columns` once; `advantage`, `live` and
-    `in_baseline` are the batcher's to change."""
+    `in_baseline` are the batcher's to change; the gathered columns are read-only."""
 
     shard: str
     columns: ShardColumns  # the whole shard, acknowledged rows included
@@ -38,6 +37,9 @@ class EpisodeBlock:
     advantage: np.ndarray  # float64 [n], over the entry's group (recentred by the batcher)
     duplicate: np.ndarray  # bool [n]: its id was accounted or in flight when read
     zero_variance: np.ndarray  # bool [n]: its group has no signal
+    # In its group's advantage baseline: not dropped (trained entries stay in it), and
+    # not an env_error / env_timeout, which never were (`flow.DROPPED_STATUSES`).
+    in_baseline: np.ndarray  # bool [n]
     policy_version: np.ndarray = dataclasses.field(init=False)  # int64 [n]
     status: np.ndarray = dataclasses.field(init=False)  # object [n] of str
     group_id: np.ndarray = dataclasses.field(init=False)  # object [n]
@@ -46,17 +48,14 @@ class EpisodeBlock:
     length: np.ndarray = dataclasses.field(init=False)  # int32 [n]
     num_turns: np.ndarray = dataclasses.field(init=False)  # int32 [n]
     live: np.ndarray = dataclasses.field(init=False)  # bool [n]: buffered, not yet taken
-    # In its group's advantage baseline: not dropped (trained entries stay in it), and
-    # not an env_error / env_timeout, which never were.
-    in_baseline: np.ndarray = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         c, rows = self.columns, self.rows
-        for name in ("policy_version", "status", "group_id", "episode_id", "reward"):
-            setattr(self, name, getattr(c, name)[rows])
-        self.length, self.num_turns = c.length[rows], c.num_turns[rows]
+        # Read-only columns: views when the block holds every row (the usual case).
+        take = slice(None) if len(rows) == len(c) else rows
+        for name in _GATHERED:
+            setattr(self, name, getattr(c, name)[take])
         self.live = np.ones(len(rows), bool)
-        self.in_baseline = ~np.isin(self.status, DROPPED_STATUSES)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -78,3 +77,9 @@ class EpisodeBlock:
         if j >= len(self.rows) or self.rows[j] != row:
             raise KeyError(f"{self.shard} row {row} is not in this block")
         return j
+
+
+#: The columns an `EpisodeBlock` gathers from its shard's, one value per entry.
+_GATHERED = tuple(
+    f.name for f in dataclasses.fields(EpisodeBlock) if not f.init and f.name != "live"
+)

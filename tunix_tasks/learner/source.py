@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 #: spread over them, and at most this many decoded shards are held at a time.
 CHECK_EVERY = 16
 
+_DICT_STRINGS = pa.dictionary(pa.int32(), pa.string())  # how `read_shard_table` reads ids
+
 __all__ = [
     "STATE_VERSION",
     "EpisodeSource",
@@ -77,13 +79,24 @@ __all__ = [
 
 class _Decoded(NamedTuple):
     """One shard of a round `EpisodeSource._decode` read: its columns, every row's advantage,
-    which rows are in a group without signal (`zero_variance_mask`), and each row's id
-    digest (`RecentIds.digest`)."""
+    which rows are in a group without signal (`zero_variance_mask`) and which are in their
+    group's baseline (not `DROPPED_STATUSES`), and each row's id digest
+    (`RecentIds.digest`)."""
 
     columns: ShardColumns
     advantage: np.ndarray
     zero_variance: np.ndarray
+    in_baseline: np.ndarray
     digests: list[int]
+
+
+class _Read(NamedTuple):
+    """A reader thread's decoded shard, not yet validated, and its rows' id digests
+    (`RecentIds.digests`; None if its ids are not well-formed strings: it fails the
+    checks)."""
+
+    table: pa.Table
+    digests: list[int] | None
 
 
 class EpisodeSource:
@@ -240,19 +253,30 @@ class EpisodeSource:
             rows = np.setdiff1d(np.arange(n), list(acked)) if acked else np.arange(n)
             self.position.opened(key, n)
             ids = shard.columns.episode_id[rows]
-            replayed = (
-                ids[k] in self._inflight or self.seen.holds(shard.digests[r])
-                for k, r in enumerate(rows.tolist())
-            )
-            duplicate = np.fromiter(replayed, bool, len(ids))
+            duplicate = self._replayed(ids, [shard.digests[r] for r in rows.tolist()])
             self._inflight.update(ids[~duplicate])  # ids are unique within a shard
             self._duplicates.update(ShardRow(key, int(r)) for r in rows[duplicate])
             zero_variance = shard.zero_variance[rows] & self.filter_zero_variance
             block = EpisodeBlock(
-                key, shard.columns, rows, shard.advantage[rows], duplicate, zero_variance
+                key,
+                shard.columns,
+                rows,
+                shard.advantage[rows],
+                duplicate,
+                zero_variance,
+                shard.in_baseline[rows],
             )
             out.append(block)
         return out
+
+    def _replayed(self, ids: np.ndarray, digests: list[int]) -> np.ndarray:
+        """Which of these ids are in flight or were accounted recently (a replay)."""
+        if self._inflight.isdisjoint(ids) and not self.seen.holds_any(digests):
+            return np.zeros(len(ids), bool)  # the usual case, without a loop per row
+        replayed = (
+            i in self._inflight or self.seen.holds(d) for i, d in zip(ids, digests, strict=True)
+        )
+        return np.fromiter(replayed, bool, len(ids))
 
     def _decode(self, keys: list[str]) -> list[_Decoded | ShardValidationError]:
         """The shards' episodes with their advantages, or why each is refused. Reader
@@ -266,13 +290,13 @@ class EpisodeSource:
         return out
 
     def _check(
-        self, keys: list[str], reads: list[pa.Table | ShardValidationError]
+        self, keys: list[str], reads: list[_Read | ShardValidationError]
     ) -> list[_Decoded | ShardValidationError]:
-        """`_decode`'s validation, advantages and replay digests of decoded shards."""
+        """`_decode`'s validation and advantages of decoded shards."""
         out: list[Any] = list(reads)
         ok = [i for i, r in enumerate(out) if not isinstance(r, ShardValidationError)]
         valid = validate_tables(
-            [out[i] for i in ok],
+            [out[i].table for i in ok],
             [join_uri(self._store.uri, keys[i]) for i in ok],
             vocab_size=self.vocab_size,
             max_length=self.max_length,
@@ -294,18 +318,26 @@ class EpisodeSource:
                 shards=shard,
             )
             flat = zero_variance_mask(cols.reward, groups, keep=keep)
-            digests = RecentIds.digests(cols.episode_id.tolist())
         for j, i in enumerate(ok):  # (no columns: every shard is invalid, so has an error)
+            if valid.errors[j]:
+                out[i] = valid.errors[j]
+                continue
             a, b = int(valid.starts[j]), int(valid.starts[j + 1])
-            out[i] = valid.errors[j] or _Decoded(cols.rows(a, b), adv[a:b], flat[a:b], digests[a:b])
+            digests = out[i].digests or RecentIds.digests(cols.episode_id[a:b].tolist())
+            out[i] = _Decoded(cols.rows(a, b), adv[a:b], flat[a:b], keep[a:b], digests)
         return out
 
-    def _read(self, key: str) -> pa.Table | ShardValidationError:
-        """A reader thread's part of a round (it touches none of the source's state)."""
+    def _read(self, key: str) -> _Read | ShardValidationError:
+        """A reader thread's part of a round (it touches none of the source's state). The
+        digests are made here too: this thread's Python work overlaps the others'
+        decoding, the round's checks would hold the only busy core."""
         try:
-            return read_shard_table(self._store, key, max_length=self.max_length)
+            table = read_shard_table(self._store, key, max_length=self.max_length)
         except ShardValidationError as err:
             return err
+        ids = table.column("episode_id") if "episode_id" in table.column_names else None
+        strings = ids is not None and not ids.null_count and ids.type == _DICT_STRINGS
+        return _Read(table, RecentIds.digests(ids.to_pylist()) if strings else None)
 
     def _quarantine(self, key: str, err: ShardValidationError) -> None:
         log.warning("invalid shard %s: %s", key, err.reason)

@@ -279,7 +279,7 @@ class ShardColumns:
     def concat(cls, parts: Sequence[ShardColumns]) -> ShardColumns:
         """Several shards' columns back to back (at least one), offsets shifted."""
         out: dict[str, Any] = {
-            name: np.concatenate([getattr(p, name) for p in parts]) for name in _row_columns()
+            name: np.concatenate([getattr(p, name) for p in parts]) for name in _ROW_COLUMNS
         }
         offsets = []
         for k, name in enumerate(_LISTS):
@@ -296,7 +296,7 @@ class ShardColumns:
     def rows(self, start: int, stop: int) -> ShardColumns:
         """Rows `start:stop`: the list values copied, so these do not keep the other rows'
         (the bulk of the bytes) alive, the offsets counted from 0, the other columns views."""
-        out: dict[str, Any] = {name: getattr(self, name)[start:stop] for name in _row_columns()}
+        out: dict[str, Any] = {name: getattr(self, name)[start:stop] for name in _ROW_COLUMNS}
         offsets = []
         for name, offs in zip(_LISTS, self.offsets, strict=True):
             lo, hi = offs[start], offs[stop]
@@ -337,9 +337,10 @@ class ShardColumns:
         )
 
 
-def _row_columns() -> list[str]:
-    """`ShardColumns`' one-value-per-row columns (all but the lists and their offsets)."""
-    return [f.name for f in dataclasses.fields(ShardColumns) if f.name not in (*_LISTS, "offsets")]
+#: `ShardColumns`' one-value-per-row columns (all but the lists and their offsets).
+_ROW_COLUMNS = tuple(
+    f.name for f in dataclasses.fields(ShardColumns) if f.name not in (*_LISTS, "offsets")
+)
 
 
 def table_episodes(
