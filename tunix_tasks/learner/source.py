@@ -337,7 +337,7 @@ class EpisodeSource:
             return err
         ids = table.column("episode_id") if "episode_id" in table.column_names else None
         strings = ids is not None and not ids.null_count and ids.type == _DICT_STRINGS
-        return _Read(table, RecentIds.digests(ids.to_pylist()) if strings else None)
+        return _Read(table, RecentIds.digests(ids.to_numpy().tolist()) if strings else None)
 
     def _quarantine(self, key: str, err: ShardValidationError) -> None:
         log.warning("invalid shard %s: %s", key, err.reason)

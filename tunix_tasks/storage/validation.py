@@ -311,7 +311,7 @@ def _validate(
     for name in SHARD_SCHEMA.names:
         column = table.column(name)
         lists = pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
-        if column.null_count or (lists and any(c.flatten().null_count for c in column.chunks)):
+        if column.null_count or (lists and pc.list_flatten(column).null_count):
             raise ShardValidationError(where, "null", f"column {name!r} has null values")
     columns = ShardColumns.of(table)  # types and nulls checked: the rest runs on these
     _check_lists(columns, where, vocab_size, max_length)
