@@ -329,8 +329,8 @@ class EpisodeSource:
 
     def _read(self, key: str) -> _Read | ShardValidationError:
         """A reader thread's part of a round (it touches none of the source's state). The
-        digests are made here too: this thread's Python work overlaps the others'
-        decoding, the round's checks would hold the only busy core."""
+        id digests are made here: in a reader thread their Python work overlaps the other
+        threads' decoding, in `_check` it would run while every reader thread waits."""
         try:
             table = read_shard_table(self._store, key, max_length=self.max_length)
         except ShardValidationError as err:
