@@ -51,10 +51,13 @@ class EpisodeBlock:
 
     def __post_init__(self) -> None:
         c, rows = self.columns, self.rows
-        # Read-only columns: views when the block holds every row (the usual case).
+        # Views when the block holds every row (the usual case), so read-only: a write
+        # would change what `episode(j)` builds.
         take = slice(None) if len(rows) == len(c) else rows
         for name in _GATHERED:
-            setattr(self, name, getattr(c, name)[take])
+            column = getattr(c, name)[take]
+            column.flags.writeable = False
+            setattr(self, name, column)
         self.live = np.ones(len(rows), bool)
 
     def __len__(self) -> int:
@@ -80,6 +83,4 @@ class EpisodeBlock:
 
 
 #: The columns an `EpisodeBlock` gathers from its shard's, one value per entry.
-_GATHERED = tuple(
-    f.name for f in dataclasses.fields(EpisodeBlock) if not f.init and f.name != "live"
-)
+_GATHERED = ("policy_version", "status", "group_id", "episode_id", "reward", "length", "num_turns")

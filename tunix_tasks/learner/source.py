@@ -323,7 +323,9 @@ class EpisodeSource:
                 out[i] = valid.errors[j]
                 continue
             a, b = int(valid.starts[j]), int(valid.starts[j + 1])
-            digests = out[i].digests or RecentIds.digests(cols.episode_id[a:b].tolist())
+            digests = out[i].digests
+            if digests is None:  # ids the reader thread could not digest, but valid
+                digests = RecentIds.digests(cols.episode_id[a:b].tolist())
             out[i] = _Decoded(cols.rows(a, b), adv[a:b], flat[a:b], keep[a:b], digests)
         return out
 
@@ -335,9 +337,7 @@ class EpisodeSource:
             table = read_shard_table(self._store, key, max_length=self.max_length)
         except ShardValidationError as err:
             return err
-        ids = table.column("episode_id") if "episode_id" in table.column_names else None
-        strings = ids is not None and not ids.null_count and ids.type == _DICT_STRINGS
-        return _Read(table, RecentIds.digests(ids.to_numpy().tolist()) if strings else None)
+        return _Read(table, _id_digests(table))
 
     def _quarantine(self, key: str, err: ShardValidationError) -> None:
         log.warning("invalid shard %s: %s", key, err.reason)
@@ -349,6 +349,21 @@ class EpisodeSource:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._deleter is not None:
             self._deleter.shutdown(wait=True)
+
+
+def _id_digests(table: pa.Table) -> list[int] | None:
+    """The digests of a decoded, not yet validated shard's episode ids, or None where they
+    are not null-free strings (the checks then refuse the shard, or `_check` digests
+    them once valid). Never raises: a bad shard must reach the checks, which name it."""
+    if "episode_id" not in table.column_names:
+        return None
+    ids = table.column("episode_id")
+    if ids.null_count or ids.type != _DICT_STRINGS:
+        return None
+    try:
+        return RecentIds.digests(ids.to_numpy().tolist())
+    except (pa.ArrowException, AttributeError):  # invalid UTF-8; a null among the values
+        return None
 
 
 class PrefetchingSource:

@@ -141,6 +141,41 @@ def test_one_bad_shard_in_a_round_is_quarantined_alone(tmp_path):
     assert source.quarantined == [{"shard": keys[1], "reason": "bad_status"}]
 
 
+def test_ids_that_are_not_utf8_quarantine_their_shard_not_the_round(tmp_path):
+    """The reader threads digest the ids before any check; a shard they cannot digest
+    must still reach the checks (it once escaped `poll` and stalled every round)."""
+    store = open_store(str(tmp_path))
+    eps, keys = _write(store, 24, per_shard=8)
+    table = episodes_to_table(eps[8:16])
+    ids = [e.episode_id.encode() for e in eps[8:16]]
+    ids[3] = b"bad\xff"
+    raw = pa.array(ids, pa.binary())
+    bad_ids = pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())  # unchecked UTF-8
+    table = table.set_column(table.schema.get_field_index("episode_id"), "episode_id", bad_ids)
+    store.write_bytes(keys[1], table_to_parquet_bytes(table))
+    source = EpisodeSource(store, vocab_size=103)
+    got = _poll(source)
+    assert {e.episode_id for e in got} == {e.episode_id for e in eps[:8] + eps[16:]}
+    assert source.quarantined == [{"shard": keys[1], "reason": "unreadable"}]
+
+
+def test_replays_are_flagged_also_when_the_reader_threads_left_the_digests(tmp_path, monkeypatch):
+    store = open_store(str(tmp_path))
+    _, (key,) = _write(store, 6, per_shard=8)
+    replay = _key("actor-0", 9_000_000_000_000, 1)
+    store.write_bytes(replay, store.read_bytes(key))
+    monkeypatch.setattr(source_mod, "_id_digests", lambda table: None)
+    source = EpisodeSource(store, vocab_size=103)
+    got, flagged = _flagged(source)
+    assert len(got) == 12 and {e.source.shard for e in got if e.source in flagged} == {replay}
+    for e in got:
+        source.ack(e)
+    late = _key("actor-1", 9_000_000_000_000, 2)
+    store.write_bytes(late, store.read_bytes(key))
+    got, flagged = _flagged(source)
+    assert len(got) == 6 and all(e.source in flagged for e in got)
+
+
 def test_a_store_error_late_in_a_round_loses_none_of_its_shards(tmp_path, monkeypatch):
     """A round reads its shards concurrently and checks the first while the last are read;
     a failed read (an outage past the retries) fails the whole round before any shard is
