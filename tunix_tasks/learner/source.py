@@ -66,8 +66,6 @@ log = logging.getLogger(__name__)
 #: spread over them, and at most this many decoded shards are held at a time.
 CHECK_EVERY = 16
 
-_DICT_STRINGS = pa.dictionary(pa.int32(), pa.string())  # how `read_shard_table` reads ids
-
 __all__ = [
     "STATE_VERSION",
     "EpisodeSource",
@@ -88,15 +86,6 @@ class _Decoded(NamedTuple):
     zero_variance: np.ndarray
     in_baseline: np.ndarray
     digests: list[int]
-
-
-class _Read(NamedTuple):
-    """A reader thread's decoded shard, not yet validated, and its rows' id digests
-    (`RecentIds.digests`; None if its ids are not well-formed strings: it fails the
-    checks)."""
-
-    table: pa.Table
-    digests: list[int] | None
 
 
 class EpisodeSource:
@@ -290,13 +279,13 @@ class EpisodeSource:
         return out
 
     def _check(
-        self, keys: list[str], reads: list[_Read | ShardValidationError]
+        self, keys: list[str], reads: list[pa.Table | ShardValidationError]
     ) -> list[_Decoded | ShardValidationError]:
-        """`_decode`'s validation and advantages of decoded shards."""
+        """`_decode`'s validation, advantages and replay digests of decoded shards."""
         out: list[Any] = list(reads)
         ok = [i for i, r in enumerate(out) if not isinstance(r, ShardValidationError)]
         valid = validate_tables(
-            [out[i].table for i in ok],
+            [out[i] for i in ok],
             [join_uri(self._store.uri, keys[i]) for i in ok],
             vocab_size=self.vocab_size,
             max_length=self.max_length,
@@ -318,26 +307,22 @@ class EpisodeSource:
                 shards=shard,
             )
             flat = zero_variance_mask(cols.reward, groups, keep=keep)
+            # Here, not in the reader threads: there this Python work slowed the decoding
+            # more than it saved here (measured, #29).
+            digests = RecentIds.digests(cols.episode_id.tolist())
         for j, i in enumerate(ok):  # (no columns: every shard is invalid, so has an error)
-            if valid.errors[j]:
-                out[i] = valid.errors[j]
-                continue
             a, b = int(valid.starts[j]), int(valid.starts[j + 1])
-            digests = out[i].digests
-            if digests is None:  # ids the reader thread could not digest, but valid
-                digests = RecentIds.digests(cols.episode_id[a:b].tolist())
-            out[i] = _Decoded(cols.rows(a, b), adv[a:b], flat[a:b], keep[a:b], digests)
+            out[i] = valid.errors[j] or _Decoded(
+                cols.rows(a, b), adv[a:b], flat[a:b], keep[a:b], digests[a:b]
+            )
         return out
 
-    def _read(self, key: str) -> _Read | ShardValidationError:
-        """A reader thread's part of a round (it touches none of the source's state). The
-        id digests are made here: in a reader thread their Python work overlaps the other
-        threads' decoding, in `_check` it would run while every reader thread waits."""
+    def _read(self, key: str) -> pa.Table | ShardValidationError:
+        """A reader thread's part of a round (it touches none of the source's state)."""
         try:
-            table = read_shard_table(self._store, key, max_length=self.max_length)
+            return read_shard_table(self._store, key, max_length=self.max_length)
         except ShardValidationError as err:
             return err
-        return _Read(table, _id_digests(table))
 
     def _quarantine(self, key: str, err: ShardValidationError) -> None:
         log.warning("invalid shard %s: %s", key, err.reason)
@@ -349,21 +334,6 @@ class EpisodeSource:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._deleter is not None:
             self._deleter.shutdown(wait=True)
-
-
-def _id_digests(table: pa.Table) -> list[int] | None:
-    """The digests of a decoded, not yet validated shard's episode ids, or None where they
-    are not null-free strings (the checks then refuse the shard, or `_check` digests
-    them once valid). Never raises: a bad shard must reach the checks, which name it."""
-    if "episode_id" not in table.column_names:
-        return None
-    ids = table.column("episode_id")
-    if ids.null_count or ids.type != _DICT_STRINGS:
-        return None
-    try:
-        return RecentIds.digests(ids.to_numpy().tolist())
-    except (pa.ArrowException, AttributeError):  # invalid UTF-8; a null among the values
-        return None
 
 
 class PrefetchingSource:

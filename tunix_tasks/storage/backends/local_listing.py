@@ -35,7 +35,8 @@ def _escapes(entry: os.DirEntry, real_root: str) -> bool:
 def list_files(root: Path, prefix: str, after: str = "") -> list[tuple[str, int, float]]:
     """(key, size, mtime) of the files under `root` whose key starts with `prefix` and sorts
     after `after`, by key. Hidden names (temp files, CAS generation folders), symlinked
-    folders and symlinks to files outside the root are skipped."""
+    folders, symlinks to files outside the root and what is no regular file (a FIFO,
+    whose reader would wait for a writer forever) are skipped."""
     base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
     out: list[tuple[str, int, float]] = []
     _walk(root / base if base else root, base, prefix, after, os.path.realpath(root), out)
@@ -72,7 +73,7 @@ def _walk(
             continue
         child = f"{key}/{entry.name}" if key else entry.name
         try:
-            is_dir = entry.is_dir()
+            is_dir, is_file = entry.is_dir(), entry.is_file()
         except OSError:  # removed meanwhile
             continue
         if is_dir:
@@ -81,7 +82,12 @@ def _walk(
                 continue  # not followed (as os.walk), or every key in it is at/before `after`
             if folder.startswith(prefix) or prefix.startswith(folder):
                 _walk(Path(entry.path), child, prefix, after, real_root, out)
-        elif child > after and child.startswith(prefix) and not _escapes(entry, real_root):
+        elif (
+            is_file
+            and child > after
+            and child.startswith(prefix)
+            and not _escapes(entry, real_root)
+        ):
             try:
                 st = entry.stat()
             except FileNotFoundError:  # deleted between the listing and the stat
