@@ -52,7 +52,7 @@ from tunix_tasks.learner.position import STATE_VERSION, ShardPosition
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.runs import quarantine
 from tunix_tasks.storage.shards import ShardColumns
-from tunix_tasks.storage.store import ObjectStore, StoreError
+from tunix_tasks.storage.store import NotFound, ObjectStore, StoreError
 from tunix_tasks.storage.uri import join_uri
 from tunix_tasks.storage.validation import (
     ShardValidationError,
@@ -323,6 +323,10 @@ class EpisodeSource:
             return read_shard_table(self._store, key, max_length=self.max_length)
         except ShardValidationError as err:
             return err
+        except NotFound as err:  # listed, then deleted (retention, an operator): it is
+            # recorded as the others are, else every round would retry it forever
+            where = join_uri(self._store.uri, key)
+            return ShardValidationError(where, "not_found", f"listed, then gone: {err}")
 
     def _quarantine(self, key: str, err: ShardValidationError) -> None:
         log.warning("invalid shard %s: %s", key, err.reason)

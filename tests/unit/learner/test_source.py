@@ -102,6 +102,17 @@ def test_a_fifo_named_like_a_shard_is_no_shard_and_blocks_nothing(tmp_path):
         store.open_input(fifo)
 
 
+def test_a_shard_deleted_after_the_listing_is_recorded_not_retried_forever(tmp_path):
+    store = open_store(str(tmp_path))
+    eps, keys = _write(store, 24, per_shard=8)
+    source = EpisodeSource(store, vocab_size=103)
+    assert len(_poll(source, max_shards=1)) == 8  # the listing of all three is kept
+    store.delete(keys[1])
+    assert {e.episode_id for e in _poll(source)} == {e.episode_id for e in eps[16:]}
+    assert source.quarantined == [{"shard": keys[1], "reason": "not_found"}]
+    assert _poll(source) == []
+
+
 def test_advantages_after_restart_use_the_whole_group(tmp_path):
     """Part of a group trained before a crash still counts in the group's statistics."""
     store = open_store(str(tmp_path))
