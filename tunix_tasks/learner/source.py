@@ -323,8 +323,9 @@ class EpisodeSource:
             return read_shard_table(self._store, key, max_length=self.max_length)
         except ShardValidationError as err:
             return err
-        except NotFound as err:  # listed, then deleted (retention, an operator): it is
-            # recorded as the others are, else every round would retry it forever
+        except NotFound as err:
+            # Listed, then deleted (retention, an operator): recorded as a bad shard is,
+            # or every later round would retry it.
             where = join_uri(self._store.uri, key)
             return ShardValidationError(where, "not_found", f"listed, then gone: {err}")
 

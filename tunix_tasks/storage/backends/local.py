@@ -184,25 +184,20 @@ class LocalStore:
         file is opened first and the check is of the file opened: one system call instead
         of one per path component (`realpath`, the learner's reader paid it per shard,
         #29), and no window between the check and the open."""
-        if not _FD_PATHS:
-            path = str(self._path(key))
-        else:
-            try:
-                fd = os.open(self.root / check_key(key), os.O_RDONLY | os.O_NONBLOCK)
-            except FileNotFoundError:
-                raise NotFound(f"{join_uri(self.uri, key)} does not exist") from None
-            try:
-                path = f"{_FD_PATHS}/{fd}"
-                self._refuse_outside(key, os.readlink(path))
-                if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would block the reader
-                    raise OSError(f"{join_uri(self.uri, key)} is not a regular file")
-                return pa.memory_map(path, "r")  # the file `fd` is, whatever its path now
-            finally:
-                os.close(fd)
+        path = self._path(key) if not _FD_PATHS else self.root / check_key(key)
         try:
-            return pa.memory_map(path, "r")
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             raise NotFound(f"{join_uri(self.uri, key)} does not exist") from None
+        try:
+            opened = f"{_FD_PATHS}/{fd}" if _FD_PATHS else str(path)
+            if _FD_PATHS:
+                self._refuse_outside(key, os.readlink(opened))
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would block the reader
+                raise OSError(f"{join_uri(self.uri, key)} is not a regular file")
+            return pa.memory_map(opened, "r")  # with /proc: the file `fd` is, whatever its path now
+        finally:
+            os.close(fd)
 
     def arrow_filesystem(self) -> tuple[pafs.FileSystem, str]:
         return pafs.LocalFileSystem(), str(self.root)
