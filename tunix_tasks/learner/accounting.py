@@ -153,60 +153,73 @@ class RecentIds:
     """The last `capacity` episode ids accounted for (trained or dropped), first in first
     out, to recognise a replay: an episode whose id was accounted before is a duplicate.
 
-    Bounded by design: it keeps 64-bit digests of the ids (blake2b; a false match needs
-    a 64-bit collision), 8 bytes an id in memory and ~11 in a checkpoint, so the default
-    window of 65,536 ids adds ~0.7 MB to a checkpoint whatever the run's length. A replay
-    of episodes accounted longer ago than the window is not recognised here; in async mode
-    such old episodes are dropped as stale anyway unless `max_staleness` spans the window.
+    Bounded by design: a checkpoint keeps 64-bit digests of the ids (blake2b; a false
+    match needs a 64-bit collision), ~11 bytes an id, so the default window of 65,536 ids
+    adds ~0.7 MB to a checkpoint whatever the run's length. In memory the ids this process
+    accounted are also kept as they are, so that the source's check of each id it reads
+    is a set lookup, not a hash (the digests' cost was a tenth of reading, #29); ids
+    restored from a checkpoint are known by their digest only, so while the window holds
+    any, a lookup hashes too. A replay of episodes accounted longer ago than the window
+    is not recognised here; in async mode such old episodes are dropped as stale anyway
+    unless `max_staleness` spans the window.
     """
 
     def __init__(self, capacity: int = 65_536) -> None:
         if capacity < 1:
             raise ValueError(f"RecentIds: capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._order: collections.deque[int] = collections.deque()
-        self._set: set[int] = set()
+        # The window, oldest first: each id's digest, and the id (None when restored).
+        self._order: collections.deque[tuple[int, str | None]] = collections.deque()
+        self._digests: set[int] = set()
+        self._ids: set[str] = set()
+        self._restored = 0  # entries of the window known by their digest only
 
     @staticmethod
     def digest(episode_id: str) -> int:
-        """The 64-bit digest an id is remembered by (a pure function: the source computes
-        a round's ahead of `holds`, with `digests`)."""
-        return RecentIds.digests([episode_id])[0]
+        """The 64-bit digest an id is remembered by in a checkpoint."""
+        return int.from_bytes(
+            hashlib.blake2b(episode_id.encode(), digest_size=8).digest(), "little"
+        )
 
-    @staticmethod
-    def digests(episode_ids: Iterable[str]) -> list[int]:
-        """`digest` of each id (names bound once: this runs for every episode read)."""
-        blake2b, from_bytes = hashlib.blake2b, int.from_bytes
-        return [
-            from_bytes(blake2b(i.encode(), digest_size=8).digest(), "little") for i in episode_ids
-        ]
-
-    def holds(self, digest: int) -> bool:
-        return digest in self._set
-
-    def holds_any(self, digests: Iterable[int]) -> bool:
-        return not self._set.isdisjoint(digests)
+    def holds_any(self, episode_ids: Iterable[str]) -> bool:
+        """Whether any of these ids is in the window (one set operation when no restored
+        digest is left in it)."""
+        ids = list(episode_ids)
+        if not self._ids.isdisjoint(ids):
+            return True
+        return self._restored > 0 and not self._digests.isdisjoint(map(self.digest, ids))
 
     def __contains__(self, episode_id: str) -> bool:
-        return self.digest(episode_id) in self._set
+        return episode_id in self._ids or (
+            self._restored > 0 and self.digest(episode_id) in self._digests
+        )
 
     def __len__(self) -> int:
         return len(self._order)
 
     def add(self, episode_id: str) -> None:
         digest = self.digest(episode_id)
-        if digest in self._set:
+        if digest in self._digests:
             return
-        self._set.add(digest)
-        self._order.append(digest)
+        self._digests.add(digest)
+        self._ids.add(episode_id)
+        self._order.append((digest, episode_id))
         while len(self._order) > self.capacity:
-            self._set.discard(self._order.popleft())
+            old, old_id = self._order.popleft()
+            self._digests.discard(old)
+            if old_id is None:
+                self._restored -= 1
+            else:
+                self._ids.discard(old_id)
 
     def get_state(self) -> dict[str, Any]:
-        packed = np.fromiter(self._order, dtype="<u8", count=len(self._order)).tobytes()
+        digests = (d for d, _ in self._order)
+        packed = np.fromiter(digests, dtype="<u8", count=len(self._order)).tobytes()
         return {"capacity": self.capacity, "digests": base64.b64encode(packed).decode()}
 
     def set_state(self, state: dict[str, Any]) -> None:
         packed = np.frombuffer(base64.b64decode(state.get("digests", "")), dtype="<u8")
-        self._order = collections.deque(int(d) for d in packed[-self.capacity :])
-        self._set = set(self._order)
+        self._order = collections.deque((int(d), None) for d in packed[-self.capacity :])
+        self._digests = {d for d, _ in self._order}
+        self._ids = set()
+        self._restored = len(self._order)

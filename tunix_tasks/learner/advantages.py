@@ -103,12 +103,15 @@ def shard_group_codes(group_ids: Sequence[object] | np.ndarray, shards: ArrayLik
     """One integer per (shard, group id) of the episodes of several shards, each episode's
     shard index in `shards`: a group id names a group within its shard only."""
     shard = np.asarray(shards, np.int64).reshape(-1)
-    # Python's own comparisons on the objects: a fixed-width copy (`astype(str)`) would
-    # cost rows x the longest id, and drops trailing NULs ("a" and "a\0" would merge).
-    uniques, inverse = np.unique(np.asarray(group_ids, dtype=object), return_inverse=True)
+    # A dict of Python's own equality on the objects: a fixed-width copy (`astype(str)`)
+    # would cost rows x the longest id and drop trailing NULs ("a" and "a\0" would merge);
+    # `np.unique` sorts them, 4x slower (measured, #29).
+    codes: dict[object, int] = {}
+    ids = np.asarray(group_ids, dtype=object).reshape(-1)
+    inverse = np.fromiter((codes.setdefault(g, len(codes)) for g in ids), np.int64, ids.size)
     if inverse.size != shard.size:
         raise ValueError(f"{shard.size} shard indices but {inverse.size} group ids")
-    return shard * max(len(uniques), 1) + inverse.reshape(-1)
+    return shard * max(len(codes), 1) + inverse
 
 
 def zero_variance_mask(

@@ -78,14 +78,12 @@ __all__ = [
 class _Decoded(NamedTuple):
     """One shard of a round `EpisodeSource._decode` read: its columns, every row's advantage,
     which rows are in a group without signal (`zero_variance_mask`) and which are in their
-    group's baseline (not `DROPPED_STATUSES`), and each row's id digest
-    (`RecentIds.digest`)."""
+    group's baseline (not `DROPPED_STATUSES`)."""
 
     columns: ShardColumns
     advantage: np.ndarray
     zero_variance: np.ndarray
     in_baseline: np.ndarray
-    digests: list[int]
 
 
 class EpisodeSource:
@@ -242,7 +240,7 @@ class EpisodeSource:
             rows = np.setdiff1d(np.arange(n), list(acked)) if acked else np.arange(n)
             self.position.opened(key, n)
             ids = shard.columns.episode_id[rows]
-            duplicate = self._replayed(ids, [shard.digests[r] for r in rows.tolist()])
+            duplicate = self._replayed(ids)
             self._inflight.update(ids[~duplicate])  # ids are unique within a shard
             self._duplicates.update(ShardRow(key, int(r)) for r in rows[duplicate])
             zero_variance = shard.zero_variance[rows] & self.filter_zero_variance
@@ -258,13 +256,11 @@ class EpisodeSource:
             out.append(block)
         return out
 
-    def _replayed(self, ids: np.ndarray, digests: list[int]) -> np.ndarray:
+    def _replayed(self, ids: np.ndarray) -> np.ndarray:
         """Which of these ids are in flight or were accounted recently (a replay)."""
-        if self._inflight.isdisjoint(ids) and not self.seen.holds_any(digests):
+        if self._inflight.isdisjoint(ids) and not self.seen.holds_any(ids):
             return np.zeros(len(ids), bool)  # the usual case, without a loop per row
-        replayed = (
-            i in self._inflight or self.seen.holds(d) for i, d in zip(ids, digests, strict=True)
-        )
+        replayed = (i in self._inflight or i in self.seen for i in ids)
         return np.fromiter(replayed, bool, len(ids))
 
     def _decode(self, keys: list[str]) -> list[_Decoded | ShardValidationError]:
@@ -281,7 +277,7 @@ class EpisodeSource:
     def _check(
         self, keys: list[str], reads: list[pa.Table | ShardValidationError]
     ) -> list[_Decoded | ShardValidationError]:
-        """`_decode`'s validation, advantages and replay digests of decoded shards."""
+        """`_decode`'s validation and advantages of decoded shards."""
         out: list[Any] = list(reads)
         ok = [i for i, r in enumerate(out) if not isinstance(r, ShardValidationError)]
         valid = validate_tables(
@@ -291,30 +287,26 @@ class EpisodeSource:
             max_length=self.max_length,
             max_version=self.newest_version,
         )
-        if valid.columns is not None:
-            cols, starts = valid.columns, valid.starts
-            shard = np.repeat(np.arange(len(ok)), np.diff(starts))
-            # Advantages over whole groups, also when part of a group was acknowledged
-            # before a restart (`poll` hands out only the unacknowledged rows).
-            groups = shard_group_codes(cols.group_id, shard)
-            keep = ~np.isin(cols.status, DROPPED_STATUSES)
-            adv = shard_advantages(
-                cols.reward,
-                groups,
-                self.advantage,
-                keep,
-                normalize_std=self.normalize_std,
-                shards=shard,
-            )
-            flat = zero_variance_mask(cols.reward, groups, keep=keep)
-            # Here, not in the reader threads: there this Python work slowed the decoding
-            # more than it saved here (measured, #29).
-            digests = RecentIds.digests(cols.episode_id.tolist())
-        for j, i in enumerate(ok):  # (no columns: every shard is invalid, so has an error)
-            a, b = int(valid.starts[j]), int(valid.starts[j + 1])
-            out[i] = valid.errors[j] or _Decoded(
-                cols.rows(a, b), adv[a:b], flat[a:b], keep[a:b], digests[a:b]
-            )
+        for i, err in zip(ok, valid.errors, strict=True):
+            if err is not None:
+                out[i] = err
+        good = [(i, c) for i, c in zip(ok, valid.columns, strict=True) if c is not None]
+        if not good:
+            return out
+        sizes = [len(c) for _, c in good]
+        shard = np.repeat(np.arange(len(good)), sizes)
+        reward = np.concatenate([c.reward for _, c in good])
+        # Advantages over whole groups, also when part of a group was acknowledged before
+        # a restart (`poll` hands out only the unacknowledged rows).
+        groups = shard_group_codes(np.concatenate([c.group_id for _, c in good]), shard)
+        keep = ~np.isin(np.concatenate([c.status for _, c in good]), DROPPED_STATUSES)
+        adv = shard_advantages(
+            reward, groups, self.advantage, keep, normalize_std=self.normalize_std, shards=shard
+        )
+        flat = zero_variance_mask(reward, groups, keep=keep)
+        starts = np.cumsum([0, *sizes])
+        for (i, cols), a, b in zip(good, starts[:-1], starts[1:], strict=True):
+            out[i] = _Decoded(cols, adv[a:b], flat[a:b], keep[a:b])
         return out
 
     def _read(self, key: str) -> pa.Table | ShardValidationError:

@@ -248,61 +248,25 @@ class ShardColumns:
     offsets: tuple[np.ndarray, np.ndarray, np.ndarray]
 
     @classmethod
-    def of(cls, table: pa.Table) -> ShardColumns:
-        """The columns of a validated table (`validation.read_shard`'s, or several shards'
-        back to back, `validation.validate_tables`)."""
+    def of(cls, table: pa.Table, rows: dict[str, np.ndarray] | None = None) -> ShardColumns:
+        """The columns of a validated table (`validation.read_shard`'s, or a decoded
+        shard's, `validation.validate_tables`); `rows`: its `row_columns`, where the
+        checks already extracted them. The list columns are views of the table's
+        buffers: those of a shard decoded as one row group (`ROW_GROUP_ROWS`) are not
+        copied, and keep nothing but that shard alive."""
         lists, offsets = [], []
         for name in _LISTS:
-            arr: pa.ListArray = table.column(name).combine_chunks()
+            column = table.column(name)
+            arr = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
             offsets.append(arr.offsets.to_numpy())
             lists.append(arr.values.to_numpy(zero_copy_only=False))
-        strings = {
-            name: table.column(name).to_numpy()
-            for name in ("episode_id", "actor_id", "env", "group_id", "status")
-        }
-        numbers = {
-            name: table.column(name).to_numpy()
-            for name in ("seed", "policy_version", "reward", "num_turns", "length")
-        }
-        created = table.column("created_at").cast(pa.int64()).to_numpy() / 1000.0
         return cls(
-            **strings,
-            **numbers,
-            created_at=created,
+            **(row_columns(table) if rows is None else rows),
             tokens=lists[0],
             loss_mask=lists[1],
             behavior_logprobs=lists[2],
             offsets=tuple(offsets),
         )
-
-    @classmethod
-    def concat(cls, parts: Sequence[ShardColumns]) -> ShardColumns:
-        """Several shards' columns back to back (at least one), offsets shifted."""
-        out: dict[str, Any] = {
-            name: np.concatenate([getattr(p, name) for p in parts]) for name in _ROW_COLUMNS
-        }
-        offsets = []
-        for k, name in enumerate(_LISTS):
-            values, offs, total = [], [np.zeros(1, np.int64)], 0
-            for part in parts:
-                o = part.offsets[k]
-                values.append(getattr(part, name)[o[0] : o[-1]])
-                offs.append(o[1:] - o[0] + total)
-                total += int(o[-1] - o[0])
-            out[name] = np.concatenate(values)
-            offsets.append(np.concatenate(offs))
-        return cls(**out, offsets=tuple(offsets))
-
-    def rows(self, start: int, stop: int) -> ShardColumns:
-        """Rows `start:stop`: the list values copied, so these do not keep the other rows'
-        (the bulk of the bytes) alive, the offsets counted from 0, the other columns views."""
-        out: dict[str, Any] = {name: getattr(self, name)[start:stop] for name in _ROW_COLUMNS}
-        offsets = []
-        for name, offs in zip(_LISTS, self.offsets, strict=True):
-            lo, hi = offs[start], offs[stop]
-            out[name] = getattr(self, name)[lo:hi].copy()
-            offsets.append(offs[start : stop + 1] - lo)
-        return ShardColumns(**out, offsets=tuple(offsets))
 
     def __len__(self) -> int:
         return len(self.episode_id)
@@ -341,6 +305,14 @@ class ShardColumns:
 _ROW_COLUMNS = tuple(
     f.name for f in dataclasses.fields(ShardColumns) if f.name not in (*_LISTS, "offsets")
 )
+
+
+def row_columns(table: pa.Table) -> dict[str, np.ndarray]:
+    """A shard table's one-value-per-row columns, as `ShardColumns` holds them (strings,
+    dictionary-encoded or not, as object arrays; `created_at` in seconds)."""
+    out = {name: table.column(name).to_numpy() for name in _ROW_COLUMNS if name != "created_at"}
+    out["created_at"] = table.column("created_at").cast(pa.int64()).to_numpy() / 1000.0
+    return out
 
 
 def table_episodes(

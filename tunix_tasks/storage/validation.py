@@ -26,6 +26,7 @@ expanded, are summed against `max_bytes` (`MAX_SHARD_BYTES`) before the next row
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypedDict, Unpack
 
@@ -35,7 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tunix_tasks.episode import MAX_ABS_REWARD, EpisodeStatus
-from tunix_tasks.storage.shards import SCHEMA_VERSION, SHARD_SCHEMA, ShardColumns
+from tunix_tasks.storage.shards import SCHEMA_VERSION, SHARD_SCHEMA, ShardColumns, row_columns
 from tunix_tasks.storage.store import NotFound, ObjectStore
 from tunix_tasks.storage.uri import join_uri
 
@@ -128,12 +129,10 @@ def _read(
 
 
 class ValidShards(NamedTuple):
-    """`validate_tables`' answer: the valid shards' rows back to back (None if no shard
-    is valid); shard i's are rows `starts[i]:starts[i + 1]` (none when it is invalid) and
-    `errors[i]` says why it is."""
+    """`validate_tables`' answer: shard i's columns, or None and `errors[i]` says why it
+    is invalid."""
 
-    columns: ShardColumns | None
-    starts: np.ndarray  # int64 [k + 1]
+    columns: list[ShardColumns | None]
     errors: list[ShardValidationError | None]
 
 
@@ -146,12 +145,12 @@ def validate_tables(
     max_version: int | None = None,
 ) -> ValidShards:
     """`validate_table` of several shards (`read_shard_table`'s tables; `wheres` name
-    them) in one vectorised pass over all their rows, so a round of shards costs the
-    Python work of about one: per shard, that work holds the GIL about as long as the
-    decoding does (#29). Every check holds for all rows only if it holds for each shard's
-    (episode ids unique over all of them is stricter), so when the pass fails, or the
-    shards differ in schema or one is empty, they are checked one by one, which names
-    each invalid shard."""
+    them) in one vectorised pass over all their rows (`check_table`), so a round of
+    shards costs the Python work of about one: per shard, that work holds the GIL about
+    as long as the decoding does (#29). Every check holds for all rows only if it holds
+    for each shard's (episode ids unique over all of them is stricter), so when the pass
+    fails, or the shards differ in schema or one is empty, they are checked one by one,
+    which names each invalid shard. Each shard's columns are views of its own table."""
     checks: dict[str, Any] = {
         "vocab_size": vocab_size,
         "max_length": max_length,
@@ -161,28 +160,35 @@ def validate_tables(
     schema = tables[0].schema if tables else None
     # Each shard's metadata differs (its length histogram); their schema versions may not.
     versions = {(t.schema.metadata or {}).get(_VERSION_KEY) for t in tables}
-    if all(sizes) and len(versions) <= 1 and all(t.schema.equals(schema) for t in tables):
+    if (
+        tables
+        and all(sizes)
+        and len(versions) <= 1
+        and all(t.schema.equals(schema) for t in tables)
+    ):
         try:
-            together = _plain_strings(pa.concat_tables(tables)) if tables else None
-            columns = validate_table(together, where="", **checks) if together is not None else None
+            rows = check_table(pa.concat_tables(tables), where="", **checks)
         except (ShardValidationError, pa.ArrowInvalid):  # (or over 2^31 list values in all)
             pass  # which shards, and why: one by one, below
         else:
-            return ValidShards(columns, _starts(sizes), [None] * len(tables))
-    parts: list[ShardColumns] = []
+            starts = np.cumsum([0, *sizes])
+            return ValidShards(
+                [
+                    ShardColumns.of(t, {k: v[a:b] for k, v in rows.items()})
+                    for t, a, b in zip(tables, starts[:-1], starts[1:], strict=True)
+                ],
+                [None] * len(tables),
+            )
+    columns: list[ShardColumns | None] = []
     errors: list[ShardValidationError | None] = []
-    for i, (table, where) in enumerate(zip(tables, wheres, strict=True)):
+    for table, where in zip(tables, wheres, strict=True):
         try:
-            parts.append(validate_table(_plain_strings(table), where=where, **checks))
+            columns.append(validate_table(table, where=where, **checks))
             errors.append(None)
         except ShardValidationError as err:
+            columns.append(None)
             errors.append(err)
-            sizes[i] = 0
-    return ValidShards(ShardColumns.concat(parts) if parts else None, _starts(sizes), errors)
-
-
-def _starts(sizes: Sequence[int]) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+    return ValidShards(columns, errors)
 
 
 def _too_large(where: str, size: int, max_bytes: int, what: str) -> ShardValidationError:
@@ -227,13 +233,16 @@ def _check_declared(
 def _decode(file: pq.ParquetFile, where: str, max_bytes: int) -> pa.Table:
     """The file's rows, one row group at a time, stopping once `max_bytes` are decoded.
     Strings come as dictionaries (a value stored once may stand for every row), counted
-    expanded; `_plain_strings` expands them once all are counted."""
+    expanded; the checks read them as they are (`ShardColumns.of` expands them into
+    object arrays whose rows share the dictionary's strings)."""
     parts, decoded = [], 0
     for i in range(file.num_row_groups):
         # One thread per shard: the learner reads several shards at once, and Arrow's own
         # pool on top of those threads only contends with them (measured in #29).
         part = file.read_row_group(i, use_threads=False)
-        decoded += part.nbytes
+        # The buffers' sizes: a bound of `nbytes` (equal for freshly decoded buffers) at
+        # a 30th of its cost, which walks every array under the GIL (measured, #29).
+        decoded += part.get_total_buffer_size()
         decoded += _strings_bytes(part, max_bytes - decoded)
         if decoded > max_bytes:
             raise _too_large(where, decoded, max_bytes, f"row groups 0-{i} decode to")
@@ -258,7 +267,7 @@ def _strings_bytes(part: pa.Table, budget: int) -> int:
     costs nothing per row and is what an honest shard (short ids, tens of rows) returns;
     the exact count runs only when the bound exceeds what is left of the shard's budget."""
     chunks = [c for col in part.columns if pa.types.is_dictionary(col.type) for c in col.chunks]
-    bound = sum(len(chunk) * (chunk.dictionary.nbytes + 4) for chunk in chunks)
+    bound = sum(len(chunk) * (chunk.dictionary.get_total_buffer_size() + 4) for chunk in chunks)
     if bound <= budget:
         return bound
     total = 0
@@ -279,9 +288,26 @@ def validate_table(
     max_version: int | None = None,
 ) -> ShardColumns:
     """The table's columns, or ShardValidationError if it breaks the shard v1 contract
-    (reason `unreadable` when a check cannot even run on what the shard holds)."""
+    (reason `unreadable` when a check cannot even run on what the shard holds). String
+    columns may be dictionary-encoded (`read_shard_table`'s)."""
+    rows = check_table(
+        table, where=where, vocab_size=vocab_size, max_length=max_length, max_version=max_version
+    )
+    return ShardColumns.of(table, rows)
+
+
+def check_table(
+    table: pa.Table,
+    *,
+    where: str,
+    vocab_size: int,
+    max_length: int | None = None,
+    max_version: int | None = None,
+) -> dict[str, np.ndarray]:
+    """`validate_table`'s checks; returns the table's `row_columns`, which they ran on.
+    The list columns are checked as Arrow arrays, chunk by chunk, never copied."""
     try:
-        return _validate(table, where, vocab_size, max_length, max_version)
+        return _check(table, where, vocab_size, max_length, max_version)
     except ShardValidationError:
         raise
     except (pa.ArrowException, ValueError, TypeError, ArithmeticError, LookupError) as err:
@@ -290,13 +316,13 @@ def validate_table(
         ) from None
 
 
-def _validate(
+def _check(
     table: pa.Table,
     where: str,
     vocab_size: int,
     max_length: int | None,
     max_version: int | None,
-) -> ShardColumns:
+) -> dict[str, np.ndarray]:
     meta = table.schema.metadata or {}
     version = meta.get(_VERSION_KEY)
     if version is not None and version != str(SCHEMA_VERSION).encode():
@@ -309,14 +335,24 @@ def _validate(
     if table.num_rows == 0:
         raise ShardValidationError(where, "empty", "shard has no rows")
     for name in SHARD_SCHEMA.names:
-        column = table.column(name)
-        lists = pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
-        if column.null_count or (lists and pc.list_flatten(column).null_count):
+        if _has_nulls(table.column(name)):
             raise ShardValidationError(where, "null", f"column {name!r} has null values")
-    columns = ShardColumns.of(table)  # types and nulls checked: the rest runs on these
-    _check_lists(columns, where, vocab_size, max_length)
-    _check_scalars(columns, table, where, max_version)
-    return columns
+    rows = row_columns(table)  # types and nulls checked: the rest runs on these
+    _check_lists(table, rows["length"], where, vocab_size, max_length)
+    _check_scalars(rows, where, max_version)
+    return rows
+
+
+def _has_nulls(column: pa.ChunkedArray) -> bool:
+    """Nulls in a column, or in its lists' values, or in its dictionaries (a null there
+    is a null row without being counted as one)."""
+    if column.null_count:
+        return True
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        return bool(pc.list_flatten(column).null_count)
+    if pa.types.is_dictionary(column.type):
+        return any(chunk.dictionary.null_count for chunk in column.chunks)
+    return False
 
 
 def _check_schema(table: pa.Table, where: str) -> None:
@@ -326,8 +362,10 @@ def _check_schema(table: pa.Table, where: str) -> None:
         raise ShardValidationError(where, "missing_columns", f"missing columns {missing}")
     for f in SHARD_SCHEMA:
         actual = table.schema.field(f.name).type
+        if pa.types.is_dictionary(actual) and pa.types.is_string(f.type):
+            actual = actual.value_type  # strings as `read_shard_table` decodes them
         if not actual.equals(f.type) and not (
-            # dictionary-encoded strings read back as strings; accept large_list too
+            # accept large_list too
             pa.types.is_list(f.type)
             and pa.types.is_large_list(actual)
             and actual.value_type.equals(f.type.value_type)
@@ -338,12 +376,10 @@ def _check_schema(table: pa.Table, where: str) -> None:
 
 
 def _check_lists(
-    columns: ShardColumns, where: str, vocab_size: int, max_length: int | None
+    table: pa.Table, lengths: np.ndarray, where: str, vocab_size: int, max_length: int | None
 ) -> None:
-    lengths = columns.length
-    names = ("tokens", "loss_mask", "behavior_logprobs")
-    for name, offsets in zip(names, columns.offsets, strict=True):
-        n = np.diff(offsets)
+    for name in ("tokens", "loss_mask", "behavior_logprobs"):
+        n = pc.list_value_length(table.column(name)).to_numpy()
         bad = np.nonzero(n != lengths)[0]
         if bad.size:
             row = int(bad[0])
@@ -356,19 +392,29 @@ def _check_lists(
         raise ShardValidationError(where, "empty_episode", "an episode has length 0")
     if max_length is not None:
         _check_lengths(lengths, where, max_length)
-    tokens, loss_mask, logprobs = columns.tokens, columns.loss_mask, columns.behavior_logprobs
-    lo, hi = int(tokens.min()), int(tokens.max())
+    tokens = pc.min_max(pc.list_flatten(table.column("tokens")))
+    lo, hi = tokens["min"].as_py(), tokens["max"].as_py()
     if lo < 0 or hi >= vocab_size:
         raise ShardValidationError(
             where,
             "token_out_of_range",
             f"token ids span [{lo}, {hi}], vocabulary is [0, {vocab_size})",
         )
-    if (loss_mask.view(np.uint8) > 1).any():  # -1 becomes 255 as uint8
+    mask = pc.min_max(pc.list_flatten(table.column("loss_mask")))
+    if mask["min"].as_py() < 0 or mask["max"].as_py() > 1:
         raise ShardValidationError(where, "bad_loss_mask", "loss_mask values must be 0 or 1")
-    if not np.isfinite(logprobs).all():
-        raise ShardValidationError(where, "non_finite", "behavior_logprobs has NaN or inf")
-    if (logprobs > 1e-4).any():
+    # numpy's min and max, chunk by chunk: they propagate NaN (Arrow's skip it, and its
+    # float min_max is 9x slower, measured in #29).
+    highest = -math.inf
+    for chunk in pc.list_flatten(table.column("behavior_logprobs")).chunks:
+        values = chunk.to_numpy()
+        if not values.size:
+            continue
+        lo, hi = float(values.min()), float(values.max())
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise ShardValidationError(where, "non_finite", "behavior_logprobs has NaN or inf")
+        highest = max(highest, hi)
+    if highest > 1e-4:
         raise ShardValidationError(where, "bad_logprob", "behavior_logprobs must be <= 0")
 
 
@@ -386,10 +432,8 @@ def _check_lengths(lengths: np.ndarray, where: str, max_length: int, first_row: 
         )
 
 
-def _check_scalars(
-    columns: ShardColumns, table: pa.Table, where: str, max_version: int | None
-) -> None:
-    reward = columns.reward
+def _check_scalars(rows: dict[str, np.ndarray], where: str, max_version: int | None) -> None:
+    reward = rows["reward"]
     if not np.isfinite(reward).all():
         raise ShardValidationError(where, "non_finite", "reward has NaN or inf")
     if (np.abs(reward) > MAX_ABS_REWARD).any():
@@ -400,7 +444,7 @@ def _check_scalars(
             f"row {row}: reward {float(reward[row]):g} is outside [-{MAX_ABS_REWARD:g}, "
             f"{MAX_ABS_REWARD:g}] (episode.MAX_ABS_REWARD)",
         )
-    versions = columns.policy_version
+    versions = rows["policy_version"]
     if (versions < 0).any():
         raise ShardValidationError(where, "bad_version", "policy_version must be >= 0")
     if max_version is not None and versions.max() > max_version:
@@ -410,14 +454,14 @@ def _check_scalars(
             f"policy_version {int(versions.max())} is newer than the newest version the "
             f"learner has published ({max_version})",
         )
-    statuses = set(pc.unique(table.column("status")).to_pylist())
+    statuses = set(rows["status"].tolist())
     valid = [s.value for s in EpisodeStatus]
     if not statuses <= set(valid):
         raise ShardValidationError(
             where, "bad_status", f"status values {sorted(statuses - set(valid))}; valid: {valid}"
         )
-    ids = table.column("episode_id")
-    if pc.count_distinct(ids).as_py() != table.num_rows:
+    ids = rows["episode_id"]
+    if len(set(ids.tolist())) != len(ids):
         raise ShardValidationError(
             where, "duplicate_episode_id", "episode_id values are not unique"
         )

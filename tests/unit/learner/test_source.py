@@ -387,6 +387,27 @@ def test_dedup_memory_is_bounded():
     assert len(back) == 500 and "ep-9999" in back and "ep-9499" not in back
 
 
+def test_dedup_recognises_ids_accounted_before_a_restart_and_since():
+    """In memory the window holds this process's ids as strings and restored ones by
+    digest; a replay of either is recognised, and restored digests age out like ids."""
+    from tunix_tasks.learner.accounting import RecentIds
+
+    before = RecentIds(capacity=4)
+    for i in range(3):
+        before.add(f"old-{i}")
+    ids = RecentIds(capacity=4)
+    ids.set_state(before.get_state())
+    assert ids.holds_any(["new", "old-1"]) and "old-2" in ids and not ids.holds_any(["new"])
+    ids.add("new-0")
+    assert ids.holds_any(["x", "new-0"]) and "new-0" in ids and len(ids) == 4
+    ids.add("old-2")  # already there (by digest): not added twice
+    assert len(ids) == 4
+    for i in range(1, 4):
+        ids.add(f"new-{i}")
+    assert not ids.holds_any(["old-0", "old-1", "old-2"]) and ids.holds_any(["new-3"])
+    assert json.loads(json.dumps(ids.get_state())) == ids.get_state()
+
+
 class _CountingStore:
     """Forwards to a store; counts the keys its listings return."""
 

@@ -19,6 +19,7 @@ from tunix_tasks.storage.validation import (
     read_shard,
     read_shard_columns,
     read_shard_table,
+    validate_table,
     validate_tables,
 )
 from tunix_tasks.testing.shard_factory import make_episode
@@ -106,6 +107,24 @@ def _cases():
         _raw_bytes(_set_column(t, "reward", pa.array([[0.5]] * 6, pa.large_list(pa.float32())))),
     )
     yield "bad_status", _raw_bytes(_set_column(t, "status", pa.array(["ok"] * 5 + ["weird"])))
+    for reason, value in (("non_finite", float("nan")), ("bad_logprob", 0.5)):
+        # In a later row: numpy's min and max propagate NaN, Python's `min` of floats not.
+        yield (
+            reason,
+            _raw_bytes(
+                _mutate_list(
+                    t,
+                    "behavior_logprobs",
+                    lambda i, r, v=value: [*r[:-1], v] if i == 4 else r,
+                    pa.float32(),
+                )
+            ),
+        )
+    ids = t.column("episode_id").to_pylist()
+    yield (
+        "duplicate_episode_id",
+        _raw_bytes(_set_column(t, "episode_id", pa.array(ids[:5] + ids[:1]))),
+    )
     yield "empty", _raw_bytes(t.slice(0, 0))
     meta = t.replace_schema_metadata({"tunix.schema_version": "7"})
     yield "schema_version", _raw_bytes(meta)
@@ -154,10 +173,9 @@ def test_a_round_refuses_each_bad_shard_for_its_reason_and_keeps_the_rest(tmp_pa
     valid = validate_tables(tables, keys, vocab_size=VOCAB)
     errors = {k: e.reason for k, e in zip(keys, valid.errors, strict=True) if e is not None}
     assert {**refused, **errors} == {"shards/a/1.parquet": reason}
-    assert valid.columns is not None and len(valid.columns) == 8
+    assert sum(len(c) for c in valid.columns if c is not None) == 8
     for key in ("shards/a/0.parquet", "shards/a/2.parquet"):
-        i = keys.index(key)
-        part = valid.columns.rows(int(valid.starts[i]), int(valid.starts[i + 1]))
+        part = valid.columns[keys.index(key)]
         alone = read_shard_columns(store, key, vocab_size=VOCAB)
         np.testing.assert_array_equal(part.episode_id, alone.episode_id)
         for j in range(len(alone)):
@@ -177,15 +195,15 @@ def test_a_round_of_good_shards_is_checked_in_one_pass(tmp_path, monkeypatch):
         for n in (2, 5, 9)
     ]
     keys, tables, _ = _round(store, datas)
-    calls, real = [], validation.validate_table
+    calls, real = [], validation.check_table
 
     def counted(table, **kw):
         calls.append(table.num_rows)
         return real(table, **kw)
 
-    monkeypatch.setattr(validation, "validate_table", counted)
+    monkeypatch.setattr(validation, "check_table", counted)
     valid = validate_tables(tables, keys, vocab_size=VOCAB)
-    assert calls == [16] and valid.starts.tolist() == [0, 2, 7, 16]
+    assert calls == [16] and [len(c) for c in valid.columns] == [2, 5, 9]
 
 
 def test_a_round_with_a_replayed_shard_keeps_both_copies(tmp_path):
@@ -196,8 +214,8 @@ def test_a_round_with_a_replayed_shard_keeps_both_copies(tmp_path):
     keys, tables, _ = _round(store, [data, data])
     valid = validate_tables(tables, keys, vocab_size=VOCAB)
     assert valid.errors == [None, None]
-    assert valid.starts.tolist() == [0, 6, 12]
-    assert validate_tables([], [], vocab_size=VOCAB).columns is None
+    assert [len(c) for c in valid.columns] == [6, 6]
+    assert validate_tables([], [], vocab_size=VOCAB).columns == []
 
 
 def test_good_shard_passes(tmp_path):
@@ -333,3 +351,30 @@ def test_honest_shard_over_the_strings_bound_is_counted_exactly_and_read(tmp_pat
     store = open_store(str(tmp_path))
     store.write_bytes("shards/a/many.parquet", table_to_parquet_bytes(table))
     assert read_shard(store, "shards/a/many.parquet", vocab_size=VOCAB, max_bytes=4 << 20)
+
+
+def test_a_null_in_a_string_dictionary_is_a_null_row():
+    """`read_shard_table` leaves strings dictionary-encoded; a null among a dictionary's
+    values is a null row that the column's `null_count` does not count."""
+    t = _good_table()
+    status = pa.DictionaryArray.from_arrays(pa.array([0] * 5 + [1], pa.int32()), ["ok", None])
+    with pytest.raises(ShardValidationError) as info:
+        validate_table(_set_column(t, "status", status), where="x", vocab_size=VOCAB)
+    assert info.value.reason == "null"
+
+
+def test_a_round_s_columns_are_views_of_each_shard_s_own_buffers(tmp_path):
+    """No copy between the decoded shard and the learner's block, and a block keeps its
+    own shard's buffers alive, never its round's."""
+    store = open_store(str(tmp_path))
+    rng = np.random.default_rng(7)
+    datas = [
+        table_to_parquet_bytes(episodes_to_table([make_episode(rng, length=9) for _ in range(4)]))
+        for _ in range(3)
+    ]
+    keys, tables, _ = _round(store, datas)
+    valid = validate_tables(tables, keys, vocab_size=VOCAB)
+    for i, columns in enumerate(valid.columns):
+        for j, table in enumerate(tables):
+            decoded = table.column("tokens").chunk(0).values.to_numpy()
+            assert np.shares_memory(columns.tokens, decoded) == (i == j)
