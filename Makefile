@@ -9,7 +9,9 @@
 #   make venv-verifiers  verifiers' own environment (.venv-verifiers: it needs openai<3), for
 #                the test that plays verifiers environments against the agent endpoint
 #   make test-fast  the unit layer only (tests/unit: one part at a time, a few minutes)
-#   make bench   run the benchmarks (prints ratios against in-run baselines)
+#   make bench   every speed figure of the README's table, by its command (benchmarks/suite.py:
+#                ratios against in-run baselines, the machine's limits; hours on 2 cores)
+#   make bench-learning  the learning studies of the table (a pretrained model; ~6 h on 2 cores)
 #   make airflow start Airflow locally with the tunix DAGs
 #   make airflow-cluster  the same with Celery workers, Redis and PostgreSQL
 
@@ -20,7 +22,7 @@ STAMP  := $(VENV)/.installed
 CORE_STAMP := $(VENV)/.installed-core
 VF_STAMP := .venv-verifiers/.installed
 
-.PHONY: venv venv-core venv-verifiers bwrap browser services test test-fast lint format demo demo-real bench airflow clean
+.PHONY: venv venv-core venv-verifiers bwrap browser services test test-fast lint format demo demo-real bench bench-learning airflow clean
 
 # python_exec runs model-written code under bubblewrap (docs/sandbox.md); as root, install it.
 bwrap:
@@ -90,8 +92,12 @@ demo-real: $(CORE_STAMP)
 	$(BIN)/tunix-tasks eval runs/smollm2_chain_sum --version 0 --episodes 128
 	$(BIN)/tunix-tasks eval runs/smollm2_chain_sum --episodes 128
 
+# benchmarks/suite.py: each README figure's command, in order, with the machine's limits.
 bench: $(STAMP)
-	for b in benchmarks/[!_]*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	$(BIN)/python benchmarks/suite.py
+
+bench-learning: $(STAMP)
+	$(BIN)/python benchmarks/suite.py --group learning
 
 # --- Airflow (scripts in infra/airflow/) ---------------------------------------------
 AIRFLOW_PORT ?= 8080
