@@ -4,12 +4,12 @@ batched sampler's policy tokens/s per core.
 Part 1: one `Actor` per E in (1, 4, 16, 64, 256) on a file:// run, calculator env with a
 fixed 0.5 s simulated latency on every reset and step, "tiny" policy, group_size=1 (so E
 independent episode loops), one cache slot per env (the default). The actor warms up
-until its sampler has compiled nothing new for `--quiet` s (every program a steady
-state uses: prefills with and without a reused session, decode windows; a persistent XLA
-cache shares the work between the E values); then episodes/s is counted over a window of
-at least `--window` s and `--min-episodes` episodes. A window in which anything compiled
-is discarded and measured again; the script fails rather than report one. The ideal is
-linear: E / (episode time with one env).
+until its sampler has compiled nothing new for `--quiet` s and `--min-episodes` episodes
+(every program a steady state uses: prefills with and without a reused session, decode
+windows; a persistent XLA cache shares the work between the E values); then episodes/s
+is counted over a window of at least `--window` s and `--min-episodes` episodes. A
+window in which anything compiled is discarded and measured again; the script fails
+rather than report one. The ideal is linear: E / (episode time with one env).
 
 Part 2: `Sampler.sample` on batches of 16/64/256 contexts with the "small" preset, a fixed
 number of generated tokens per row (no stop ids), after a warm-up call: tokens/s and
@@ -57,16 +57,18 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _wait_quiet(actor: Actor, quiet_s: float, limit_s: float) -> None:
-    """Return once the actor has finished an episode and compiled nothing for `quiet_s`."""
+def _wait_quiet(actor: Actor, quiet_s: float, episodes: int, limit_s: float) -> None:
+    """Return once the actor has compiled nothing for `quiet_s` and for `episodes` finished
+    episodes: with few envs, a program a rare episode shape needs (a decode window, a
+    prefill bucket) may come up only after several episodes, not seconds."""
     t0 = last_change = time.monotonic()
-    seen = actor.engine.compile_count
-    while time.monotonic() - last_change < quiet_s or actor.stats.episodes == 0:
+    seen, since = actor.engine.compile_count, actor.stats.episodes
+    while time.monotonic() - last_change < quiet_s or actor.stats.episodes - since < episodes:
         if time.monotonic() - t0 > limit_s:
             raise SystemExit(f"actor still compiling after {limit_s:.0f} s of warm-up")
         time.sleep(0.1)
         if (now := actor.engine.compile_count) != seen:
-            seen, last_change = now, time.monotonic()
+            seen, last_change, since = now, time.monotonic(), actor.stats.episodes
 
 
 def _window(actor: Actor, window_s: float, min_episodes: int) -> dict[str, float]:
@@ -113,12 +115,12 @@ def measure_actor(
     thread = threading.Thread(target=actor.run)
     thread.start()
     try:
-        _wait_quiet(actor, quiet_s, limit_s=300)
+        _wait_quiet(actor, quiet_s, min_episodes, limit_s=300)
         for _ in range(3):
             result = _window(actor, window_s, min_episodes)
             if result["compiles"] == 0 and result["episodes"] > 0:
                 return result
-            _wait_quiet(actor, quiet_s, limit_s=300)
+            _wait_quiet(actor, quiet_s, min_episodes, limit_s=300)
         raise SystemExit(f"E={envs}: every timed window compiled or finished nothing: {result}")
     finally:
         mark_done(store, "benchmark")
