@@ -52,6 +52,12 @@ SUITE = (
     _entry("packing"),
     _entry("actor"),
     _entry("sampler", "--batches 64 --replicas 1 2"),
+    _entry(
+        "sampler",
+        "--batches --windows --reuse-episodes 0 --prefill-batches --train-len 2048 "
+        "--vocab 32768 --no-rss --repeats 3 --attention-block 0 128",
+        name="sampler_train",
+    ),
     _entry("models", "--shape cpu --families qwen3 --sample-batches 16"),
     _entry("weights", "--gcs"),
     _entry("publishing"),
