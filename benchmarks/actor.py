@@ -4,12 +4,12 @@ batched sampler's policy tokens/s per core.
 Part 1: one `Actor` per E in (1, 4, 16, 64, 256) on a file:// run, calculator env with a
 fixed 0.5 s simulated latency on every reset and step, "tiny" policy, group_size=1 (so E
 independent episode loops), one cache slot per env (the default). The actor warms up
-until its sampler has compiled nothing new for `--quiet` s and `--min-episodes` episodes
-(every program a steady state uses: prefills with and without a reused session, decode
-windows; a persistent XLA cache shares the work between the E values); then episodes/s
-is counted over a window of at least `--window` s and `--min-episodes` episodes. A
-window in which anything compiled is discarded and measured again; the script fails
-rather than report one. The ideal is linear: E / (episode time with one env).
+until its sampler has compiled nothing new for `--quiet` s and `--min-episodes` (at least
+2E) episodes (every program a steady state uses: prefills with and without a reused
+session, decode windows; a persistent XLA cache shares the work between the E values);
+then episodes/s is counted over a window of at least `--window` s and `--min-episodes`
+episodes. A window in which anything compiled is discarded and measured again; the script
+fails rather than report one. The ideal is linear: E / (episode time with one env).
 
 Part 2: `Sampler.sample` on batches of 16/64/256 contexts with the "small" preset, a fixed
 number of generated tokens per row (no stop ids), after a warm-up call: tokens/s and
@@ -115,12 +115,15 @@ def measure_actor(
     thread = threading.Thread(target=actor.run)
     thread.start()
     try:
-        _wait_quiet(actor, quiet_s, min_episodes, limit_s=300)
+        # Quiet for as many episodes as envs too: at E=256, 8 episodes pass in 0.1 s, before
+        # the policy's batches have taken the sizes a steady state gives them.
+        quiet_episodes = max(min_episodes, 2 * envs)
+        _wait_quiet(actor, quiet_s, quiet_episodes, limit_s=300)
         for _ in range(3):
             result = _window(actor, window_s, min_episodes)
             if result["compiles"] == 0 and result["episodes"] > 0:
                 return result
-            _wait_quiet(actor, quiet_s, min_episodes, limit_s=300)
+            _wait_quiet(actor, quiet_s, quiet_episodes, limit_s=300)
         raise SystemExit(f"E={envs}: every timed window compiled or finished nothing: {result}")
     finally:
         mark_done(store, "benchmark")
