@@ -93,12 +93,6 @@ SUITE = (
 GROUPS = ("speed", "learning")
 
 
-def _has_accelerator() -> bool:
-    import jax  # here: the suite itself should not pay for JAX's start when listing
-
-    return jax.default_backend() != "cpu"
-
-
 ROOT = Path(__file__).resolve().parents[1]  # the commands run from here
 
 
@@ -117,12 +111,11 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="one log per entry")
     a = p.parse_args()
     entries = [e for e in SUITE if (e.name in a.only if a.only else e.group == a.group)]
-    accelerator = False if a.list else _has_accelerator()
     if a.list:
         for e in entries:
             print("python", shlex.join(command(e, accelerator=True)[1:]))
         return 0
-    import jax
+    import jax  # here: listing should not pay for JAX's start
 
     from _machine import llc_bytes, machine_limits, measure_limits
 
@@ -138,6 +131,7 @@ def main() -> int:
         f" {limits['matmul_flops'] / 1e9:.0f} GFLOP/s, DRAM {limits['mem_bw'] / 1e9:.1f} GB/s{cache}",
         flush=True,
     )
+    accelerator = jax.default_backend() != "cpu"
     a.out.mkdir(parents=True, exist_ok=True)
     results = []
     for e in entries:

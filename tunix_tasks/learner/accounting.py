@@ -159,9 +159,10 @@ class RecentIds:
     accounted are also kept as they are, so that the source's check of each id it reads
     is a set lookup, not a hash (the digests' cost was a tenth of reading, #29; ~15 MB
     at the default window, ids of ~30 characters); ids restored from a checkpoint are
-    known by their digest only, so while the window holds any, a lookup hashes too. A replay of episodes accounted longer ago than the window
-    is not recognised here; in async mode such old episodes are dropped as stale anyway
-    unless `max_staleness` spans the window.
+    known by their digest only, so while the window holds any, a lookup hashes too. A
+    replay of episodes accounted longer ago than the window is not recognised here; in
+    async mode such old episodes are dropped as stale anyway unless `max_staleness` spans
+    the window.
     """
 
     def __init__(self, capacity: int = 65_536) -> None:
