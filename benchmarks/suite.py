@@ -65,6 +65,7 @@ SUITE = (
     _entry("utilization", "--steps 20"),
     _entry("buffer"),
     _entry("agent_endpoint"),
+    _entry("remote_engine"),
     _entry("real_model"),
     _entry("model_memory"),
     _entry("accelerator"),

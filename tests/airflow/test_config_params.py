@@ -102,7 +102,10 @@ def test_config_params_import_is_light():
     }
     light |= {
         f"tunix_tasks.config.{m}"
-        for m in ("agent", "autopilot", "base", "env", "loading", "model", "objective", "resume")
+        for m in (
+            *("agent", "autopilot", "base", "env", "loading", "model", "objective", "remote"),
+            "resume",
+        )
     }
     light |= {"tunix_tasks.config", "tunix_tasks.config.params", "tunix_tasks.config.run"}
     assert set(json.loads(out.replace("'", '"'))) == light

@@ -9,6 +9,8 @@ demonstrations.py  expert episodes for the learner's warm start (`demos/` shards
 asynchronous/      `actor.kind: async`: asyncio environments, the batched `Sampler`
 vectorized/        `actor.kind: vectorized`: JAX environments and the policy in one jitted loop
 endpoint/          `actor.kind: agent`: an agent program through an OpenAI-compatible endpoint
+remote/            `actor.remote`: the async kind's turns from a completions server (vLLM,
+                   SGLang, `tunix-tasks serve`), its weights pushed there
 
 A new actor engine is a new folder here: an engine satisfying `RolloutEngine` and an
 `ActorRuntime` subclass (`_build_engine`, `_serve`), registered under its `actor.kind`

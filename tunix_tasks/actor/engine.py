@@ -11,7 +11,6 @@ else is the kind's serve loop:
     #   a ValueError (names, shapes, dtypes) keeps the old weights; the client refuses v
     # runtime, in every metrics record and the run's summary:
     engine.compile_count                               # XLA compilations so far
-    engine.model                                       # the Transformer it samples with
     # the kind's own figures go into metrics through ActorRuntime._engine_metrics
 
     # asynchronous/ (Sampler, SamplerReplicas): `BatchingPolicy` steps the engine from
@@ -20,8 +19,9 @@ else is the kind's serve loop:
     # vectorized/ (OnDeviceRollout): the serve loop `launch(steps)`es a segment, reloads
     # (`_maybe_reload`), `fetch`es the previous segment's `Finished` and commits groups.
 
-`policy.sampling.Sampler`, `policy.replicas.SamplerReplicas` and
-`vectorized.ondevice.OnDeviceRollout` satisfy it structurally: policy/ never imports actor/.
+`policy.sampling.Sampler`, `policy.replicas.SamplerReplicas`,
+`vectorized.ondevice.OnDeviceRollout` and `remote.engine.RemoteEngine` (a completions
+server's: no model in the actor) satisfy it structurally: policy/ never imports actor/.
 """
 
 from __future__ import annotations
@@ -32,19 +32,12 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 from flax import nnx
 
-from tunix_tasks.policy.model import Transformer
-
 __all__ = ["RolloutEngine"]
 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
     """The engine behind an actor (module docstring)."""
-
-    @property
-    def model(self) -> Transformer:
-        """The policy the engine samples with (its params are the loaded snapshot)."""
-        ...
 
     @property
     def compile_count(self) -> int:

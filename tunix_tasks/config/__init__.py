@@ -11,6 +11,7 @@ The package imports only pydantic and PyYAML (never JAX): a DAG file may import 
 base.py       `Frozen` (every config model's base), `ConfigError`, `ConfigWarning`
 run.py        `RunConfig` and the `actor`, `learner`, `learner.mesh` sections; cross-section rules
 agent.py      `AgentConfig`: `actor.agent`, the agent program and its endpoint (`actor.kind: agent`)
+remote.py     `RemoteEngineConfig`: `actor.remote`, a completions server as the actor's engine
 autopilot.py  `AutopilotConfig`: `actor.autopilot`, the bounds and pace of the self-sizing fleet
 env.py        `EnvConfig`; valid environment names from the entry-point groups (no env import)
 model.py      `ModelConfig`: a char preset or a Hugging Face checkpoint

@@ -12,10 +12,10 @@ from pydantic import Field, model_validator
 
 from tunix_tasks.config.base import Float, Frozen, Int
 
-__all__ = ["AgentConfig"]
+__all__ = ["ENV_VAR", "AgentConfig", "is_loopback"]
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
-_ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def is_loopback(host: str) -> bool:
@@ -62,7 +62,7 @@ class AgentConfig(Frozen):
     def _check(self) -> AgentConfig:
         if self.program and not _IMPORT_PATH.fullmatch(self.program):
             raise ValueError(f"actor.agent.program {self.program!r} is not package.module:function")
-        if self.api_key_env and not _ENV_VAR.fullmatch(self.api_key_env):
+        if self.api_key_env and not ENV_VAR.fullmatch(self.api_key_env):
             raise ValueError(f"actor.agent.api_key_env {self.api_key_env!r} is not a variable name")
         if not is_loopback(self.host) and not self.api_key_env:
             raise ValueError(

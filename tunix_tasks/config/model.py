@@ -127,3 +127,8 @@ class ModelConfig(Frozen):
                 f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads}"
             )
         return self
+
+    @property
+    def served_name(self) -> str:
+        """The model's name in OpenAI-compatible replies (`/v1/models`)."""
+        return self.checkpoint or f"tunix-{self.preset}"

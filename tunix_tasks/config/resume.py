@@ -66,6 +66,19 @@ RESUMABLE: dict[str, str] = {
             "interval_s",
         )
     },
+    # Where the tokens are sampled (the same policy weights): the fleet's hardware.
+    **{
+        f"actor.remote.{name}": _SCALE
+        for name in (
+            "url",
+            "model",
+            "api_key_env",
+            "weights_dir",
+            "weights_route",
+            "max_connections",
+        )
+    },
+    "actor.remote.timeout_s": _TIMEOUT,
     "learner.checkpoint_every": _CADENCE,
     "learner.full_snapshot_every": _CADENCE,
     "env.step_timeout_s": _TIMEOUT,

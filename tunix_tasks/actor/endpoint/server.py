@@ -44,7 +44,14 @@ from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry
 from tunix_tasks.actor.endpoint.service import EndpointService
 from tunix_tasks.actor.endpoint.wire import ApiError, completion_chunks, parse_request
 
-__all__ = ["EndpointServer", "build_app"]
+__all__ = [
+    "ERROR_HANDLERS",
+    "EndpointServer",
+    "bearer",
+    "build_app",
+    "field",
+    "json_object",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +70,7 @@ async def _body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _json_object(request: Request, limit: int) -> dict[str, Any]:
+async def json_object(request: Request, limit: int) -> dict[str, Any]:
     raw = await _body(request, limit)
     try:
         data = json.loads(raw or b"{}")
@@ -85,7 +92,7 @@ def _disconnect(request: Request):
     return wait
 
 
-def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
+def field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
     value = data.get(name, default)
     if value is not default and (
         (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind)
@@ -107,11 +114,11 @@ def build_app(
     registry = service.registry
 
     async def open_episode(request: Request) -> JSONResponse:
-        data = await _json_object(request, max_request_bytes)
-        group = _field(data, "group", str, None)
+        data = await json_object(request, max_request_bytes)
+        group = field(data, "group", str, None)
         # An unnamed group cannot be joined: it is a group of one unless said otherwise.
-        size = _field(data, "group_size", int, default_group_size if group is not None else 1)
-        seed = _field(data, "seed", int, 0)
+        size = field(data, "group_size", int, default_group_size if group is not None else 1)
+        seed = field(data, "seed", int, 0)
         if not 1 <= size <= 64:
             raise ApiError(400, f"group_size: must be in 1..64, got {size}", param="group_size")
         ep = registry.open(group=group, group_size=size, seed=seed)
@@ -119,16 +126,16 @@ def build_app(
         return JSONResponse({"episode_id": ep.id, "base_url": f"{base}/episodes/{ep.id}/v1"})
 
     async def close_episode(request: Request) -> JSONResponse:
-        data = await _json_object(request, max_request_bytes)
-        rewards = _field(data, "rewards", list, None)
+        data = await json_object(request, max_request_bytes)
+        rewards = field(data, "rewards", list, None)
         if rewards is not None and not all(
             isinstance(r, int | float) and not isinstance(r, bool) for r in rewards
         ):
             raise ApiError(400, "rewards: must be a list of numbers", param="rewards")
-        reward = _field(data, "reward", (int, float), None if rewards is None else 0.0)
+        reward = field(data, "reward", (int, float), None if rewards is None else 0.0)
         if reward is None:
             raise ApiError(400, "reward: required (a number)", param="reward")
-        truncated = _field(data, "truncated", bool, False)
+        truncated = field(data, "truncated", bool, False)
         episodes = registry.close(
             request.path_params["episode_id"],
             reward=float(reward),
@@ -161,21 +168,6 @@ def build_app(
             }
         )
 
-    async def api_error(_request: Request, err: Exception) -> JSONResponse:
-        assert isinstance(err, ApiError)
-        return JSONResponse(err.body, status_code=err.status)
-
-    async def http_error(_request: Request, err: Exception) -> JSONResponse:
-        assert isinstance(err, HTTPException)
-        return JSONResponse(
-            ApiError(err.status_code, str(err.detail)).body, status_code=err.status_code
-        )
-
-    async def internal_error(request: Request, err: Exception) -> JSONResponse:
-        log.exception("endpoint: %s %s failed", request.method, request.url.path)
-        body = ApiError(500, f"internal error: {type(err).__name__}", type="server_error").body
-        return JSONResponse(body, status_code=500)
-
     return Starlette(
         routes=[
             Route("/episodes", open_episode, methods=["POST"]),
@@ -184,13 +176,38 @@ def build_app(
             Route("/episodes/{episode_id}/v1/models", models, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
         ],
-        exception_handlers={
-            ApiError: api_error,
-            HTTPException: http_error,
-            Exception: internal_error,
-        },
-        middleware=[Middleware(_Bearer, key=api_key)] if api_key else [],
+        exception_handlers=ERROR_HANDLERS,
+        middleware=bearer(api_key),
     )
+
+
+async def _api_error(_request: Request, err: Exception) -> JSONResponse:
+    assert isinstance(err, ApiError)
+    return JSONResponse(err.body, status_code=err.status)
+
+
+async def _http_error(_request: Request, err: Exception) -> JSONResponse:
+    assert isinstance(err, HTTPException)
+    return JSONResponse(
+        ApiError(err.status_code, str(err.detail)).body, status_code=err.status_code
+    )
+
+
+async def _internal_error(request: Request, err: Exception) -> JSONResponse:
+    log.exception("endpoint: %s %s failed", request.method, request.url.path)
+    body = ApiError(500, f"internal error: {type(err).__name__}", type="server_error").body
+    return JSONResponse(body, status_code=500)
+
+
+#: Every refusal as an OpenAI error body; an unexpected error as a logged 500, never a
+#: traceback to the client (also the rollout server's: actor/remote/server.py).
+ERROR_HANDLERS = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
+
+
+def bearer(api_key: str | None) -> list[Middleware]:
+    """The middleware that refuses (401) a request without `Authorization: Bearer
+    <api_key>`; none without a key."""
+    return [Middleware(_Bearer, key=api_key)] if api_key else []
 
 
 class _Bearer:
@@ -217,7 +234,7 @@ class _Server(uvicorn.Server):
 
 
 class EndpointServer:
-    """Serves `app` on the running event loop; sweeps `registry` every `sweep_s`."""
+    """Serves `app` on the running event loop; sweeps `registry` (if any) every `sweep_s`."""
 
     def __init__(
         self,
@@ -225,7 +242,7 @@ class EndpointServer:
         *,
         host: str,
         port: int,
-        registry: EpisodeRegistry,
+        registry: EpisodeRegistry | None = None,
         sweep_s: float = 1.0,
     ) -> None:
         self._server = _Server(
@@ -253,7 +270,9 @@ class EndpointServer:
 
     async def __aenter__(self) -> EndpointServer:
         serve = asyncio.create_task(self._server.serve())
-        self._tasks = [serve, asyncio.create_task(self._sweep())]
+        self._tasks = [serve]
+        if self._registry is not None:
+            self._tasks.append(asyncio.create_task(self._sweep()))
         while not self._server.started:
             if serve.done():  # e.g. the port is taken
                 serve.result()
@@ -264,10 +283,12 @@ class EndpointServer:
 
     async def __aexit__(self, *exc: object) -> None:
         self._server.should_exit = True
-        self._tasks[1].cancel()
+        for task in self._tasks[1:]:
+            task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _sweep(self) -> None:
+        assert self._registry is not None
         while True:
             await asyncio.sleep(self._sweep_s)
             self._registry.sweep()

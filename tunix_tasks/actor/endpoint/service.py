@@ -70,7 +70,7 @@ class EndpointLimits:
     @classmethod
     def from_config(cls, cfg: RunConfig) -> EndpointLimits:
         return cls(
-            model=cfg.model.checkpoint or f"tunix-{cfg.model.preset}",
+            model=cfg.model.served_name,
             max_episode_tokens=cfg.actor.max_episode_tokens,
             max_new_tokens=cfg.actor.max_new_tokens,
             temperature=cfg.actor.temperature,

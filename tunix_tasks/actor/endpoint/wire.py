@@ -14,13 +14,23 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tunix_tasks.messages import Action
 
-__all__ = ["ApiError", "ChatRequest", "choice", "completion", "completion_chunks", "parse_request"]
+__all__ = [
+    "ApiError",
+    "ChatRequest",
+    "choice",
+    "completion",
+    "completion_chunks",
+    "parse_request",
+    "validated",
+]
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class ApiError(Exception):
@@ -82,8 +92,13 @@ def parse_request(raw: bytes) -> ChatRequest:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    return validated(ChatRequest, data)
+
+
+def validated(model: type[M], data: dict[str, Any]) -> M:
+    """`data` as the request `model`; ApiError 400 naming the first wrong field."""
     try:
-        return ChatRequest.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         param = ".".join(str(p) for p in first["loc"])

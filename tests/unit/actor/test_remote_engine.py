@@ -1,0 +1,323 @@
+"""Tests for tunix_tasks.actor.remote: an async actor whose turns come from a completions
+server. The server is the project's own (`serve`, uvicorn on loopback over the tiny
+preset's batched sampler), driven by the real `RemoteEngine` over HTTP: the contract
+vLLM and SGLang serve, tested against the implementation this repository can run."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from tests.paths import HF_FIXTURES
+from tests.unit.actor.test_actor import (
+    LOGPROB_ATOL,
+    QUICK,
+    TOK,
+    _config,
+    _forward,
+    _peaky,
+    _publish,
+    _read_episodes,
+    _recompute_logprobs,
+    _Running,
+)
+from tunix_tasks.actor.asynchronous.actor import Actor
+from tunix_tasks.actor.remote.engine import RemoteEngine
+from tunix_tasks.actor.remote.server import serve
+from tunix_tasks.actor.remote.wire import (
+    WEIGHTS_FILE,
+    RemoteError,
+    parse_completion,
+    token_label,
+)
+from tunix_tasks.config import RunConfig
+from tunix_tasks.policy.build import build_policy, policy_spec
+from tunix_tasks.policy.distribution import token_logprobs
+from tunix_tasks.policy.hf_checkpoint import HFCheckpoint, params_from_hf, params_to_hf
+from tunix_tasks.policy.params import load_flat_params
+from tunix_tasks.storage.runs import mark_done, write_config
+from tunix_tasks.storage.store import open_store
+
+# ------------------------------------------------------------------ the contract, pure
+
+
+def _reply(tokens=(5, 6), logprobs=(-0.5, -1.0), **choice) -> dict:
+    labels = [token_label(t) for t in tokens]
+    lp = {"tokens": labels, "token_logprobs": list(logprobs)}
+    return {"choices": [{"logprobs": lp, "finish_reason": "stop", **choice}]}
+
+
+def test_parse_completion_reads_ids_from_token_ids_or_labels():
+    assert parse_completion(_reply(token_ids=[5, 6]), vocab_size=10).tokens == [5, 6]
+    turn = parse_completion(_reply(), vocab_size=10)  # vLLM without return_token_ids
+    assert (turn.tokens, turn.logprobs, turn.finish_reason) == ([5, 6], [-0.5, -1.0], "stop")
+    # float32 rounding just above 0 is clamped, not refused
+    assert parse_completion(_reply(logprobs=(1e-6, -1.0)), vocab_size=10).logprobs[0] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("reply", "match"),
+    [
+        ({"choices": [{"text": "hi"}]}, "does the server return log-probs"),
+        ({"choices": []}, "does the server return log-probs"),
+        (_reply(token_ids=[5]), "1 token ids and 2 log-probs"),
+        (_reply(tokens=(5, 12)), r"\[12\] are outside the vocabulary \[0, 10\)"),
+        (_reply(logprobs=(float("nan"), -1.0)), "not a finite number"),
+        (_reply(logprobs=(-1.0, 0.5)), "log-prob is 0.5 > 0"),
+        (_reply(token_ids=[5, True]), "not a list of ints"),
+        (
+            {"choices": [{"logprobs": {"tokens": ["hi"], "token_logprobs": [-1.0]}}]},
+            "is not 'token_id:<id>'",
+        ),
+    ],
+)
+def test_parse_completion_refuses_a_reply_that_breaks_the_contract(reply, match):
+    with pytest.raises(RemoteError, match=match):
+        parse_completion(reply, vocab_size=10)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3", "tiny-llama3"])
+def test_params_to_hf_inverts_params_from_hf(name):
+    """Our layout back to Hugging Face's is exact: biases (Qwen2), q/k norms (Qwen3), an
+    untied output layer (Llama) land on their own names and shapes."""
+    folder = HF_FIXTURES / name
+    spec = HFCheckpoint(str(folder)).spec(max_seq_len=64)
+    original = {}  # tiny-llama3 is sharded in two files
+    for file in folder.glob("*.safetensors"):
+        original |= load_file(str(file))
+    ours = {k: np.asarray(v) for k, v in params_from_hf(original, spec).items()}
+    back = params_to_hf(ours, spec)
+    assert set(back) == set(original)
+    for k, v in original.items():
+        np.testing.assert_array_equal(back[k], v.astype(np.float32), err_msg=k)
+
+
+# ------------------------------------------------------------------ a real server
+
+
+class _Server:
+    """`serve` on a loopback port in a thread (its own event loop), until `close`."""
+
+    def __init__(self, cfg: RunConfig, *, port: int = 0, api_key: str | None = None) -> None:
+        self.url = ""
+        self.error: BaseException | None = None
+        ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+
+        async def main() -> None:
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+
+            def on_ready(url: str) -> None:
+                self.url = url
+                ready.set()
+
+            await serve(
+                cfg,
+                host="127.0.0.1",
+                port=port,
+                api_key=api_key,
+                on_ready=on_ready,
+                stop=self._stop,
+            )
+
+        def run() -> None:
+            try:
+                asyncio.run(main())
+            except BaseException as err:
+                self.error = err
+                ready.set()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        assert ready.wait(120), "the server did not start"
+        if self.error is not None:
+            raise self.error
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def close(self) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "the server did not stop"
+
+
+def _cfg(tmp_path, **remote) -> RunConfig:
+    return _config(f"file://{tmp_path}/runs", remote=remote)
+
+
+def _engine(cfg: RunConfig, url: str, **overrides) -> RemoteEngine:
+    chat, spec = policy_spec(cfg.model)
+    remote = cfg.actor.remote.model_copy(update={"url": url, **overrides})
+    return RemoteEngine(
+        remote,
+        chat=chat,
+        spec=spec,
+        max_new_tokens=cfg.actor.max_new_tokens,
+        temperature=cfg.actor.temperature,
+        top_k=cfg.actor.top_k,
+        seed=1,
+        connections=4,
+        owner="actor-test",
+    )
+
+
+def _turn_logprobs(cfg: RunConfig, flat, context: list[int], tokens: list[int]) -> np.ndarray:
+    """The log-probs of `tokens` after `context` under `flat`: one full forward pass."""
+    _, model = build_policy(cfg.model, seed=999)
+    load_flat_params(model, flat)
+    seq = np.asarray([context + tokens], np.int32)
+    logits = _forward(model, jnp.asarray(seq), jnp.asarray([seq.shape[1]], np.int32))
+    lp = np.asarray(
+        token_logprobs(logits, jnp.asarray(seq), cfg.actor.temperature, cfg.actor.top_k)
+    )
+    return lp[0, len(context) - 1 : len(context) - 1 + len(tokens)]  # lp[t-1] scores t
+
+
+async def _one_turn(engine: RemoteEngine, context: list[int]):
+    async with engine:
+        return await engine(context, session="ep")
+
+
+def test_actor_samples_through_the_server_and_follows_new_weights(tmp_path):
+    """An async actor with `actor.remote.url`: its episodes are valid shards, each turn's
+    behaviour log-probs are those of the weights its version names (a full forward pass
+    under them), the server follows the learner's new snapshots, and nothing compiles in
+    the actor."""
+    server = _Server(_cfg(tmp_path))
+    try:
+        cfg = _cfg(tmp_path, url=server.url)
+        store = write_config(cfg)
+        v0, v1 = _peaky(123, cfg), _peaky(456, cfg)
+        _publish(store, cfg, v0, version=0)
+        actor = Actor(cfg, store, actor_id="actor-remote")
+        assert isinstance(actor.engine, RemoteEngine)
+        run = _Running(actor)
+        run.episodes_at_least(8)
+        _publish(store, cfg, v1, version=1)
+        run.until(lambda: actor.version == 1, "v1 pushed to the server")
+        seen = actor.stats.episodes
+        run.episodes_at_least(seen + 12)
+        mark_done(store, "test finished")
+        summary = run.join()
+    finally:
+        server.close()
+
+    assert summary["compile_count"] == 0 and summary["last_version"] == 1
+    episodes = _read_episodes(open_store(cfg.run_uri))
+    assert {e.env for e in episodes} == {QUICK}
+    assert all(e.tokens[0] == TOK.bos_id and e.loss_mask.sum() > 0 for e in episodes)
+    fresh = [e for e in episodes if e.policy_version == 1]
+    assert len(fresh) >= 4
+    # An episode tagged v1 asked for every turn after the server held v1.
+    recorded, recomputed = _recompute_logprobs(cfg, v1, fresh)
+    np.testing.assert_allclose(recorded, recomputed, atol=LOGPROB_ATOL, rtol=0)
+    _, under_v0 = _recompute_logprobs(cfg, v0, fresh)
+    assert np.abs(recorded - under_v0).max() > 1e-2  # the check can tell weights apart
+
+
+def test_a_restarted_server_gets_the_weights_again(tmp_path):
+    """The server restarts (back to its base weights): the engine notices from the
+    reply's weight version, pushes the weights it pushed before, and asks again, so no
+    turn is recorded from the wrong weights."""
+    cfg = _cfg(tmp_path)
+    v1 = _peaky(456, cfg)
+    context = [TOK.bos_id, *TOK.encode("q3")]
+    server = _Server(cfg)
+    port = server.port
+    engine = _engine(cfg, server.url)
+    try:
+        engine.update_params(v1, version=1)
+        tokens, logprobs, version = asyncio.run(_one_turn(engine, context))
+        assert version == 1
+        np.testing.assert_allclose(
+            logprobs, _turn_logprobs(cfg, v1, context, tokens), atol=LOGPROB_ATOL
+        )
+        server.close()
+        server = _Server(cfg, port=port)  # fresh: the base weights, version -1
+        tokens, logprobs, version = asyncio.run(_one_turn(engine, context))
+        assert version == 1
+        np.testing.assert_allclose(
+            logprobs, _turn_logprobs(cfg, v1, context, tokens), atol=LOGPROB_ATOL
+        )
+    finally:
+        server.close()
+
+
+def test_weight_pushes_are_checked_and_never_go_back(tmp_path):
+    """A folder the model cannot load is refused (400, success false) with the reason and
+    the weights stay; a version at or below the loaded one is acknowledged without a
+    load; a snapshot of the wrong shapes never leaves the actor (ValueError: the weights
+    client refuses that version)."""
+    cfg = _cfg(tmp_path)
+    server = _Server(cfg)
+    engine = _engine(cfg, server.url)
+    try:
+        engine.update_params(_peaky(1, cfg), version=2)
+        other = tmp_path / "qwen3"
+        other.mkdir()
+        qwen3 = load_file(str(HF_FIXTURES / "tiny-qwen3" / WEIGHTS_FILE))
+        save_file(qwen3, str(other / WEIGHTS_FILE))
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            push = {"model_path": str(other), "weight_version": "3"}
+            r = http.post("/update_weights_from_disk", json=push)
+            assert r.status_code == 400 and r.json()["success"] is False
+            assert "shape" in r.json()["message"] or "missing" in r.json()["message"]
+            push = {"model_path": "/nowhere", "weight_version": "1"}
+            r = http.post("/update_weights_from_disk", json=push)
+            assert r.json() == {"success": True, "message": "already at v2", "weight_version": "2"}
+            r = http.post("/v1/completions", json={"prompt": "text", "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+            r = http.post("/v1/completions", json={"prompt": [TOK.vocab_size], "max_tokens": 2})
+            assert r.status_code == 400 and "outside" in r.json()["error"]["message"]
+        bad = dict(_peaky(1, cfg))
+        bad["embed"] = bad["embed"][:, :-1]
+        with pytest.raises(ValueError, match="embed"):
+            engine.update_params(bad, version=4)
+        assert engine.version == 2
+        _, _, version = asyncio.run(_one_turn(engine, [TOK.bos_id]))
+        assert version == 2
+    finally:
+        server.close()
+
+
+def test_an_unreachable_server_is_a_clear_error_after_the_deadline(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    cfg = _cfg(tmp_path)
+    engine = _engine(cfg, url, timeout_s=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError, match=r"no answer within actor.remote.timeout_s=1.5s"):
+        engine.update_params(_peaky(1, cfg), version=0)
+    assert time.monotonic() - t0 < 10
+
+
+def test_the_bearer_token_is_required_and_sent(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path)
+    server = _Server(cfg, api_key="s3cret")
+    try:
+        with pytest.raises(RemoteError, match="HTTP 401") as err:
+            _engine(cfg, server.url).update_params(_peaky(1, cfg), version=0)
+        assert err.value.status == 401
+        monkeypatch.setenv("TUNIX_TEST_KEY", "s3cret")
+        engine = _engine(cfg, server.url, api_key_env="TUNIX_TEST_KEY")
+        engine.update_params(_peaky(1, cfg), version=0)
+        tokens, _, version = asyncio.run(_one_turn(engine, [TOK.bos_id]))
+        assert version == 0 and tokens
+        monkeypatch.delenv("TUNIX_TEST_KEY")
+        with pytest.raises(RemoteError, match=r"\$TUNIX_TEST_KEY, which is unset"):
+            _engine(cfg, server.url, api_key_env="TUNIX_TEST_KEY")
+    finally:
+        server.close()

@@ -1,0 +1,282 @@
+"""`RemoteEngine`: an async actor's turns sampled by a completions server (vLLM, SGLang,
+`tunix-tasks serve`), its new weights pushed there.
+
+It is the actor's `RolloutEngine` (update_params, compile_count) and its rollout `Policy`
+(one turn per call) at once; the actor needs no model of its own, only the shapes to
+write a checkpoint (`policy_spec`):
+
+    engine = RemoteEngine(cfg.actor.remote, chat=chat, spec=spec, max_new_tokens=16,
+                          temperature=1.0, top_k=0, seed=7, connections=8, owner="actor-0")
+    engine.update_params(flat, version=0)    # any thread: the folder written, the server told
+    async with engine:                        # the event loop's HTTP client
+        tokens, logprobs, version = await engine(context, session="ep-1")
+
+A turn carries the weights version that was current when it was asked for: a push while
+it decodes makes that the oldest version that drew its tokens (what the learner's
+staleness bound needs), and the server's log-probs are those of the weights that drew
+each token (what importance weights need). A server that reports older weights than
+were pushed (it restarted) gets them pushed again and the turn asked again. Unreachable or busy (429, 5xx), the server is
+asked again with backoff for `timeout_s`; then, or on a refusal, `RemoteError` stops the
+actor with the server's message. A push the server refuses with a 400 (bad shapes) is a ValueError:
+the weights client refuses that version and the server keeps its weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from tunix_tasks.actor.remote.wire import (
+    WEIGHTS_FILE,
+    RemoteError,
+    completion_request,
+    parse_completion,
+    served_version,
+    weights_request,
+)
+from tunix_tasks.config.remote import RemoteEngineConfig
+from tunix_tasks.policy.chat import ChatFormat
+from tunix_tasks.policy.hf_checkpoint import CheckpointError, params_to_hf
+from tunix_tasks.policy.spec import DecoderSpec
+
+__all__ = ["RemoteEngine", "RemoteError"]
+
+log = logging.getLogger(__name__)
+
+# Worth asking again: the server is starting, overloaded or restarting.
+_RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+_MAX_BACKOFF_S = 5.0
+
+
+class RemoteEngine:
+    """`actor.remote` (module docstring)."""
+
+    def __init__(
+        self,
+        cfg: RemoteEngineConfig,
+        *,
+        chat: ChatFormat,
+        spec: DecoderSpec,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int,
+        seed: int,
+        connections: int,
+        owner: str,
+        config_json: Path | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.url = cfg.url.rstrip("/")
+        key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
+        if cfg.api_key_env and not key:
+            raise RemoteError(f"actor.remote.api_key_env names ${cfg.api_key_env}, which is unset")
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._spec = spec
+        self._stop_ids = tuple(chat.stop_ids)
+        self._config_json = config_json
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_k = top_k
+        self._seed = seed
+        self._connections = max(1, connections)
+        # A temporary folder unless the server reads from a shared one (removed at exit).
+        self._tmp = None if cfg.weights_dir else tempfile.TemporaryDirectory(prefix="tunix-w-")
+        # Each actor of a fleet its own folder under a shared `weights_dir`.
+        self.weights_dir = Path(cfg.weights_dir or self._tmp.name) / owner
+        self._model = cfg.model
+        self._client: aiohttp.ClientSession | None = None
+        self._requests = itertools.count()
+        self._in_flight = 0
+        self._restoring = asyncio.Lock()
+        # (version, its folder) the server acknowledged, set at once (the event loop reads
+        # it while a reload thread pushes); the folder is kept to push it again.
+        self._pushed: tuple[int, Path] | None = None
+        self.latency_s: list[float] = []  # per turn, request -> reply
+        self.batch_sizes: list[int] = []  # turns in flight when each was asked for
+
+    @property
+    def version(self) -> int:
+        """The weights version the server holds (as last acknowledged); -1 before any."""
+        return -1 if self._pushed is None else self._pushed[0]
+
+    @property
+    def compile_count(self) -> int:
+        return 0  # nothing is compiled here; the server compiles what it runs
+
+    def _http(self) -> aiohttp.ClientSession:
+        # aiohttp, not httpx: at 64 turns in flight httpx's pool took 0.77 of a core and
+        # cut the turns/s to a quarter (benchmarks/remote_engine.py); aiohttp 0.07.
+        return aiohttp.ClientSession(
+            headers=self._headers,
+            timeout=aiohttp.ClientTimeout(
+                total=self.cfg.timeout_s, connect=min(10.0, self.cfg.timeout_s)
+            ),
+            connector=aiohttp.TCPConnector(limit=self._connections),
+        )
+
+    async def __aenter__(self) -> RemoteEngine:
+        self._client = self._http()
+        if not self._model:
+            models = await self._call(self._client, "GET", "/v1/models", None)
+            try:
+                self._model = str(models["data"][0]["id"])
+            except (KeyError, IndexError, TypeError):
+                raise RemoteError(f"{self.url}/v1/models lists no model: {models}") from None
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def __call__(
+        self,
+        context: Sequence[int],
+        *,
+        session: Hashable | None = None,
+        max_new_tokens: int | None = None,
+        **_conversation: object,
+    ) -> tuple[list[int], list[float], int]:
+        """One turn: (tokens, behaviour log-probs, weights version) (module docstring)."""
+        if self._client is None:
+            raise RuntimeError("use `async with RemoteEngine(...)` before calling it")
+        version = self.version
+        room = self._spec.max_seq_len - len(context)
+        if room <= 0:  # as the local sampler: a full context samples nothing
+            return [], [], version
+        body = completion_request(
+            model=self._model,
+            prompt=context,
+            max_tokens=min(max_new_tokens or self.max_new_tokens, room),
+            temperature=self.temperature,
+            top_k=self.top_k,
+            seed=(self._seed * 1_000_003 + next(self._requests)) & 0x7FFFFFFF,
+            stop_ids=self._stop_ids,
+            session=None if session is None else str(session),
+        )
+        self._in_flight += 1
+        self.batch_sizes.append(self._in_flight)
+        t0 = time.perf_counter()
+        try:
+            for _ in range(2):
+                reply = await self._call(self._client, "POST", "/v1/completions", body)
+                served = served_version(reply)
+                if served is None or served >= version:
+                    break
+                # The server lost the pushed weights (it restarted): this turn came from
+                # others. Push them again and ask again.
+                await self._restore(served)
+            else:
+                raise RemoteError(f"the server still serves v{served} after v{version} was pushed")
+        finally:
+            self._in_flight -= 1
+        self.latency_s.append(time.perf_counter() - t0)
+        del self.latency_s[:-10000], self.batch_sizes[:-10000]
+        turn = parse_completion(reply, vocab_size=self._spec.vocab_size)
+        return turn.tokens, turn.logprobs, version
+
+    async def _restore(self, served: int) -> None:
+        async with self._restoring:  # one push for all the turns that noticed at once
+            pushed = self._pushed
+            if pushed is None or pushed[0] <= served:
+                return
+            version, folder = pushed
+            log.warning("the server serves v%d, not v%d: pushing it again", served, version)
+            body = weights_request(str(folder.resolve()), version=version)
+            assert self._client is not None
+            try:
+                reply = await self._call(self._client, "POST", self.cfg.weights_route, body)
+            except RemoteError:
+                if self._pushed is not pushed:  # a newer push replaced (and removed) it
+                    return
+                raise
+            if not isinstance(reply, dict) or reply.get("success") is not True:
+                raise RemoteError(f"the server refused v{version} again: {str(reply)[:300]}")
+
+    # -- weights -------------------------------------------------------------------
+    def update_params(
+        self, flat: Mapping[str, np.ndarray], *, version: int, only: type[nnx.Variable] = nnx.Param
+    ) -> None:
+        """Write `flat` as a Hugging Face checkpoint folder and have the server load it
+        (from a thread without a running event loop: the runtime's reload)."""
+        if only is not nnx.Param:
+            raise ValueError("adapter snapshots are not pushed to a remote server")
+        try:
+            tensors = params_to_hf(flat, self._spec)
+        except CheckpointError as err:
+            raise ValueError(f"v{version}: {err}") from None
+        folder = self._write(tensors, version)
+        try:
+            reply = asyncio.run(self._push(folder, version))
+        except RemoteError as err:
+            if err.status == 400:  # this folder (its shapes): auth or a missing route stop
+                raise ValueError(f"the server refused weights v{version}: {err}") from None
+            raise
+        if not isinstance(reply, dict) or reply.get("success") is not True:
+            raise ValueError(f"the server refused weights v{version}: {str(reply)[:300]}")
+        self._pushed = (version, folder)
+        for old in self.weights_dir.glob("v*"):  # the server holds them now
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _write(self, tensors: dict[str, np.ndarray], version: int) -> Path:
+        folder = self.weights_dir / f"v{version}"
+        partial = self.weights_dir / f".v{version}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        save_file(tensors, str(partial / WEIGHTS_FILE), metadata={"format": "pt"})
+        if self._config_json is not None:  # the base's, for servers that read it again
+            shutil.copyfile(self._config_json, partial / "config.json")
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)  # the server never sees half a folder
+        return folder
+
+    async def _push(self, folder: Path, version: int) -> Any:
+        async with self._http() as client:
+            body = weights_request(str(folder.resolve()), version=version)
+            return await self._call(client, "POST", self.cfg.weights_route, body)
+
+    async def _call(
+        self, client: aiohttp.ClientSession, method: str, path: str, body: dict | None
+    ) -> Any:
+        """The reply's JSON; asked again with backoff while the server is unreachable or
+        busy, for `timeout_s`; `RemoteError` on a refusal, a non-JSON reply or the deadline."""
+        url, timeout_s = f"{self.url}{path}", self.cfg.timeout_s
+        deadline = time.monotonic() + timeout_s
+        delay, last = 0.25, ""
+        while True:
+            try:
+                async with client.request(method, url, json=body) as resp:
+                    status, text = resp.status, await resp.text()
+            except (TimeoutError, aiohttp.ClientError) as err:
+                last = f"{type(err).__name__}: {err}"
+            else:
+                if status == 200:
+                    try:
+                        return json.loads(text)
+                    except ValueError:
+                        raise RemoteError(f"{url}: the reply is not JSON: {text[:200]}") from None
+                last = f"HTTP {status}: {text[:300]}"
+                if status not in _RETRY_STATUS:
+                    raise RemoteError(f"{url}: {last}", status=status)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RemoteError(
+                    f"{url}: no answer within actor.remote.timeout_s={timeout_s:g}s ({last})"
+                )
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, _MAX_BACKOFF_S)

@@ -1,0 +1,253 @@
+"""`tunix-tasks serve`: the run's own batched sampler behind the remote engine's contract.
+
+The server a `RemoteEngine` (engine.py) talks to when no vLLM or SGLang is at hand: one
+process on the accelerator samples for actors on other machines, and the contract's tests
+run against it. The routes are the subset vLLM and SGLang serve (wire.py):
+
+    POST /v1/completions            {"prompt": [ids], "max_tokens", "temperature", "top_k",
+                                     "seed", "logprobs", "return_tokens_as_token_ids",
+                                     "user"} -> text_completion: choices[0].token_ids,
+                                     .logprobs.tokens / .token_logprobs, "weight_version"
+    POST /update_weights_from_disk  {"model_path", "weight_version"} -> {"success", "message"}
+    GET  /v1/models, GET /health    {"status", "weight_version", "compile_count", "sampler"}
+
+A prompt is token ids only (a text prompt is a 400: nothing here re-tokenizes); `user`
+names a conversation whose KV cache the sampler keeps between its turns; temperature 0 is
+greedy; the sampler stops at the run's chat format's stop ids (`stop_token_ids` is not
+read). A weights folder is read as safetensors only (never unpickled), checked against
+the model's names and shapes before it replaces anything, and swapped in between two
+decode steps: a turn decoding across it reports the older version. Every actor of a fleet
+pushes each version: a version at or below the loaded one is acknowledged without a load,
+so the server's weights never go back. Refusals are OpenAI
+error bodies (actor/endpoint/server.py); with an API key every route needs the bearer.
+
+    asyncio.run(serve(cfg, host="0.0.0.0", port=8000, api_key=key))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
+from tunix_tasks.actor.endpoint.server import ERROR_HANDLERS, EndpointServer, bearer, json_object
+from tunix_tasks.actor.endpoint.wire import ApiError, validated
+from tunix_tasks.actor.remote.wire import WEIGHTS_FILE, token_label
+from tunix_tasks.config import RunConfig
+from tunix_tasks.policy.build import build_actor_sampler, policy_spec
+from tunix_tasks.policy.chat import ChatFormat
+from tunix_tasks.policy.hf_checkpoint import CheckpointError, params_from_hf
+from tunix_tasks.policy.spec import DecoderSpec
+from tunix_tasks.storage.snapshot_format import BlobError, decode_safetensors
+
+__all__ = ["CompletionRequest", "Loaded", "build_app", "read_weights", "serve"]
+
+
+class CompletionRequest(BaseModel):
+    """The fields of `POST /v1/completions` this server reads (module docstring)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    model: str = ""
+    prompt: list[int] = Field(min_length=1)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    return_tokens_as_token_ids: bool = False
+    user: str | None = Field(None, max_length=256)
+
+
+def _parse(data: dict[str, Any]) -> CompletionRequest:
+    if isinstance(data.get("prompt"), str):
+        raise ApiError(
+            400, "prompt: token ids only (this server does not tokenize)", param="prompt"
+        )
+    return validated(CompletionRequest, data)
+
+
+def read_weights(folder: Path, spec: DecoderSpec) -> dict[str, Any]:
+    """A checkpoint folder's `WEIGHTS_FILE` as our flat params; ValueError naming what is
+    wrong (no file, a corrupt header, a missing tensor or a wrong shape)."""
+    path = folder / WEIGHTS_FILE
+    try:
+        blob = path.read_bytes()
+        return params_from_hf(decode_safetensors(blob), spec)
+    except (OSError, BlobError, CheckpointError) as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+@dataclasses.dataclass
+class Loaded:
+    """The weights version the server holds (-1: the base it started with)."""
+
+    version: int = -1
+
+
+def build_app(
+    policy: BatchingPolicy,
+    *,
+    loaded: Loaded,
+    chat: ChatFormat,
+    spec: DecoderSpec,
+    model_name: str,
+    api_key: str | None = None,
+    max_request_bytes: int = 1 << 22,
+) -> Starlette:
+    """The server's ASGI app over a started `policy` whose version callable reads
+    `loaded` (module docstring)."""
+    sampler = policy.sampler
+    decode = chat.tokenizer.decode
+
+    async def completions(request: Request) -> JSONResponse:
+        req = _parse(await json_object(request, max_request_bytes))
+        bad = [t for t in req.prompt if not 0 <= t < spec.vocab_size]
+        if bad:
+            raise ApiError(
+                400, f"prompt: ids {bad[:5]} outside [0, {spec.vocab_size})", param="prompt"
+            )
+        greedy = req.temperature == 0.0
+        try:
+            s = await policy.sample(
+                req.prompt,
+                session=None if req.user is None else ("user", req.user),
+                max_new_tokens=req.max_tokens,
+                temperature=1.0 if greedy else req.temperature,
+                top_k=1 if greedy else max(req.top_k, 0),
+                seed=req.seed,
+                top_logprobs=req.logprobs or 0,
+            )
+        except ValueError as err:  # the sampler's bounds (context length, top_k, ...)
+            raise ApiError(400, str(err)) from None
+
+        def label(t: int) -> str:
+            return token_label(t) if req.return_tokens_as_token_ids else decode([t])
+
+        top = None
+        if s.top_logprobs is not None:
+            top = [{label(t): lp for t, lp in alts} for alts in s.top_logprobs]
+        choice = {
+            "index": 0,
+            "text": decode(s.tokens),
+            "token_ids": s.tokens,
+            "finish_reason": "stop" if s.finish_reason == "stop" else "length",
+            "logprobs": {
+                "tokens": [label(t) for t in s.tokens],
+                "token_logprobs": s.logprobs,
+                "top_logprobs": top,
+            },
+        }
+        return JSONResponse(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model_name,
+                "choices": [choice],
+                "usage": {
+                    "prompt_tokens": len(req.prompt),
+                    "completion_tokens": len(s.tokens),
+                    "total_tokens": len(req.prompt) + len(s.tokens),
+                },
+                "weight_version": str(s.version),
+            }
+        )
+
+    one_load = asyncio.Lock()
+
+    async def update_weights(request: Request) -> JSONResponse:
+        data = await json_object(request, max_request_bytes)
+        path, version = data.get("model_path"), data.get("weight_version")
+        try:
+            if not isinstance(path, str) or not path:
+                raise ValueError("model_path: required (a checkpoint folder on this machine)")
+            if not isinstance(version, str | int) or not str(version).isdigit():
+                raise ValueError(f"weight_version: a non-negative integer, got {version!r}")
+            v = int(version)
+            async with one_load:
+                # Every actor of a fleet pushes each version: load it once, never go back.
+                if v <= loaded.version:
+                    message = f"already at v{loaded.version}"
+                else:
+                    flat = await asyncio.to_thread(read_weights, Path(path), spec)
+                    await policy.between_steps(lambda: sampler.update_params(flat, version=v))
+                    loaded.version, message = v, f"loaded {path}"
+        except ValueError as err:  # nothing was swapped
+            return JSONResponse({"success": False, "message": str(err)}, status_code=400)
+        current = str(loaded.version)
+        return JSONResponse({"success": True, "message": message, "weight_version": current})
+
+    async def models(_request: Request) -> JSONResponse:
+        entry = {"id": model_name, "object": "model", "created": 0, "owned_by": "tunix-tasks"}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def health(_request: Request) -> JSONResponse:
+        # The compile count tells a benchmark (or an operator) nothing compiles in steady state.
+        body = {"status": "ok", "weight_version": str(loaded.version)}
+        work = dataclasses.asdict(sampler.stats) | {"engine_steps": policy.calls}
+        return JSONResponse(body | {"compile_count": sampler.compile_count, "sampler": work})
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/update_weights_from_disk", update_weights, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        exception_handlers=ERROR_HANDLERS,
+        middleware=bearer(api_key),
+    )
+
+
+async def serve(
+    cfg: RunConfig,
+    *,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    on_ready: Callable[[str], None] = lambda url: None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve the run's policy (its `model` and `actor` sampling settings) until `stop` is
+    set (without one: until SIGTERM or SIGINT); `on_ready` gets the base URL once it
+    listens (port 0: a free one)."""
+    chat, sampler = build_actor_sampler(cfg)
+    loaded = Loaded()
+    policy = BatchingPolicy(
+        sampler,
+        version=lambda: loaded.version,
+        max_new_tokens=cfg.actor.max_new_tokens,
+        temperature=cfg.actor.temperature,
+        top_k=cfg.actor.top_k,
+        seed=cfg.seed,
+        gather_s=cfg.actor.batch_wait_s,
+    )
+    app = build_app(
+        policy,
+        loaded=loaded,
+        chat=chat,
+        spec=policy_spec(cfg.model)[1],
+        model_name=cfg.model.served_name,
+        api_key=api_key,
+    )
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    async with policy, EndpointServer(app, host=host, port=port) as server:
+        on_ready(server.base_url)
+        await stop.wait()
