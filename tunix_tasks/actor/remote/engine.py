@@ -15,10 +15,11 @@ A turn carries the weights version that was current when it was asked for: a pus
 it decodes makes that the oldest version that drew its tokens (what the learner's
 staleness bound needs), and the server's log-probs are those of the weights that drew
 each token (what importance weights need). A server that reports older weights than
-were pushed (it restarted) gets them pushed again and the turn asked again. Unreachable or busy (429, 5xx), the server is
-asked again with backoff for `timeout_s`; then, or on a refusal, `RemoteError` stops the
-actor with the server's message. A push the server refuses with a 400 (bad shapes) is a ValueError:
-the weights client refuses that version and the server keeps its weights.
+were pushed (it restarted) gets them pushed again, and the turn is asked again.
+Unreachable or busy (429, 5xx), the server is asked again with backoff for `timeout_s`;
+then, or on a refusal, `RemoteError` stops the actor with the server's message. A push
+the server refuses with a 400 (bad shapes) is a ValueError: the weights client refuses
+that version and the server keeps its weights.
 """
 
 from __future__ import annotations

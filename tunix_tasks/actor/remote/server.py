@@ -18,8 +18,8 @@ read). A weights folder is read as safetensors only (never unpickled), checked a
 the model's names and shapes before it replaces anything, and swapped in between two
 decode steps: a turn decoding across it reports the older version. Every actor of a fleet
 pushes each version: a version at or below the loaded one is acknowledged without a load,
-so the server's weights never go back. Refusals are OpenAI
-error bodies (actor/endpoint/server.py); with an API key every route needs the bearer.
+so the server's weights never go back. Refusals are OpenAI error bodies
+(actor/endpoint/server.py); with an API key every route needs the bearer.
 
     asyncio.run(serve(cfg, host="0.0.0.0", port=8000, api_key=key))
 """
