@@ -6,16 +6,28 @@ is only validated as `package.module:function` here; the actor imports it at sta
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 
 from pydantic import Field, model_validator
 
-from tunix_tasks.config.base import Float, Frozen, Int
+from tunix_tasks.config.base import ConfigError, Float, Frozen, Int
 
-__all__ = ["ENV_VAR", "AgentConfig", "is_loopback"]
+__all__ = ["ENV_VAR", "AgentConfig", "api_key_from_env", "is_loopback"]
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 ENV_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def api_key_from_env(var: str, *, what: str) -> str | None:
+    """The bearer token held by environment variable `var` (None when `var` is empty:
+    no token); ConfigError naming `what` (the field or flag) when the variable is unset."""
+    if not var:
+        return None
+    key = os.environ.get(var, "")
+    if not key:
+        raise ConfigError(f"{what} names ${var}, which is unset")
+    return key
 
 
 def is_loopback(host: str) -> bool:

@@ -284,14 +284,12 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from tunix_tasks.actor.remote.server import serve
-    from tunix_tasks.config.agent import is_loopback
+    from tunix_tasks.config.agent import api_key_from_env, is_loopback
     from tunix_tasks.frontdoor.compile_cache import enable_compile_cache
 
     cfg = _config(args)
-    key = os.environ.get(args.api_key_env, "") if args.api_key_env else ""
-    if args.api_key_env and not key:
-        raise ConfigError(f"--api-key-env names ${args.api_key_env}, which is unset")
-    if not key and not is_loopback(args.host):
+    key = api_key_from_env(args.api_key_env, what="--api-key-env")
+    if key is None and not is_loopback(args.host):
         raise ConfigError(
             f"--host {args.host} is reachable from other machines: pass --api-key-env (the "
             "variable holding the bearer token actors send)"
@@ -302,7 +300,7 @@ def _serve(args: argparse.Namespace) -> int:
             cfg,
             host=args.host,
             port=args.port,
-            api_key=key or None,
+            api_key=key,
             on_ready=lambda url: print(f"serving {cfg.model.served_name} on {url}", flush=True),
         )
     )

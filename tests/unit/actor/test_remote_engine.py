@@ -38,7 +38,7 @@ from tunix_tasks.actor.remote.wire import (
     parse_completion,
     token_label,
 )
-from tunix_tasks.config import RunConfig
+from tunix_tasks.config import ConfigError, RunConfig
 from tunix_tasks.policy.build import build_policy, policy_spec
 from tunix_tasks.policy.distribution import token_logprobs
 from tunix_tasks.policy.hf_checkpoint import HFCheckpoint, params_from_hf, params_to_hf
@@ -317,7 +317,7 @@ def test_the_bearer_token_is_required_and_sent(tmp_path, monkeypatch):
         tokens, _, version = asyncio.run(_one_turn(engine, [TOK.bos_id]))
         assert version == 0 and tokens
         monkeypatch.delenv("TUNIX_TEST_KEY")
-        with pytest.raises(RemoteError, match=r"\$TUNIX_TEST_KEY, which is unset"):
+        with pytest.raises(ConfigError, match=r"\$TUNIX_TEST_KEY, which is unset"):
             _engine(cfg, server.url, api_key_env="TUNIX_TEST_KEY")
     finally:
         server.close()

@@ -18,7 +18,6 @@ pauses the actor a new group is refused with 429 `flow_control_paused`.
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 from tunix_tasks.actor.asynchronous.actor import Actor
@@ -27,6 +26,7 @@ from tunix_tasks.actor.endpoint.runner import AgentRunner, load_program
 from tunix_tasks.actor.endpoint.server import EndpointServer, build_app
 from tunix_tasks.actor.endpoint.service import EndpointLimits, EndpointService
 from tunix_tasks.config import RunConfig
+from tunix_tasks.config.agent import api_key_from_env
 from tunix_tasks.episode import Episode
 from tunix_tasks.storage.store import ObjectStore
 
@@ -40,9 +40,7 @@ class AgentActor(Actor):
         super().__init__(cfg, store, **kwargs)
         agent = cfg.actor.agent
         self.program = load_program(agent.program)
-        self.api_key = os.environ.get(agent.api_key_env) if agent.api_key_env else None
-        if agent.api_key_env and not self.api_key:
-            raise ValueError(f"actor.agent.api_key_env: ${agent.api_key_env} is not set")
+        self.api_key = api_key_from_env(agent.api_key_env, what="actor.agent.api_key_env")
         self.registry = EpisodeRegistry(
             self.episodes,
             end_ids=tuple(self.chat.end_ids),

@@ -49,7 +49,6 @@ __all__ = [
     "EndpointServer",
     "bearer",
     "build_app",
-    "field",
     "json_object",
 ]
 
@@ -92,7 +91,7 @@ def _disconnect(request: Request):
     return wait
 
 
-def field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
+def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
     value = data.get(name, default)
     if value is not default and (
         (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind)
@@ -115,10 +114,10 @@ def build_app(
 
     async def open_episode(request: Request) -> JSONResponse:
         data = await json_object(request, max_request_bytes)
-        group = field(data, "group", str, None)
+        group = _field(data, "group", str, None)
         # An unnamed group cannot be joined: it is a group of one unless said otherwise.
-        size = field(data, "group_size", int, default_group_size if group is not None else 1)
-        seed = field(data, "seed", int, 0)
+        size = _field(data, "group_size", int, default_group_size if group is not None else 1)
+        seed = _field(data, "seed", int, 0)
         if not 1 <= size <= 64:
             raise ApiError(400, f"group_size: must be in 1..64, got {size}", param="group_size")
         ep = registry.open(group=group, group_size=size, seed=seed)
@@ -127,15 +126,15 @@ def build_app(
 
     async def close_episode(request: Request) -> JSONResponse:
         data = await json_object(request, max_request_bytes)
-        rewards = field(data, "rewards", list, None)
+        rewards = _field(data, "rewards", list, None)
         if rewards is not None and not all(
             isinstance(r, int | float) and not isinstance(r, bool) for r in rewards
         ):
             raise ApiError(400, "rewards: must be a list of numbers", param="rewards")
-        reward = field(data, "reward", (int, float), None if rewards is None else 0.0)
+        reward = _field(data, "reward", (int, float), None if rewards is None else 0.0)
         if reward is None:
             raise ApiError(400, "reward: required (a number)", param="reward")
-        truncated = field(data, "truncated", bool, False)
+        truncated = _field(data, "truncated", bool, False)
         episodes = registry.close(
             request.path_params["episode_id"],
             reward=float(reward),

@@ -28,7 +28,6 @@ import asyncio
 import itertools
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -49,6 +48,7 @@ from tunix_tasks.actor.remote.wire import (
     served_version,
     weights_request,
 )
+from tunix_tasks.config.agent import api_key_from_env
 from tunix_tasks.config.remote import RemoteEngineConfig
 from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, params_to_hf
@@ -82,9 +82,7 @@ class RemoteEngine:
     ) -> None:
         self.cfg = cfg
         self.url = cfg.url.rstrip("/")
-        key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else ""
-        if cfg.api_key_env and not key:
-            raise RemoteError(f"actor.remote.api_key_env names ${cfg.api_key_env}, which is unset")
+        key = api_key_from_env(cfg.api_key_env, what="actor.remote.api_key_env")
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._spec = spec
         self._stop_ids = tuple(chat.stop_ids)

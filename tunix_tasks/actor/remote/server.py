@@ -46,7 +46,7 @@ from tunix_tasks.actor.endpoint.server import ERROR_HANDLERS, EndpointServer, be
 from tunix_tasks.actor.endpoint.wire import ApiError, validated
 from tunix_tasks.actor.remote.wire import WEIGHTS_FILE, token_label
 from tunix_tasks.config import RunConfig
-from tunix_tasks.policy.build import build_actor_sampler, policy_spec
+from tunix_tasks.policy.build import build_actor_sampler
 from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, params_from_hf
 from tunix_tasks.policy.spec import DecoderSpec
@@ -240,7 +240,7 @@ async def serve(
         policy,
         loaded=loaded,
         chat=chat,
-        spec=policy_spec(cfg.model)[1],
+        spec=sampler.model.spec,
         model_name=cfg.model.served_name,
         api_key=api_key,
     )
