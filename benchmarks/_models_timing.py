@@ -283,7 +283,7 @@ def measure_reload(
     key = f"weights/v{repeats - 1:08d}/params.safetensors"
     t = [time.perf_counter()]
     flat = flat_params(model)
-    blob, _ = encode_snapshot(flat, version=repeats, step=0, model=meta)  # st_save + sha256
+    blob, _ = encode_snapshot(flat, version=repeats, step=0, model=meta)  # encode + sha256
     t.append(time.perf_counter())
     store.write_bytes("probe/params.safetensors", blob)
     t.append(time.perf_counter())
@@ -307,7 +307,7 @@ def measure_reload(
         "snapshot_bytes": nbytes,
         "plain_write_MBps": med(plain) if plain else None,
         "breakdown_s": {
-            "publish: flat_params+st_save+sha": d[0],
+            "publish: flat_params+encode+sha": d[0],
             "publish: write_bytes (fsync)": d[1],
             "reload: read_bytes": d[3],
             "reload: sha256": d[4],

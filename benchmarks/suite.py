@@ -34,7 +34,7 @@ from _cli import one_of
 class Entry(NamedTuple):
     name: str  # its log: <out>/<name>.log
     script: str  # benchmarks/<script>.py, the README row's
-    args: str
+    args: str  # "{out}": the suite's --out (the learning studies write their figures there)
     group: str  # "speed": `make bench`; "learning": hours of training runs
 
 
@@ -72,19 +72,19 @@ SUITE = (
     _entry("flow_control"),
     _entry("autopilot"),
     # docs/learning.md: each study's table and figure.
-    _entry("learning", "--out bench-out/learning", "learning"),
-    _entry("real_learning", f"--seeds 0,1,2,3,4 {_TRANSFER} --out bench-out/sync", "learning"),
+    _entry("learning", "--out {out}/learning", "learning"),
+    _entry("real_learning", f"--seeds 0,1,2,3,4 {_TRANSFER} --out {{out}}/sync", "learning"),
     _entry(
         "real_learning",
         f"--seeds 0,1,2 --modes async --set actor.flow_control=true {_TRANSFER} "
-        "--out bench-out/async",
+        "--out {out}/async",
         "learning",
         name="real_learning_async",
     ),
     *(
         _entry(
             "real_learning",
-            f"{_STALE} --set learner.correction={c} {_TRANSFER} --out bench-out/stale_{c}",
+            f"{_STALE} --set learner.correction={c} {_TRANSFER} --out {{out}}/stale_{c}",
             "learning",
             name=f"real_learning_stale_{c}",
         )
@@ -97,8 +97,8 @@ GROUPS = ("speed", "learning")
 ROOT = Path(__file__).resolve().parents[1]  # the commands run from here
 
 
-def command(entry: Entry, *, accelerator: bool) -> list[str]:
-    args = shlex.split(entry.args)
+def command(entry: Entry, *, accelerator: bool, out: Path) -> list[str]:
+    args = shlex.split(entry.args.format(out=out))
     if entry.script == "accelerator" and not accelerator:
         args.append("--smoke")
     return [sys.executable, f"benchmarks/{entry.script}.py", *args]
@@ -114,7 +114,7 @@ def main() -> int:
     entries = [e for e in SUITE if (e.name in a.only if a.only else e.group == a.group)]
     if a.list:
         for e in entries:
-            print("python", shlex.join(command(e, accelerator=True)[1:]))
+            print("python", shlex.join(command(e, accelerator=True, out=a.out)[1:]))
         return 0
     import jax  # here: listing should not pay for JAX's start
 
@@ -136,7 +136,7 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     results = []
     for e in entries:
-        cmd = command(e, accelerator=accelerator)
+        cmd = command(e, accelerator=accelerator, out=a.out.resolve())  # run from ROOT
         print(f"\n== {e.name}: {shlex.join(cmd[1:])}", flush=True)
         t0 = time.monotonic()
         with open(a.out / f"{e.name}.log", "w") as log:

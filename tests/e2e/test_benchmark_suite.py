@@ -43,3 +43,10 @@ def test_the_suite_measures_the_machine_and_reports_each_entry(tmp_path):
     assert re.search(r"matmul \d+ GFLOP/s, DRAM [\d.]+ GB/s", stdout)
     assert "| model_memory |" in stdout and stdout.rstrip().endswith("| 0 |")
     assert "H200" in (tmp_path / "model_memory.log").read_text()
+
+
+def test_the_learning_studies_write_their_figures_under_the_suites_out():
+    listed = run_benchmark("suite.py", "--list", "--group", "learning", "--out", "elsewhere")
+    outs = [line.split("--out ")[1].split()[0] for line in listed.splitlines()]
+    assert outs and all(out.startswith("elsewhere/") for out in outs), outs
+    assert len(set(outs)) == len(outs), "two studies would write over each other's figures"

@@ -29,16 +29,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
 from tunix_tasks.storage.uri import backend_for, normalize_uri
 
 if TYPE_CHECKING:
+    import numpy as np
     import pyarrow as pa
     import pyarrow.fs as pafs
 
 __all__ = [
     "RETRY_DEADLINE_ENV",
+    "Data",
     "NotFound",
     "ObjectInfo",
     "ObjectStore",
@@ -71,6 +73,11 @@ class ObjectInfo:
     updated: float  # seconds since the epoch
 
 
+#: What `write_bytes` takes: bytes, or a contiguous buffer (a 1-D uint8 array: a weight
+#: snapshot, filled without holding the GIL, is written without a copy to `bytes`).
+Data: TypeAlias = "bytes | bytearray | memoryview | np.ndarray"
+
+
 @runtime_checkable
 class ObjectStore(Protocol):
     """Byte objects under one root. Typical use by a writer and a reader:
@@ -88,7 +95,7 @@ class ObjectStore(Protocol):
         """The object's size in bytes, from its metadata (nothing read); NotFound if none."""
         ...
 
-    def write_bytes(self, key: str, data: bytes) -> None: ...
+    def write_bytes(self, key: str, data: Data) -> None: ...
     def read_versioned(self, key: str) -> tuple[bytes, int] | None: ...
     def write_if_generation(self, key: str, data: bytes, generation: int) -> int: ...
     def list(self, prefix: str = "", *, start_after: str | None = None) -> list[ObjectInfo]: ...

@@ -342,7 +342,7 @@ class WeightsPublisher:
             self._base = FullBlob(version, manifest.sha256, blob)
         return manifest
 
-    def _as_delta(self, blob: bytes, manifest: Manifest) -> tuple[str, bytes, Manifest]:
+    def _as_delta(self, blob: Blob, manifest: Manifest) -> tuple[str, Blob, Manifest]:
         """(file name, its bytes, manifest): the full params, or a delta when one is due."""
         base = self._base
         if (

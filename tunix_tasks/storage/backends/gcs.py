@@ -26,6 +26,7 @@ from google.cloud import storage
 from google.cloud.storage.retry import DEFAULT_RETRY
 
 from tunix_tasks.storage.store import (
+    Data,
     NotFound,
     ObjectInfo,
     PreconditionFailed,
@@ -126,9 +127,10 @@ class GcsStore:
             raise NotFound(f"{join_uri(self.uri, key)} does not exist")
         return int(blob.size or 0)
 
-    def write_bytes(self, key: str, data: bytes) -> None:
+    def write_bytes(self, key: str, data: Data) -> None:
         # Keys written this way are write-once or last-writer-wins, so retrying is safe.
         try:
+            data = data if isinstance(data, bytes) else bytes(data)  # the client takes bytes
             self._bucket.blob(self._name(key)).upload_from_string(data, retry=self._retry)
         except _ERRORS as err:
             raise self._wrap(key, err, writing=True) from None

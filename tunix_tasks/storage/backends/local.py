@@ -24,6 +24,7 @@ import pyarrow.fs as pafs
 from tunix_tasks.storage.backends.local_listing import inside, list_dirs, list_files
 from tunix_tasks.storage.backends.local_tempfiles import TempSweeper, write_temp
 from tunix_tasks.storage.store import (
+    Data,
     NotFound,
     ObjectInfo,
     PreconditionFailed,
@@ -94,7 +95,7 @@ class LocalStore:
             raise NotFound(f"{join_uri(self.uri, key)} does not exist")
         return st.st_size
 
-    def write_bytes(self, key: str, data: bytes) -> None:
+    def write_bytes(self, key: str, data: Data) -> None:
         path = self._path(key)
         tmp = write_temp(path.parent, data)
         os.replace(tmp, path)

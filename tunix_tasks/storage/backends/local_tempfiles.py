@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 from typing import BinaryIO
 
-from tunix_tasks.storage.store import StoreError
+from tunix_tasks.storage.store import Data, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ MAX_AGE_ENV = "TUNIX_STORE_TMP_MAX_AGE_S"
 DEFAULT_MAX_AGE_S = 3600.0
 
 
-def write_temp(directory: Path, data: bytes) -> Path:
+def write_temp(directory: Path, data: Data) -> Path:
     """`data` in a new hidden temp file of `directory` (created if missing), fsynced. A
     failed write leaves no temp file; a full disk is a `StoreError` (the callers' outage
     handling retries it: space may be freed), naming the folder and what is free."""
