@@ -138,11 +138,7 @@ def encode_snapshot(
     `base` names ({"fingerprint", "uri"}). Deltas are made by `encode_delta` only."""
     if kind not in ("full", "adapter"):
         raise ValueError(f"cannot encode a snapshot of kind {kind!r}: 'full' or 'adapter'")
-    arrays = {k: np.ascontiguousarray(v) for k, v in flat.items()}
-    bad = sorted(k for k, v in arrays.items() if v.dtype not in DTYPES.values())
-    if bad:
-        raise ValueError(f"tensors {bad[:5]} are not of a snapshot dtype ({'/'.join(DTYPES)})")
-    blob = encode_safetensors(arrays)
+    blob = encode_safetensors(flat)
     manifest = Manifest(
         version=version,
         step=step,
@@ -158,11 +154,15 @@ def encode_snapshot(
 
 
 def encode_safetensors(arrays: dict[str, np.ndarray]) -> np.ndarray:
-    """`safetensors.numpy.save(arrays)` byte for byte (C-contiguous little-endian arrays of
-    `DTYPES`), as one uint8 array. The tensors are copied in by numpy, which releases the
-    GIL while it copies; safetensors' own encoder holds it throughout (1.8 s of a 454 MB
-    snapshot, measured in #29), and a publish in the background would stall the train
-    loop's thread that long."""
+    """`safetensors.numpy.save(arrays)` byte for byte, as one uint8 array; ValueError for a
+    tensor not of a snapshot dtype (`DTYPES`, little-endian). The tensors are copied in by
+    numpy, which releases the GIL while it copies; safetensors' own encoder holds it
+    throughout (~1 s of a 256 MB snapshot, measured in #29), and a publish in the
+    background would stall the train loop's thread that long."""
+    arrays = {k: np.asarray(v, order="C") for k, v in arrays.items()}  # 0-d stays 0-d
+    bad = sorted(k for k, v in arrays.items() if v.dtype not in _CODES)
+    if bad:
+        raise ValueError(f"tensors {bad[:5]} are not of a snapshot dtype ({'/'.join(DTYPES)})")
     order = sorted(arrays, key=lambda name: (_ORDER[_CODES[arrays[name].dtype]], name))
     header: dict[str, Any] = {}
     size = 0

@@ -366,6 +366,8 @@ def test_decode_is_zero_copy_and_checks_every_entry():
         decode_safetensors(blob[:8] + forged + blob[8 + header_len :])
     with pytest.raises(ValueError, match="not of a snapshot dtype"):
         encode_snapshot({"x": np.zeros(2, np.int64)}, version=0, step=0, model={})
+    with pytest.raises(ValueError, match=r"\['big'\] are not of a snapshot dtype"):
+        encode_safetensors({"big": np.zeros(2, ">f4"), "ok": np.zeros(2, np.float32)})
 
 
 @pytest.mark.parametrize(
@@ -392,6 +394,14 @@ def test_encoded_snapshots_are_safetensors_byte_for_byte(flat):
     blob = encode_safetensors(flat)
     assert blob.dtype == np.uint8 and bytes(blob) == st_save(flat)
     _equal(decode_safetensors(blob), flat)
+
+
+def test_a_strided_tensor_is_encoded_by_its_values():
+    """A transposed view is written in C order, as its values read (safetensors' own
+    numpy encoder writes the underlying buffer: the transpose is lost)."""
+    flat = {"t": np.arange(12, dtype=np.float32).reshape(3, 4).T}
+    got = decode_safetensors(encode_safetensors(flat))["t"]
+    assert got.shape == (4, 3) and np.array_equal(got, flat["t"])
 
 
 def test_encoding_a_snapshot_leaves_the_gil_to_other_threads():
