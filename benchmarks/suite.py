@@ -98,7 +98,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the commands run from here
 
 
 def command(entry: Entry, *, accelerator: bool, out: Path) -> list[str]:
-    args = shlex.split(entry.args.format(out=out))
+    args = [arg.format(out=out) for arg in shlex.split(entry.args)]
     if entry.script == "accelerator" and not accelerator:
         args.append("--smoke")
     return [sys.executable, f"benchmarks/{entry.script}.py", *args]

@@ -50,18 +50,19 @@ __all__ = [
 
 Blob = bytes | np.ndarray  # a safetensors file in memory; arrays are 1-D uint8
 
-DTYPES: dict[str, np.dtype] = {  # what snapshots may hold; the model decides what fits
+#: What snapshots may hold (the model decides what fits), in safetensors' order of tensors
+#: in a file: by dtype, widest alignment first (ties in its own enum order: F32 before I32),
+#: then by name (`encode_safetensors`).
+DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
     "I32": np.dtype(np.int32),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16),
 }
 _FLOATS = tuple(d for d in DTYPES.values() if d != np.int32)
 _CODES = {dtype: code for code, dtype in DTYPES.items()}
-#: safetensors' order of tensors in a file: by dtype, widest alignment first (then its own
-#: enum order: F32 before I32), then by name.
-_ORDER = {code: i for i, code in enumerate(("F64", "F32", "I32", "BF16", "F16"))}
+_ORDER = {code: i for i, code in enumerate(DTYPES)}
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 _FINITE_CHUNK = 1 << 20  # values checked at a time: the check's temporary memory is ~1 MB
 _WORD = 4  # float32: the shuffle's word size
@@ -154,11 +155,11 @@ def encode_snapshot(
 
 
 def encode_safetensors(arrays: dict[str, np.ndarray]) -> np.ndarray:
-    """`safetensors.numpy.save(arrays)` byte for byte, as one uint8 array; ValueError for a
-    tensor not of a snapshot dtype (`DTYPES`, little-endian). The tensors are copied in by
-    numpy, which releases the GIL while it copies; safetensors' own encoder holds it
-    throughout (~1 s of a 256 MB snapshot, measured in #29), and a publish in the
-    background would stall the train loop's thread that long."""
+    """`safetensors.numpy.save(arrays)` byte for byte, as one read-only uint8 array;
+    ValueError for a tensor not of a snapshot dtype (`DTYPES`, little-endian). The tensors
+    are copied in by numpy, which releases the GIL while it copies; safetensors' own
+    encoder holds it throughout (~1 s of a 256 MB snapshot, measured in #29), and a
+    publish in the background would stall the train loop's thread that long."""
     arrays = {k: np.asarray(v, order="C") for k, v in arrays.items()}  # 0-d stays 0-d
     bad = sorted(k for k, v in arrays.items() if v.dtype not in _CODES)
     if bad:
@@ -182,6 +183,7 @@ def encode_safetensors(arrays: dict[str, np.ndarray]) -> np.ndarray:
     for name in order:
         begin, end = header[name]["data_offsets"]
         out[start + begin : start + end] = arrays[name].reshape(-1).view(np.uint8)
+    out.flags.writeable = False  # like `apply_delta`'s: a blob is never changed in place
     return out
 
 

@@ -428,4 +428,4 @@ def test_encoding_a_snapshot_leaves_the_gil_to_other_threads():
     ticker.join()
     assert len(blob) > 256 << 20
     # The ticker runs for at least half the encode (a 2-core machine may be busy).
-    assert sum(g for g in gaps if g < 0.02) > took / 2, (took, max(gaps))
+    assert sum(g for g in gaps if g < 0.05) > took / 2, (took, max(gaps))

@@ -49,7 +49,7 @@ def write_temp(directory: Path, data: Data) -> Path:
         tmp.unlink(missing_ok=True)
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StoreError(
-                f"{directory}: {err.strerror} writing {len(data):,} bytes "
+                f"{directory}: {err.strerror} writing {memoryview(data).nbytes:,} bytes "
                 f"({_free_bytes(directory):,} bytes free); free space or use another store"
             ) from None
         raise
