@@ -134,9 +134,10 @@ def encode_snapshot(
     base: dict[str, str] | None = None,
     full_every: int = 0,
 ) -> tuple[np.ndarray, Manifest]:
-    """Serialize params (safetensors, `encode_safetensors`) and describe them (manifest with their sha256). Kind
-    "full", or "adapter": `flat` holds only adapter tensors on top of the frozen base model
-    `base` names ({"fingerprint", "uri"}). Deltas are made by `encode_delta` only."""
+    """Serialize params (safetensors, `encode_safetensors`) and describe them (manifest
+    with their sha256). Kind "full", or "adapter": `flat` holds only adapter tensors on top
+    of the frozen base model `base` names ({"fingerprint", "uri"}). Deltas are made by
+    `encode_delta` only."""
     if kind not in ("full", "adapter"):
         raise ValueError(f"cannot encode a snapshot of kind {kind!r}: 'full' or 'adapter'")
     blob = encode_safetensors(flat)
