@@ -5,15 +5,16 @@ ShardWriter, then reads them back in the same run, interleaved, best of `--repea
   baseline: plain `pyarrow.parquet.read_table` of each file (pyarrow's filesystem) on as
             many threads as the reader reads with (4, `EpisodeSource`'s `read_threads`);
             also on one thread, for scale
-  reader:   `EpisodeSource.poll()`: list, decode on the reader threads, then validate,
-            advantages and replay flags over `CHECK_EVERY` shards at once, into the
-            columnar `EpisodeBlock`s the learner buffers (no object per episode)
+  reader:   `EpisodeSource.poll()` rounds, as the learner reads: list, decode on the
+            reader threads, then validate, advantages and replay flags over
+            `CHECK_EVERY` shards at once, into the columnar `EpisodeBlock`s the learner
+            buffers (no object per episode)
   episodes: the same, then every block entry built as an `Episode` (what the reader
             cost when it handed out one Python object per episode)
 and prints trajectories/s, MB/s and reader/baseline throughput ratio (goal >= 0.8 of the
 baseline with the same threads).
 
-    python benchmarks/shards.py [--shards 20] [--per-shard 64]
+    python benchmarks/shards.py [--shards 20] [--per-shard 64] [--repeats 10]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import pyarrow.parquet as pq
 
+from tunix_tasks.learner.blocks import EpisodeBlock
 from tunix_tasks.learner.source import EpisodeSource
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import open_store
@@ -65,13 +68,18 @@ def run(uri: str, shards: int, per_shard: int, repeats: int) -> dict[str, float]
     def baseline_1() -> int:
         return sum(map(read, keys))
 
-    def reader() -> int:
+    def rounds() -> Iterator[EpisodeBlock]:
+        """The learner's reads: rounds of the default size until none is left."""
         source = EpisodeSource(store, vocab_size=103, read_threads=READ_THREADS)
-        return sum(int(b.length.astype(bool).sum()) for b in source.poll(max_shards=len(keys)))
+        while blocks := source.poll():
+            yield from blocks
+        source.close()
+
+    def reader() -> int:
+        return sum(int(b.length.astype(bool).sum()) for b in rounds())
 
     def episodes() -> int:
-        source = EpisodeSource(store, vocab_size=103, read_threads=READ_THREADS)
-        return len(block_episodes(source.poll(max_shards=len(keys))))
+        return len(block_episodes(list(rounds())))
 
     runs = {"baseline": baseline, "baseline_1": baseline_1, "reader": reader, "episodes": episodes}
     best = dict.fromkeys(runs, float("inf"))
@@ -100,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shards", type=int, default=20)
     parser.add_argument("--per-shard", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
