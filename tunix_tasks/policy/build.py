@@ -83,13 +83,18 @@ def build_policy(
     compute_dtype: str | None = None,
     mesh: Mesh | None = None,
 ) -> tuple[ChatFormat, Transformer]:
+    """The chat format and the model: a preset's random weights from `seed`, or the
+    checkpoint's (read once: its shapes, then its tensors, sharded over `mesh`), computing
+    in `compute_dtype` (default `cfg.dtype`); `seed` also initialises LoRA adapters."""
     dtype = jnp.dtype(compute_dtype or cfg.dtype)
-    chat, spec = policy_spec(cfg)
     lora = lora_spec(cfg)
     if cfg.checkpoint is None:
+        chat, spec = policy_spec(cfg)
         return chat, Transformer(spec, rngs=nnx.Rngs(seed), compute_dtype=dtype, lora=lora)
-    ckpt = HFCheckpoint(resolve_checkpoint(cfg.checkpoint))
+    chat = build_chat(cfg)
     try:
+        ckpt = HFCheckpoint(resolve_checkpoint(cfg.checkpoint))
+        spec = ckpt.spec(max_seq_len=cfg.max_seq_len)
         model = ckpt.load_model(spec, mesh=mesh, compute_dtype=dtype, lora=lora, seed=seed)
     except CheckpointError as err:  # one error type for every checkpoint problem
         raise PolicyError(str(err)) from None
