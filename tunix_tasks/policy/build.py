@@ -24,10 +24,12 @@ A checkpoint that cannot be built raises `PolicyError` (policy/preflight.py, whe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -68,12 +70,8 @@ def policy_spec(cfg: ModelConfig) -> tuple[ChatFormat, DecoderSpec]:
     chat = build_chat(cfg)
     if cfg.checkpoint is None:
         return chat, spec_from_preset(cfg, vocab_size=chat.tokenizer.vocab_size)
-    try:
-        return chat, HFCheckpoint(resolve_checkpoint(cfg.checkpoint)).spec(
-            max_seq_len=cfg.max_seq_len
-        )
-    except CheckpointError as err:  # one error type for every checkpoint problem
-        raise PolicyError(str(err)) from None
+    with _as_policy_error():
+        return chat, _checkpoint_spec(cfg)[1]
 
 
 def build_policy(
@@ -92,13 +90,24 @@ def build_policy(
         chat, spec = policy_spec(cfg)
         return chat, Transformer(spec, rngs=nnx.Rngs(seed), compute_dtype=dtype, lora=lora)
     chat = build_chat(cfg)
+    with _as_policy_error():
+        ckpt, spec = _checkpoint_spec(cfg)
+        return chat, ckpt.load_model(spec, mesh=mesh, compute_dtype=dtype, lora=lora, seed=seed)
+
+
+def _checkpoint_spec(cfg: ModelConfig) -> tuple[HFCheckpoint, DecoderSpec]:
+    """`cfg.checkpoint` opened, and its shapes (its config.json, at `cfg.max_seq_len`)."""
+    ckpt = HFCheckpoint(resolve_checkpoint(cfg.checkpoint))
+    return ckpt, ckpt.spec(max_seq_len=cfg.max_seq_len)
+
+
+@contextlib.contextmanager
+def _as_policy_error() -> Iterator[None]:
+    """One error type for every checkpoint problem: `CheckpointError` becomes `PolicyError`."""
     try:
-        ckpt = HFCheckpoint(resolve_checkpoint(cfg.checkpoint))
-        spec = ckpt.spec(max_seq_len=cfg.max_seq_len)
-        model = ckpt.load_model(spec, mesh=mesh, compute_dtype=dtype, lora=lora, seed=seed)
-    except CheckpointError as err:  # one error type for every checkpoint problem
+        yield
+    except CheckpointError as err:
         raise PolicyError(str(err)) from None
-    return chat, model
 
 
 def lora_spec(cfg: ModelConfig) -> LoraSpec | None:
