@@ -16,22 +16,28 @@ so load on a shared machine hits them alike:
 
 Per mode: median and interquartile range of the step time (the step plus the publish
 call, what the learner's loop waits on), the ratio against "off" (goal <= 1.05 for
-coalesce), and for the publishing modes the versions published / coalesced and the median
-background publish time. The train step is compiled before any window and the script
+coalesce), the longest stall of a thread that wakes every millisecond (how long the
+publisher kept the learner's Python thread from running: holding the GIL, or a core;
+"off" shows the step's own), and for the publishing modes the versions published /
+coalesced and the median background publish time. `--store gs` publishes to a real
+fake-gcs-server (objects in its memory) on this host instead of a local folder. The train step is compiled before any window and the script
 asserts no compile lands inside one. On a CPU the publisher's thread competes with XLA's
 for the same cores, which an accelerator's learner does not: read the ratio as an upper
 bound there.
 
     python benchmarks/publishing.py [--preset base] [--bucket 128] [--rows 2]
-        [--steps 6] [--repeats 3]
+        [--steps 6] [--repeats 3] [--store file|gs]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -47,10 +53,11 @@ from tunix_tasks.learner.train_step import Trainer
 from tunix_tasks.storage.lease import Lease
 from tunix_tasks.storage.retention import SnapshotRetention
 from tunix_tasks.storage.store import open_store
+from tunix_tasks.testing.gcs_server import FakeGcs
 from tunix_tasks.testing.shard_factory import make_episode
 
 MODES = ("off", "coalesce", "in order")
-WIDTHS = (9, 6, 6, 10, 10, 11)  # of the columns after the mode's
+WIDTHS = (9, 6, 6, 9, 10, 10, 11)  # of the columns after the mode's
 
 
 def _batch(trainer: Trainer, bucket: int, rows: int) -> PackedBatch:
@@ -58,6 +65,42 @@ def _batch(trainer: Trainer, bucket: int, rows: int) -> PackedBatch:
     vocab = trainer.model.vocab_size
     episodes = [make_episode(rng, length=bucket, vocab_size=vocab) for _ in range(rows)]
     return pack(episodes, buckets=(bucket,), batch_rows=rows).batches[0]
+
+
+class _Stalls:
+    """The longest gap between the wake-ups of a thread that sleeps 1 ms at a time: how
+    long another thread (the publisher's) kept a Python thread from running."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, daemon=True)
+
+    def _tick(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            self.longest, last = max(self.longest, now - last), now
+
+    def __enter__(self) -> _Stalls:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@contextlib.contextmanager
+def _store_root(kind: str) -> Iterator[str]:
+    """A fresh run root: a temporary folder, or a bucket of a fake-gcs-server."""
+    if kind == "gs":
+        with FakeGcs(backend="memory") as gcs:
+            yield gcs.new_bucket_uri()
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            yield tmp
 
 
 def _window(
@@ -89,6 +132,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6, help="steps per window")
     ap.add_argument("--repeats", type=int, default=3, help="windows per mode, interleaved")
+    ap.add_argument("--store", default="file", choices=["file", "gs"])
     args = ap.parse_args()
 
     cfg = config_from_dict(
@@ -102,8 +146,8 @@ def main() -> None:
     batch = _batch(trainer, args.bucket, args.rows)
     trainer.step(batch)  # compiles
     compiles = trainer.compile_count
-    with tempfile.TemporaryDirectory() as tmp:
-        store = open_store(tmp)
+    with _store_root(args.store) as root:
+        store = open_store(root)
         lease = Lease(store, ttl_s=600)
         lease.acquire()
         retention = SnapshotRetention(store, keep_last=2, keep_every=0)
@@ -112,12 +156,15 @@ def main() -> None:
         times: dict[str, list[float]] = {m: [] for m in MODES}
         published: dict[str, list[int]] = {m: [0, 0] for m in MODES}  # [asked, coalesced]
         background: dict[str, list[float]] = {m: [] for m in MODES}
+        stalls: dict[str, list[float]] = {m: [] for m in MODES}
         try:
             for _ in range(args.repeats):
                 for mode in MODES:
                     coalesced = pub.coalesced
-                    times[mode] += _window(trainer, batch, pub, mode, args.steps, version)
-                    pub.wait()  # the next window starts with the publisher idle
+                    with _Stalls() as stall:
+                        times[mode] += _window(trainer, batch, pub, mode, args.steps, version)
+                        pub.wait()  # the next window starts with the publisher idle
+                    stalls[mode].append(stall.longest)
                     if mode != "off":
                         version += args.steps
                         published[mode][0] += args.steps
@@ -131,10 +178,14 @@ def main() -> None:
     mb = n_params * 4 / 1e6
     print(
         f"preset {args.preset}: {n_params / 1e6:.1f} M params ({mb:.0f} MB a snapshot), "
-        f"batch {args.rows} x {args.bucket}, {args.repeats} x {args.steps} steps per mode"
+        f"batch {args.rows} x {args.bucket}, {args.repeats} x {args.steps} steps per mode, "
+        f"store {args.store}"
     )
     off = med(times["off"])
-    header = ("mode", "step ms", "iqr", "x off", "published", "coalesced", "publish ms")
+    header = (
+        *("mode", "step ms", "iqr", "x off", "stall ms"),
+        *("published", "coalesced", "publish ms"),
+    )
     print(
         f"{header[0]:<10} " + " ".join(f"{h:>{w}}" for h, w in zip(header[1:], WIDTHS, strict=True))
     )
@@ -143,7 +194,8 @@ def main() -> None:
         bg = f"{med(background[mode]) * 1e3:11.0f}" if background[mode] else f"{'-':>11}"
         print(
             f"{mode:<10} {med(times[mode]) * 1e3:9.1f} {iqr(times[mode]):6.2f} "
-            f"{med(times[mode]) / off:6.3f} {asked - coalesced:10d} {coalesced:10d} {bg}"
+            f"{med(times[mode]) / off:6.3f} {max(stalls[mode]) * 1e3:9.0f} "
+            f"{asked - coalesced:10d} {coalesced:10d} {bg}"
         )
 
 

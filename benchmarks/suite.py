@@ -61,6 +61,7 @@ SUITE = (
     _entry("models", "--shape cpu --families qwen3 --sample-batches 16"),
     _entry("weights", "--gcs"),
     _entry("publishing"),
+    _entry("publishing", "--store gs", name="publishing_gs"),
     _entry("vectorized"),
     _entry("utilization", "--steps 20"),
     _entry("buffer"),

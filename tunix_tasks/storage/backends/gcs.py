@@ -10,9 +10,11 @@ raises a `StoreError`.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -52,6 +54,53 @@ NO_CREDENTIALS_HINT = (
     "service-account key file, or run where workload identity provides them "
     "(STORAGE_EMULATOR_HOST=host:port for an emulator, which needs none)"
 )
+
+
+#: Chunk of a resumable upload (the client's default). The client takes each chunk as
+#: `bytes`, so one chunk is copied at a time while holding the GIL (~70 ms of 100 MiB on
+#: a 2-core host); copying a whole 450 MB snapshot first held it ~0.5-1 s (#29).
+UPLOAD_CHUNK_BYTES = 100 << 20
+#: Up to this size the client uploads in one request (multipart); above, resumable.
+MULTIPART_MAX_BYTES = 8 << 20
+
+
+class _BufferReader(io.RawIOBase):
+    """A seekable read-only file over `data`'s buffer, without copying it: what the
+    client uploads from, a chunk at a time (and seeks back to resume one)."""
+
+    def __init__(self, data: Data) -> None:
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    @property
+    def size(self) -> int:
+        return self._view.nbytes
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        self._pos = min(max(base + offset, 0), self.size)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        chunk = self._view[self._pos : self._pos + memoryview(buffer).nbytes]
+        memoryview(buffer).cast("B")[: chunk.nbytes] = chunk
+        self._pos += chunk.nbytes
+        return chunk.nbytes
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self.size if size is None or size < 0 else self._pos + size
+        chunk = self._view[self._pos : end].tobytes()
+        self._pos += len(chunk)
+        return chunk
 
 
 class GcsStore:
@@ -129,9 +178,20 @@ class GcsStore:
 
     def write_bytes(self, key: str, data: Data) -> None:
         # Keys written this way are write-once or last-writer-wins, so retrying is safe.
+        reader = _BufferReader(data)
+        blob = self._bucket.blob(self._name(key))
+        blob.chunk_size = UPLOAD_CHUNK_BYTES  # above the client's 8 MiB: resumable
         try:
-            data = data if isinstance(data, bytes) else bytes(data)  # the client takes bytes
-            self._bucket.blob(self._name(key)).upload_from_string(data, retry=self._retry)
+            try:
+                blob.upload_from_file(reader, size=reader.size, retry=self._retry)
+            except gexc.NotFound:
+                if reader.size <= MULTIPART_MAX_BYTES:
+                    raise  # one request: the bucket is missing
+                # A resumable session the server lost (restarted, or expired) is a 404 like
+                # a missing bucket: start over once; a missing bucket fails again.
+                log.warning("%s: upload session lost; uploading again", join_uri(self.uri, key))
+                reader.seek(0)
+                blob.upload_from_file(reader, size=reader.size, retry=self._retry)
         except _ERRORS as err:
             raise self._wrap(key, err, writing=True) from None
 
