@@ -376,7 +376,8 @@ def test_hostile_yaml_is_one_error_naming_the_file_and_the_bound(tmp_path, text,
     start = time.monotonic()
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert time.monotonic() - start < 2.0
+    # Far under the hang this bounds (> 90 s); 2 s flaked once on a loaded 2-core host.
+    assert time.monotonic() - start < 10.0
     message = str(info.value)
     assert "\n" not in message and str(path) in message and needle in message, message
 

@@ -144,6 +144,7 @@ class ActorRuntime:
         self.stats = ActorStats()
         self._last_metrics = 0.0
         self._last_counts = (0, 0, 0, 0.0)
+        self._counted_episodes = False  # a metrics record with episodes > 0 was logged
         self.episodes = EpisodeBuilder(
             actor_id=actor_id, env=cfg.env.name, group_key=self._seed_key
         )
@@ -373,7 +374,10 @@ class ActorRuntime:
             return fn(*args)
 
     def _log_metrics_periodic(self) -> None:
-        if time.monotonic() - self._last_metrics >= 5.0:
+        # Also at once after the first episodes: the audit's supply rate runs from the
+        # first record that counts some, which a short run may not log before its final one.
+        first = not self._counted_episodes and self.stats.episodes > 0
+        if first or time.monotonic() - self._last_metrics >= 5.0:
             self._log_metrics(None)
 
     def _phase(self, final: bool) -> str:
@@ -430,4 +434,5 @@ class ActorRuntime:
             **self._engine_metrics(),
         )
         self._last_metrics = now
+        self._counted_episodes = s.episodes > 0
         self._last_counts = (s.episodes, s.tokens, s.env_steps, now)
