@@ -20,10 +20,10 @@ coalesce), the longest stall of a thread that wakes every millisecond (how long 
 publisher kept the learner's Python thread from running: holding the GIL, or a core;
 "off" shows the step's own), and for the publishing modes the versions published /
 coalesced and the median background publish time. `--store gs` publishes to a real
-fake-gcs-server (objects in its memory) on this host instead of a local folder. The train step is compiled before any window and the script
-asserts no compile lands inside one. On a CPU the publisher's thread competes with XLA's
-for the same cores, which an accelerator's learner does not: read the ratio as an upper
-bound there.
+fake-gcs-server (objects in its memory) on this host instead of a local folder. The
+train step is compiled before any window and the script asserts no compile lands inside
+one. On a CPU the publisher's thread competes with XLA's for the same cores, which an
+accelerator's learner does not: read the ratio as an upper bound there.
 
     python benchmarks/publishing.py [--preset base] [--bucket 128] [--rows 2]
         [--steps 6] [--repeats 3] [--store file|gs]

@@ -144,7 +144,6 @@ class ActorRuntime:
         self.stats = ActorStats()
         self._last_metrics = 0.0
         self._last_counts = (0, 0, 0, 0.0)
-        self._counted_episodes = False  # a metrics record with episodes > 0 was logged
         self.episodes = EpisodeBuilder(
             actor_id=actor_id, env=cfg.env.name, group_key=self._seed_key
         )
@@ -374,9 +373,10 @@ class ActorRuntime:
             return fn(*args)
 
     def _log_metrics_periodic(self) -> None:
-        # Also at once after the first episodes: the audit's supply rate runs from the
-        # first record that counts some, which a short run may not log before its final one.
-        first = not self._counted_episodes and self.stats.episodes > 0
+        # Also at once after the first episodes (the last record counted none): the audit's
+        # supply rate runs from the first record that counts some, which a short run may
+        # not log before its final one.
+        first = self._last_counts[0] == 0 and self.stats.episodes > 0
         if first or time.monotonic() - self._last_metrics >= 5.0:
             self._log_metrics(None)
 
@@ -434,5 +434,4 @@ class ActorRuntime:
             **self._engine_metrics(),
         )
         self._last_metrics = now
-        self._counted_episodes = s.episodes > 0
         self._last_counts = (s.episodes, s.tokens, s.env_steps, now)
