@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +54,7 @@ from tunix_tasks.storage.retention import SnapshotRetention
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.testing.gcs_server import FakeGcs
 from tunix_tasks.testing.shard_factory import make_episode
+from tunix_tasks.testing.ticker import Ticker
 
 MODES = ("off", "coalesce", "in order")
 WIDTHS = (9, 6, 6, 9, 10, 10, 11)  # of the columns after the mode's
@@ -65,31 +65,6 @@ def _batch(trainer: Trainer, bucket: int, rows: int) -> PackedBatch:
     vocab = trainer.model.vocab_size
     episodes = [make_episode(rng, length=bucket, vocab_size=vocab) for _ in range(rows)]
     return pack(episodes, buckets=(bucket,), batch_rows=rows).batches[0]
-
-
-class _Stalls:
-    """The longest gap between the wake-ups of a thread that sleeps 1 ms at a time: how
-    long another thread (the publisher's) kept a Python thread from running."""
-
-    def __init__(self) -> None:
-        self.longest = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._tick, daemon=True)
-
-    def _tick(self) -> None:
-        last = time.perf_counter()
-        while not self._stop.is_set():
-            time.sleep(0.001)
-            now = time.perf_counter()
-            self.longest, last = max(self.longest, now - last), now
-
-    def __enter__(self) -> _Stalls:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 @contextlib.contextmanager
@@ -161,7 +136,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 for mode in MODES:
                     coalesced = pub.coalesced
-                    with _Stalls() as stall:
+                    with Ticker() as stall:
                         times[mode] += _window(trainer, batch, pub, mode, args.steps, version)
                         pub.wait()  # the next window starts with the publisher idle
                     stalls[mode].append(stall.longest)

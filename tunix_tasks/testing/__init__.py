@@ -11,4 +11,5 @@ gcs_outage.py     `OutageGcs`: a `FakeGcs` that can be taken down and brought ba
 shard_factory.py  `make_episode` and `realistic_lengths`: episodes shaped like real ones;
                   `block_episodes`: the learner's read blocks as episodes
 published.py      the config.json shapes and published sizes of Qwen3 and Llama 3.1 models
+ticker.py         `Ticker`: the gaps between a 1 ms sleeper's wake-ups (GIL stalls)
 """

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import threading
 import time
 
 import ml_dtypes
@@ -35,6 +34,7 @@ from tunix_tasks.storage.weights import (
     WeightsPublisher,
     load_snapshot,
 )
+from tunix_tasks.testing.ticker import Ticker
 
 
 def _params(seed: int = 0, n: int = 4096) -> dict[str, np.ndarray]:
@@ -409,23 +409,11 @@ def test_encoding_a_snapshot_leaves_the_gil_to_other_threads():
     encoded, a thread that ticks every millisecond still ticks (safetensors' own encoder
     held the GIL for its whole copy: the ticker stopped for ~1 s)."""
     flat = {f"w{i}": np.ones((1024, 8192), np.float32) for i in range(8)}
-    gaps, done = [], threading.Event()
-
-    def tick():
-        last = time.perf_counter()
-        while not done.is_set():
-            time.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    ticker = threading.Thread(target=tick)
-    ticker.start()
-    t0 = time.perf_counter()
-    blob = encode_safetensors(flat)
-    took = time.perf_counter() - t0
-    done.set()
-    ticker.join()
+    with Ticker() as ticker:
+        t0 = time.perf_counter()
+        blob = encode_safetensors(flat)
+        took = time.perf_counter() - t0
+    gaps = ticker.gaps
     assert len(blob) > 256 << 20
     # The ticker runs for at least half the encode (a 2-core machine may be busy).
     assert sum(g for g in gaps if g < 0.05) > took / 2, (took, max(gaps))
