@@ -36,6 +36,7 @@ from tunix_tasks.actor.asynchronous.actor import Actor
 from tunix_tasks.config import RunConfig, config_from_dict
 from tunix_tasks.envs import Action, StepResult, function_tool, register_env
 from tunix_tasks.episode import Episode
+from tunix_tasks.learner.flow import FlowReport
 from tunix_tasks.learner.source import EpisodeSource
 from tunix_tasks.policy.build import build_policy
 from tunix_tasks.policy.distribution import token_logprobs
@@ -407,6 +408,39 @@ def test_two_threads_polling_at_once_load_a_new_version_once(tmp_path):
     for t in threads:
         t.join()
     assert actor.version == 0 and actor.stats.reloads == 1
+
+
+def test_held_weights_move_to_any_newer_version_while_flow_control_pauses(tmp_path):
+    """`actor.reload_every_versions=3`: admitted, an actor loads only weights 3 versions
+    ahead of its own; paused by flow control, any newer ones (only newer weights make
+    room: a learner waiting for data and actors waiting for room waited for each other).
+    The learner's side is the real `FlowReport` the learner writes."""
+    cfg = _config(f"file://{tmp_path}", weight_poll_s=1e-3, reload_every_versions=3)
+    store = write_config(cfg)
+    flat = _peaky(1, cfg)
+    _publish(store, cfg, flat, version=0)
+    actor = Actor(cfg, store, actor_id="actor-k")
+    flow = FlowReport(store, every_s=0.0)
+
+    def reload_after(versions: range) -> int:
+        for v in versions:
+            _publish(store, cfg, flat, version=v)
+        time.sleep(0.01)  # past weight_poll_s
+        actor._maybe_reload()
+        return actor.version
+
+    assert reload_after(range(0)) == 0  # the first weights: whatever LATEST is
+    flow.maybe_write(2, consumed={}, consumed_total=0, waited_s=0.0)
+    assert reload_after(range(1, 3)) == 0 and actor._admit(in_flight=0)  # 2 ahead: held
+    # 40 committed episodes the learner has not read: 40 / 8 versions ahead of it, paused.
+    actor.stats.episodes = 40
+    assert not actor._admit(in_flight=0)
+    assert reload_after(range(0)) == 2  # paused: the newest, however few versions ahead
+    flow.maybe_write(2, consumed={actor.gate.actor_key: 40}, consumed_total=40, waited_s=0.0)
+    assert reload_after(range(0)) == 2 and actor._admit(in_flight=0)  # all read: admitted
+    assert reload_after(range(3, 5)) == 2  # admitted again: 2 ahead is held
+    assert reload_after(range(5, 6)) == 5  # 3 ahead is loaded
+    assert actor.stats.reloads == 3
 
 
 def test_env_exceptions_do_not_kill_the_actor(store_uri):
