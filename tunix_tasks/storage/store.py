@@ -12,6 +12,9 @@ backend (`backends/`):
   caller read (0 = must not exist), else raises `PreconditionFailed`.
 - `size` answers from metadata (no read), so a reader can refuse an object larger than
   it expects before reading a byte of it (`weights.py`).
+- `read_to` streams an object into the reader's own memory, a chunk at a time:
+  `read_bytes` and `open_input` (random access, for Parquet) may hold the whole object,
+  which for a weight snapshot doubled a reload's peak on gs://.
 - `delete` of an object also removes its folder when that leaves it empty (locally; a
   bucket has no empty folders): a prefix with no objects is not listed by `list_folders`.
 - A remote backend retries transient errors (429, 5xx, connection resets) with
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RETRY_DEADLINE_ENV",
+    "ByteSink",
     "Data",
     "NotFound",
     "ObjectInfo",
@@ -78,6 +82,13 @@ class ObjectInfo:
 Data: TypeAlias = "bytes | bytearray | memoryview | np.ndarray"
 
 
+class ByteSink(Protocol):
+    """Where `ObjectStore.read_to` writes: bytes in order, each buffer valid only during
+    its call (copy it)."""
+
+    def write(self, data: bytes | memoryview, /) -> object: ...
+
+
 @runtime_checkable
 class ObjectStore(Protocol):
     """Byte objects under one root. Typical use by a writer and a reader:
@@ -103,6 +114,11 @@ class ObjectStore(Protocol):
     def exists(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
     def open_input(self, key: str) -> pa.NativeFile: ...
+    def read_to(self, key: str, sink: ByteSink) -> None:
+        """`key`'s bytes written to `sink` front to back, a chunk at a time (no copy of the
+        whole object on the way); NotFound if none. After an error `sink` holds a prefix."""
+        ...
+
     def arrow_filesystem(self) -> tuple[pafs.FileSystem, str]: ...
     def orbax_path(self, key: str) -> str | os.PathLike[str]:
         """Where orbax (the learner's checkpoints) reads and writes the folder `key`."""

@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 PARAMS_FILE = "params.safetensors"
 DELTA_FILE = "delta.bin"
 MANIFEST_FILE = "manifest.json"
-_READ_CHUNK = 8 << 20  # bytes read (and hashed) at a time
+_READ_CHUNK = 8 << 20  # bytes hashed at a time as a snapshot streams in
 _SNAPSHOT_DIR = re.compile(re.escape(RunLayout.WEIGHTS) + r"v(\d+)/")
 
 
@@ -181,21 +181,52 @@ def _read(
 
 
 def _read_hashed(store: ObjectStore, key: str, size: int) -> tuple[np.ndarray, str]:
-    """(the `size` bytes of `key` as a read-only uint8 array, their sha256), read in
-    chunks straight into the array; WeightsError if the object turns out not to be `size`
-    bytes long (replaced since its size was asked)."""
-    out = np.empty(size, np.uint8)
-    digest, pos, extra = hashlib.sha256(), 0, b""
+    """(the `size` bytes of `key` as a read-only uint8 array, their sha256), streamed
+    straight into the array (`ObjectStore.read_to`: the array is the only copy, on every
+    backend); WeightsError if the object turns out not to be `size` bytes long (replaced
+    since its size was asked)."""
+    sink = _HashingArray(size, join_uri(store.uri, key))
     if size:
-        with store.open_input(key) as f, memoryview(out) as view:
-            while pos < size and (n := f.readinto(view[pos : pos + _READ_CHUNK])):
-                digest.update(view[pos : pos + n])
-                pos += n
-            extra = f.read(1)
-    if pos != size or extra:
-        raise WeightsError(f"{join_uri(store.uri, key)} changed while read: not {size} bytes")
-    out.flags.writeable = False
-    return out, digest.hexdigest()
+        store.read_to(key, sink)
+    return sink.result()
+
+
+class _HashingArray:
+    """A `ByteSink` that fills a preallocated array in order and hashes it as it fills,
+    `_READ_CHUNK` at a time (the writes may be a few KB each: gs:// hands over each
+    response chunk). Refuses a byte past the size it was told."""
+
+    def __init__(self, size: int, where: str) -> None:
+        self.out = np.empty(size, np.uint8)
+        self._view = memoryview(self.out)
+        self._where = where
+        self._digest = hashlib.sha256()
+        self._pos = self._hashed = 0
+
+    def write(self, data: bytes | memoryview, /) -> int:
+        end = self._pos + len(data)
+        if end > len(self.out):
+            raise self._changed()
+        self._view[self._pos : end] = data
+        self._pos = end
+        if end - self._hashed >= _READ_CHUNK:
+            self._hash_to(end)
+        return len(data)
+
+    def result(self) -> tuple[np.ndarray, str]:
+        if self._pos != len(self.out):
+            raise self._changed()
+        self._hash_to(self._pos)
+        self._view.release()
+        self.out.flags.writeable = False
+        return self.out, self._digest.hexdigest()
+
+    def _hash_to(self, end: int) -> None:
+        self._digest.update(self._view[self._hashed : end])
+        self._hashed = end
+
+    def _changed(self) -> WeightsError:
+        return WeightsError(f"{self._where} changed while read: not {len(self.out)} bytes")
 
 
 def _mismatch(data: Blob, sha256: str) -> str | None:

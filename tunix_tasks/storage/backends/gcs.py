@@ -28,6 +28,7 @@ from google.cloud import storage
 from google.cloud.storage.retry import DEFAULT_RETRY
 
 from tunix_tasks.storage.store import (
+    ByteSink,
     Data,
     NotFound,
     ObjectInfo,
@@ -267,6 +268,17 @@ class GcsStore:
 
     def open_input(self, key: str) -> pa.NativeFile:
         return pa.BufferReader(self.read_bytes(key))
+
+    def read_to(self, key: str, sink: ByteSink) -> None:
+        # The client writes each response chunk as it arrives and resumes an interrupted
+        # download where it stopped, pinned to the generation it started on. The caller
+        # checks what it read (a snapshot: its sha256), so no second (crc32c) hash.
+        try:
+            self._bucket.blob(self._name(key)).download_to_file(
+                sink, retry=self._retry, checksum=None
+            )
+        except _ERRORS as err:
+            raise self._wrap(key, err) from None
 
     def arrow_filesystem(self) -> tuple[pafs.FileSystem, str]:
         host = os.environ.get("STORAGE_EMULATOR_HOST")

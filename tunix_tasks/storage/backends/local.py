@@ -24,6 +24,7 @@ import pyarrow.fs as pafs
 from tunix_tasks.storage.backends.local_listing import inside, list_dirs, list_files
 from tunix_tasks.storage.backends.local_tempfiles import TempSweeper, write_temp
 from tunix_tasks.storage.store import (
+    ByteSink,
     Data,
     NotFound,
     ObjectInfo,
@@ -34,6 +35,8 @@ from tunix_tasks.storage.store import (
 from tunix_tasks.storage.uri import join_uri, normalize_uri
 
 __all__ = ["LocalStore", "OutsideRoot"]
+
+READ_CHUNK_BYTES = 8 << 20  # what `read_to` hands its sink at a time
 
 # Where the kernel names each open file by its descriptor (Linux), or "" (no such folder).
 _FD_PATHS = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else ""
@@ -199,6 +202,11 @@ class LocalStore:
             return pa.memory_map(opened, "r")  # with /proc: the file `fd` is, whatever its path now
         finally:
             os.close(fd)
+
+    def read_to(self, key: str, sink: ByteSink) -> None:
+        with self.open_input(key) as f:
+            while chunk := f.read_buffer(READ_CHUNK_BYTES):  # views into the mapping
+                sink.write(memoryview(chunk).cast("B"))
 
     def arrow_filesystem(self) -> tuple[pafs.FileSystem, str]:
         return pafs.LocalFileSystem(), str(self.root)
