@@ -15,6 +15,9 @@ the vectorized actor reach there, against the device's limits. Under 8 minutes.
               (costs.train_flops per second / the peak matmul rate).
   4. actors   `benchmarks/vectorized.py --envs 4096` (the vectorized actor's episodes/s
               against the asynchronous actor's, same run), its table as printed.
+  5. publish  `benchmarks/publishing.py --preset base --rows 8 --bucket 512`: the train
+              step with weight publishing off / coalesced / in order at `publish_every:
+              1` (issue #29, 5: coalesced <= 1.05x off), its table as printed.
 
 `--smoke` runs every code path on a CPU at toy sizes (2 layers, d_model 64, vocab 512;
 batches 1 and 4; 64-token rows; 8 environments) in about two minutes: the figures mean
@@ -35,6 +38,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+FULL_PUBLISHING = "--preset base --rows 8 --bucket 512"  # stage 5's size on a device
 _T0 = time.perf_counter()
 
 
@@ -84,17 +88,30 @@ def install() -> None:
     os.execv(sys.executable, [sys.executable, __file__, *sys.argv[1:], "--no-install"])
 
 
+def _script(name: str, *argv: str) -> str:
+    """benchmarks/`name` run in a process of its own: its table, or why it failed."""
+    cmd = [sys.executable, str(HERE / name), *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode:
+        return f"{name} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}"
+    return proc.stdout
+
+
 def actors(args) -> str:
     """benchmarks/vectorized.py at `--envs` environments: its table."""
     short = (
         ["--warmup", "1", "--window", "3"] if args.smoke else ["--warmup", "2", "--window", "20"]
     )
     envs = ["--envs", str(args.envs), "--precision-envs", str(min(args.envs, 256))]
-    cmd = [sys.executable, str(HERE / "vectorized.py"), *envs, *short]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode:
-        return f"vectorized.py failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}"
-    return proc.stdout
+    return _script("vectorized.py", *envs, *short)
+
+
+def publishing(args) -> str:
+    """benchmarks/publishing.py (issue #29, 5): the train step with publishing off /
+    coalesced / in order, where the step runs on the device and the publisher on the
+    host's cores (goal: coalesced <= 1.05x off)."""
+    size = "--preset tiny --rows 8 --steps 2 --repeats 1" if args.smoke else FULL_PUBLISHING
+    return _script("publishing.py", *size.split())
 
 
 def main() -> None:
@@ -122,6 +139,8 @@ def main() -> None:
             res["train"][name].append(train_row(spec, rows, length, args, lim))
     log(f"actors at E={args.envs}")
     res["actors"] = actors(args)
+    log("publishing beside the train step")
+    res["publishing"] = publishing(args)
     print(
         f"\n{res['device']}: matmul {lim['matmul_flops'] / 1e12:.1f} TFLOP/s, memory "
         f"{lim['mem_bw'] / 1e12:.2f} TB/s ({lim['source']}); compute {args.compute_dtype}"
@@ -143,6 +162,7 @@ def main() -> None:
                 f"| {r['mfu']:.2f} | {r['first_step_s']:.1f} |"
             )
     print(f"\nActors (benchmarks/vectorized.py --envs {args.envs}):\n{res['actors']}")
+    print(f"\nPublishing (benchmarks/publishing.py):\n{res['publishing']}")
     if args.json:
         print(json.dumps(res, indent=1, default=str))
     log("done")

@@ -23,16 +23,22 @@ coalesced and the median background publish time. `--store gs` publishes to a re
 fake-gcs-server (objects in its memory) on this host instead of a local folder. The
 train step is compiled before any window and the script asserts no compile lands inside
 one. On a CPU the publisher's thread competes with XLA's for the same cores, which an
-accelerator's learner does not: read the ratio as an upper bound there.
+accelerator's learner does not: read the ratio as an upper bound there. `--pin` splits
+the cores as an accelerator does: the train step (XLA's threads and the loop's) on the
+first core, the publisher's thread and the store's server on the rest; what is left
+between the modes is what the publisher costs the learner besides cores (the GIL, the
+copy to host, DRAM bandwidth).
 
     python benchmarks/publishing.py [--preset base] [--bucket 128] [--rows 2]
-        [--steps 6] [--repeats 3] [--store file|gs]
+        [--steps 6] [--repeats 3] [--store file|gs] [--pin]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -100,6 +106,24 @@ def _window(
     return times
 
 
+def _split_cores() -> tuple[set[int], set[int]]:
+    """(the train step's core, the host work's cores) for `--pin`: the first core this
+    process may run on, and the rest."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit(f"--pin needs 2 cores or more; this process may use {cores}")
+    return {cores[0]}, set(cores[1:])
+
+
+def _threads_per_core() -> dict[str, int]:
+    """How many of this process's threads may run on each set of cores."""
+    found: collections.Counter[str] = collections.Counter()
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            found[",".join(map(str, sorted(os.sched_getaffinity(int(task.name)))))] += 1
+    return dict(sorted(found.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="base", choices=["tiny", "small", "base"])
@@ -108,25 +132,37 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps per window")
     ap.add_argument("--repeats", type=int, default=3, help="windows per mode, interleaved")
     ap.add_argument("--store", default="file", choices=["file", "gs"])
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="the train step (XLA's threads, the loop) on the first core, the publisher "
+        "and the store's server on the others: an accelerator's split, on a CPU",
+    )
     args = ap.parse_args()
 
-    cfg = config_from_dict(
-        {
-            "model": {"preset": args.preset},
-            "learner": {"buckets": [args.bucket], "batch_rows": args.rows},
-        }
-    )
-    trainer = make_trainer(cfg)
-    n_params = sum(v.size for v in trainer.flat_params().values())
-    batch = _batch(trainer, args.bucket, args.rows)
-    trainer.step(batch)  # compiles
-    compiles = trainer.compile_count
+    step_cores, host_cores = _split_cores() if args.pin else (None, None)
+    if host_cores:  # what starts now (the server, the publisher's thread) inherits them
+        os.sched_setaffinity(0, host_cores)
     with _store_root(args.store) as root:
         store = open_store(root)
         lease = Lease(store, ttl_s=600)
         lease.acquire()
         retention = SnapshotRetention(store, keep_last=2, keep_every=0)
         pub = SnapshotPublisher(store, lease, model={}, retention=retention)
+        if step_cores:  # before XLA starts its threads: they inherit the step's core
+            os.sched_setaffinity(0, step_cores)
+        cfg = config_from_dict(
+            {
+                "model": {"preset": args.preset},
+                "learner": {"buckets": [args.bucket], "batch_rows": args.rows},
+            }
+        )
+        trainer = make_trainer(cfg)
+        n_params = sum(v.size for v in trainer.flat_params().values())
+        batch = _batch(trainer, args.bucket, args.rows)
+        trainer.step(batch)  # compiles
+        compiles = trainer.compile_count
+        threads = _threads_per_core()
         version = 0
         times: dict[str, list[float]] = {m: [] for m in MODES}
         published: dict[str, list[int]] = {m: [0, 0] for m in MODES}  # [asked, coalesced]
@@ -156,6 +192,8 @@ def main() -> None:
         f"batch {args.rows} x {args.bucket}, {args.repeats} x {args.steps} steps per mode, "
         f"store {args.store}"
     )
+    if args.pin:
+        print(f"pinned: the step on core {min(step_cores)}; threads per core set {threads}")
     off = med(times["off"])
     header = (
         *("mode", "step ms", "iqr", "x off", "stall ms"),
