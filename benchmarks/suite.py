@@ -62,6 +62,7 @@ SUITE = (
     _entry("weights", "--gcs"),
     _entry("publishing"),
     _entry("publishing", "--store gs", name="publishing_gs"),
+    _entry("publishing", "--pin", name="publishing_pin"),
     _entry("vectorized"),
     _entry("utilization", "--steps 20"),
     _entry("buffer"),
