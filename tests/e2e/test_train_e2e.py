@@ -9,7 +9,6 @@ snapshots and a gs:// run through a store outage.
 from __future__ import annotations
 
 import collections
-import io
 import itertools
 import json
 import subprocess
@@ -141,7 +140,7 @@ def test_actors_that_reload_every_k_versions_train_stale_data_up_to_the_bound(tm
         # Versions it sampled with (its shards) or held at a metrics record: each was loaded.
         loaded = {r["weights_version"] for r in read_metrics(store, f"actor/{actor}")}
         for key in (i.key for i in store.list(f"{RunLayout.SHARDS}{actor}/")):
-            table = pq.read_table(io.BytesIO(store.read_bytes(key)), columns=["policy_version"])
+            table = pq.read_table(store.open_input(key), columns=["policy_version"])
             loaded.update(table.column("policy_version").to_pylist())
         jumps += [b - a for a, b in itertools.pairwise(sorted(v for v in loaded if v > 0))]
     assert jumps and min(jumps) >= 3, jumps  # held its weights while the learner moved on
