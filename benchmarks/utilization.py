@@ -26,7 +26,12 @@ fraction of episodes dropped as stale, and the latency audit's verdict.
 Where the machine has 2 cores or more, the learner is pinned to core 0 and the actors to
 the others (`os.sched_setaffinity`), so the learner's rate is not eaten by the actors.
 
-    python benchmarks/utilization.py [--steps 30] [--latency 1.0]
+The vectorized run takes its own number of steps (`--vectorized-steps`): its steps take
+~0.2 s against the async runs' seconds, and its steady state starts at its first wait for
+data, so 20 steps left it 8 (1.5 s of training), where a single 0.6 s wait put the learner
+at 0.71 of its limit (0.57-0.58 in earlier runs); 150 steps give it a window of ~25 s.
+
+    python benchmarks/utilization.py [--steps 30] [--vectorized-steps 150] [--latency 1.0]
 """
 
 from __future__ import annotations
@@ -259,6 +264,13 @@ def plan_check(run_uri: str, envs_per_actor: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument(
+        "--vectorized-steps",
+        type=int,
+        default=150,
+        help="the vectorized run's steps: ~0.2 s each, so --steps would leave it a steady "
+        "window of a second or two, where one wait for data is a third of it",
+    )
     p.add_argument("--latency", type=float, default=1.0)
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--envs", type=int, default=384)
@@ -272,13 +284,14 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or tmp
-        ov = overrides_for(
-            root, args.steps, args.latency, args.actors, args.envs, args.max_staleness
-        )
         results, limits = {}, {}
         for m in ("async", "sync", "vectorized"):  # each run, then the limit on its episodes
+            steps = args.vectorized_steps if m == "vectorized" else args.steps
+            ov = overrides_for(
+                root, steps, args.latency, args.actors, args.envs, args.max_staleness
+            )
             results[m] = run(m, ov)
-            limits[m] = learner_limit(root, args.steps, results[m]["run_uri"], ov, f"limit-{m}")
+            limits[m] = learner_limit(root, steps, results[m]["run_uri"], ov, f"limit-{m}")
             steady = results[m]["tokens/s (steady)"]
             results[m]["limit tokens/s"] = limits[m]["tokens/s"]
             results[m]["fraction of limit"] = (
@@ -287,7 +300,8 @@ def main() -> None:
         plan = plan_check(results["async"]["run_uri"], args.envs)
     rows = [r for r in results["async"] if not isinstance(results["async"][r], str)]
     print(
-        f"\n{args.steps} learner steps, env latency {args.latency}s/step, {args.actors} actors x {args.envs} envs"
+        f"\n{args.steps} learner steps ({args.vectorized_steps} vectorized), env latency "
+        f"{args.latency}s/step, {args.actors} actors x {args.envs} envs"
     )
     print(f"{'':<18}" + "".join(f"{m:>12}" for m in results))
     for r in rows:
