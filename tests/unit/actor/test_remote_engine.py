@@ -30,7 +30,7 @@ from tests.unit.actor.test_actor import (
     _Running,
 )
 from tunix_tasks.actor.asynchronous.actor import Actor
-from tunix_tasks.actor.remote.engine import RemoteEngine
+from tunix_tasks.actor.remote.engine import RemoteEngine, weights_owner
 from tunix_tasks.actor.remote.server import serve
 from tunix_tasks.actor.remote.wire import (
     WEIGHTS_FILE,
@@ -157,7 +157,7 @@ def _cfg(tmp_path, **remote) -> RunConfig:
     return _config(f"file://{tmp_path}/runs", remote=remote)
 
 
-def _engine(cfg: RunConfig, url: str, **overrides) -> RemoteEngine:
+def _engine(cfg: RunConfig, url: str, owner: str = "actor-test", **overrides) -> RemoteEngine:
     chat, spec = policy_spec(cfg.model)
     remote = cfg.actor.remote.model_copy(update={"url": url, **overrides})
     return RemoteEngine(
@@ -169,7 +169,7 @@ def _engine(cfg: RunConfig, url: str, **overrides) -> RemoteEngine:
         top_k=cfg.actor.top_k,
         seed=1,
         connections=4,
-        owner="actor-test",
+        owner=owner,
     )
 
 
@@ -203,6 +203,8 @@ def test_actor_samples_through_the_server_and_follows_new_weights(tmp_path):
         _publish(store, cfg, v0, version=0)
         actor = Actor(cfg, store, actor_id="actor-remote")
         assert isinstance(actor.engine, RemoteEngine)
+        owner = weights_owner(cfg.run_name, cfg.run_uri, "actor-remote")
+        assert actor.engine.weights_dir.as_posix().endswith(owner)
         run = _Running(actor)
         run.episodes_at_least(8)
         _publish(store, cfg, v1, version=1)
@@ -290,6 +292,27 @@ def test_weight_pushes_are_checked_and_never_go_back(tmp_path):
         assert version == 2
     finally:
         server.close()
+
+
+def test_runs_sharing_a_weights_dir_keep_to_their_own_folders(tmp_path):
+    """Two runs of one name in two stores, each with an `actor-0`, push through one shared
+    `weights_dir`: neither run's push overwrites, nor its clean-up deletes, the folder of
+    the other, which that run's server may be loading."""
+    shared = tmp_path / "shared"
+    cfg = _cfg(tmp_path, weights_dir=str(shared))
+    owners = [weights_owner("run", f"gs://bucket-{b}/run", "actor-0") for b in "ab"]
+    assert owners[0] != owners[1] and all(o.endswith("/actor-0") for o in owners)
+    server = _Server(cfg)
+    try:
+        a, b = (_engine(cfg, server.url, owner=o) for o in owners)
+        a.update_params(_peaky(1, cfg), version=1)
+        b.update_params(_peaky(2, cfg), version=2)  # the server now holds v2
+        a.update_params(_peaky(3, cfg), version=3)
+    finally:
+        server.close()
+    held = sorted(str(p.relative_to(shared)) for p in shared.glob("*/*/v*"))
+    assert held == sorted([f"{owners[0]}/v3", f"{owners[1]}/v2"])
+    assert (shared / owners[1] / "v2" / WEIGHTS_FILE).stat().st_size > 0
 
 
 def test_an_unreachable_server_is_a_clear_error_after_the_deadline(tmp_path):

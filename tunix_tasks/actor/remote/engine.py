@@ -25,6 +25,7 @@ that version and the server keeps its weights.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import logging
@@ -54,7 +55,17 @@ from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, params_to_hf
 from tunix_tasks.policy.spec import DecoderSpec
 
-__all__ = ["RemoteEngine", "RemoteError"]
+__all__ = ["RemoteEngine", "RemoteError", "weights_owner"]
+
+
+def weights_owner(run_name: str, run_uri: str, actor_id: str) -> str:
+    """An actor's folder under `weights_dir`: `<run_name>-<8 hex of the run's URI>/<actor_id>`.
+    A shared `weights_dir` outlives a run and serves several: every run has an `actor-0`,
+    and two stores may hold runs of one name, so a bare actor id would let one run's push
+    overwrite, and its clean-up delete, the folder another run's server is loading."""
+    tag = hashlib.sha256(run_uri.encode()).hexdigest()[:8]
+    return f"{run_name}-{tag}/{actor_id}"
+
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +105,7 @@ class RemoteEngine:
         self._connections = max(1, connections)
         # A temporary folder unless the server reads from a shared one (removed at exit).
         self._tmp = None if cfg.weights_dir else tempfile.TemporaryDirectory(prefix="tunix-w-")
-        # Each actor of a fleet its own folder under a shared `weights_dir`.
+        # Each actor its own folder under a shared `weights_dir` (`weights_owner`).
         self.weights_dir = Path(cfg.weights_dir or self._tmp.name) / owner
         self._model = cfg.model
         self._client: aiohttp.ClientSession | None = None
