@@ -6,7 +6,8 @@ It is the actor's `RolloutEngine` (update_params, compile_count) and its rollout
 write a checkpoint (`policy_spec`):
 
     engine = RemoteEngine(cfg.actor.remote, chat=chat, spec=spec, max_new_tokens=16,
-                          temperature=1.0, top_k=0, seed=7, connections=8, owner="actor-0")
+                          temperature=1.0, top_k=0, seed=7, connections=8,
+                          owner=weights_owner(cfg.run_name, cfg.run_uri, "actor-0"))
     engine.update_params(flat, version=0)    # any thread: the folder written, the server told
     async with engine:                        # the event loop's HTTP client
         tokens, logprobs, version = await engine(context, session="ep-1")
