@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -399,7 +400,9 @@ def test_first_contact_is_bounded_even_when_the_endpoint_hangs(monkeypatch):
     """An endpoint that accepts connections and never answers holds each request for the
     client's own timeout (60 s), past any retry deadline: the first contact gives up
     after TUNIX_STORE_CONNECT_DEADLINE_S whatever the backend does; errors and results
-    of a call that finishes in time pass through."""
+    of a call that finishes in time pass through. The call left behind ends on its own
+    retry deadline once the endpoint goes away (here before the test ends, so its retry
+    warnings do not outlive the test's log capture)."""
     import socket
 
     from tunix_tasks.storage.outage import CONNECT_ENV, StoreUnavailable, first_contact
@@ -408,6 +411,7 @@ def test_first_contact_is_bounded_even_when_the_endpoint_hangs(monkeypatch):
     with socket.create_server(("127.0.0.1", 0), backlog=16) as silent:  # never accepts
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{silent.getsockname()[1]}")
         monkeypatch.setenv(CONNECT_ENV, "1.5")
+        monkeypatch.setenv(RETRY_DEADLINE_ENV, "2")
         store = open_store("gs://bucket/run")
         t0 = time.monotonic()
         with pytest.raises(
@@ -415,6 +419,10 @@ def test_first_contact_is_bounded_even_when_the_endpoint_hangs(monkeypatch):
         ):
             first_contact(store.uri, store.read_bytes, "config.json")
         assert 1.4 < time.monotonic() - t0 < 5
+    left = [t for t in threading.enumerate() if t.name == "store-first-contact"]
+    for thread in left:
+        thread.join(30)
+    assert left and not any(t.is_alive() for t in left)
     local = open_store("file:///nonexistent-root")
     with pytest.raises(NotFound):
         first_contact(local.uri, local.read_bytes, "config.json")
