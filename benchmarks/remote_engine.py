@@ -1,8 +1,11 @@
 """The remote engine's cost: turns/s through `tunix-tasks serve` over loopback HTTP (the
 `RemoteEngine` an actor with `actor.remote.url` uses) against the in-process batched
 sampler (`BatchingPolicy`, the async actor's own), same model, same concurrency, same
-turns; the per-turn overhead in ms at concurrency 1; and a weights push (write the
-Hugging Face folder, the server loads it) against the snapshot's bytes.
+turns; the per-turn overhead in ms at concurrency 1; a weights push (write the Hugging
+Face folder, the server loads it) against the snapshot's bytes; and a fleet of `--fleet`
+actors on the one server pushing each version at once, each through its own folder (no
+snapshot digest: every actor writes it) against the folder they share (the runtime's
+way: the manifest's digest names it, one actor writes it), alternated version by version.
 
 Workload: E callers each play episodes of `--turns` turns of at most `--new-tokens`
 tokens: a 32-token prompt, then each turn's sampled ids and a 4-token reply appended (the
@@ -28,8 +31,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -160,7 +165,8 @@ async def measure(args, cache: str) -> None:
             top_k=0,
             seed=0,
             connections=max(args.envs),
-            owner="bench",
+            run_folder="bench",
+            actor_id="actor-0",
         )
         flat = flat_params(build_policy(cfg.model, seed=1)[1])
         await asyncio.to_thread(engine.update_params, flat, version=0)  # as an actor does
@@ -213,9 +219,60 @@ async def measure(args, cache: str) -> None:
             f"weights push (write the folder, the server loads it): {push * 1e3:.0f} ms for "
             f"{size / 1e6:.1f} MB, {size / push / 1e6:.0f} MB/s (median of {args.pushes})"
         )
+        await asyncio.to_thread(_fleet_pushes, args, cfg, url, flat, args.pushes + 1)
     finally:
         server.terminate()
         server.wait(30)
+
+
+def _fleet_pushes(args, cfg: RunConfig, url: str, flat: dict, first: int) -> None:
+    """`--fleet` actors push each new version at once: through their own folders, then
+    through the shared one, alternated; wall time until all hold it, folders written."""
+    chat, spec = policy_spec(cfg.model)
+    with tempfile.TemporaryDirectory(prefix="remote-bench-w-") as shared:
+        remote = cfg.actor.remote.model_copy(update={"url": url, "weights_dir": shared})
+        fleet = [
+            RemoteEngine(
+                remote,
+                chat=chat,
+                spec=spec,
+                max_new_tokens=args.new_tokens,
+                temperature=1.0,
+                top_k=0,
+                seed=i,
+                connections=1,
+                run_folder="bench-fleet",
+                actor_id=f"actor-{i}",
+            )
+            for i in range(args.fleet)
+        ]
+        walls: dict[str, list[float]] = {"own folders": [], "shared": []}
+        writes = dict.fromkeys(walls, 0)
+        version = first
+        for _ in range(args.pushes):
+            for how in walls:
+                digest = f"{version:064x}" if how == "shared" else ""
+                before = sum(e.folders_written for e in fleet)
+                start = threading.Barrier(len(fleet))
+
+                def push(engine: RemoteEngine, v=version, d=digest, start=start) -> None:
+                    start.wait()  # all at once, as actors polling the same LATEST
+                    engine.update_params(flat, version=v, digest=d)
+
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(len(fleet)) as pool:
+                    list(pool.map(push, fleet))
+                walls[how].append(time.perf_counter() - t0)
+                writes[how] += sum(e.folders_written for e in fleet) - before
+                version += 1
+    own, shared_s = (statistics.median(walls[h]) for h in walls)
+    print(
+        f"a fleet of {args.fleet} on one server, a version pushed by all at once (median of "
+        f"{args.pushes}): own folders {own * 1e3:.0f} ms, "
+        f"{writes['own folders'] / args.pushes:.0f} folders written; shared "
+        f"{shared_s * 1e3:.0f} ms, {writes['shared'] / args.pushes:.0f} written; "
+        f"shared / own {shared_s / own:.2f}x the time"
+    )
 
 
 def main() -> None:
@@ -228,6 +285,7 @@ def main() -> None:
     p.add_argument("--window", type=float, default=10.0)
     p.add_argument("--quiet", type=float, default=10.0, help="s without a compile before a window")
     p.add_argument("--pushes", type=int, default=3)
+    p.add_argument("--fleet", type=int, default=4, help="actors pushing to one server at once")
     p.add_argument(
         "--batch-wait",
         type=float,
@@ -238,7 +296,7 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.preset, args.envs, args.warmup, args.window, args.pushes = "tiny", [1, 4], 0.5, 1.0, 1
-        args.quiet = 2.0
+        args.quiet = 5.0
     with tempfile.TemporaryDirectory(prefix="remote-bench-xla-") as cache:
         asyncio.run(measure(args, cache))
 

@@ -1,8 +1,11 @@
 """benchmarks/remote_engine.py runs end to end at its smoke size: `tunix-tasks serve` as a
 subprocess, the in-process and remote paths at two concurrencies with no compile inside
-a timed window, the per-turn overhead and a weights push."""
+a timed window, the per-turn overhead, a weights push, and a fleet's pushes through its
+own folders and through the shared one (written once)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -17,3 +20,4 @@ def test_remote_engine_benchmark_runs_at_smoke_size():
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)  # turns/s, both paths
     assert "per-turn overhead at E=1" in stdout
     assert "weights push" in stdout and "MB/s" in stdout
+    assert re.search(r"own folders \d+ ms, 4 folders written; shared \d+ ms, 1 written", stdout)

@@ -6,8 +6,8 @@ else is the kind's serve loop:
 
     engine = self._build_engine()                      # once, in ActorRuntime.__init__
     # runtime, on each new verified snapshot (WeightsClient.poll -> ActorRuntime._load):
-    engine.update_params(flat, version=v)              # full weights
-    engine.update_params(flat, version=v, only=nnx.LoRAParam)   # an adapter snapshot
+    engine.update_params(flat, version=v, digest=d)    # full weights (d: manifest.sha256)
+    engine.update_params(flat, version=v, only=nnx.LoRAParam, digest=d)  # adapters
     #   a ValueError (names, shapes, dtypes) keeps the old weights; the client refuses v
     # runtime, in every metrics record and the run's summary:
     engine.compile_count                               # XLA compilations so far
@@ -45,8 +45,15 @@ class RolloutEngine(Protocol):
         ...
 
     def update_params(
-        self, flat: Mapping[str, np.ndarray], *, version: int, only: type[nnx.Variable] = nnx.Param
+        self,
+        flat: Mapping[str, np.ndarray],
+        *,
+        version: int,
+        only: type[nnx.Variable] = nnx.Param,
+        digest: str = "",
     ) -> None:
         """Check, then swap in, a snapshot's tensors of kind `only` as weights `version`;
-        a ValueError (names, shapes, dtypes) leaves the current weights."""
+        a ValueError (names, shapes, dtypes) leaves the current weights. `digest`: the
+        snapshot's content id (its manifest's sha256), which an engine that hands the
+        weights on by name (remote: a folder a fleet shares) names them by."""
         ...

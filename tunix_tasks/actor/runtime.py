@@ -261,6 +261,7 @@ class ActorRuntime:
         """`WeightsClient.poll`'s apply: swap in a checksum-verified snapshot. The engine
         checks names, shapes and dtypes before swapping; its ValueError makes the client
         refuse (and remember) the version while the actor keeps its current weights."""
+        only: type[nnx.Variable] = nnx.Param
         if manifest.kind == "adapter":
             # Adapters only mean something on the base they were trained on.
             base = (manifest.base or {}).get("fingerprint")
@@ -270,9 +271,8 @@ class ActorRuntime:
                     f"({(manifest.base or {}).get('uri', '?')}), this actor runs base "
                     f"{self.base_fingerprint[:12]}... ({self.cfg.model.checkpoint or 'preset'})"
                 )
-            self.engine.update_params(flat, version=manifest.version, only=nnx.LoRAParam)
-        else:
-            self.engine.update_params(flat, version=manifest.version)
+            only = nnx.LoRAParam
+        self.engine.update_params(flat, version=manifest.version, only=only, digest=manifest.sha256)
         self.stats.reload_bytes = self.weights.last_reload_bytes
         self.stats.publish_to_reload_s = max(0.0, time.time() - manifest.created_at)
         self.version = manifest.version

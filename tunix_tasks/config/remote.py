@@ -47,7 +47,8 @@ class RemoteEngineConfig(Frozen):
         gt=0.0,
         le=86400.0,
         description="how long a turn or a weights push may wait for the server (retried "
-        "while it is unreachable or busy) before the actor stops with an error",
+        "while it is unreachable or busy) before the actor stops with an error; also how "
+        "long an actor waits for another's write of the run's weights folder",
     )
     max_connections: Int = Field(
         0, ge=0, le=65536, description="concurrent requests to the server (0: envs_per_actor)"

@@ -128,6 +128,7 @@ class SamplerReplicas(BlockingSample):
         *,
         version: int = -1,
         only: type[nnx.Variable] = nnx.Param,
+        digest: str = "",
     ) -> None:
         """`Sampler.update_params` for every replica: checked and loaded into the shared
         model once (a bad snapshot leaves them all on the old weights), then adopted."""

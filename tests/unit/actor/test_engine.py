@@ -71,10 +71,10 @@ class _Recording:
     compile_count = 7
 
     def __init__(self) -> None:
-        self.calls: list[tuple[int, type]] = []
+        self.calls: list[tuple[int, type, str]] = []
 
-    def update_params(self, flat, *, version: int, only: type = nnx.Param) -> None:
-        self.calls.append((version, only))
+    def update_params(self, flat, *, version: int, only: type = nnx.Param, digest="") -> None:
+        self.calls.append((version, only, digest))
 
 
 class _Runtime(ActorRuntime):
@@ -90,9 +90,9 @@ def test_runtime_builds_its_engine_once_and_reloads_through_it(tmp_path):
     cfg = load_config(None, [])
     runtime = _Runtime(cfg, open_store(str(tmp_path)), actor_id="a-0", incarnation="i")
     assert _Runtime.built == 1 and isinstance(runtime.engine, RolloutEngine)
-    manifest = Manifest(3, 30, "0" * 64, time.time(), 0, {})
-    runtime._load({}, manifest)
-    assert runtime.engine.calls == [(3, nnx.Param)] and runtime.version == 3
+    manifest = Manifest(3, 30, "ab" * 32, time.time(), 0, {})
+    runtime._load({}, manifest)  # the digest names the content, for a remote engine's folder
+    assert runtime.engine.calls == [(3, nnx.Param, "ab" * 32)] and runtime.version == 3
 
 
 def test_every_actor_kind_is_registered_and_resolves():

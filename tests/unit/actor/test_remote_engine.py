@@ -6,6 +6,7 @@ vLLM and SGLang serve, tested against the implementation this repository can run
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import socket
 import threading
 import time
@@ -30,7 +31,7 @@ from tests.unit.actor.test_actor import (
     _Running,
 )
 from tunix_tasks.actor.asynchronous.actor import Actor
-from tunix_tasks.actor.remote.engine import RemoteEngine, weights_owner
+from tunix_tasks.actor.remote.engine import RemoteEngine, run_weights_folder
 from tunix_tasks.actor.remote.server import serve
 from tunix_tasks.actor.remote.wire import (
     WEIGHTS_FILE,
@@ -45,6 +46,7 @@ from tunix_tasks.policy.hf_checkpoint import HFCheckpoint, params_from_hf, param
 from tunix_tasks.policy.params import load_flat_params
 from tunix_tasks.storage.runs import mark_done, write_config
 from tunix_tasks.storage.store import open_store
+from tunix_tasks.storage.weights import read_manifest
 
 # ------------------------------------------------------------------ the contract, pure
 
@@ -157,7 +159,9 @@ def _cfg(tmp_path, **remote) -> RunConfig:
     return _config(f"file://{tmp_path}/runs", remote=remote)
 
 
-def _engine(cfg: RunConfig, url: str, owner: str = "actor-test", **overrides) -> RemoteEngine:
+def _engine(
+    cfg: RunConfig, url: str, run: str = "run-test", actor: str = "actor-test", **overrides
+) -> RemoteEngine:
     chat, spec = policy_spec(cfg.model)
     remote = cfg.actor.remote.model_copy(update={"url": url, **overrides})
     return RemoteEngine(
@@ -169,8 +173,18 @@ def _engine(cfg: RunConfig, url: str, owner: str = "actor-test", **overrides) ->
         top_k=cfg.actor.top_k,
         seed=1,
         connections=4,
-        owner=owner,
+        run_folder=run,
+        actor_id=actor,
     )
+
+
+def _digest(seed: int) -> str:
+    """A snapshot's content id as a manifest holds it (here: one per `_peaky` seed)."""
+    return hashlib.sha256(str(seed).encode()).hexdigest()
+
+
+def _listing(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
 
 
 def _turn_logprobs(cfg: RunConfig, flat, context: list[int], tokens: list[int]) -> np.ndarray:
@@ -203,8 +217,8 @@ def test_actor_samples_through_the_server_and_follows_new_weights(tmp_path):
         _publish(store, cfg, v0, version=0)
         actor = Actor(cfg, store, actor_id="actor-remote")
         assert isinstance(actor.engine, RemoteEngine)
-        owner = weights_owner(cfg.run_name, cfg.run_uri, "actor-remote")
-        assert actor.engine.weights_dir.as_posix().endswith(owner)
+        run_folder = run_weights_folder(cfg.run_name, cfg.run_uri)
+        assert actor.engine.weights_dir.name == run_folder
         run = _Running(actor)
         run.episodes_at_least(8)
         _publish(store, cfg, v1, version=1)
@@ -217,6 +231,8 @@ def test_actor_samples_through_the_server_and_follows_new_weights(tmp_path):
         server.close()
 
     assert summary["compile_count"] == 0 and summary["last_version"] == 1
+    # The folder the server loaded is named by the snapshot's content (its manifest's sha256).
+    assert _listing(actor.engine.weights_dir) == [f"v1-{read_manifest(store, 1).sha256[:16]}"]
     episodes = _read_episodes(open_store(cfg.run_uri))
     assert {e.env for e in episodes} == {QUICK}
     assert all(e.tokens[0] == TOK.bos_id and e.loss_mask.sum() > 0 for e in episodes)
@@ -300,19 +316,86 @@ def test_runs_sharing_a_weights_dir_keep_to_their_own_folders(tmp_path):
     the other, which that run's server may be loading."""
     shared = tmp_path / "shared"
     cfg = _cfg(tmp_path, weights_dir=str(shared))
-    owners = [weights_owner("run", f"gs://bucket-{b}/run", "actor-0") for b in "ab"]
-    assert owners[0] != owners[1] and all(o.endswith("/actor-0") for o in owners)
+    runs = [run_weights_folder("run", f"gs://bucket-{b}/run") for b in "ab"]
+    assert runs[0] != runs[1] and all(r.startswith("run-") for r in runs)
     server = _Server(cfg)
     try:
-        a, b = (_engine(cfg, server.url, owner=o) for o in owners)
-        a.update_params(_peaky(1, cfg), version=1)
-        b.update_params(_peaky(2, cfg), version=2)  # the server now holds v2
-        a.update_params(_peaky(3, cfg), version=3)
+        a, b = (_engine(cfg, server.url, run=r, actor="actor-0") for r in runs)
+        a.update_params(_peaky(1, cfg), version=1, digest=_digest(1))
+        b.update_params(_peaky(2, cfg), version=2, digest=_digest(2))  # the server: v2
+        a.update_params(_peaky(3, cfg), version=4, digest=_digest(3))
     finally:
         server.close()
-    held = sorted(str(p.relative_to(shared)) for p in shared.glob("*/*/v*"))
-    assert held == sorted([f"{owners[0]}/v3", f"{owners[1]}/v2"])
-    assert (shared / owners[1] / "v2" / WEIGHTS_FILE).stat().st_size > 0
+    # Run a's v1 is two versions behind its v4: gone. Run b's v2 stays.
+    assert _listing(shared / runs[0]) == [f"v4-{_digest(3)[:16]}"]
+    assert _listing(shared / runs[1]) == [f"v2-{_digest(2)[:16]}"]
+    assert (shared / runs[1] / f"v2-{_digest(2)[:16]}" / WEIGHTS_FILE).stat().st_size > 0
+
+
+def test_a_fleet_on_one_server_writes_each_version_once(tmp_path):
+    """Three actors of one run push each version through one shared `weights_dir`: one
+    writes the folder (the first to claim it), the others wait for it and push the same
+    folder; the folder from two versions back goes once the server holds the new one; a
+    run re-created under the same URI (versions from 0 again, other content) never takes
+    the old run's folder of that version."""
+    shared = tmp_path / "shared"
+    cfg = _cfg(tmp_path, weights_dir=str(shared))
+    run = run_weights_folder(cfg.run_name, cfg.run_uri)
+    server = _Server(cfg)
+    try:
+        fleet = [_engine(cfg, server.url, run=run, actor=f"actor-{i}") for i in range(3)]
+        flats = {v: _peaky(v, cfg) for v in (1, 2, 3)}
+        for v in (1, 2, 3):  # all three at once, as actors polling the same LATEST
+            start = threading.Barrier(len(fleet))
+
+            def push(engine: RemoteEngine, v: int, start: threading.Barrier) -> None:
+                start.wait()
+                engine.update_params(flats[v], version=v, digest=_digest(v))
+
+            threads = [threading.Thread(target=push, args=(e, v, start)) for e in fleet]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert sum(e.folders_written for e in fleet) == v, f"v{v} written more than once"
+            assert all(e.version == v for e in fleet)
+        assert _listing(shared / run) == [f"v2-{_digest(2)[:16]}", f"v3-{_digest(3)[:16]}"]
+        _, _, version = asyncio.run(_one_turn(fleet[0], [TOK.bos_id]))
+        assert version == 3
+
+        server.close()
+        server = _Server(cfg)  # the run re-created: its own v1, another content
+        again = _engine(cfg, server.url, run=run, actor="actor-0")
+        again.update_params(_peaky(9, cfg), version=1, digest=_digest(9))
+        assert again.folders_written == 1
+        tokens, logprobs, version = asyncio.run(_one_turn(again, [TOK.bos_id]))
+        assert version == 1
+        np.testing.assert_allclose(
+            logprobs, _turn_logprobs(cfg, _peaky(9, cfg), [TOK.bos_id], tokens), atol=LOGPROB_ATOL
+        )
+    finally:
+        server.close()
+
+
+def test_a_dead_writers_claim_is_waited_out_then_cleaned_up(tmp_path):
+    """An actor died while writing a version (its claim stays): another waits for it up to
+    `timeout_s`, writes the folder itself, and the claim goes with the version's folder."""
+    shared = tmp_path / "shared"
+    cfg = _cfg(tmp_path, weights_dir=str(shared))
+    server = _Server(cfg)
+    try:
+        engine = _engine(cfg, server.url, run="run", timeout_s=1.0)
+        (shared / "run").mkdir(parents=True)
+        claim = shared / "run" / f".v1-{_digest(1)[:16]}.claim"
+        claim.touch()  # the dead writer's
+        (shared / "run" / f".v1-{_digest(1)[:16]}.actor-9.partial").mkdir()  # its half folder
+        t0 = time.monotonic()
+        engine.update_params(_peaky(1, cfg), version=1, digest=_digest(1))
+        assert 1.0 <= time.monotonic() - t0 < 30 and engine.folders_written == 1
+        engine.update_params(_peaky(3, cfg), version=3, digest=_digest(3))
+    finally:
+        server.close()
+    assert _listing(shared / "run") == [f"v3-{_digest(3)[:16]}"]
 
 
 def test_an_unreachable_server_is_a_clear_error_after_the_deadline(tmp_path):

@@ -31,7 +31,7 @@ import numpy as np
 from tunix_tasks.actor.admission import PAUSED_RECHECK_S
 from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
 from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, play_episode
-from tunix_tasks.actor.remote.engine import RemoteEngine, weights_owner
+from tunix_tasks.actor.remote.engine import RemoteEngine, run_weights_folder
 from tunix_tasks.actor.runtime import ActorRuntime, episode_seed
 from tunix_tasks.config import ModelConfig, RunConfig
 from tunix_tasks.envs import make_env
@@ -90,7 +90,8 @@ class Actor(ActorRuntime):
             top_k=actor.top_k,
             seed=episode_seed(self.cfg.seed, self._seed_key, -1),
             connections=actor.remote.max_connections or actor.envs_per_actor,
-            owner=weights_owner(self.cfg.run_name, self.cfg.run_uri, self.actor_id),
+            run_folder=run_weights_folder(self.cfg.run_name, self.cfg.run_uri),
+            actor_id=self.actor_id,
             config_json=_base_config_json(self.cfg.model),
         )
 

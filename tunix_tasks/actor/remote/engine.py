@@ -7,8 +7,10 @@ write a checkpoint (`policy_spec`):
 
     engine = RemoteEngine(cfg.actor.remote, chat=chat, spec=spec, max_new_tokens=16,
                           temperature=1.0, top_k=0, seed=7, connections=8,
-                          owner=weights_owner(cfg.run_name, cfg.run_uri, "actor-0"))
-    engine.update_params(flat, version=0)    # any thread: the folder written, the server told
+                          run_folder=run_weights_folder(cfg.run_name, cfg.run_uri),
+                          actor_id="actor-0")
+    engine.update_params(flat, version=0, digest=manifest.sha256)  # any thread: the
+    #   folder written (or found: another actor of the run wrote it), the server told
     async with engine:                        # the event loop's HTTP client
         tokens, logprobs, version = await engine(context, session="ep-1")
 
@@ -21,6 +23,15 @@ Unreachable or busy (429, 5xx), the server is asked again with backoff for `time
 then, or on a refusal, `RemoteError` stops the actor with the server's message. A push
 the server refuses with a 400 (bad shapes) is a ValueError: the weights client refuses
 that version and the server keeps its weights.
+
+A fleet shares each version's folder: `<weights_dir>/<run folder>/v<N>-<digest>`, named by
+the snapshot's content (its manifest's sha256, so a run re-created under the same URI,
+counting versions from 0 again, never finds the old run's folder). The first actor to
+need it claims it (`.v<N>-<digest>.claim`, created exclusively) and writes it; the others
+wait for it (up to `timeout_s`, then write it themselves) and push the same folder. Once
+the server holds v<N>, folders before v<N-1> go: one version behind stays for an actor
+(or its server) that is still a version behind. Without a digest (a direct caller) the
+folder is the actor's own, written every time.
 """
 
 from __future__ import annotations
@@ -30,10 +41,12 @@ import hashlib
 import itertools
 import json
 import logging
+import os
+import re
 import shutil
 import tempfile
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,16 +69,16 @@ from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, params_to_hf
 from tunix_tasks.policy.spec import DecoderSpec
 
-__all__ = ["RemoteEngine", "RemoteError", "weights_owner"]
+__all__ = ["RemoteEngine", "RemoteError", "run_weights_folder"]
 
 
-def weights_owner(run_name: str, run_uri: str, actor_id: str) -> str:
-    """An actor's folder under `weights_dir`: `<run_name>-<8 hex of the run's URI>/<actor_id>`.
-    A shared `weights_dir` outlives a run and serves several: every run has an `actor-0`,
-    and two stores may hold runs of one name, so a bare actor id would let one run's push
-    overwrite, and its clean-up delete, the folder another run's server is loading."""
+def run_weights_folder(run_name: str, run_uri: str) -> str:
+    """A run's folder under `weights_dir`: `<run_name>-<8 hex of the run's URI>`. A shared
+    `weights_dir` outlives a run and serves several, and two stores may hold runs of one
+    name: a bare run name would let one run's clean-up delete the folder another run's
+    server is loading."""
     tag = hashlib.sha256(run_uri.encode()).hexdigest()[:8]
-    return f"{run_name}-{tag}/{actor_id}"
+    return f"{run_name}-{tag}"
 
 
 log = logging.getLogger(__name__)
@@ -73,6 +86,11 @@ log = logging.getLogger(__name__)
 # Worth asking again: the server is starting, overloaded or restarting.
 _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _MAX_BACKOFF_S = 5.0
+# An actor waiting for another's write looks again after 10 ms, doubling to 0.25 s: a
+# small model's folder lands in milliseconds, a large one's in tens of seconds.
+_CLAIM_POLL_S = (0.01, 0.25)
+# What the engine puts in a run's folder: `v<N>-<tag>`, and its leftovers `.v<N>-<tag>.*`.
+_VERSIONED = re.compile(r"(\.?)v(\d+)-[^/]*")
 
 
 class RemoteEngine:
@@ -89,7 +107,8 @@ class RemoteEngine:
         top_k: int,
         seed: int,
         connections: int,
-        owner: str,
+        run_folder: str,
+        actor_id: str,
         config_json: Path | None = None,
     ) -> None:
         self.cfg = cfg
@@ -106,8 +125,10 @@ class RemoteEngine:
         self._connections = max(1, connections)
         # A temporary folder unless the server reads from a shared one (removed at exit).
         self._tmp = None if cfg.weights_dir else tempfile.TemporaryDirectory(prefix="tunix-w-")
-        # Each actor its own folder under a shared `weights_dir` (`weights_owner`).
-        self.weights_dir = Path(cfg.weights_dir or self._tmp.name) / owner
+        # The run's folder: its actors share it, each version written once (module docstring).
+        self.weights_dir = Path(cfg.weights_dir or self._tmp.name) / run_folder
+        self._actor_id = actor_id
+        self.folders_written = 0  # versions this actor wrote; the rest it found written
         self._model = cfg.model
         self._client: aiohttp.ClientSession | None = None
         self._requests = itertools.count()
@@ -220,17 +241,30 @@ class RemoteEngine:
 
     # -- weights -------------------------------------------------------------------
     def update_params(
-        self, flat: Mapping[str, np.ndarray], *, version: int, only: type[nnx.Variable] = nnx.Param
+        self,
+        flat: Mapping[str, np.ndarray],
+        *,
+        version: int,
+        only: type[nnx.Variable] = nnx.Param,
+        digest: str = "",
     ) -> None:
-        """Write `flat` as a Hugging Face checkpoint folder and have the server load it
-        (from a thread without a running event loop: the runtime's reload)."""
+        """Write `flat` as a Hugging Face checkpoint folder (or find it written by another
+        actor of the run: same `digest`) and have the server load it (from a thread
+        without a running event loop: the runtime's reload)."""
         if only is not nnx.Param:
             raise ValueError("adapter snapshots are not pushed to a remote server")
-        try:
-            tensors = params_to_hf(flat, self._spec)
-        except CheckpointError as err:
-            raise ValueError(f"v{version}: {err}") from None
-        folder = self._write(tensors, version)
+
+        def tensors() -> dict[str, np.ndarray]:
+            try:
+                return params_to_hf(flat, self._spec)
+            except CheckpointError as err:
+                raise ValueError(f"v{version}: {err}") from None
+
+        if digest:
+            folder = self._shared_folder(f"v{version}-{digest[:16]}", tensors)
+        else:  # nothing names the content: this actor's own folder, written afresh
+            folder = self.weights_dir / f"v{version}-{self._actor_id}"
+            self._write(folder, tensors(), replace=True)
         try:
             reply = asyncio.run(self._push(folder, version))
         except RemoteError as err:
@@ -240,21 +274,71 @@ class RemoteEngine:
         if not isinstance(reply, dict) or reply.get("success") is not True:
             raise ValueError(f"the server refused weights v{version}: {str(reply)[:300]}")
         self._pushed = (version, folder)
-        for old in self.weights_dir.glob("v*"):  # the server holds them now
-            if old != folder:
-                shutil.rmtree(old, ignore_errors=True)
+        self._clean(version)
 
-    def _write(self, tensors: dict[str, np.ndarray], version: int) -> Path:
-        folder = self.weights_dir / f"v{version}"
-        partial = self.weights_dir / f".v{version}.partial"
+    def _shared_folder(self, name: str, tensors: Callable[[], dict[str, np.ndarray]]) -> Path:
+        """`weights_dir/name`, written here unless another actor wrote it; one that is
+        writing it (its claim exists) is waited for, up to `timeout_s` (then, its writer
+        presumed dead, it is written here too: the first complete copy wins)."""
+        folder, claim = self.weights_dir / name, self.weights_dir / f".{name}.claim"
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + self.cfg.timeout_s
+        delay = _CLAIM_POLL_S[0]
+        while not folder.is_dir():
+            try:
+                os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            except FileExistsError:
+                if time.monotonic() < deadline:
+                    time.sleep(delay)
+                    delay = min(2 * delay, _CLAIM_POLL_S[1])
+                    continue
+                log.warning("%s: its writer did not finish within timeout_s: writing it", folder)
+                return self._write(folder, tensors(), replace=False)
+            try:  # claimed: the folder may have landed since it was looked for
+                return folder if folder.is_dir() else self._write(folder, tensors(), replace=False)
+            finally:
+                claim.unlink(missing_ok=True)
+        return folder
+
+    def _write(self, folder: Path, tensors: dict[str, np.ndarray], *, replace: bool) -> Path:
+        """Write `folder` whole (the server never sees half of one). `replace`: an older
+        folder of that name goes (this actor's own, from a run re-created under the same
+        URI); else one that landed meanwhile wins, as its content is the same."""
+        partial = folder.with_name(f".{folder.name}.{self._actor_id}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         save_file(tensors, str(partial / WEIGHTS_FILE), metadata={"format": "pt"})
         if self._config_json is not None:  # the base's, for servers that read it again
             shutil.copyfile(self._config_json, partial / "config.json")
-        shutil.rmtree(folder, ignore_errors=True)
-        partial.rename(folder)  # the server never sees half a folder
+        if replace:
+            shutil.rmtree(folder, ignore_errors=True)
+        try:
+            partial.rename(folder)
+        except OSError:
+            if replace or not folder.is_dir():
+                raise
+            shutil.rmtree(partial, ignore_errors=True)  # another actor's copy landed first
+            return folder
+        self.folders_written += 1
         return folder
+
+    def _clean(self, version: int) -> None:
+        """The server holds `version`: remove the run's folders from before `version - 1`
+        (a shared `weights_dir`; the actor's own temporary one keeps `version` alone), and
+        claims and partial folders that old whose writer is presumed dead (`timeout_s`)."""
+        oldest = version - 1 if self.cfg.weights_dir else version
+        dead = time.time() - self.cfg.timeout_s
+        for entry in self.weights_dir.iterdir():
+            m = _VERSIONED.fullmatch(entry.name)
+            if m is None or int(m.group(2)) >= oldest:
+                continue
+            try:
+                if not m.group(1):
+                    shutil.rmtree(entry, ignore_errors=True)
+                elif entry.stat().st_mtime < dead:
+                    (shutil.rmtree if entry.is_dir() else os.unlink)(entry)
+            except OSError:  # another actor removed it first
+                pass
 
     async def _push(self, folder: Path, version: int) -> Any:
         async with self._http() as client:

@@ -96,10 +96,16 @@ class OnDeviceRollout:
         )
 
     def update_params(
-        self, flat: Mapping[str, np.ndarray], *, version: int, only: type = nnx.Param
+        self,
+        flat: Mapping[str, np.ndarray],
+        *,
+        version: int,
+        only: type = nnx.Param,
+        digest: str = "",
     ) -> None:
         """Load a snapshot (checked first: a ValueError leaves the old weights); rows in
-        flight keep going with their keys and values recomputed under the new weights."""
+        flight keep going with their keys and values recomputed under the new weights.
+        `digest` is not needed: the weights stay on this device."""
         load_flat_params(self._model, flat, only)
         self._state = nnx.state(self._model)
         self.version = version
