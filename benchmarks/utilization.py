@@ -37,7 +37,6 @@ at 0.71 of its limit (0.57-0.58 in earlier runs); 150 steps give it a window of 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
@@ -124,7 +123,7 @@ def learner_limit(root: str, steps: int, run_uri: str, overrides: list[str], nam
         n
         for info in source.list("shards/")
         if info.key.endswith(".parquet")
-        for n in pq.read_table(io.BytesIO(source.read_bytes(info.key)), columns=["length"])
+        for n in pq.read_table(source.open_input(info.key), columns=["length"])
         .column("length")
         .to_pylist()
     ]
