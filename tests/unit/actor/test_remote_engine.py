@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import shutil
 import socket
 import threading
 import time
@@ -31,6 +33,7 @@ from tests.unit.actor.test_actor import (
     _Running,
 )
 from tunix_tasks.actor.asynchronous.actor import Actor
+from tunix_tasks.actor.remote import engine as remote_engine
 from tunix_tasks.actor.remote.engine import RemoteEngine, run_weights_folder
 from tunix_tasks.actor.remote.server import serve
 from tunix_tasks.actor.remote.wire import (
@@ -346,19 +349,12 @@ def test_a_fleet_on_one_server_writes_each_version_once(tmp_path):
         fleet = [_engine(cfg, server.url, run=run, actor=f"actor-{i}") for i in range(3)]
         flats = {v: _peaky(v, cfg) for v in (1, 2, 3)}
         for v in (1, 2, 3):  # all three at once, as actors polling the same LATEST
-            start = threading.Barrier(len(fleet))
-
-            def push(engine: RemoteEngine, v: int, start: threading.Barrier) -> None:
-                start.wait()
-                engine.update_params(flats[v], version=v, digest=_digest(v))
-
-            threads = [threading.Thread(target=push, args=(e, v, start)) for e in fleet]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
+            _all_at_once(
+                fleet, lambda e, v=v: e.update_params(flats[v], version=v, digest=_digest(v))
+            )
             assert sum(e.folders_written for e in fleet) == v, f"v{v} written more than once"
-            assert all(e.version == v for e in fleet)
+            pushed = {e._pushed for e in fleet}  # (version, folder) each server was told
+            assert len(pushed) == 1 and (next(iter(pushed))[1] / WEIGHTS_FILE).is_file()
         assert _listing(shared / run) == [f"v2-{_digest(2)[:16]}", f"v3-{_digest(3)[:16]}"]
         _, _, version = asyncio.run(_one_turn(fleet[0], [TOK.bos_id]))
         assert version == 3
@@ -377,25 +373,102 @@ def test_a_fleet_on_one_server_writes_each_version_once(tmp_path):
         server.close()
 
 
-def test_a_dead_writers_claim_is_waited_out_then_cleaned_up(tmp_path):
-    """An actor died while writing a version (its claim stays): another waits for it up to
-    `timeout_s`, writes the folder itself, and the claim goes with the version's folder."""
+def _all_at_once(engines: list[RemoteEngine], push) -> None:
+    """`push(engine)` in one thread per engine, released together; the first error raised."""
+    start, errors = threading.Barrier(len(engines)), []
+
+    def run(engine: RemoteEngine) -> None:
+        start.wait()
+        try:
+            push(engine)
+        except Exception as err:  # raised below, in the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(e,)) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a push did not return"
+    if errors:
+        raise errors[0]
+
+
+def test_a_dead_writers_claim_is_taken_over_and_its_leftovers_cleaned_up(tmp_path):
+    """An actor died while writing a version: its claim and half folder stay, untouched.
+    The next actor takes the claim over at once (not after `timeout_s`) and writes the
+    folder; the leftovers go with the version's folder."""
     shared = tmp_path / "shared"
     cfg = _cfg(tmp_path, weights_dir=str(shared))
+    run = shared / "run"
+    run.mkdir(parents=True)
+    name = f"v1-{_digest(1)[:16]}"
+    dead = [run / f".{name}.claim", run / f".{name}.actor-9.partial"]
+    dead[0].touch()
+    dead[1].mkdir()
+    stale = time.time() - remote_engine._CLAIM_STALE_S - 5
+    for path in dead:
+        os.utime(path, (stale, stale))
     server = _Server(cfg)
     try:
-        engine = _engine(cfg, server.url, run="run", timeout_s=1.0)
-        (shared / "run").mkdir(parents=True)
-        claim = shared / "run" / f".v1-{_digest(1)[:16]}.claim"
-        claim.touch()  # the dead writer's
-        (shared / "run" / f".v1-{_digest(1)[:16]}.actor-9.partial").mkdir()  # its half folder
+        engine = _engine(cfg, server.url, run="run")
         t0 = time.monotonic()
         engine.update_params(_peaky(1, cfg), version=1, digest=_digest(1))
-        assert 1.0 <= time.monotonic() - t0 < 30 and engine.folders_written == 1
+        assert time.monotonic() - t0 < 30 and engine.folders_written == 1
         engine.update_params(_peaky(3, cfg), version=3, digest=_digest(3))
     finally:
         server.close()
-    assert _listing(shared / "run") == [f"v3-{_digest(3)[:16]}"]
+    assert _listing(run) == [f"v3-{_digest(3)[:16]}"]
+
+
+def test_a_live_writer_slower_than_the_stale_limit_is_waited_for(tmp_path, monkeypatch):
+    """A writer whose write outlasts the stale limit keeps its claim fresh by touching it:
+    the other actor waits for its folder instead of writing the version a second time."""
+    monkeypatch.setattr(remote_engine, "_CLAIM_BEAT_S", 0.1)
+    monkeypatch.setattr(remote_engine, "_CLAIM_STALE_S", 0.5)
+
+    def slow_save(*args, **kwargs) -> None:  # a large model on a slow shared disk
+        time.sleep(2.0)
+        save_file(*args, **kwargs)
+
+    monkeypatch.setattr(remote_engine, "save_file", slow_save)
+    cfg = _cfg(tmp_path, weights_dir=str(tmp_path / "shared"))
+    server = _Server(cfg)
+    try:
+        fleet = [_engine(cfg, server.url, run="run", actor=f"actor-{i}") for i in range(2)]
+        flat = _peaky(1, cfg)
+        _all_at_once(fleet, lambda e: e.update_params(flat, version=1, digest=_digest(1)))
+    finally:
+        server.close()
+    assert sum(e.folders_written for e in fleet) == 1
+
+
+def test_a_folder_removed_before_the_server_read_it_is_written_again(tmp_path, monkeypatch):
+    """Between finding a version's folder and the server reading it, the clean-up of an
+    actor two versions ahead removed it: the server refuses the push (no such file), and
+    the actor writes the folder again and pushes it, rather than refusing the version."""
+    cfg = _cfg(tmp_path, weights_dir=str(tmp_path / "shared"))
+    server = _Server(cfg)
+    push = RemoteEngine._push
+    removed = []
+
+    async def removed_first(self, folder, version):
+        if not removed:  # the other actor's clean-up, just before this push
+            removed.append(folder)
+            shutil.rmtree(folder)
+        return await push(self, folder, version)
+
+    monkeypatch.setattr(RemoteEngine, "_push", removed_first)
+    try:
+        engine = _engine(cfg, server.url, run="run")
+        engine.update_params(_peaky(1, cfg), version=1, digest=_digest(1))
+        assert removed and engine.version == 1 and engine.folders_written == 2
+        tokens, logprobs, _ = asyncio.run(_one_turn(engine, [TOK.bos_id]))
+        np.testing.assert_allclose(
+            logprobs, _turn_logprobs(cfg, _peaky(1, cfg), [TOK.bos_id], tokens), atol=LOGPROB_ATOL
+        )
+    finally:
+        server.close()
 
 
 def test_an_unreachable_server_is_a_clear_error_after_the_deadline(tmp_path):

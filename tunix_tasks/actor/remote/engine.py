@@ -27,16 +27,19 @@ that version and the server keeps its weights.
 A fleet shares each version's folder: `<weights_dir>/<run folder>/v<N>-<digest>`, named by
 the snapshot's content (its manifest's sha256, so a run re-created under the same URI,
 counting versions from 0 again, never finds the old run's folder). The first actor to
-need it claims it (`.v<N>-<digest>.claim`, created exclusively) and writes it; the others
-wait for it (up to `timeout_s`, then write it themselves) and push the same folder. Once
+need it claims it (`.v<N>-<digest>.claim`, created exclusively, touched while it writes)
+and writes it; the others wait for it and push the same folder. A claim untouched for
+30 s is a dead writer's and is taken over; past `timeout_s` a waiter writes it too. Once
 the server holds v<N>, folders before v<N-1> go: one version behind stays for an actor
-(or its server) that is still a version behind. Without a digest (a direct caller) the
-folder is the actor's own, written every time.
+(or its server) that is still a version behind; a folder that went before the server
+read it is written again. Without a digest (a direct caller) the actor writes
+`v<N>-<actor id>` every time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
@@ -45,8 +48,9 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +93,42 @@ _MAX_BACKOFF_S = 5.0
 # An actor waiting for another's write looks again after 10 ms, doubling to 0.25 s: a
 # small model's folder lands in milliseconds, a large one's in tens of seconds.
 _CLAIM_POLL_S = (0.01, 0.25)
+# A writer touches its claim and its half-written folder every 2 s; one untouched for 30 s
+# is a dead writer's (killed mid-write): the next actor takes the version over, and the
+# clean-up may remove it. (mtimes come from the shared disk's clock: a few s of skew is fine.)
+_CLAIM_BEAT_S = 2.0
+_CLAIM_STALE_S = 30.0
 # What the engine puts in a run's folder: `v<N>-<tag>`, and its leftovers `.v<N>-<tag>.*`.
 _VERSIONED = re.compile(r"(\.?)v(\d+)-[^/]*")
+
+
+def _age_s(path: Path) -> float:
+    """Seconds since `path` was last touched; 0 if it is gone (its writer finished)."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+@contextlib.contextmanager
+def _touching(paths: list[Path]) -> Iterator[None]:
+    """Touch `paths` every `_CLAIM_BEAT_S` while the block runs: a live writer's claim
+    never looks stale, however long its write takes."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(_CLAIM_BEAT_S):
+            for path in paths:
+                with contextlib.suppress(OSError):
+                    os.utime(path)
+
+    thread = threading.Thread(target=beat, name="weights-claim", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 class RemoteEngine:
@@ -128,7 +166,7 @@ class RemoteEngine:
         # The run's folder: its actors share it, each version written once (module docstring).
         self.weights_dir = Path(cfg.weights_dir or self._tmp.name) / run_folder
         self._actor_id = actor_id
-        self.folders_written = 0  # versions this actor wrote; the rest it found written
+        self.folders_written = 0  # folders this actor wrote (a copy that lost the race too)
         self._model = cfg.model
         self._client: aiohttp.ClientSession | None = None
         self._requests = itertools.count()
@@ -260,26 +298,32 @@ class RemoteEngine:
             except CheckpointError as err:
                 raise ValueError(f"v{version}: {err}") from None
 
-        if digest:
-            folder = self._shared_folder(f"v{version}-{digest[:16]}", tensors)
-        else:  # nothing names the content: this actor's own folder, written afresh
-            folder = self.weights_dir / f"v{version}-{self._actor_id}"
-            self._write(folder, tensors(), replace=True)
-        try:
-            reply = asyncio.run(self._push(folder, version))
-        except RemoteError as err:
-            if err.status == 400:  # this folder (its shapes): auth or a missing route stop
+        for attempt in range(2):
+            if digest:
+                folder = self._shared_folder(f"v{version}-{digest[:16]}", tensors)
+            else:  # nothing names the content: a folder of this actor's, written afresh
+                folder = self._write(self.weights_dir / f"v{version}-{self._actor_id}", tensors())
+            try:
+                reply = asyncio.run(self._push(folder, version))
+                break
+            except RemoteError as err:
+                if err.status != 400:  # auth or a missing route: the actor stops
+                    raise
+                if attempt == 0 and digest and not (folder / WEIGHTS_FILE).is_file():
+                    # Found, then removed by the clean-up of an actor two versions ahead.
+                    log.warning("%s went before the server read it: writing it again", folder)
+                    continue
                 raise ValueError(f"the server refused weights v{version}: {err}") from None
-            raise
         if not isinstance(reply, dict) or reply.get("success") is not True:
             raise ValueError(f"the server refused weights v{version}: {str(reply)[:300]}")
         self._pushed = (version, folder)
         self._clean(version)
 
     def _shared_folder(self, name: str, tensors: Callable[[], dict[str, np.ndarray]]) -> Path:
-        """`weights_dir/name`, written here unless another actor wrote it; one that is
-        writing it (its claim exists) is waited for, up to `timeout_s` (then, its writer
-        presumed dead, it is written here too: the first complete copy wins)."""
+        """`weights_dir/name`, written here unless another actor wrote it. One that is
+        writing it (its claim is fresh) is waited for, up to `timeout_s`; a stale claim
+        (its writer died) is taken over; past `timeout_s` it is written here too. At worst
+        a version is written twice: the first complete copy wins."""
         folder, claim = self.weights_dir / name, self.weights_dir / f".{name}.claim"
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.cfg.timeout_s
@@ -288,57 +332,69 @@ class RemoteEngine:
             try:
                 os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
             except FileExistsError:
-                if time.monotonic() < deadline:
+                if _age_s(claim) > _CLAIM_STALE_S:
+                    log.warning("%s: its writer stopped (a stale claim): taking it over", folder)
+                    claim.unlink(missing_ok=True)
+                elif time.monotonic() < deadline:
                     time.sleep(delay)
                     delay = min(2 * delay, _CLAIM_POLL_S[1])
-                    continue
-                log.warning("%s: its writer did not finish within timeout_s: writing it", folder)
-                return self._write(folder, tensors(), replace=False)
+                else:
+                    log.warning("%s: not written within timeout_s: writing it here too", folder)
+                    return self._write(folder, tensors(), shared=True)
+                continue
             try:  # claimed: the folder may have landed since it was looked for
-                return folder if folder.is_dir() else self._write(folder, tensors(), replace=False)
+                if folder.is_dir():
+                    return folder
+                return self._write(folder, tensors(), shared=True, claim=claim)
             finally:
                 claim.unlink(missing_ok=True)
         return folder
 
-    def _write(self, folder: Path, tensors: dict[str, np.ndarray], *, replace: bool) -> Path:
-        """Write `folder` whole (the server never sees half of one). `replace`: an older
-        folder of that name goes (this actor's own, from a run re-created under the same
-        URI); else one that landed meanwhile wins, as its content is the same."""
+    def _write(
+        self,
+        folder: Path,
+        tensors: dict[str, np.ndarray],
+        *,
+        shared: bool = False,
+        claim: Path | None = None,
+    ) -> Path:
+        """Write `folder` whole (the server never sees half of one), touching `claim` and
+        the half-written folder while it writes. `shared`: a copy that landed meanwhile
+        wins (same content); else an older folder of that name goes (this actor's own,
+        from a run re-created under the same URI)."""
         partial = folder.with_name(f".{folder.name}.{self._actor_id}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        save_file(tensors, str(partial / WEIGHTS_FILE), metadata={"format": "pt"})
-        if self._config_json is not None:  # the base's, for servers that read it again
-            shutil.copyfile(self._config_json, partial / "config.json")
-        if replace:
+        with _touching([partial] if claim is None else [partial, claim]):
+            save_file(tensors, str(partial / WEIGHTS_FILE), metadata={"format": "pt"})
+            if self._config_json is not None:  # the base's, for servers that read it again
+                shutil.copyfile(self._config_json, partial / "config.json")
+        self.folders_written += 1
+        if not shared:
             shutil.rmtree(folder, ignore_errors=True)
         try:
             partial.rename(folder)
         except OSError:
-            if replace or not folder.is_dir():
+            if not shared or not folder.is_dir():
                 raise
             shutil.rmtree(partial, ignore_errors=True)  # another actor's copy landed first
-            return folder
-        self.folders_written += 1
         return folder
 
     def _clean(self, version: int) -> None:
         """The server holds `version`: remove the run's folders from before `version - 1`
         (a shared `weights_dir`; the actor's own temporary one keeps `version` alone), and
-        claims and partial folders that old whose writer is presumed dead (`timeout_s`)."""
+        claims and half-written folders that old whose writer stopped (untouched for
+        `_CLAIM_STALE_S`)."""
         oldest = version - 1 if self.cfg.weights_dir else version
-        dead = time.time() - self.cfg.timeout_s
         for entry in self.weights_dir.iterdir():
             m = _VERSIONED.fullmatch(entry.name)
             if m is None or int(m.group(2)) >= oldest:
                 continue
-            try:
-                if not m.group(1):
-                    shutil.rmtree(entry, ignore_errors=True)
-                elif entry.stat().st_mtime < dead:
+            if not m.group(1):
+                shutil.rmtree(entry, ignore_errors=True)
+            elif _age_s(entry) > _CLAIM_STALE_S:
+                with contextlib.suppress(OSError):  # another actor removed it first
                     (shutil.rmtree if entry.is_dir() else os.unlink)(entry)
-            except OSError:  # another actor removed it first
-                pass
 
     async def _push(self, folder: Path, version: int) -> Any:
         async with self._http() as client:
