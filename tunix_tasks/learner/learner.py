@@ -247,7 +247,7 @@ class Learner:
         if self.flow_report is not None:
             self.flow_report.published(self.version, self._consumed_total())
         with self.watch.timed("publish"):
-            flat = self.parts.trainer.flat_params()  # device -> host; the rest is background
+            flat = self.parts.trainer.snapshot_params()  # copies queued; the rest is background
             self.parts.publisher.publish(flat, version=self.version, step=self.step)
         published = self.parts.published_at
         published[self.version] = self.step

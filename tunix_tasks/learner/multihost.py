@@ -185,6 +185,9 @@ class LeaderTrainer(Trainer):
         self.channel.send(Op.GATHER)
         return gather_flat_params(self)
 
+    def snapshot_params(self) -> dict[str, np.ndarray]:
+        return self.flat_params()  # a collective gather: every process takes part at once
+
     def freeze_reference(self) -> None:
         self.channel.send(Op.FREEZE_REFERENCE)
         super().freeze_reference()

@@ -1,14 +1,15 @@
 """Background weight publishing that the train step never waits on, under the lease.
 
-The params are copied to host memory when `publish` is called (the next update donates
-their device buffers): that copy is the only part on the step path. Checking,
-serializing, checksumming and uploading run in one background thread fed by a one-slot
+The params' copies to host memory are queued before `publish` is called
+(`Trainer.snapshot_params`: the next update still donates their device buffers); the
+background thread waits for them. Converting to float32, checking, serializing,
+checksumming and uploading run in that one thread, fed by a one-slot
 mailbox: a publish requested while another is still uploading waits in the slot, and a
 newer one replaces it there (coalesced: the newest version wins, so versions reach the
 store in increasing order and a slow store costs versions, not step time).
 
     pub = SnapshotPublisher(store, lease, model=model_meta(cfg.model))
-    pub.publish(trainer.flat_params(), version=3, step=60)   # returns at once
+    pub.publish(trainer.snapshot_params(), version=3, step=60)   # returns at once
     pub.check()         # each step: raises a failed publish (PublishConflict, NonFiniteWeights)
     pub.wait()          # at a checkpoint: every version asked for is out (or raises)
     pub.close()         # flushes, then stops the thread
@@ -24,10 +25,12 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from tunix_tasks.storage.lease import Lease
 from tunix_tasks.storage.outage import StoreOutage
@@ -44,7 +47,7 @@ PUBLISH_NICE = 10
 
 @dataclass(frozen=True)
 class _Request:
-    flat: dict[str, np.ndarray]
+    flat: Mapping[str, ArrayLike]
     version: int
     step: int
 
@@ -94,10 +97,10 @@ class SnapshotPublisher:
         missing or invalid `LATEST`: the newest snapshot folder under `weights/`."""
         return self._weights.latest_version
 
-    def publish(self, flat: dict[str, np.ndarray], *, version: int, step: int) -> None:
-        """Hand `flat` (host arrays, not modified afterwards) to the thread and return;
-        replaces a publish still waiting in the slot. `version` must be newer than any
-        asked for before (ValueError)."""
+    def publish(self, flat: Mapping[str, ArrayLike], *, version: int, step: int) -> None:
+        """Hand `flat` (arrays in host memory, or still being copied there; not modified
+        afterwards) to the thread and return; replaces a publish still waiting in the
+        slot. `version` must be newer than any asked for before (ValueError)."""
         self._lease.ensure()  # LeaseLost: a learner without the lease never publishes
         with self._cond:
             self._raise_failed()
@@ -164,11 +167,13 @@ class SnapshotPublisher:
 
     def _publish(self, request: _Request) -> None:
         version, step = request.version, request.step
+        # Waits here, not on the step's path, for copies still landing; bfloat16 -> float32.
+        flat = {name: np.asarray(v, np.float32) for name, v in request.flat.items()}
 
         def publish() -> None:
             kind = "adapter" if self._adapter_base else "full"  # "full": deltas when due
             self._weights.publish(
-                request.flat,
+                flat,
                 version=version,
                 step=step,
                 model=self._model,

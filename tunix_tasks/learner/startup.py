@@ -161,7 +161,7 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
             warm_start(p.trainer, cfg, store, vocab_size=model.vocab_size, metrics=p.metrics)
         p.trainer.freeze_reference()  # RL starts here (a restart restores the reference)
     p.version = max(p.version, published + 1)
-    p.publisher.publish(p.trainer.flat_params(), version=p.version, step=p.step)
+    p.publisher.publish(p.trainer.snapshot_params(), version=p.version, step=p.step)
     p.publisher.wait()  # actors need the first snapshot before anything else
     p.published_at[p.version] = p.step
     p.source.set_newest_version(p.version)  # newer policy_versions are quarantined

@@ -10,7 +10,8 @@ axes. `step(batch)` runs one batch's updates (`learner.updates_per_batch`, defau
 
     trainer = Trainer(cfg, model)
     metrics = trainer.step(packed_batch, supervised=False)
-    flat = trainer.flat_params()          # for a weight snapshot
+    flat = trainer.flat_params()          # the trained params, as float32 numpy
+    host = trainer.snapshot_params()      # for a weight snapshot: host copies, not waited for
     trainer.lower_step(packed_batch).compile().memory_analysis()   # XLA's accounting
 """
 
@@ -44,7 +45,7 @@ from tunix_tasks.learner.packing import PackedBatch
 from tunix_tasks.learner.rl_math import finite_logprobs, regularized_loss, staleness_stats
 from tunix_tasks.policy.distribution import chunked_target_logprobs
 from tunix_tasks.policy.model import Transformer
-from tunix_tasks.policy.params import flat_params
+from tunix_tasks.policy.params import flat_params, host_params
 from tunix_tasks.policy.precision import cast_params
 
 log = logging.getLogger(__name__)
@@ -417,6 +418,12 @@ class Trainer:
     def flat_params(self) -> dict[str, np.ndarray]:
         """What a snapshot holds: the trained params (with LoRA, the adapters alone)."""
         return flat_params(self.model, self.trained)
+
+    def snapshot_params(self) -> dict[str, ArrayLike]:
+        """`flat_params` for a snapshot, without waiting on the step's path: the copies to
+        host memory are queued, and the publisher's thread waits for them
+        (`policy.params.host_params`)."""
+        return host_params(self.model, self.trained)
 
     # -- checkpoint state ---------------------------------------------------------
     def state(self) -> dict[str, Any]:

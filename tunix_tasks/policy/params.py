@@ -6,6 +6,7 @@ and dtype before it swaps anything, and keeps each param's sharding and held dty
 bfloat16-held sampler, `policy/precision.py`, stays bfloat16).
 
     flat = flat_params(model)             # {"embed": ndarray, "blocks/0/attn/wq": ...}
+    host = host_params(model)             # the same, copying to host memory: returns at once
     load_flat_params(model, flat)         # ValueError naming every mismatch; model unchanged
 """
 
@@ -19,10 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["BASE", "check_flat_params", "flat_params", "load_flat_params", "param_count"]
+__all__ = [
+    "BASE",
+    "check_flat_params",
+    "flat_params",
+    "host_params",
+    "load_flat_params",
+    "param_count",
+]
 
 
 Only = Any  # an NNX filter: a Variable type, or e.g. `BASE`
+_PINNED = "pinned_host"  # the host memory a device can copy to without a bounce buffer
 #: The base model's params, without LoRA adapters.
 BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
 
@@ -44,6 +53,22 @@ def flat_params(model: nnx.Module, only: Only = nnx.Param) -> dict[str, np.ndarr
     # any (one at a time, a snapshot's transfer was as many round trips as tensors).
     arrays = jax.device_get({name: var[...] for name, var in _flat_vars(model, only).items()})
     return {name: np.asarray(arrays[name], dtype=np.float32) for name in sorted(arrays)}
+
+
+def host_params(model: nnx.Module, only: Only = nnx.Param) -> dict[str, jax.Array | np.ndarray]:
+    """`flat_params` without waiting: each tensor's copy to (pinned) host memory is
+    queued and the arrays returned at once, in the params' dtype; `np.asarray(v,
+    np.float32)` on one waits for its copy and gives `flat_params`' value. The copies are
+    buffers of their own, so the next update still donates the params' device buffers (on
+    a CPU, `flat_params` returns views of them, which an update cannot donate). A backend
+    without a pinned host memory gets `flat_params`."""
+    arrays = {name: var[...] for name, var in sorted(_flat_vars(model, only).items())}
+    devices = {d for a in arrays.values() for d in a.devices()}
+    if not all(_PINNED in {m.kind for m in d.addressable_memories()} for d in devices):
+        return flat_params(model, only)
+    return jax.device_put(
+        arrays, {n: a.sharding.with_memory_kind(_PINNED) for n, a in arrays.items()}
+    )
 
 
 def check_flat_params(

@@ -1,16 +1,21 @@
 """The learner never waits on a publish (issue #29, item 5): publishes coalesce in a
 one-slot mailbox (the newest version wins, versions reach `LATEST` in increasing order),
-a background failure surfaces on the next `check`, and `close` flushes what waits."""
+a background failure surfaces on the next `check`, `close` flushes what waits, and the
+host copy a publish takes leaves the next update its donated buffers."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tunix_tasks.learner.publishing import SnapshotPublisher
+from tunix_tasks.policy.params import flat_params, host_params
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.lease import Lease
 from tunix_tasks.storage.snapshot_format import parse_pointer
@@ -150,3 +155,22 @@ def test_a_conflict_in_the_background_surfaces_on_check(tmp_path):
         pub.close()
         lease.release()
     assert read_latest(store)[0] == 5
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_snapshots_host_copy_is_its_own_and_the_update_still_donates(dtype):
+    """`host_params` (what the learner publishes) queues copies to host memory that an
+    update donating the params' buffers leaves alone: the snapshot holds the values asked
+    for, as float32, and the update did take the buffers (on a CPU, `flat_params`' views
+    of them kept every publishing step from donating)."""
+    model = nnx.Linear(64, 32, param_dtype=dtype, rngs=nnx.Rngs(0))
+    want = {name: v.copy() for name, v in flat_params(model).items()}  # no view left behind
+    host = host_params(model)
+    kernel = model.kernel[...]
+    updated = jax.jit(lambda w: w * 2 + 1, donate_argnums=0)(kernel)
+    assert kernel.is_deleted(), "the update could not donate the params' buffer"
+    got = {name: np.asarray(v, np.float32) for name, v in host.items()}
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    assert not np.array_equal(np.asarray(updated, np.float32), want["kernel"])
