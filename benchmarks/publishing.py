@@ -5,11 +5,12 @@ trains `--steps` steps per window in each mode, the modes interleaved `--repeats
 so load on a shared machine hits them alike:
 
   off        the train step alone (dispatch + collect)
-  coalesce   the step, then what `Learner._publish` does after it: copy the params to
-             host (`Trainer.flat_params`) and hand them to `SnapshotPublisher.publish`,
-             which returns at once; check, encode, sha256, upload to a file:// store and
-             pruning run in its thread, and a version still waiting when a newer one
-             comes is superseded (coalesced)
+  coalesce   the step, then what `Learner._publish` does after it: queue the params'
+             copies to host memory (`Trainer.snapshot_params`) and hand them to
+             `SnapshotPublisher.publish`, which returns at once; the wait for the copies,
+             check, encode, sha256, upload to a file:// store and pruning run in its
+             thread, and a version still waiting when a newer one comes is superseded
+             (coalesced)
   in order   as before issue #29: the same, but `publish` first waits for the previous
              version's upload (`wait` then `publish`), so every version is published and
              a slow upload stalls the next step
@@ -98,7 +99,7 @@ def _window(
         t0 = time.perf_counter()
         trainer.step(batch)
         if mode != "off":
-            flat = trainer.flat_params()
+            flat = trainer.snapshot_params()
             if mode == "in order":
                 pub.wait()
             pub.publish(flat, version=version, step=version)
