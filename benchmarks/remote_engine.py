@@ -145,8 +145,7 @@ def _start_server(cfg: RunConfig, cache: str) -> tuple[subprocess.Popen, str]:
 
 async def measure(args, cache: str) -> None:
     cfg = _config(args)
-    chat, spec = policy_spec(cfg.model)
-    vocab = spec.vocab_size
+    vocab = policy_spec(cfg.model)[1].vocab_size
     os.environ[ENV] = cache
     enable_compile_cache()
     server, url = _start_server(cfg, cache)
@@ -155,19 +154,7 @@ async def measure(args, cache: str) -> None:
         policy = BatchingPolicy(
             sampler, max_new_tokens=args.new_tokens, gather_s=cfg.actor.batch_wait_s
         )
-        remote = cfg.actor.remote.model_copy(update={"url": url})
-        engine = RemoteEngine(
-            remote,
-            chat=chat,
-            spec=spec,
-            max_new_tokens=args.new_tokens,
-            temperature=1.0,
-            top_k=0,
-            seed=0,
-            connections=max(args.envs),
-            run_folder="bench",
-            actor_id="actor-0",
-        )
+        engine = _engine(args, cfg, url, connections=max(args.envs))
         flat = flat_params(build_policy(cfg.model, seed=1)[1])
         await asyncio.to_thread(engine.update_params, flat, version=0)  # as an actor does
 
@@ -225,25 +212,31 @@ async def measure(args, cache: str) -> None:
         server.wait(30)
 
 
+def _engine(
+    args, cfg: RunConfig, url: str, *, connections: int, actor_id: str = "actor-0", **remote
+) -> RemoteEngine:
+    """An actor's engine on the server at `url` (`remote`: more `actor.remote` fields)."""
+    chat, spec = policy_spec(cfg.model)
+    return RemoteEngine(
+        cfg.actor.remote.model_copy(update={"url": url, **remote}),
+        chat=chat,
+        spec=spec,
+        max_new_tokens=args.new_tokens,
+        temperature=1.0,
+        top_k=0,
+        seed=0,
+        connections=connections,
+        run_folder="bench",
+        actor_id=actor_id,
+    )
+
+
 def _fleet_pushes(args, cfg: RunConfig, url: str, flat: dict, first: int) -> None:
     """`--fleet` actors push each new version at once: through their own folders, then
     through the shared one, alternated; wall time until all hold it, folders written."""
-    chat, spec = policy_spec(cfg.model)
     with tempfile.TemporaryDirectory(prefix="remote-bench-w-") as shared:
-        remote = cfg.actor.remote.model_copy(update={"url": url, "weights_dir": shared})
         fleet = [
-            RemoteEngine(
-                remote,
-                chat=chat,
-                spec=spec,
-                max_new_tokens=args.new_tokens,
-                temperature=1.0,
-                top_k=0,
-                seed=i,
-                connections=1,
-                run_folder="bench-fleet",
-                actor_id=f"actor-{i}",
-            )
+            _engine(args, cfg, url, connections=1, actor_id=f"actor-{i}", weights_dir=shared)
             for i in range(args.fleet)
         ]
         walls: dict[str, list[float]] = {"own folders": [], "shared": []}
