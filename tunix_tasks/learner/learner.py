@@ -209,7 +209,7 @@ class Learner:
             "density": float(batch.density),
             "duty_cycle": self.watch.share("train"),
             "wait_s_total": self.watch.totals.get("wait", 0.0),
-            # The step path's share of publishing is the host copy; the rest is background.
+            # The step path's share of publishing: queuing the host copies; the rest is background.
             "publish_copy_s_total": self.watch.totals.get("publish", 0.0),
             "publish_s": self.parts.publisher.last_publish_s,
             "publish_coalesced": self.parts.publisher.coalesced,

@@ -47,9 +47,17 @@ PUBLISH_NICE = 10
 
 @dataclass(frozen=True)
 class _Request:
-    flat: Mapping[str, ArrayLike]
+    flat: dict[str, ArrayLike]  # the publisher's own dict: emptied as it converts
     version: int
     step: int
+
+
+def _float32(flat: dict[str, ArrayLike]) -> dict[str, np.ndarray]:
+    """`flat` as float32 numpy, emptying it as it goes. Waits here, not on the step's path,
+    for copies still landing (`Trainer.snapshot_params`); each host copy is dropped once
+    converted (a sharded array's or a bfloat16 one's conversion is a copy of its own), so
+    a snapshot is held about once, not twice."""
+    return {name: np.asarray(flat.pop(name), np.float32) for name in sorted(flat)}
 
 
 class SnapshotPublisher:
@@ -111,7 +119,7 @@ class SnapshotPublisher:
             if self._slot is not None:
                 self.coalesced += 1
                 log.debug("weights v%d superseded by v%d", self._slot.version, version)
-            self._slot, self._asked = _Request(flat, version, step), version
+            self._slot, self._asked = _Request(dict(flat), version, step), version
             self._cond.notify_all()
 
     def check(self) -> None:
@@ -154,7 +162,9 @@ class SnapshotPublisher:
                 request, self._slot, self._busy = self._slot, None, True
             t0 = time.perf_counter()
             try:
-                self._publish(request)
+                flat = _float32(request.flat)  # empties the request: one copy held, not two
+                self._publish(flat, request.version, request.step)
+                del flat  # nor one while idle
             except BaseException as err:  # kept for the learner's thread, which stops on it
                 with self._cond:
                     self._error, self._slot, self._busy = err, None, False
@@ -165,11 +175,7 @@ class SnapshotPublisher:
                 self.last_publish_s = time.perf_counter() - t0
                 self._cond.notify_all()
 
-    def _publish(self, request: _Request) -> None:
-        version, step = request.version, request.step
-        # Waits here, not on the step's path, for copies still landing; bfloat16 -> float32.
-        flat = {name: np.asarray(v, np.float32) for name, v in request.flat.items()}
-
+    def _publish(self, flat: dict[str, np.ndarray], version: int, step: int) -> None:
         def publish() -> None:
             kind = "adapter" if self._adapter_base else "full"  # "full": deltas when due
             self._weights.publish(

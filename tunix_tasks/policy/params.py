@@ -59,9 +59,10 @@ def host_params(model: nnx.Module, only: Only = nnx.Param) -> dict[str, jax.Arra
     """`flat_params` without waiting: each tensor's copy to (pinned) host memory is
     queued and the arrays returned at once, in the params' dtype; `np.asarray(v,
     np.float32)` on one waits for its copy and gives `flat_params`' value. The copies are
-    buffers of their own, so the next update still donates the params' device buffers (on
-    a CPU, `flat_params` returns views of them, which an update cannot donate). A backend
-    without a pinned host memory gets `flat_params`."""
+    buffers of their own, so the next update still donates the params' device buffers (for
+    an array on one CPU device `flat_params` returns views of them, which an update cannot
+    donate); the update's device work waits for the copies to read them. A backend without
+    a pinned host memory gets `flat_params`."""
     arrays = {name: var[...] for name, var in sorted(_flat_vars(model, only).items())}
     devices = {d for a in arrays.values() for d in a.devices()}
     if not all(_PINNED in {m.kind for m in d.addressable_memories()} for d in devices):
