@@ -4,8 +4,10 @@ sampler (`BatchingPolicy`, the async actor's own), same model, same concurrency,
 turns; the per-turn overhead in ms at concurrency 1; a weights push (write the Hugging
 Face folder, the server loads it) against the snapshot's bytes; and a fleet of `--fleet`
 actors on the one server pushing each version at once, each through its own folder (no
-snapshot digest: every actor writes it) against the folder they share (the runtime's
-way: the manifest's digest names it, one actor writes it), alternated version by version.
+snapshot digest: every actor writes and pushes it) against the folder they share (the
+runtime's way: the manifest's digest names it, one actor writes it, one push reaches the
+server), alternated version by version; the pushes the server was asked for come from its
+`GET /health`.
 
 Workload: E callers each play episodes of `--turns` turns of at most `--new-tokens`
 tokens: a 32-token prompt, then each turn's sampled ids and a 4-token reply appended (the
@@ -233,19 +235,24 @@ def _engine(
 
 def _fleet_pushes(args, cfg: RunConfig, url: str, flat: dict, first: int) -> None:
     """`--fleet` actors push each new version at once: through their own folders, then
-    through the shared one, alternated; wall time until all hold it, folders written."""
+    through the shared one, alternated; wall time until all hold it, folders written,
+    pushes that reached the server."""
+
+    def pushes() -> int:
+        return int(httpx.get(f"{url}/health", timeout=60).json()["weights"]["pushes"])
+
     with tempfile.TemporaryDirectory(prefix="remote-bench-w-") as shared:
         fleet = [
             _engine(args, cfg, url, connections=1, actor_id=f"actor-{i}", weights_dir=shared)
             for i in range(args.fleet)
         ]
         walls: dict[str, list[float]] = {"own folders": [], "shared": []}
-        writes = dict.fromkeys(walls, 0)
+        writes, served = dict.fromkeys(walls, 0), dict.fromkeys(walls, 0)
         version = first
         for _ in range(args.pushes):
             for how in walls:
                 digest = f"{version:064x}" if how == "shared" else ""
-                before = sum(e.folders_written for e in fleet)
+                before, asked = sum(e.folders_written for e in fleet), pushes()
                 start = threading.Barrier(len(fleet))
 
                 def push(engine: RemoteEngine, v=version, d=digest, start=start) -> None:
@@ -257,14 +264,16 @@ def _fleet_pushes(args, cfg: RunConfig, url: str, flat: dict, first: int) -> Non
                     list(pool.map(push, fleet))
                 walls[how].append(time.perf_counter() - t0)
                 writes[how] += sum(e.folders_written for e in fleet) - before
+                served[how] += pushes() - asked
                 version += 1
     own, shared_s = (statistics.median(walls[h]) for h in walls)
     print(
         f"a fleet of {args.fleet} on one server, a version pushed by all at once (median of "
         f"{args.pushes}): own folders {own * 1e3:.0f} ms, "
-        f"{writes['own folders'] / args.pushes:.0f} folders written; shared "
-        f"{shared_s * 1e3:.0f} ms, {writes['shared'] / args.pushes:.0f} written; "
-        f"shared / own {shared_s / own:.2f}x the time"
+        f"{writes['own folders'] / args.pushes:.0f} folders written, "
+        f"{served['own folders'] / args.pushes:.0f} pushes reached the server; shared "
+        f"{shared_s * 1e3:.0f} ms, {writes['shared'] / args.pushes:.0f} written, "
+        f"{served['shared'] / args.pushes:.0f} pushed; shared / own {shared_s / own:.2f}x the time"
     )
 
 

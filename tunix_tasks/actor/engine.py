@@ -6,8 +6,9 @@ else is the kind's serve loop:
 
     engine = self._build_engine()                      # once, in ActorRuntime.__init__
     # runtime, on each new verified snapshot (WeightsClient.poll -> ActorRuntime._load):
-    engine.update_params(flat, version=v, digest=d)    # full weights (d: manifest.sha256)
-    engine.update_params(flat, version=v, only=nnx.LoRAParam, digest=d)  # adapters
+    engine.update_params(flat, version=v, digest=d, created_at=t)  # full weights (d, t:
+    #   the manifest's sha256 and created_at)
+    engine.update_params(flat, version=v, only=nnx.LoRAParam, digest=d, created_at=t)  # adapters
     #   a ValueError (names, shapes, dtypes) keeps the old weights; the client refuses v
     # runtime, in every metrics record and the run's summary:
     engine.compile_count                               # XLA compilations so far
@@ -51,9 +52,11 @@ class RolloutEngine(Protocol):
         version: int,
         only: type[nnx.Variable] = nnx.Param,
         digest: str = "",
+        created_at: float = 0.0,
     ) -> None:
         """Check, then swap in, a snapshot's tensors of kind `only` as weights `version`;
-        a ValueError (names, shapes, dtypes) leaves the current weights. `digest`: the
-        snapshot's content id (its manifest's sha256), which an engine that hands the
-        weights on by name (remote: a folder a fleet shares) names them by."""
+        a ValueError (names, shapes, dtypes) leaves the current weights. `digest` and
+        `created_at`: the snapshot's content id (its manifest's sha256) and when the
+        learner published it, which an engine that hands the weights on (remote: a folder
+        a fleet shares, a server it shares) names them by and orders them by."""
         ...

@@ -272,7 +272,13 @@ class ActorRuntime:
                     f"{self.base_fingerprint[:12]}... ({self.cfg.model.checkpoint or 'preset'})"
                 )
             only = nnx.LoRAParam
-        self.engine.update_params(flat, version=manifest.version, only=only, digest=manifest.sha256)
+        self.engine.update_params(
+            flat,
+            version=manifest.version,
+            only=only,
+            digest=manifest.sha256,
+            created_at=manifest.created_at,
+        )
         self.stats.reload_bytes = self.weights.last_reload_bytes
         self.stats.publish_to_reload_s = max(0.0, time.time() - manifest.created_at)
         self.version = manifest.version

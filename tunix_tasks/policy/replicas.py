@@ -129,6 +129,7 @@ class SamplerReplicas(BlockingSample):
         version: int = -1,
         only: type[nnx.Variable] = nnx.Param,
         digest: str = "",
+        created_at: float = 0.0,
     ) -> None:
         """`Sampler.update_params` for every replica: checked and loaded into the shared
         model once (a bad snapshot leaves them all on the old weights), then adopted."""

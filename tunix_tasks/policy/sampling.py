@@ -197,10 +197,12 @@ class Sampler(BlockingSample):
         version: int = -1,
         only: type[nnx.Variable] = nnx.Param,
         digest: str = "",
+        created_at: float = 0.0,
     ) -> None:
         """Load `flat_params`-style weights (e.g. from a safetensors snapshot); no recompile.
-        `only=nnx.LoRAParam`: the flat dict holds adapters, the base stays. `digest` (the
-        snapshot's content id) is not needed: the weights stay in this process.
+        `only=nnx.LoRAParam`: the flat dict holds adapters, the base stays. `digest` and
+        `created_at` (the snapshot's content id and publish time) are not needed: the
+        weights stay in this process.
 
         Names, shapes and dtypes (float32) are checked against the model BEFORE anything is
         swapped: a ValueError naming every mismatch leaves the sampler on its old weights.

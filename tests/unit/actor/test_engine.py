@@ -71,10 +71,12 @@ class _Recording:
     compile_count = 7
 
     def __init__(self) -> None:
-        self.calls: list[tuple[int, type, str]] = []
+        self.calls: list[tuple[int, type, str, float]] = []
 
-    def update_params(self, flat, *, version: int, only: type = nnx.Param, digest="") -> None:
-        self.calls.append((version, only, digest))
+    def update_params(
+        self, flat, *, version: int, only: type = nnx.Param, digest="", created_at=0.0
+    ) -> None:
+        self.calls.append((version, only, digest, created_at))
 
 
 class _Runtime(ActorRuntime):
@@ -91,8 +93,10 @@ def test_runtime_builds_its_engine_once_and_reloads_through_it(tmp_path):
     runtime = _Runtime(cfg, open_store(str(tmp_path)), actor_id="a-0", incarnation="i")
     assert _Runtime.built == 1 and isinstance(runtime.engine, RolloutEngine)
     manifest = Manifest(3, 30, "ab" * 32, time.time(), 0, {})
-    runtime._load({}, manifest)  # the digest names the content, for a remote engine's folder
-    assert runtime.engine.calls == [(3, nnx.Param, "ab" * 32)] and runtime.version == 3
+    runtime._load({}, manifest)  # a remote engine names its folder by the digest, and
+    #   orders what its server holds by the time the learner published it
+    assert runtime.engine.calls == [(3, nnx.Param, "ab" * 32, manifest.created_at)]
+    assert runtime.version == 3
 
 
 def test_every_actor_kind_is_registered_and_resolves():

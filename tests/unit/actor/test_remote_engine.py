@@ -40,6 +40,7 @@ from tunix_tasks.actor.remote.wire import (
     WEIGHTS_FILE,
     RemoteError,
     parse_completion,
+    served_version,
     token_label,
 )
 from tunix_tasks.config import ConfigError, RunConfig
@@ -87,6 +88,21 @@ def test_parse_completion_reads_ids_from_token_ids_or_labels():
 def test_parse_completion_refuses_a_reply_that_breaks_the_contract(reply, match):
     with pytest.raises(RemoteError, match=match):
         parse_completion(reply, vocab_size=10)
+
+
+@pytest.mark.parametrize(
+    ("reply", "version"),
+    [
+        ({"weight_version": "3"}, 3),  # tunix-tasks serve
+        ({"weight_version": "-1"}, -1),  # its base
+        ({"metadata": {"weight_version": "4"}}, 4),  # SGLang, after a push of v4
+        ({"metadata": {"weight_version": "default"}}, -1),  # SGLang, no push since it started
+        ({"choices": []}, None),  # vLLM: says nothing, trusted
+        ([], None),
+    ],
+)
+def test_served_version_reads_what_each_server_reports(reply, version):
+    assert served_version(reply) == version
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3", "tiny-llama3"])
@@ -187,7 +203,13 @@ def _digest(seed: int) -> str:
 
 
 def _listing(folder) -> list[str]:
-    return sorted(p.name for p in folder.iterdir())
+    """The folder's entries, but the servers' records (`.server-*`: what each holds)."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".server-"))
+
+
+def _pushes(server: _Server) -> int:
+    """Weights pushes the server was asked for (`GET /health`)."""
+    return httpx.get(f"{server.url}/health", timeout=30).json()["weights"]["pushes"]
 
 
 def _turn_logprobs(cfg: RunConfig, flat, context: list[int], tokens: list[int]) -> np.ndarray:
@@ -353,8 +375,10 @@ def test_a_fleet_on_one_server_writes_each_version_once(tmp_path):
                 fleet, lambda e, v=v: e.update_params(flats[v], version=v, digest=_digest(v))
             )
             assert sum(e.folders_written for e in fleet) == v, f"v{v} written more than once"
-            pushed = {e._pushed for e in fleet}  # (version, folder) each server was told
+            pushed = {e._pushed for e in fleet}  # (version, folder) each engine holds
             assert len(pushed) == 1 and (next(iter(pushed))[1] / WEIGHTS_FILE).is_file()
+            # One push a version reached the server: the others found it in its record.
+            assert _pushes(server) == v and sum(e.loads_skipped for e in fleet) == 2 * v
         assert _listing(shared / run) == [f"v2-{_digest(2)[:16]}", f"v3-{_digest(3)[:16]}"]
         _, _, version = asyncio.run(_one_turn(fleet[0], [TOK.bos_id]))
         assert version == 3
@@ -369,6 +393,37 @@ def test_a_fleet_on_one_server_writes_each_version_once(tmp_path):
         np.testing.assert_allclose(
             logprobs, _turn_logprobs(cfg, _peaky(9, cfg), [TOK.bos_id], tokens), atol=LOGPROB_ATOL
         )
+    finally:
+        server.close()
+
+
+def test_a_lagging_actor_never_moves_the_servers_weights_back(tmp_path):
+    """An actor a version behind its fleet pushes what it has: the server's record says
+    an actor of the run had it load a snapshot published later, so nothing is pushed (vLLM
+    and SGLang would load it: the weights would go back) and the actor's turns are tagged
+    with its own, older, version (the staleness bound errs on the safe side). A run
+    re-created under the same URI (a lower version, published later) and an unreadable
+    record are pushed."""
+    cfg = _cfg(tmp_path, weights_dir=str(tmp_path / "shared"))
+    server = _Server(cfg)
+    try:
+        ahead, behind = (_engine(cfg, server.url, run="run", actor=f"actor-{i}") for i in (0, 1))
+        for v in (1, 2):
+            ahead.update_params(_peaky(v, cfg), version=v, digest=_digest(v), created_at=100.0 + v)
+        behind.update_params(_peaky(1, cfg), version=1, digest=_digest(1), created_at=101.0)
+        assert _pushes(server) == 2 and behind.loads_skipped == 1 and behind.version == 1
+        tokens, logprobs, version = asyncio.run(_one_turn(behind, [TOK.bos_id]))
+        assert version == 1  # drawn by v2, tagged as the older v1
+        np.testing.assert_allclose(
+            logprobs, _turn_logprobs(cfg, _peaky(2, cfg), [TOK.bos_id], tokens), atol=LOGPROB_ATOL
+        )
+        again = _engine(cfg, server.url, run="run", actor="actor-0")  # the run re-created
+        again.update_params(_peaky(9, cfg), version=1, digest=_digest(9), created_at=200.0)
+        assert _pushes(server) == 3 and again.loads_skipped == 0
+        for record in (tmp_path / "shared" / "run").glob(".server-*.json"):
+            record.write_text("{not json")  # a torn or foreign record: push
+        again.update_params(_peaky(9, cfg), version=1, digest=_digest(9), created_at=200.0)
+        assert _pushes(server) == 4
     finally:
         server.close()
 
@@ -395,9 +450,10 @@ def _all_at_once(engines: list[RemoteEngine], push) -> None:
 
 
 def test_a_dead_writers_claim_is_taken_over_and_its_leftovers_cleaned_up(tmp_path):
-    """An actor died while writing a version: its claim and half folder stay, untouched.
-    The next actor takes the claim over at once (not after `timeout_s`) and writes the
-    folder; the leftovers go with the version's folder."""
+    """An actor died while writing a version: its claim and half folder stay, untouched,
+    and its lock on the server. The next actor takes the claim and the lock over at once
+    (not after `timeout_s`) and writes the folder; the leftovers go with the version's
+    folder."""
     shared = tmp_path / "shared"
     cfg = _cfg(tmp_path, weights_dir=str(shared))
     run = shared / "run"
@@ -412,10 +468,15 @@ def test_a_dead_writers_claim_is_taken_over_and_its_leftovers_cleaned_up(tmp_pat
     server = _Server(cfg)
     try:
         engine = _engine(cfg, server.url, run="run")
+        # It died while pushing to the server, too: the run's lock on that server stays.
+        lock = run / f".server-{hashlib.sha256(engine.url.encode()).hexdigest()[:8]}.lock"
+        lock.touch()
+        os.utime(lock, (stale, stale))
         t0 = time.monotonic()
         engine.update_params(_peaky(1, cfg), version=1, digest=_digest(1))
         assert time.monotonic() - t0 < 30 and engine.folders_written == 1
         engine.update_params(_peaky(3, cfg), version=3, digest=_digest(3))
+        assert _pushes(server) == 2 and not lock.exists()
     finally:
         server.close()
     assert _listing(run) == [f"v3-{_digest(3)[:16]}"]

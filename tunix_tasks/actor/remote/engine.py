@@ -9,8 +9,9 @@ write a checkpoint (`policy_spec`):
                           temperature=1.0, top_k=0, seed=7, connections=8,
                           run_folder=run_weights_folder(cfg.run_name, cfg.run_uri),
                           actor_id="actor-0")
-    engine.update_params(flat, version=0, digest=manifest.sha256)  # any thread: the
-    #   folder written (or found: another actor of the run wrote it), the server told
+    engine.update_params(flat, version=0, digest=manifest.sha256,
+                         created_at=manifest.created_at)  # any thread: the folder written
+    #   (or found: another actor of the run wrote it), the server told (unless it holds it)
     async with engine:                        # the event loop's HTTP client
         tokens, logprobs, version = await engine(context, session="ep-1")
 
@@ -34,6 +35,12 @@ the server holds v<N>, folders before v<N-1> go: one version behind stays for an
 (or its server) that is still a version behind; a folder that went before the server
 read it is written again. Without a digest (a direct caller) the actor writes
 `v<N>-<actor id>` every time.
+
+A fleet shares its server too: the run's actors push to it one at a time (a claim on the
+server, `.server-<8 hex of its URL>.lock`), and each records what the server then holds
+(`.server-<...>.json`: version, digest, the snapshot's `created_at`). An actor whose
+snapshot the record holds already, or one the learner published later (the actor lags),
+pushes nothing: each snapshot is loaded once, and the server's weights never go back.
 """
 
 from __future__ import annotations
@@ -90,9 +97,10 @@ log = logging.getLogger(__name__)
 # Worth asking again: the server is starting, overloaded or restarting.
 _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _MAX_BACKOFF_S = 5.0
-# An actor waiting for another's write looks again after 10 ms, doubling to 0.25 s: a
-# small model's folder lands in milliseconds, a large one's in tens of seconds.
-_CLAIM_POLL_S = (0.01, 0.25)
+# An actor waiting for another's write (or push) looks again after 5 ms, doubling to
+# 0.25 s: a small model's folder lands in milliseconds, a large one's in tens of seconds.
+# (From 10 ms the fleet's two waits, folder then push, took 0.04-0.08 s, not 0.04-0.05 s.)
+_CLAIM_POLL_S = (0.005, 0.25)
 # A writer touches its claim and its half-written folder every 2 s; one untouched for 30 s
 # is a dead writer's (killed mid-write): the next actor takes the version over, and the
 # clean-up may remove it. (mtimes come from the shared disk's clock: a few s of skew is fine.)
@@ -131,6 +139,52 @@ def _touching(paths: list[Path]) -> Iterator[None]:
         thread.join()
 
 
+@contextlib.contextmanager
+def _claimed(claim: Path, *, ready: Callable[[], bool], timeout_s: float) -> Iterator[bool]:
+    """Hold `claim` while the block runs: created exclusively, touched every
+    `_CLAIM_BEAT_S`, removed at exit. While another actor holds it, wait (5 ms, doubling
+    to 0.25 s): yields False once `ready()` (what the holder was doing is done), True once
+    claimed. A claim untouched for `_CLAIM_STALE_S` is a dead holder's: taken over. Past
+    `timeout_s` the block runs without it (True, logged)."""
+    deadline = time.monotonic() + timeout_s
+    delay = _CLAIM_POLL_S[0]
+    while not ready():
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            if _age_s(claim) > _CLAIM_STALE_S:
+                log.warning("%s: its holder stopped (a stale claim): taking it over", claim)
+                claim.unlink(missing_ok=True)
+            elif time.monotonic() < deadline:
+                time.sleep(delay)
+                delay = min(2 * delay, _CLAIM_POLL_S[1])
+            else:
+                log.warning("%s: still held after timeout_s=%g: going on", claim, timeout_s)
+                yield True
+                return
+            continue
+        try:
+            with _touching([claim]):
+                yield True
+        finally:
+            claim.unlink(missing_ok=True)
+        return
+    yield False
+
+
+def _read_held(record: Path) -> dict[str, Any] | None:
+    """What a server's record says it holds ({"version", "digest", "created_at"}), None
+    when there is none or it is unreadable (then the actor pushes)."""
+    try:
+        held = json.loads(record.read_bytes())
+    except (OSError, ValueError):
+        return None
+    fields = {"version": int, "digest": str, "created_at": float | int}
+    if not isinstance(held, dict) or not all(isinstance(held.get(k), t) for k, t in fields.items()):
+        return None
+    return held
+
+
 class RemoteEngine:
     """`actor.remote` (module docstring)."""
 
@@ -167,6 +221,7 @@ class RemoteEngine:
         self.weights_dir = Path(cfg.weights_dir or self._tmp.name) / run_folder
         self._actor_id = actor_id
         self.folders_written = 0  # folders this actor wrote (a copy that lost the race too)
+        self.loads_skipped = 0  # pushes left out: the server held this snapshot or a newer one
         self._model = cfg.model
         self._client: aiohttp.ClientSession | None = None
         self._requests = itertools.count()
@@ -285,10 +340,12 @@ class RemoteEngine:
         version: int,
         only: type[nnx.Variable] = nnx.Param,
         digest: str = "",
+        created_at: float = 0.0,
     ) -> None:
         """Write `flat` as a Hugging Face checkpoint folder (or find it written by another
-        actor of the run: same `digest`) and have the server load it (from a thread
-        without a running event loop: the runtime's reload)."""
+        actor of the run: same `digest`) and have the server load it, unless another actor
+        of the run had it load this snapshot or one published later (`created_at`), from a
+        thread without a running event loop: the runtime's reload."""
         if only is not nnx.Param:
             raise ValueError("adapter snapshots are not pushed to a remote server")
 
@@ -304,7 +361,10 @@ class RemoteEngine:
             else:  # nothing names the content: a folder of this actor's, written afresh
                 folder = self._write(self.weights_dir / f"v{version}-{self._actor_id}", tensors())
             try:
-                reply = asyncio.run(self._push(folder, version))
+                if digest:
+                    self._load_once(folder, version, digest=digest, created_at=created_at)
+                else:
+                    self._load(folder, version)
                 break
             except RemoteError as err:
                 if err.status != 400:  # auth or a missing route: the actor stops
@@ -314,10 +374,42 @@ class RemoteEngine:
                     log.warning("%s went before the server read it: writing it again", folder)
                     continue
                 raise ValueError(f"the server refused weights v{version}: {err}") from None
-        if not isinstance(reply, dict) or reply.get("success") is not True:
-            raise ValueError(f"the server refused weights v{version}: {str(reply)[:300]}")
         self._pushed = (version, folder)
         self._clean(version)
+
+    def _load(self, folder: Path, version: int) -> None:
+        """Have the server load `folder` as weights `version`."""
+        reply = asyncio.run(self._push(folder, version))
+        if not isinstance(reply, dict) or reply.get("success") is not True:
+            raise ValueError(f"the server refused weights v{version}: {str(reply)[:300]}")
+
+    def _load_once(self, folder: Path, version: int, *, digest: str, created_at: float) -> None:
+        """`_load`, unless the server's record in the run's folder says an actor of the run
+        had it load this snapshot, or one the learner published later (a newer
+        `created_at`: this actor lags, and the server's weights must not go back). The
+        run's actors push to a server one at a time (its lock), so each snapshot is loaded
+        once: vLLM and SGLang load every push, a 16-32 GB read for an 8B model."""
+        name = f".server-{hashlib.sha256(self.url.encode()).hexdigest()[:8]}"
+        record = self.weights_dir / f"{name}.json"
+        lock = self.weights_dir / f"{name}.lock"
+
+        def held() -> bool:  # read without the lock too: waiters see it at once
+            now = _read_held(record)
+            return now is not None and (
+                (now["version"], now["digest"]) == (version, digest)
+                or (created_at > 0 and now["created_at"] > created_at)
+            )
+
+        with _claimed(lock, ready=held, timeout_s=self.cfg.timeout_s) as mine:
+            if not mine or held():  # claimed: it may have landed since it was looked at
+                self.loads_skipped += 1
+                return
+            self._load(folder, version)
+            partial = record.with_name(f"{record.name}.{self._actor_id}.partial")
+            partial.write_text(
+                json.dumps({"version": version, "digest": digest, "created_at": created_at})
+            )
+            partial.replace(record)
 
     def _shared_folder(self, name: str, tensors: Callable[[], dict[str, np.ndarray]]) -> Path:
         """`weights_dir/name`, written here unless another actor wrote it. One that is
@@ -326,46 +418,21 @@ class RemoteEngine:
         a version is written twice: the first complete copy wins."""
         folder, claim = self.weights_dir / name, self.weights_dir / f".{name}.claim"
         self.weights_dir.mkdir(parents=True, exist_ok=True)
-        deadline = time.monotonic() + self.cfg.timeout_s
-        delay = _CLAIM_POLL_S[0]
-        while not folder.is_dir():
-            try:
-                os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-            except FileExistsError:
-                if _age_s(claim) > _CLAIM_STALE_S:
-                    log.warning("%s: its writer stopped (a stale claim): taking it over", folder)
-                    claim.unlink(missing_ok=True)
-                elif time.monotonic() < deadline:
-                    time.sleep(delay)
-                    delay = min(2 * delay, _CLAIM_POLL_S[1])
-                else:
-                    log.warning("%s: not written within timeout_s: writing it here too", folder)
-                    return self._write(folder, tensors(), shared=True)
-                continue
-            try:  # claimed: the folder may have landed since it was looked for
-                if folder.is_dir():
-                    return folder
-                return self._write(folder, tensors(), shared=True, claim=claim)
-            finally:
-                claim.unlink(missing_ok=True)
+        with _claimed(claim, ready=folder.is_dir, timeout_s=self.cfg.timeout_s) as mine:
+            # Claimed: the folder may have landed since it was looked for.
+            if mine and not folder.is_dir():
+                self._write(folder, tensors(), shared=True)
         return folder
 
-    def _write(
-        self,
-        folder: Path,
-        tensors: dict[str, np.ndarray],
-        *,
-        shared: bool = False,
-        claim: Path | None = None,
-    ) -> Path:
-        """Write `folder` whole (the server never sees half of one), touching `claim` and
-        the half-written folder while it writes. `shared`: a copy that landed meanwhile
-        wins (same content); else an older folder of that name goes (this actor's own,
-        from a run re-created under the same URI)."""
+    def _write(self, folder: Path, tensors: dict[str, np.ndarray], *, shared: bool = False) -> Path:
+        """Write `folder` whole (the server never sees half of one), touching the
+        half-written folder while it writes. `shared`: a copy that landed meanwhile wins
+        (same content); else an older folder of that name goes (this actor's own, from a
+        run re-created under the same URI)."""
         partial = folder.with_name(f".{folder.name}.{self._actor_id}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        with _touching([partial] if claim is None else [partial, claim]):
+        with _touching([partial]):
             save_file(tensors, str(partial / WEIGHTS_FILE), metadata={"format": "pt"})
             if self._config_json is not None:  # the base's, for servers that read it again
                 shutil.copyfile(self._config_json, partial / "config.json")

@@ -9,7 +9,8 @@ run against it. The routes are the subset vLLM and SGLang serve (wire.py):
                                      "user"} -> text_completion: choices[0].token_ids,
                                      .logprobs.tokens / .token_logprobs, "weight_version"
     POST /update_weights_from_disk  {"model_path", "weight_version"} -> {"success", "message"}
-    GET  /v1/models, GET /health    {"status", "weight_version", "compile_count", "sampler"}
+    GET  /v1/models, GET /health    {"status", "weight_version", "weights": {"pushes",
+                                     "loads"}, "compile_count", "sampler"}
 
 A prompt is token ids only (a text prompt is a 400: nothing here re-tokenizes); `user`
 names a conversation whose KV cache the sampler keeps between its turns; temperature 0 is
@@ -93,9 +94,12 @@ def read_weights(folder: Path, spec: DecoderSpec) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class Loaded:
-    """The weights version the server holds (-1: the base it started with)."""
+    """The weights version the server holds (-1: the base it started with), and the
+    weights pushes it was asked for and the loads they made (`GET /health`)."""
 
     version: int = -1
+    pushes: int = 0
+    loads: int = 0
 
 
 def build_app(
@@ -178,6 +182,7 @@ def build_app(
             if not isinstance(version, str | int) or not str(version).isdigit():
                 raise ValueError(f"weight_version: a non-negative integer, got {version!r}")
             v = int(version)
+            loaded.pushes += 1
             async with one_load:
                 # Every actor of a fleet pushes each version: load it once, never go back.
                 if v <= loaded.version:
@@ -186,6 +191,7 @@ def build_app(
                     flat = await asyncio.to_thread(read_weights, Path(path), spec)
                     await policy.between_steps(lambda: sampler.update_params(flat, version=v))
                     loaded.version, message = v, f"loaded {path}"
+                    loaded.loads += 1
         except ValueError as err:  # nothing was swapped
             return JSONResponse({"success": False, "message": str(err)}, status_code=400)
         current = str(loaded.version)
@@ -198,6 +204,7 @@ def build_app(
     async def health(_request: Request) -> JSONResponse:
         # The compile count tells a benchmark (or an operator) nothing compiles in steady state.
         body = {"status": "ok", "weight_version": str(loaded.version)}
+        body["weights"] = {"pushes": loaded.pushes, "loads": loaded.loads}
         work = dataclasses.asdict(sampler.stats) | {"engine_steps": policy.calls}
         return JSONResponse(body | {"compile_count": sampler.compile_count, "sampler": work})
 

@@ -102,10 +102,11 @@ class OnDeviceRollout:
         version: int,
         only: type = nnx.Param,
         digest: str = "",
+        created_at: float = 0.0,
     ) -> None:
         """Load a snapshot (checked first: a ValueError leaves the old weights); rows in
         flight keep going with their keys and values recomputed under the new weights.
-        `digest` is not needed: the weights stay on this device."""
+        `digest` and `created_at` are not needed: the weights stay on this device."""
         load_flat_params(self._model, flat, only)
         self._state = nnx.state(self._model)
         self.version = version
