@@ -34,6 +34,7 @@ from tests.unit.actor.test_actor import (
 )
 from tunix_tasks.actor.asynchronous.actor import Actor
 from tunix_tasks.actor.remote import engine as remote_engine
+from tunix_tasks.actor.remote import shared_disk
 from tunix_tasks.actor.remote.engine import RemoteEngine, run_weights_folder
 from tunix_tasks.actor.remote.server import serve
 from tunix_tasks.actor.remote.wire import (
@@ -97,6 +98,7 @@ def test_parse_completion_refuses_a_reply_that_breaks_the_contract(reply, match)
         ({"weight_version": "-1"}, -1),  # its base
         ({"metadata": {"weight_version": "4"}}, 4),  # SGLang, after a push of v4
         ({"metadata": {"weight_version": "default"}}, -1),  # SGLang, no push since it started
+        ({"metadata": {"weight_version": "v1.0"}}, None),  # not ours to compare: trusted
         ({"choices": []}, None),  # vLLM: says nothing, trusted
         ([], None),
     ],
@@ -209,7 +211,7 @@ def _listing(folder) -> list[str]:
 
 def _pushes(server: _Server) -> int:
     """Weights pushes the server was asked for (`GET /health`)."""
-    return httpx.get(f"{server.url}/health", timeout=30).json()["weights"]["pushes"]
+    return _health(server)["weights"]["pushes"]
 
 
 def _turn_logprobs(cfg: RunConfig, flat, context: list[int], tokens: list[int]) -> np.ndarray:
@@ -398,34 +400,87 @@ def test_a_fleet_on_one_server_writes_each_version_once(tmp_path):
 
 
 def test_a_lagging_actor_never_moves_the_servers_weights_back(tmp_path):
-    """An actor a version behind its fleet pushes what it has: the server's record says
-    an actor of the run had it load a snapshot published later, so nothing is pushed (vLLM
-    and SGLang would load it: the weights would go back) and the actor's turns are tagged
-    with its own, older, version (the staleness bound errs on the safe side). A run
-    re-created under the same URI (a lower version, published later) and an unreadable
-    record are pushed."""
+    """An actor two versions behind its fleet pushes what it has: the server's record says
+    an actor of the run had it load a snapshot published later, so nothing is written or
+    pushed (vLLM and SGLang would load it: the weights would go back) and the actor's
+    turns are tagged with its own, older, version (the staleness bound errs on the safe
+    side). When the server restarts, the lagging actor restores the later snapshot, not its
+    own. A run re-created under the same URI (a lower version, published later), an
+    actor started after the record was written (its server may have restarted with it)
+    and an unreadable record are pushed."""
     cfg = _cfg(tmp_path, weights_dir=str(tmp_path / "shared"))
+    run = tmp_path / "shared" / "run"
     server = _Server(cfg)
+    port = server.port
     try:
         ahead, behind = (_engine(cfg, server.url, run="run", actor=f"actor-{i}") for i in (0, 1))
-        for v in (1, 2):
+        for v in (1, 2, 3):
             ahead.update_params(_peaky(v, cfg), version=v, digest=_digest(v), created_at=100.0 + v)
         behind.update_params(_peaky(1, cfg), version=1, digest=_digest(1), created_at=101.0)
-        assert _pushes(server) == 2 and behind.loads_skipped == 1 and behind.version == 1
+        assert _pushes(server) == 3 and behind.loads_skipped == 1 and behind.version == 1
+        assert behind.folders_written == 0 and not (run / f"v1-{_digest(1)[:16]}").exists()
         tokens, logprobs, version = asyncio.run(_one_turn(behind, [TOK.bos_id]))
-        assert version == 1  # drawn by v2, tagged as the older v1
+        assert version == 1  # drawn by v3, tagged as the older v1
         np.testing.assert_allclose(
-            logprobs, _turn_logprobs(cfg, _peaky(2, cfg), [TOK.bos_id], tokens), atol=LOGPROB_ATOL
+            logprobs, _turn_logprobs(cfg, _peaky(3, cfg), [TOK.bos_id], tokens), atol=LOGPROB_ATOL
         )
+        server.close()
+        server = _Server(cfg, port=port)  # back to its base weights
+        tokens, logprobs, version = asyncio.run(_one_turn(behind, [TOK.bos_id]))
+        assert version == 1 and _health(server)["weight_version"] == "3"
+        np.testing.assert_allclose(
+            logprobs, _turn_logprobs(cfg, _peaky(3, cfg), [TOK.bos_id], tokens), atol=LOGPROB_ATOL
+        )
+
+        pushed = _pushes(server)  # 1: the restore
         again = _engine(cfg, server.url, run="run", actor="actor-0")  # the run re-created
         again.update_params(_peaky(9, cfg), version=1, digest=_digest(9), created_at=200.0)
-        assert _pushes(server) == 3 and again.loads_skipped == 0
-        for record in (tmp_path / "shared" / "run").glob(".server-*.json"):
+        assert _pushes(server) == pushed + 1 and again.loads_skipped == 0
+        restarted = _engine(cfg, server.url, run="run", actor="actor-1")  # after the record
+        restarted.update_params(_peaky(9, cfg), version=1, digest=_digest(9), created_at=200.0)
+        assert _pushes(server) == pushed + 2
+        restarted.update_params(_peaky(9, cfg), version=1, digest=_digest(9), created_at=200.0)
+        assert _pushes(server) == pushed + 2 and restarted.loads_skipped == 1
+        for record in run.glob(".server-*.json"):
             record.write_text("{not json")  # a torn or foreign record: push
         again.update_params(_peaky(9, cfg), version=1, digest=_digest(9), created_at=200.0)
-        assert _pushes(server) == 4
+        assert _pushes(server) == pushed + 3
     finally:
         server.close()
+
+
+def test_a_stale_claim_is_taken_over_once_and_a_live_one_never(tmp_path):
+    """Two waiters found the same claim stale: the first moves it aside and claims; the
+    second, late, moves aside the first's fresh claim, sees it is fresh and puts it back.
+    A holder that lost its claim (stalled past the stale limit) does not remove the new
+    holder's. The same URL on a loopback address names each machine's own server."""
+    claim = tmp_path / ".v1-x.claim"
+    claim.write_bytes(b"dead")
+    stale = time.time() - shared_disk.CLAIM_STALE_S - 5
+    os.utime(claim, (stale, stale))
+    with shared_disk.claimed(claim, ready=lambda: False, timeout_s=5) as mine:
+        assert mine
+        token = claim.read_bytes()
+        assert token != b"dead"
+        shared_disk._take_over(claim, b"late")  # the late waiter
+        assert claim.read_bytes() == token and sorted(p.name for p in tmp_path.iterdir()) == [
+            claim.name
+        ]
+        claim.write_bytes(b"another")  # lost it meanwhile
+    assert claim.read_bytes() == b"another"
+
+    def key(url: str, host: str) -> str:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(shared_disk.socket, "gethostname", lambda: host)
+            return shared_disk.ServerRecord(tmp_path, url).path.name
+
+    for url in ("http://127.0.0.1:8000", "http://localhost:8000", "http://[::1]:8000"):
+        assert key(url, "host-a") != key(url, "host-b")
+    assert key("http://inference:8000", "host-a") == key("http://inference:8000", "host-b")
+
+
+def _health(server: _Server) -> dict:
+    return httpx.get(f"{server.url}/health", timeout=30).json()
 
 
 def _all_at_once(engines: list[RemoteEngine], push) -> None:
@@ -462,14 +517,14 @@ def test_a_dead_writers_claim_is_taken_over_and_its_leftovers_cleaned_up(tmp_pat
     dead = [run / f".{name}.claim", run / f".{name}.actor-9.partial"]
     dead[0].touch()
     dead[1].mkdir()
-    stale = time.time() - remote_engine._CLAIM_STALE_S - 5
+    stale = time.time() - shared_disk.CLAIM_STALE_S - 5
     for path in dead:
         os.utime(path, (stale, stale))
     server = _Server(cfg)
     try:
         engine = _engine(cfg, server.url, run="run")
         # It died while pushing to the server, too: the run's lock on that server stays.
-        lock = run / f".server-{hashlib.sha256(engine.url.encode()).hexdigest()[:8]}.lock"
+        lock = shared_disk.ServerRecord(run, engine.url).lock
         lock.touch()
         os.utime(lock, (stale, stale))
         t0 = time.monotonic()
@@ -485,8 +540,8 @@ def test_a_dead_writers_claim_is_taken_over_and_its_leftovers_cleaned_up(tmp_pat
 def test_a_live_writer_slower_than_the_stale_limit_is_waited_for(tmp_path, monkeypatch):
     """A writer whose write outlasts the stale limit keeps its claim fresh by touching it:
     the other actor waits for its folder instead of writing the version a second time."""
-    monkeypatch.setattr(remote_engine, "_CLAIM_BEAT_S", 0.1)
-    monkeypatch.setattr(remote_engine, "_CLAIM_STALE_S", 0.5)
+    monkeypatch.setattr(shared_disk, "CLAIM_BEAT_S", 0.1)
+    monkeypatch.setattr(shared_disk, "CLAIM_STALE_S", 0.5)
 
     def slow_save(*args, **kwargs) -> None:  # a large model on a slow shared disk
         time.sleep(2.0)

@@ -36,11 +36,11 @@ the server holds v<N>, folders before v<N-1> go: one version behind stays for an
 read it is written again. Without a digest (a direct caller) the actor writes
 `v<N>-<actor id>` every time.
 
-A fleet shares its server too: the run's actors push to it one at a time (a claim on the
-server, `.server-<8 hex of its URL>.lock`), and each records what the server then holds
-(`.server-<...>.json`: version, digest, the snapshot's `created_at`). An actor whose
-snapshot the record holds already, or one the learner published later (the actor lags),
-pushes nothing: each snapshot is loaded once, and the server's weights never go back.
+A fleet shares its server too: the run's actors push to it one at a time (the claim of
+its `ServerRecord`, shared_disk.py), and each records what the server then holds. An
+actor whose snapshot a fleet mate pushed since it started, or that lags (the record
+holds one the learner published later), pushes nothing: each snapshot is loaded once,
+and the server's weights never go back, a restore after a restart included.
 """
 
 from __future__ import annotations
@@ -55,9 +55,8 @@ import os
 import re
 import shutil
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +65,13 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from tunix_tasks.actor.remote.shared_disk import (
+    CLAIM_STALE_S,
+    ServerRecord,
+    age_s,
+    claimed,
+    touching,
+)
 from tunix_tasks.actor.remote.wire import (
     WEIGHTS_FILE,
     RemoteError,
@@ -97,92 +103,10 @@ log = logging.getLogger(__name__)
 # Worth asking again: the server is starting, overloaded or restarting.
 _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _MAX_BACKOFF_S = 5.0
-# An actor waiting for another's write (or push) looks again after 5 ms, doubling to
-# 0.25 s: a small model's folder lands in milliseconds, a large one's in tens of seconds.
-# (From 10 ms the fleet's two waits, folder then push, took 0.04-0.08 s, not 0.04-0.05 s.)
-_CLAIM_POLL_S = (0.005, 0.25)
-# A writer touches its claim and its half-written folder every 2 s; one untouched for 30 s
-# is a dead writer's (killed mid-write): the next actor takes the version over, and the
-# clean-up may remove it. (mtimes come from the shared disk's clock: a few s of skew is fine.)
-_CLAIM_BEAT_S = 2.0
-_CLAIM_STALE_S = 30.0
-# What the engine puts in a run's folder: `v<N>-<tag>`, and its leftovers `.v<N>-<tag>.*`.
+# What the engine puts in a run's folder: `v<N>-<tag>`, and its leftovers `.v<N>-<tag>.*`;
+# and each server's record's (shared_disk.py).
 _VERSIONED = re.compile(r"(\.?)v(\d+)-[^/]*")
-
-
-def _age_s(path: Path) -> float:
-    """Seconds since `path` was last touched; 0 if it is gone (its writer finished)."""
-    try:
-        return time.time() - path.stat().st_mtime
-    except FileNotFoundError:
-        return 0.0
-
-
-@contextlib.contextmanager
-def _touching(paths: list[Path]) -> Iterator[None]:
-    """Touch `paths` every `_CLAIM_BEAT_S` while the block runs: a live writer's claim
-    never looks stale, however long its write takes."""
-    done = threading.Event()
-
-    def beat() -> None:
-        while not done.wait(_CLAIM_BEAT_S):
-            for path in paths:
-                with contextlib.suppress(OSError):
-                    os.utime(path)
-
-    thread = threading.Thread(target=beat, name="weights-claim", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-
-
-@contextlib.contextmanager
-def _claimed(claim: Path, *, ready: Callable[[], bool], timeout_s: float) -> Iterator[bool]:
-    """Hold `claim` while the block runs: created exclusively, touched every
-    `_CLAIM_BEAT_S`, removed at exit. While another actor holds it, wait (5 ms, doubling
-    to 0.25 s): yields False once `ready()` (what the holder was doing is done), True once
-    claimed. A claim untouched for `_CLAIM_STALE_S` is a dead holder's: taken over. Past
-    `timeout_s` the block runs without it (True, logged)."""
-    deadline = time.monotonic() + timeout_s
-    delay = _CLAIM_POLL_S[0]
-    while not ready():
-        try:
-            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        except FileExistsError:
-            if _age_s(claim) > _CLAIM_STALE_S:
-                log.warning("%s: its holder stopped (a stale claim): taking it over", claim)
-                claim.unlink(missing_ok=True)
-            elif time.monotonic() < deadline:
-                time.sleep(delay)
-                delay = min(2 * delay, _CLAIM_POLL_S[1])
-            else:
-                log.warning("%s: still held after timeout_s=%g: going on", claim, timeout_s)
-                yield True
-                return
-            continue
-        try:
-            with _touching([claim]):
-                yield True
-        finally:
-            claim.unlink(missing_ok=True)
-        return
-    yield False
-
-
-def _read_held(record: Path) -> dict[str, Any] | None:
-    """What a server's record says it holds ({"version", "digest", "created_at"}), None
-    when there is none or it is unreadable (then the actor pushes)."""
-    try:
-        held = json.loads(record.read_bytes())
-    except (OSError, ValueError):
-        return None
-    fields = {"version": int, "digest": str, "created_at": float | int}
-    if not isinstance(held, dict) or not all(isinstance(held.get(k), t) for k, t in fields.items()):
-        return None
-    return held
+_RECORD_LEFTOVERS = re.compile(r"\.server-.*\.(partial|stale)")
 
 
 class RemoteEngine:
@@ -222,6 +146,7 @@ class RemoteEngine:
         self._actor_id = actor_id
         self.folders_written = 0  # folders this actor wrote (a copy that lost the race too)
         self.loads_skipped = 0  # pushes left out: the server held this snapshot or a newer one
+        self._started = time.time()  # a server record older than this may be stale
         self._model = cfg.model
         self._client: aiohttp.ClientSession | None = None
         self._requests = itertools.count()
@@ -230,6 +155,7 @@ class RemoteEngine:
         # (version, its folder) the server acknowledged, set at once (the event loop reads
         # it while a reload thread pushes); the folder is kept to push it again.
         self._pushed: tuple[int, Path] | None = None
+        self._pushed_created_at = 0.0  # its snapshot's: what a restore compares the record by
         self.latency_s: list[float] = []  # per turn, request -> reply
         self.batch_sizes: list[int] = []  # turns in flight when each was asked for
 
@@ -320,7 +246,14 @@ class RemoteEngine:
             if pushed is None or pushed[0] <= served:
                 return
             version, folder = pushed
-            log.warning("the server serves v%d, not v%d: pushing it again", served, version)
+            # An actor ahead of this one had it load a later snapshot: restore that one, not
+            # this actor's own (the server's weights must not go back).
+            held = ServerRecord(self.weights_dir, self.url).read()
+            if held is not None and held["created_at"] > self._pushed_created_at:
+                later = self.weights_dir / f"v{held['version']}-{held['digest'][:16]}"
+                if (later / WEIGHTS_FILE).is_file():
+                    version, folder = held["version"], later
+            log.warning("the server serves v%d, not v%d: pushing v%d", served, pushed[0], version)
             body = weights_request(str(folder.resolve()), version=version)
             assert self._client is not None
             try:
@@ -355,16 +288,20 @@ class RemoteEngine:
             except CheckpointError as err:
                 raise ValueError(f"v{version}: {err}") from None
 
-        for attempt in range(2):
+        if digest:
+            folder = self.weights_dir / f"v{version}-{digest[:16]}"
+        else:  # nothing names the content: a folder of this actor's, written afresh
+            folder = self.weights_dir / f"v{version}-{self._actor_id}"
+
+        def load() -> None:
             if digest:
-                folder = self._shared_folder(f"v{version}-{digest[:16]}", tensors)
-            else:  # nothing names the content: a folder of this actor's, written afresh
-                folder = self._write(self.weights_dir / f"v{version}-{self._actor_id}", tensors())
+                self._load_shared(folder, version, digest, created_at, tensors)
+            else:
+                self._load(self._write(folder, tensors()), version)
+
+        for attempt in range(2):
             try:
-                if digest:
-                    self._load_once(folder, version, digest=digest, created_at=created_at)
-                else:
-                    self._load(folder, version)
+                load()
                 break
             except RemoteError as err:
                 if err.status != 400:  # auth or a missing route: the actor stops
@@ -375,6 +312,7 @@ class RemoteEngine:
                     continue
                 raise ValueError(f"the server refused weights v{version}: {err}") from None
         self._pushed = (version, folder)
+        self._pushed_created_at = created_at
         self._clean(version)
 
     def _load(self, folder: Path, version: int) -> None:
@@ -383,46 +321,59 @@ class RemoteEngine:
         if not isinstance(reply, dict) or reply.get("success") is not True:
             raise ValueError(f"the server refused weights v{version}: {str(reply)[:300]}")
 
-    def _load_once(self, folder: Path, version: int, *, digest: str, created_at: float) -> None:
-        """`_load`, unless the server's record in the run's folder says an actor of the run
-        had it load this snapshot, or one the learner published later (a newer
-        `created_at`: this actor lags, and the server's weights must not go back). The
-        run's actors push to a server one at a time (its lock), so each snapshot is loaded
-        once: vLLM and SGLang load every push, a 16-32 GB read for an 8B model."""
-        name = f".server-{hashlib.sha256(self.url.encode()).hexdigest()[:8]}"
-        record = self.weights_dir / f"{name}.json"
-        lock = self.weights_dir / f"{name}.lock"
+    def _load_shared(
+        self,
+        folder: Path,
+        version: int,
+        digest: str,
+        created_at: float,
+        tensors: Callable[[], dict[str, np.ndarray]],
+    ) -> None:
+        """Have the server load the run's shared `folder` (written here unless another
+        actor wrote it), unless its record says an actor of the run had it load one the
+        learner published later (this actor lags: nothing to write or push, and the
+        server's weights must not go back), or this snapshot since this engine started. The
+        run's actors push to a server one at a time (the record's claim), so each snapshot
+        is loaded once: vLLM and SGLang load every push, a 16-32 GB read for an 8B model.
+        A record from before this engine started is not trusted with its own snapshot: the
+        server may have restarted with the actor (vLLM reports no version)."""
+        record = ServerRecord(self.weights_dir, self.url)
 
-        def held() -> bool:  # read without the lock too: waiters see it at once
-            now = _read_held(record)
-            return now is not None and (
-                (now["version"], now["digest"]) == (version, digest)
-                or (created_at > 0 and now["created_at"] > created_at)
-            )
+        def held() -> bool:  # read without the claim too: waiters see it at once
+            now = record.read()
+            if now is None:
+                return False
+            if created_at > 0 and now["created_at"] > created_at:
+                return True
+            same = (now["version"], now["digest"]) == (version, digest)
+            return same and now["written"] >= self._started
 
-        with _claimed(lock, ready=held, timeout_s=self.cfg.timeout_s) as mine:
+        if held():
+            self.loads_skipped += 1
+            return
+        self._shared_folder(folder, tensors)
+        # No deadline: a live holder's push ends within its own timeout_s, and pushing
+        # beside it could move the server's weights back.
+        with claimed(record.lock, ready=held, timeout_s=None) as mine:
             if not mine or held():  # claimed: it may have landed since it was looked at
                 self.loads_skipped += 1
                 return
             self._load(folder, version)
-            partial = record.with_name(f"{record.name}.{self._actor_id}.partial")
-            partial.write_text(
-                json.dumps({"version": version, "digest": digest, "created_at": created_at})
+            record.write(
+                version=version, digest=digest, created_at=created_at, writer=self._actor_id
             )
-            partial.replace(record)
 
-    def _shared_folder(self, name: str, tensors: Callable[[], dict[str, np.ndarray]]) -> Path:
-        """`weights_dir/name`, written here unless another actor wrote it. One that is
-        writing it (its claim is fresh) is waited for, up to `timeout_s`; a stale claim
-        (its writer died) is taken over; past `timeout_s` it is written here too. At worst
-        a version is written twice: the first complete copy wins."""
-        folder, claim = self.weights_dir / name, self.weights_dir / f".{name}.claim"
+    def _shared_folder(self, folder: Path, tensors: Callable[[], dict[str, np.ndarray]]) -> None:
+        """`folder`, written here unless another actor wrote it. One that is writing it
+        (its claim is fresh) is waited for, up to `timeout_s`; a stale claim (its writer
+        died) is taken over; past `timeout_s` it is written here too. At worst a version
+        is written twice: the first complete copy wins."""
+        claim = folder.with_name(f".{folder.name}.claim")
         self.weights_dir.mkdir(parents=True, exist_ok=True)
-        with _claimed(claim, ready=folder.is_dir, timeout_s=self.cfg.timeout_s) as mine:
+        with claimed(claim, ready=folder.is_dir, timeout_s=self.cfg.timeout_s) as mine:
             # Claimed: the folder may have landed since it was looked for.
             if mine and not folder.is_dir():
                 self._write(folder, tensors(), shared=True)
-        return folder
 
     def _write(self, folder: Path, tensors: dict[str, np.ndarray], *, shared: bool = False) -> Path:
         """Write `folder` whole (the server never sees half of one), touching the
@@ -432,7 +383,7 @@ class RemoteEngine:
         partial = folder.with_name(f".{folder.name}.{self._actor_id}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        with _touching([partial]):
+        with touching([partial]):
             save_file(tensors, str(partial / WEIGHTS_FILE), metadata={"format": "pt"})
             if self._config_json is not None:  # the base's, for servers that read it again
                 shutil.copyfile(self._config_json, partial / "config.json")
@@ -450,16 +401,19 @@ class RemoteEngine:
     def _clean(self, version: int) -> None:
         """The server holds `version`: remove the run's folders from before `version - 1`
         (a shared `weights_dir`; the actor's own temporary one keeps `version` alone), and
-        claims and half-written folders that old whose writer stopped (untouched for
-        `_CLAIM_STALE_S`)."""
+        claims and half-written folders that old, and half-written records, whose writer
+        stopped (untouched for `CLAIM_STALE_S`)."""
         oldest = version - 1 if self.cfg.weights_dir else version
         for entry in self.weights_dir.iterdir():
             m = _VERSIONED.fullmatch(entry.name)
-            if m is None or int(m.group(2)) >= oldest:
+            if m is not None and not m.group(1):
+                if int(m.group(2)) < oldest:
+                    shutil.rmtree(entry, ignore_errors=True)
                 continue
-            if not m.group(1):
-                shutil.rmtree(entry, ignore_errors=True)
-            elif _age_s(entry) > _CLAIM_STALE_S:
+            stopped = (m is not None and int(m.group(2)) < oldest) or (
+                _RECORD_LEFTOVERS.fullmatch(entry.name) is not None
+            )
+            if stopped and age_s(entry) > CLAIM_STALE_S:
                 with contextlib.suppress(OSError):  # another actor removed it first
                     (shutil.rmtree if entry.is_dir() else os.unlink)(entry)
 

@@ -141,20 +141,20 @@ def parse_completion(body: Any, *, vocab_size: int) -> Turn:
 def served_version(body: Any) -> int | None:
     """The weights version a reply says drew it, None when the server does not say:
     `weight_version` (`tunix-tasks serve`; -1 before any push) or SGLang's
-    `metadata.weight_version` (the `weight_version` of its last `update_weights_from_disk`).
-    A version that is not a number ("default": SGLang before any push, or after a restart)
-    is none this run pushed: -1, the base."""
+    `metadata.weight_version` (the `weight_version` of its last `update_weights_from_disk`;
+    "default" before one, since it started: -1, the base). Any other that is not a number
+    says nothing this engine can compare: None, as a server that does not say."""
     if not isinstance(body, dict):
         return None
     value = body.get("weight_version")
     if value is None and isinstance(body.get("metadata"), dict):
         value = body["metadata"].get("weight_version")
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
+    if value == "default":
         return -1
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _parse_label(label: Any) -> int:

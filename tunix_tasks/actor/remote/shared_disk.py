@@ -1,0 +1,191 @@
+"""What a run's actors coordinate through on the shared `weights_dir` (engine.py): claims
+and each server's record.
+
+A claim is a file created exclusively that holds its holder's token. The holder touches it
+every `CLAIM_BEAT_S` while it works and removes it at the end, if it still holds that
+token. A claim untouched for `CLAIM_STALE_S` is a dead holder's (killed mid-write). The
+first waiter to move it aside takes it over. A waiter that moved aside a fresh claim (a
+live holder's, which replaced the stale one meanwhile) puts it back.
+
+    with claimed(folder_claim, ready=folder.is_dir, timeout_s=600) as mine:
+        if mine and not folder.is_dir():
+            ...  # write the folder; the other actors wait until it is there
+    record = ServerRecord(run_folder, url)
+    record.read()  # {"version", "digest", "created_at"} the server was last told to load
+    record.write(version=3, digest=d, created_at=t, writer="actor-0")
+
+Times are the shared disk's mtimes against this machine's clock: a few seconds of skew
+between machines is fine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import ipaddress
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = ["CLAIM_STALE_S", "ServerRecord", "age_s", "claimed", "touching"]
+
+log = logging.getLogger(__name__)
+
+# A waiter looks again after 5 ms, doubling to 0.25 s: a small model's folder lands in
+# milliseconds, a large one's in tens of seconds. (From 10 ms, a fleet's two waits, folder
+# then push, took 0.04-0.08 s, not 0.04-0.05 s: benchmarks/remote_engine.py --fleet.)
+CLAIM_POLL_S = (0.005, 0.25)
+# A holder touches its claim (and its half-written folder) every 2 s; one untouched for
+# 30 s is a dead holder's, and the clean-up may remove what it left.
+CLAIM_BEAT_S = 2.0
+CLAIM_STALE_S = 30.0
+
+
+def age_s(path: Path) -> float:
+    """Seconds since `path` was last touched; 0 if it is gone (its holder finished)."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+@contextlib.contextmanager
+def touching(paths: list[Path]) -> Iterator[None]:
+    """Touch `paths` every `CLAIM_BEAT_S` while the block runs: a live holder's claim never
+    looks stale, however long its work takes."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(CLAIM_BEAT_S):
+            for path in paths:
+                with contextlib.suppress(OSError):
+                    os.utime(path)
+
+    thread = threading.Thread(target=beat, name="weights-claim", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _create(claim: Path, token: bytes) -> bool:
+    """Create `claim` holding `token`; False when it exists."""
+    try:
+        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, token)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _take_over(claim: Path, token: bytes) -> None:
+    """Remove a stale claim so that one waiter does: moving it aside is atomic. If what
+    was moved is fresh, a live holder replaced the stale claim meanwhile: it goes back."""
+    aside = claim.with_name(f"{claim.name}.{token.decode()}.stale")
+    try:
+        os.rename(claim, aside)
+    except FileNotFoundError:
+        return  # another waiter took it over first
+    if age_s(aside) <= CLAIM_STALE_S:
+        with contextlib.suppress(FileExistsError):  # else yet another claim is there
+            os.link(aside, claim)
+    else:
+        log.warning("%s: its holder stopped (a stale claim): taking it over", claim)
+    aside.unlink(missing_ok=True)
+
+
+def _release(claim: Path, token: bytes) -> None:
+    """Remove `claim` if it still holds `token` (a holder stalled past the stale limit may
+    have lost it to another)."""
+    with contextlib.suppress(FileNotFoundError):
+        if claim.read_bytes() == token:
+            claim.unlink()
+
+
+@contextlib.contextmanager
+def claimed(claim: Path, *, ready: Callable[[], bool], timeout_s: float | None) -> Iterator[bool]:
+    """Hold `claim` while the block runs (module docstring). While another actor holds
+    it, wait: yields False once `ready()` (what the holder was doing is done), True once
+    claimed. Past `timeout_s` the block runs without it (True, logged); None: wait for as
+    long as the holder lives."""
+    token = uuid.uuid4().hex.encode()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    delay = CLAIM_POLL_S[0]
+    while not ready():
+        if not _create(claim, token):
+            if age_s(claim) > CLAIM_STALE_S:
+                _take_over(claim, token)
+            elif deadline is None or time.monotonic() < deadline:
+                time.sleep(delay)
+                delay = min(2 * delay, CLAIM_POLL_S[1])
+            else:
+                log.warning("%s: still held after timeout_s=%g: going on", claim, timeout_s)
+                yield True
+                return
+            continue
+        try:
+            with touching([claim]):
+                yield True
+        finally:
+            _release(claim, token)
+        return
+    yield False
+
+
+def _server_key(url: str) -> str:
+    """8 hex naming a server: of its URL, and of this machine's name when the URL is a
+    loopback one (each machine's own server, at the same URL)."""
+    host = urlsplit(url).hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback or host in ("0.0.0.0", "::"):
+        url = f"{socket.gethostname()}/{url}"
+    return hashlib.sha256(url.encode()).hexdigest()[:8]
+
+
+class ServerRecord:
+    """What one server was last told to load by the run's actors, in the run's folder:
+    `.server-<key>.json`, and `.server-<key>.lock`, the claim its pushes are made under."""
+
+    FIELDS = {"version": int, "digest": str, "created_at": float | int}
+
+    def __init__(self, run_folder: Path, url: str) -> None:
+        name = f".server-{_server_key(url)}"
+        self.path = run_folder / f"{name}.json"
+        self.lock = run_folder / f"{name}.lock"
+
+    def read(self) -> dict[str, Any] | None:
+        """{"version", "digest", "created_at"}, and "written" (the record's mtime); None
+        when there is none or it is unreadable (a torn or foreign one: then push)."""
+        try:
+            held = json.loads(self.path.read_bytes())
+            written = self.path.stat().st_mtime
+        except (OSError, ValueError):
+            return None
+        if not isinstance(held, dict) or not all(
+            isinstance(held.get(k), t) for k, t in self.FIELDS.items()
+        ):
+            return None
+        return {k: held[k] for k in self.FIELDS} | {"written": written}
+
+    def write(self, *, version: int, digest: str, created_at: float, writer: str) -> None:
+        """Replace the record in one step (a reader sees the old one or the new one)."""
+        partial = self.path.with_name(f"{self.path.name}.{writer}.partial")
+        body = {"version": version, "digest": digest, "created_at": created_at}
+        partial.write_text(json.dumps(body))
+        partial.replace(self.path)
