@@ -1,7 +1,7 @@
 """benchmarks/remote_engine.py runs end to end at its smoke size: `tunix-tasks serve` as a
 subprocess, the in-process and remote paths at two concurrencies with no compile inside
 a timed window, the per-turn overhead, a weights push, and a fleet's pushes through its
-own folders and through the shared one (written once)."""
+own folders and through the shared one (written once, pushed once)."""
 
 from __future__ import annotations
 
@@ -20,4 +20,8 @@ def test_remote_engine_benchmark_runs_at_smoke_size():
     assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)  # turns/s, both paths
     assert "per-turn overhead at E=1" in stdout
     assert "weights push" in stdout and "MB/s" in stdout
-    assert re.search(r"own folders \d+ ms, 4 folders written; shared \d+ ms, 1 written", stdout)
+    assert re.search(
+        r"own folders \d+ ms, 4 folders written, 4 pushes reached the server; "
+        r"shared \d+ ms, 1 written, 1 pushed",
+        stdout,
+    )
