@@ -60,6 +60,7 @@ SUITE = (
     ),
     _entry("models", "--shape cpu --families qwen3 --sample-batches 16"),
     _entry("weights", "--gcs"),
+    _entry("export"),
     _entry("publishing"),
     _entry("publishing", "--store gs", name="publishing_gs"),
     _entry("publishing", "--pin", name="publishing_pin"),

@@ -280,6 +280,23 @@ def _import_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    _check_run_config(args.run_uri)
+    from tunix_tasks.frontdoor.export import export_snapshot
+
+    with _TensorProgress(f"exporting {args.run_uri}") as progress:
+        written = export_snapshot(
+            args.run_uri,
+            args.dest,
+            version=args.version,
+            merge=args.merge,
+            dtype=args.dtype,
+            progress=progress,
+        )
+    _print_json(written)
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -434,6 +451,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = command(
+        "export",
+        _export,
+        "write a weight snapshot as a Hugging Face folder (transformers, PEFT, vLLM, SGLang)",
+    )
+    p.add_argument("run_uri", help="a run of a Hugging Face checkpoint (model.checkpoint)")
+    p.add_argument("dest", help="the folder to write (absent or empty)")
+    p.add_argument("--version", type=int, default=None, help="default: the latest")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="an adapter snapshot merged into its base, as a full folder (default: a PEFT "
+        "adapter folder)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="of a full or merged folder's tensors (default: the base checkpoint's)",
+    )
+
+    p = command(
         "serve",
         _serve,
         "serve a run's policy for remote actors (actor.remote.url): token-in/token-out "
@@ -515,6 +553,12 @@ def _known_error(err: Exception) -> tuple[int, str] | None:
     packaged = sys.modules.get("tunix_tasks.policy.packaged_models")
     if packaged is not None and isinstance(err, packaged.ModelFetchError):
         return EXIT_USAGE, str(err)
+    export = sys.modules.get("tunix_tasks.frontdoor.export")
+    if export is not None and isinstance(err, export.ExportError):
+        return EXIT_USAGE, str(err)
+    headers = sys.modules.get("tunix_tasks.policy.hf_headers")
+    if headers is not None and isinstance(err, headers.CheckpointError):
+        return EXIT_FAILED, str(err)
     remote = sys.modules.get("tunix_tasks.actor.remote.wire")
     if remote is not None and isinstance(err, remote.RemoteError):
         return EXIT_FAILED, f"remote engine: {err}"

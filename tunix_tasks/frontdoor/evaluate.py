@@ -37,7 +37,7 @@ from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.sampling import Sampler
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.runs import read_config
-from tunix_tasks.storage.weights import WeightsError, load_snapshot, read_latest
+from tunix_tasks.storage.weights import load_snapshot, published_version
 
 DEFAULT_EPISODES = 64
 
@@ -136,11 +136,7 @@ def evaluate_snapshot(
 ) -> dict[str, Any]:
     enable_compile_cache()
     cfg, store = read_config(run_uri)
-    if version is None:
-        latest = read_latest(store)
-        if latest is None:
-            raise WeightsError(f"{run_uri} has no published weights to evaluate")
-        version = latest[0]
+    version = published_version(store, version)
     flat, manifest = load_snapshot(store, version)
     adapters = manifest.kind == "adapter"  # on the base the config names
     result = {

@@ -14,7 +14,8 @@ lora.py           `LowRank`: a LoRA adapter on one projection
 precision.py      the dtype a model holds its params in (bfloat16 for bf16 sampling)
 params.py         flat named weights for snapshots
 hf_headers.py     a checkpoint's files and safetensors headers, checked against config.json (no JAX)
-hf_checkpoint.py  Hugging Face safetensors checkpoints -> a sharded model
+hf_checkpoint.py  Hugging Face safetensors checkpoints -> a sharded model, and back
+hf_adapters.py    LoRA adapters in PEFT's format, to and from ours; merged into a base
 gguf_import.py    a llama.cpp GGUF file -> a Hugging Face checkpoint directory
 gguf_file.py      a GGUF file's metadata and tensor directory; the import's error
 gguf_tokenizer.py a GGUF file's tokenizer as tokenizer.json + tokenizer_config.json

@@ -23,9 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import struct
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +49,7 @@ from tunix_tasks.policy.spec import (
     rope_inv_freq,
     spec_from_hf_config,
 )
+from tunix_tasks.storage.local_folder import check_free, folder_in_place
 
 __all__ = ["GGUFImportError", "Progress", "gguf_hf_config", "import_gguf", "unpermute_qk"]
 
@@ -300,8 +299,7 @@ def import_gguf(
     written into a temporary sibling directory renamed to `dest` at the end, so `dest`
     either is complete or does not exist. Returns `dest`."""
     dest = Path(dest)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise GGUFImportError(f"{dest}: already exists and is not an empty directory")
+    check_free(dest, error=GGUFImportError)
     g = open_gguf(src)
     config = _config(g)
     try:
@@ -315,18 +313,9 @@ def import_gguf(
         raise GGUFImportError(
             f"{g.path}: the tokenizer has {n_tokens} tokens, the embedding {spec.vocab_size} rows"
         )
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would make the checkpoint private once renamed
-    try:
+    with folder_in_place(dest) as tmp:
         _write_json(tmp / "config.json", config)
         (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         _write_json(tmp / "tokenizer_config.json", tokenizer_config)
         _write_safetensors(tmp / SINGLE, g, plans, progress or _no_progress)
-        if dest.exists():  # an empty directory: rename(2) would refuse to replace it
-            dest.rmdir()
-        tmp.rename(dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dest

@@ -14,6 +14,7 @@ their final sharding: host memory holds one tensor at a time, never a second mod
     for name, param in ckpt.tensors(spec): ...       # or one param at a time, unplaced
     flat = params_from_hf(load_file(path), spec)     # a state dict already in memory
     hf = params_to_hf(flat, spec)                    # and back: HF names and layouts
+    for name, w in hf_tensors(pairs, spec): ...      # the same, one tensor at a time
 
 Errors (`CheckpointError`) name the file and the tensor: a missing tensor, a shape that does
 not match config.json, an unknown dtype, a corrupt header, a truncated file.
@@ -22,7 +23,7 @@ not match config.json, an unknown dtype, a corrupt header, a truncated file.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -47,6 +48,7 @@ __all__ = [
     "CheckpointError",
     "HFCheckpoint",
     "hf_tensor_shapes",
+    "hf_tensors",
     "params_from_hf",
     "params_to_hf",
 ]
@@ -104,19 +106,19 @@ def _to_hf(w: np.ndarray, layout: str) -> np.ndarray:
     return w
 
 
-def params_to_hf(flat: Mapping[str, np.ndarray], spec: DecoderSpec) -> dict[str, np.ndarray]:
-    """Our flat params (`flat_params` names, as a snapshot holds them) as a Hugging Face
-    state dict: HF names and layouts, contiguous, dtypes kept, so a server that loads
-    Hugging Face checkpoints (vLLM, SGLang, `tunix-tasks serve`) can load them. A param
-    missing or of the wrong shape: `CheckpointError` naming it; the inverse of
-    `params_from_hf`."""
-    targets = expected_tensors(spec)
-    missing = sorted(set(targets) - set(flat))
-    if missing:
-        raise CheckpointError(f"missing param(s) {', '.join(missing[:5])}")
-    out = {}
-    for ours, t in targets.items():
-        w = np.asarray(flat[ours])
+def hf_tensors(
+    params: Iterable[tuple[str, np.ndarray]], spec: DecoderSpec
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Our params, (`flat_params` name, array) pairs as they come (a snapshot's, or a
+    checkpoint's streamed), as Hugging Face tensors one at a time: (HF name, the array in
+    HF layout, contiguous, dtype kept). A param of the wrong shape or not of this model,
+    or one missing at the end: `CheckpointError` naming it."""
+    targets, seen = expected_tensors(spec), set()
+    for ours, value in params:
+        t = targets.get(ours)
+        if t is None:
+            raise CheckpointError(f"param {ours} is not one of this model's")
+        w = np.asarray(value)
         if t.layout in ("heads_in", "heads_out", "bias") and w.shape != t.dims:
             raise CheckpointError(
                 f"param {ours} has shape {list(w.shape)}, expected {list(t.dims)}"
@@ -127,8 +129,23 @@ def params_to_hf(flat: Mapping[str, np.ndarray], spec: DecoderSpec) -> dict[str,
                 f"param {ours} has shape {list(w.shape)}, the spec implies {list(t.hf_shape)} "
                 f"as {t.hf_name}"
             )
-        out[t.hf_name] = hf
-    return out
+        seen.add(ours)
+        yield t.hf_name, hf
+    missing = sorted(set(targets) - seen)
+    if missing:
+        raise CheckpointError(f"missing param(s) {', '.join(missing[:5])}")
+
+
+def params_to_hf(flat: Mapping[str, np.ndarray], spec: DecoderSpec) -> dict[str, np.ndarray]:
+    """Our flat params (`flat_params` names, as a snapshot holds them; others, such as
+    adapters, are left out) as a Hugging Face state dict (`hf_tensors`), so a server that
+    loads Hugging Face checkpoints (vLLM, SGLang, `tunix-tasks serve`) can load them; the
+    inverse of `params_from_hf`."""
+    targets = expected_tensors(spec)
+    missing = sorted(set(targets) - set(flat))
+    if missing:  # before converting anything
+        raise CheckpointError(f"missing param(s) {', '.join(missing[:5])}")
+    return dict(hf_tensors(((ours, flat[ours]) for ours in targets), spec))
 
 
 class HFCheckpoint(CheckpointFiles):

@@ -16,4 +16,5 @@ retention.py        which weight snapshots a run keeps (pruned after each publis
 metrics.py          JSON-lines metrics, the incremental reader, `Stopwatch`
 tensorboard.py      metrics as TensorBoard event files
 trackers.py         metrics to the user's experiment tracker (`tracker: mlflow`), a registry
+local_folder.py     a local folder written whole or not at all (imports, exports)
 """

@@ -282,6 +282,16 @@ def load_params(
     return flat, held, nbytes
 
 
+def published_version(store: ObjectStore, version: int | None) -> int:
+    """`version`, or (None) the latest published one; WeightsError when none is."""
+    if version is not None:
+        return version
+    latest = read_latest(store)
+    if latest is None:
+        raise WeightsError(f"{store.uri}: no weights published yet")
+    return latest[0]
+
+
 def load_snapshot(store: ObjectStore, version: int) -> tuple[dict[str, np.ndarray], Manifest]:
     """Read and verify one snapshot (a delta: with its base); raises WeightsError on any
     problem. The tensors are read-only views into the one params blob."""

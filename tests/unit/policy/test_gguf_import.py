@@ -250,7 +250,7 @@ def test_not_a_gguf_and_existing_destination_are_refused(llama_f32, tmp_path):
     assert "not a readable GGUF file" in _refused(bad, tmp_path / "out")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    with pytest.raises(GGUFImportError, match="already exists and is not an empty directory"):
+    with pytest.raises(GGUFImportError, match="already exists and is not an empty folder"):
         import_gguf(llama_f32, tmp_path / "full")
 
 
@@ -264,7 +264,7 @@ def test_cli_imports_and_refuses_with_exit_codes(llama_f32, tmp_path, capsys):
     assert (dest / "model.safetensors").exists() and oct(dest.stat().st_mode & 0o777) == "0o755"
     assert cli_main(["import-gguf", str(llama_f32), str(dest)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"tunix-tasks: {dest}: already exists and is not an empty directory"]
+    assert err == [f"tunix-tasks: {dest}: already exists and is not an empty folder"]
     assert cli_main(["import-gguf", str(tmp_path / "nope.gguf"), str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.strip().endswith("nope.gguf: no such file")
     assert cli_main(["fetch-model", "no-such-model", "--cache", str(tmp_path)]) == 2
