@@ -77,6 +77,7 @@ class _SafetensorsFile:
     then filled a tensor at a time, in any order, each written into its place."""
 
     def __init__(self, path: Path, layout: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+        self._path = path
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         self._places: dict[str, tuple[int, tuple[int, ...], np.dtype]] = {}
         offset = 0
@@ -99,13 +100,19 @@ class _SafetensorsFile:
 
     def put(self, name: str, array: np.ndarray) -> None:
         offset, shape, dtype = self._places.pop(name)
-        array = np.ascontiguousarray(array, dtype=dtype)
-        if array.shape != shape:
-            raise CheckpointError(f"{name}: shape {list(array.shape)}, laid out {list(shape)}")
-        self._file.seek(self._start + offset)
-        data = memoryview(array.reshape(-1).view(np.uint8))
-        for start in range(0, len(data), _WRITE_CHUNK):  # one 131 MB write() took 0.8 s
-            self._file.write(data[start : start + _WRITE_CHUNK])  # here, 8 MB ones 0.12 s
+        with np.errstate(over="ignore"):  # an overflow is refused below, by name
+            cast = np.ascontiguousarray(array, dtype=dtype)
+        if cast.shape != shape:
+            raise CheckpointError(f"{name}: shape {list(cast.shape)}, laid out {list(shape)}")
+        if cast.dtype != array.dtype and not np.isfinite(cast).all():
+            raise ExportError(f"{name}: values beyond {dtype}'s range (pick a wider --dtype)")
+        data = memoryview(cast.reshape(-1).view(np.uint8))
+        try:
+            self._file.seek(self._start + offset)
+            for start in range(0, len(data), _WRITE_CHUNK):  # one 131 MB write() took 0.8 s
+                self._file.write(data[start : start + _WRITE_CHUNK])  # here, 8 MB ones 0.12 s
+        except OSError as err:  # a full disk says no file name: name it
+            raise OSError(err.errno, err.strerror, str(self._path)) from None
 
     def close(self, *, complete: bool = True) -> None:
         """Close the file; `complete`: every tensor laid out must have been written."""
@@ -157,7 +164,7 @@ def export_snapshot(
     what was written: {"dest", "version", "kind" (full, adapter, merged), "dtype",
     "bytes"}. `dtype` (a `DTYPE_NAMES` key; None: the base checkpoint's) applies to full
     and merged folders; an adapter keeps the snapshot's."""
-    dest = Path(dest)
+    dest = Path(dest).absolute()  # "." has no name to put a sibling beside
     check_free(dest, error=ExportError)
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise ExportError(f"dtype {dtype!r}: one of {', '.join(DTYPE_NAMES)}")
@@ -184,6 +191,11 @@ def export_snapshot(
                 "trained on"
             )
         kind = "merged" if merge else "adapter"
+        if kind == "adapter" and dtype is not None:
+            raise ExportError(
+                "--dtype applies to full and merged folders; an adapter keeps the snapshot's "
+                "(add --merge for a full folder)"
+            )
     elif merge:
         raise ExportError(f"v{version} is a full snapshot: nothing to merge (drop --merge)")
     with folder_in_place(dest) as tmp:
@@ -229,7 +241,8 @@ def _write(
         params = iter(flat.items())
     _write_weights(out / "model.safetensors", spec, params, DTYPE_NAMES[dtype], progress)
     config = dict(config)
-    config["torch_dtype" if "torch_dtype" in config else "dtype"] = dtype
+    for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
+        config[key] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for file in _BASE_FILES:
         data = base.read(file)

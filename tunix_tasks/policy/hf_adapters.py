@@ -23,6 +23,7 @@ same scale, so A is `a` flattened to [in, r] and transposed, and B is `b` flatte
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -51,8 +52,29 @@ _TARGETS = {
 }
 _BY_MODULE = {hf.rsplit(".", 1)[1]: ours for ours, (_, _, hf) in _TARGETS.items()}
 _PREFIX = "base_model.model.model.layers"
-# PEFT options that change what the tensors mean; an adapter using any is refused.
-_UNSUPPORTED = {
+# What an adapter_config.json may hold at any value: what it is, and options that change
+# nothing at inference (dropout) or that only matter when another option is on. Any other
+# key must be at its default (`_unset`): an option ours cannot honour is refused by name.
+_FREE = frozenset(
+    {
+        "base_model_name_or_path",
+        "peft_type",
+        "task_type",
+        "r",
+        "lora_alpha",
+        "target_modules",
+        "lora_dropout",
+        "inference_mode",
+        "init_lora_weights",
+        "revision",
+        "peft_version",
+        "auto_mapping",
+        "megatron_core",
+        "qalora_group_size",
+    }
+)
+# The options `peft_config` writes at their defaults (PEFT's names).
+_DEFAULTS = {
     "use_dora": False,
     "use_rslora": False,
     "fan_in_fan_out": False,
@@ -153,17 +175,23 @@ def peft_config(lora: LoraSpec, *, base: str) -> dict[str, Any]:
         "lora_dropout": 0.0,
         "inference_mode": True,
         "init_lora_weights": True,
-    } | _UNSUPPORTED
+    } | _DEFAULTS
+
+
+def _unset(value: Any) -> bool:
+    """A PEFT option left at its default: off, empty, or (bias) "none"; 0 is not."""
+    return value is None or value is False or value in ({}, [], "none")
 
 
 def lora_from_peft_config(config: Mapping[str, Any]) -> LoraSpec:
     """The `LoraSpec` an `adapter_config.json` describes; `CheckpointError` for what ours
-    cannot hold (another PEFT method, DoRA, rsLoRA, per-layer ranks, biases, ...)."""
+    cannot hold: another PEFT method, or any option not at its default (DoRA, rsLoRA,
+    per-layer ranks, biases, activated LoRA, ... and those of later PEFT versions)."""
     if config.get("peft_type") != "LORA":
         raise CheckpointError(f"peft_type {config.get('peft_type')!r}: only LORA is supported")
-    for key, plain in _UNSUPPORTED.items():
-        if config.get(key, plain) not in (plain, None, {}, False):
-            raise CheckpointError(f"adapter_config.json: {key}={config[key]!r} is not supported")
+    for key, value in config.items():
+        if key not in _FREE and not _unset(value):
+            raise CheckpointError(f"adapter_config.json: {key}={value!r} is not supported")
     modules = config.get("target_modules")
     if not isinstance(modules, list) or not modules:
         raise CheckpointError(
@@ -173,7 +201,8 @@ def lora_from_peft_config(config: Mapping[str, Any]) -> LoraSpec:
     if unknown:
         raise CheckpointError(f"target_modules {unknown}: not among {sorted(_BY_MODULE)}")
     rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, int | float) or alpha <= 0:
+    numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (rank, alpha))
+    if not numbers or not isinstance(rank, int) or rank < 1 or not 0 < alpha < math.inf:
         raise CheckpointError(f"r={rank!r}, lora_alpha={alpha!r}: need r >= 1 and alpha > 0")
     targets = tuple(t for t in LORA_TARGETS if _TARGETS[t][2].rsplit(".", 1)[1] in modules)
     return LoraSpec(rank, float(alpha), targets)

@@ -1,6 +1,7 @@
 """A local folder written whole or not at all (a GGUF import's checkpoint, an export):
-its files go into a temporary sibling folder renamed to the destination at the end, so
-the destination is complete or absent, and a crash leaves no half folder.
+its files go into a temporary sibling folder, synced to disk, then renamed to the
+destination, so the destination is complete or absent: a crash or power loss leaves no
+half folder (a killed writer leaves its hidden `.<dest>.*.tmp` sibling, never `dest`).
 
     check_free(dest, error=ExportError)          # early, before any expensive work
     with folder_in_place(dest) as tmp:           # write into tmp; renamed on success,
@@ -10,6 +11,7 @@ the destination is complete or absent, and a crash leaves no half folder.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -33,9 +35,21 @@ def folder_in_place(dest: Path) -> Iterator[Path]:
     tmp.chmod(0o755)  # mkdtemp's 0700 would make the folder private once renamed
     try:
         yield tmp
+        for path in tmp.iterdir():  # on disk before the name is: a power loss leaves no
+            _fsync(path)  # truncated file under `dest`
+        _fsync(tmp)
         if dest.exists():  # an empty folder: rename(2) would refuse to replace it
             dest.rmdir()
         tmp.rename(dest)
+        _fsync(dest.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -82,12 +82,23 @@ def test_a_peft_adapter_gives_peft_logits_and_round_trips_exactly():
         ({"target_modules": ["q_proj", "lm_head"]}, "lm_head"),
         ({"target_modules": "all-linear"}, "a list"),
         ({"r": 0}, "r >= 1"),
+        ({"r": True}, "r >= 1"),
+        ({"lora_alpha": float("inf")}, "alpha > 0"),
+        ({"alora_invocation_tokens": [7, 8]}, "alora_invocation_tokens"),  # activated LoRA
+        ({"layers_to_transform": 0}, "layers_to_transform"),  # 0 is a layer, not "off"
+        ({"a_later_peft_option": "on"}, "a_later_peft_option"),
     ],
 )
 def test_an_adapter_ours_cannot_hold_is_refused_by_name(change, match):
     _, config, _, _ = _peft()
     with pytest.raises(CheckpointError, match=match):
         lora_from_peft_config(config | change)
+
+
+def test_options_left_at_their_defaults_are_accepted():
+    _, config, lora, _ = _peft()
+    plain = {"modules_to_save": [], "layers_to_transform": None, "loftq_config": {}}
+    assert lora_from_peft_config(config | plain | {"lora_dropout": 0.1}) == lora
 
 
 def test_adapter_tensors_are_checked_by_name_and_shape():
@@ -234,31 +245,86 @@ def test_what_cannot_be_exported_is_a_clear_error_and_writes_nothing(tmp_path, c
     assert (tmp_path / "cli" / "model.safetensors").is_file()
 
 
-def test_a_failure_mid_write_leaves_no_folder(tmp_path, monkeypatch):
-    """The export fails after some tensors are in (a full disk, a kill): `dest` does not
-    exist and no temporary folder is left beside it; the next export writes it whole."""
+def test_a_full_disk_mid_write_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch, capsys):
+    """The disk fills after some tensors are in (write() raises ENOSPC, naming no file):
+    one line naming the file, exit status of a storage error, `dest` absent and no
+    temporary folder beside it; the next export writes it whole."""
     cfg, store = _run(tmp_path)
     _, model = build_policy(cfg.model, seed=0)
     WeightsPublisher(store).publish(
         flat_params(model), version=0, step=0, model=cfg.model.model_dump()
     )
-    put, calls = export._SafetensorsFile.put, []
+    init = export._SafetensorsFile.__init__
 
-    def failing(self, name, array):
-        calls.append(name)
-        if len(calls) == 5:
-            raise OSError(28, "No space left on device", "model.safetensors")
-        put(self, name, array)
+    class FullDisk:
+        def __init__(self, file) -> None:
+            self.file, self.writes = file, 0
 
-    monkeypatch.setattr(export._SafetensorsFile, "put", failing)
-    with pytest.raises(OSError, match="No space left"):
-        export_snapshot(cfg.run_uri, tmp_path / "out" / "v0")
+        def write(self, data) -> int:
+            self.writes += 1
+            if self.writes == 5:
+                raise OSError(28, "No space left on device")
+            return self.file.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    def filling(self, *args) -> None:
+        init(self, *args)
+        self._file = FullDisk(self._file)
+
+    monkeypatch.setattr(export._SafetensorsFile, "__init__", filling)
+    dest = tmp_path / "out" / "v0"
+    assert main(["export", cfg.run_uri, str(dest)]) == 5  # EXIT_STORAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"tunix-tasks: {err[0].split(': ', 1)[1]}"] and "model.safetensors" in err[0]
+    assert "No space left on device" in err[0]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
-    monkeypatch.setattr(export._SafetensorsFile, "put", put)
-    export_snapshot(cfg.run_uri, tmp_path / "out" / "v0")
+    monkeypatch.setattr(export._SafetensorsFile, "__init__", init)
+    export_snapshot(cfg.run_uri, dest)
     assert (
-        load_file(str(tmp_path / "out/v0/model.safetensors")).keys()
+        load_file(str(dest / "model.safetensors")).keys()
         == load_file(str(BASE / "model.safetensors")).keys()
+    )
+
+
+def test_dtypes_that_cannot_hold_the_weights_or_do_not_apply_are_refused(tmp_path, monkeypatch):
+    """float16 cannot hold a weight of 1e5 (inf): refused naming the tensor, nothing
+    written; `--dtype` on an adapter folder (kept as the snapshot holds it) is refused;
+    "." exports into the current (empty) folder."""
+    cfg, store = _run(tmp_path)
+    _, model = build_policy(cfg.model, seed=0)
+    flat = flat_params(model)
+    flat["embed"] = flat["embed"] * 0 + 1e5
+    WeightsPublisher(store).publish(flat, version=0, step=0, model=cfg.model.model_dump())
+    with pytest.raises(ExportError, match=r"embed_tokens\.weight: values beyond float16's range"):
+        export_snapshot(cfg.run_uri, tmp_path / "f16", dtype="float16")
+    assert not (tmp_path / "f16").exists()
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert export_snapshot(cfg.run_uri, ".", dtype="bfloat16")["kind"] == "full"
+    assert (tmp_path / "here" / "model.safetensors").is_file()
+
+    tensors, _, lora, spec = _peft()
+    lcfg, lstore = _run(
+        tmp_path / "lora",
+        lora_rank=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_targets=list(lora.targets),
+    )
+    base = {"fingerprint": base_fingerprint(lcfg.model, lcfg.seed), "uri": str(BASE)}
+    WeightsPublisher(lstore).publish(
+        adapters_from_peft(tensors, spec, lora),
+        version=0,
+        step=0,
+        model=lcfg.model.model_dump(),
+        kind="adapter",
+        base=base,
+    )
+    with pytest.raises(ExportError, match="--dtype applies to full and merged folders"):
+        export_snapshot(lcfg.run_uri, tmp_path / "a", dtype="bfloat16")
+    assert export_snapshot(lcfg.run_uri, tmp_path / "m", dtype="bfloat16", merge=True)["dtype"] == (
+        "bfloat16"
     )
 
 
