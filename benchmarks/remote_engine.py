@@ -43,13 +43,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 import numpy as np
+from flax import nnx
 
 from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
 from tunix_tasks.actor.remote.engine import RemoteEngine
 from tunix_tasks.config import RunConfig, config_from_dict
 from tunix_tasks.frontdoor.compile_cache import ENV, enable_compile_cache
-from tunix_tasks.policy.build import build_actor_sampler, build_policy, policy_spec
+from tunix_tasks.policy.build import build_actor_sampler, build_policy, lora_spec, policy_spec
 from tunix_tasks.policy.params import flat_params
+from tunix_tasks.policy.spec import LoraSpec
 
 PROMPT, REPLY = 32, 4
 Turn = Callable[[list[int], str], Awaitable[list[int]]]
@@ -75,6 +77,7 @@ def _overrides(cfg: RunConfig) -> list[str]:
     a = cfg.actor
     return [
         f"model.preset={cfg.model.preset}",
+        f"model.lora_rank={cfg.model.lora_rank}",
         f"actor.envs_per_actor={a.envs_per_actor}",
         f"actor.kv_cache_slots={a.kv_cache_slots}",
         f"actor.max_new_tokens={a.max_new_tokens}",
@@ -212,10 +215,46 @@ async def measure(args, cache: str) -> None:
     finally:
         server.terminate()
         server.wait(30)
+    if args.lora_rank:  # from a thread: the engine's push runs its own event loop
+        await asyncio.to_thread(_adapter_pushes, args, cfg, cache, full_s=push, full_bytes=size)
+
+
+def _adapter_pushes(args, cfg: RunConfig, cache: str, *, full_s: float, full_bytes: int) -> None:
+    """A LoRA run's push (a PEFT folder, loaded by name) on a server of the same preset
+    with `--lora-rank` adapters on every projection, against the full push above."""
+    model = cfg.model.model_copy(update={"lora_rank": args.lora_rank})
+    cfg = cfg.model_copy(update={"model": model})
+    server, url = _start_server(cfg, cache)
+    try:
+        engine = _engine(args, cfg, url, connections=1, lora=lora_spec(cfg.model))
+        _, lora_model = build_policy(cfg.model, seed=1)
+        adapters = flat_params(lora_model, nnx.LoRAParam)
+        times = []
+        for v in range(1, args.pushes + 1):
+            t0 = time.perf_counter()
+            engine.update_params(adapters, version=v, only=nnx.LoRAParam)
+            times.append(time.perf_counter() - t0)
+    finally:
+        server.terminate()
+        server.wait(30)
+    push, size = statistics.median(times), sum(v.nbytes for v in adapters.values())
+    print(
+        f"adapter push (rank {args.lora_rank}, every projection; write the PEFT folder, the "
+        f"server loads it by name): {push * 1e3:.0f} ms for {size / 1e6:.2f} MB (median of "
+        f"{args.pushes}): {push / full_s:.2f}x the full push's time, "
+        f"{size / full_bytes:.3f}x its bytes"
+    )
 
 
 def _engine(
-    args, cfg: RunConfig, url: str, *, connections: int, actor_id: str = "actor-0", **remote
+    args,
+    cfg: RunConfig,
+    url: str,
+    *,
+    connections: int,
+    actor_id: str = "actor-0",
+    lora: LoraSpec | None = None,
+    **remote,
 ) -> RemoteEngine:
     """An actor's engine on the server at `url` (`remote`: more `actor.remote` fields)."""
     chat, spec = policy_spec(cfg.model)
@@ -230,6 +269,7 @@ def _engine(
         connections=connections,
         run_folder="bench",
         actor_id=actor_id,
+        lora=lora,
     )
 
 
@@ -288,6 +328,9 @@ def main() -> None:
     p.add_argument("--quiet", type=float, default=10.0, help="s without a compile before a window")
     p.add_argument("--pushes", type=int, default=3)
     p.add_argument("--fleet", type=int, default=4, help="actors pushing to one server at once")
+    p.add_argument(
+        "--lora-rank", type=int, default=8, help="a LoRA run's adapter push too (0: not)"
+    )
     p.add_argument(
         "--batch-wait",
         type=float,

@@ -1,7 +1,8 @@
 """benchmarks/remote_engine.py runs end to end at its smoke size: `tunix-tasks serve` as a
 subprocess, the in-process and remote paths at two concurrencies with no compile inside
 a timed window, the per-turn overhead, a weights push, and a fleet's pushes through its
-own folders and through the shared one (written once, pushed once)."""
+own folders and through the shared one (written once, pushed once), and a LoRA run's
+adapter push."""
 
 from __future__ import annotations
 
@@ -25,3 +26,4 @@ def test_remote_engine_benchmark_runs_at_smoke_size():
         r"shared \d+ ms, 1 written, 1 pushed",
         stdout,
     )
+    assert re.search(r"adapter push \(rank 8, .*\): \d+ ms for [\d.]+ MB", stdout)

@@ -3,8 +3,9 @@ async actor's rollout engine instead of its own JAX sampler (docs/remote-engine.
 
 With `url` set, the actor sends each turn's token ids to `<url>/v1/completions` (vLLM's
 token-in / token-out form) and pushes each new snapshot to the server as a Hugging Face
-checkpoint under `weights_dir` (SGLang's `POST /update_weights_from_disk`). Empty `url`:
-the actor samples itself, as before.
+checkpoint under `weights_dir` (SGLang's `POST /update_weights_from_disk`), or a LoRA
+run's adapters as a PEFT folder loaded by name (vLLM's `POST /v1/load_lora_adapter`).
+Empty `url`: the actor samples itself, as before.
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ class RemoteEngineConfig(Frozen):
         description="the server's route that loads a checkpoint folder (SGLang's; vLLM "
         "needs a weight-reload extension serving it)",
     )
+    adapter_route: str = Field(
+        "/v1/load_lora_adapter",
+        description="a LoRA run's: the server's route that loads a PEFT adapter folder by "
+        "name (vLLM's, with VLLM_ALLOW_RUNTIME_LORA_UPDATING; SGLang's is /load_lora_adapter)",
+    )
+    unload_route: str = Field(
+        "/v1/unload_lora_adapter",
+        description="a LoRA run's: the route that unloads an adapter by name (SGLang's is "
+        "/unload_lora_adapter)",
+    )
     timeout_s: Float = Field(
         600.0,
         gt=0.0,
@@ -62,6 +73,7 @@ class RemoteEngineConfig(Frozen):
             raise ValueError(
                 f"actor.remote.api_key_env {self.api_key_env!r} is not a variable name"
             )
-        if not self.weights_route.startswith("/"):
-            raise ValueError(f"actor.remote.weights_route {self.weights_route!r} must start with /")
+        for name in ("weights_route", "adapter_route", "unload_route"):
+            if not getattr(self, name).startswith("/"):
+                raise ValueError(f"actor.remote.{name} {getattr(self, name)!r} must start with /")
         return self

@@ -75,6 +75,8 @@ RESUMABLE: dict[str, str] = {
             "api_key_env",
             "weights_dir",
             "weights_route",
+            "adapter_route",
+            "unload_route",
             "max_connections",
         )
     },

@@ -352,8 +352,6 @@ class RunConfig(Frozen):
             f"actor.kind={self.actor.kind}: only the async kind samples through a server": (
                 self.actor.kind != "async"
             ),
-            "model.lora_rank > 0: adapter snapshots are not pushed to a server (full "
-            "fine-tuning only)": bool(self.model.lora_rank),
         }
         found = [p for p, bad in problems.items() if bad]
         if found:

@@ -17,6 +17,7 @@ import httpx
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from tests.paths import HF_FIXTURES
@@ -45,10 +46,10 @@ from tunix_tasks.actor.remote.wire import (
     token_label,
 )
 from tunix_tasks.config import ConfigError, RunConfig
-from tunix_tasks.policy.build import build_policy, policy_spec
+from tunix_tasks.policy.build import build_policy, lora_spec, policy_spec
 from tunix_tasks.policy.distribution import token_logprobs
 from tunix_tasks.policy.hf_checkpoint import HFCheckpoint, params_from_hf, params_to_hf
-from tunix_tasks.policy.params import load_flat_params
+from tunix_tasks.policy.params import flat_params, load_flat_params
 from tunix_tasks.storage.runs import mark_done, write_config
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.storage.weights import read_manifest
@@ -181,7 +182,12 @@ def _cfg(tmp_path, **remote) -> RunConfig:
 
 
 def _engine(
-    cfg: RunConfig, url: str, run: str = "run-test", actor: str = "actor-test", **overrides
+    cfg: RunConfig,
+    url: str,
+    run: str = "run-test",
+    actor: str = "actor-test",
+    lora=None,
+    **overrides,
 ) -> RemoteEngine:
     chat, spec = policy_spec(cfg.model)
     remote = cfg.actor.remote.model_copy(update={"url": url, **overrides})
@@ -196,6 +202,7 @@ def _engine(
         connections=4,
         run_folder=run,
         actor_id=actor,
+        lora=lora,
     )
 
 
@@ -214,10 +221,14 @@ def _pushes(server: _Server) -> int:
     return _health(server)["weights"]["pushes"]
 
 
-def _turn_logprobs(cfg: RunConfig, flat, context: list[int], tokens: list[int]) -> np.ndarray:
-    """The log-probs of `tokens` after `context` under `flat`: one full forward pass."""
-    _, model = build_policy(cfg.model, seed=999)
-    load_flat_params(model, flat)
+def _turn_logprobs(
+    cfg: RunConfig, flat, context: list[int], tokens: list[int], model=None
+) -> np.ndarray:
+    """The log-probs of `tokens` after `context` under `flat` (or `model` as it is): one
+    full forward pass."""
+    if model is None:
+        _, model = build_policy(cfg.model, seed=999)
+        load_flat_params(model, flat)
     seq = np.asarray([context + tokens], np.int32)
     logits = _forward(model, jnp.asarray(seq), jnp.asarray([seq.shape[1]], np.int32))
     lp = np.asarray(
@@ -483,6 +494,85 @@ def _health(server: _Server) -> dict:
     return httpx.get(f"{server.url}/health", timeout=30).json()
 
 
+def _lora_cfg(tmp_path, **remote) -> RunConfig:
+    cfg = _cfg(tmp_path, **remote)
+    model = cfg.model.model_copy(update={"lora_rank": 4, "lora_alpha": 8.0})
+    return cfg.model_copy(update={"model": model})
+
+
+def _adapters(cfg: RunConfig, seed: int) -> dict[str, np.ndarray]:
+    """Adapters far from the identity (B is zero in a fresh one), as a LoRA run publishes."""
+    _, model = build_policy(cfg.model, seed=seed)
+    return {k: v + 0.5 for k, v in flat_params(model, nnx.LoRAParam).items()}
+
+
+def _lora_turn_logprobs(cfg: RunConfig, adapters, context, tokens) -> np.ndarray:
+    """Log-probs of `tokens` under the server's base (its seed's) with `adapters` on."""
+    _, model = build_policy(cfg.model, seed=cfg.seed)
+    load_flat_params(model, adapters, nnx.LoRAParam)
+    return _turn_logprobs(cfg, flat_params(model), context, tokens, model=model)
+
+
+def test_a_lora_run_loads_its_adapters_by_name(tmp_path):
+    """A LoRA run's snapshots are adapters: the engine writes each as a PEFT folder, has
+    the server load it as `<run>-v<N>` (vLLM's route) and names it in its turns, whose
+    log-probs are those of the base with that adapter. A fleet of three loads each once;
+    an actor a version behind names the later adapter (tagged with its own version);
+    adapters from before the one behind are unloaded; after a server restart the turn's
+    404 has the adapter loaded again."""
+    cfg = _lora_cfg(tmp_path, weights_dir=str(tmp_path / "shared"))
+    lora = lora_spec(cfg.model)
+    server = _Server(cfg)
+    port = server.port
+    context = [TOK.bos_id, *TOK.encode("q3")]
+    try:
+        fleet = [
+            _engine(cfg, server.url, run="run", actor=f"actor-{i}", lora=lora) for i in range(3)
+        ]
+        ad = {v: _adapters(cfg, v) for v in (1, 2, 3)}
+
+        def push(engine: RemoteEngine, v: int) -> None:
+            engine.update_params(
+                ad[v], version=v, only=nnx.LoRAParam, digest=_digest(v), created_at=100.0 + v
+            )
+
+        _all_at_once(fleet, lambda e: push(e, 1))
+        assert _pushes(server) == 1 and sum(e.folders_written for e in fleet) == 1
+        assert {e._pushed[2] for e in fleet} == {"run-v1"}
+        assert sorted((tmp_path / "shared/run" / f"v1-{_digest(1)[:16]}").iterdir()) == [
+            tmp_path / "shared/run" / f"v1-{_digest(1)[:16]}" / n
+            for n in ("adapter_config.json", "adapter_model.safetensors")
+        ]
+        tokens, logprobs, version = asyncio.run(_one_turn(fleet[0], context))
+        assert version == 1
+        np.testing.assert_allclose(
+            logprobs, _lora_turn_logprobs(cfg, ad[1], context, tokens), atol=LOGPROB_ATOL
+        )
+        ahead, behind = fleet[0], fleet[1]
+        push(ahead, 2)
+        push(ahead, 3)
+        assert _health(server)["weight_version"] == "3"
+        models = {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+        assert {"run-v2", "run-v3"} <= models and "run-v1" not in models  # v1 unloaded
+        push(behind, 2)  # a version behind: the later adapter, no write, no push
+        assert behind._pushed[2] == "run-v3" and behind.version == 2 and _pushes(server) == 3
+        tokens, logprobs, version = asyncio.run(_one_turn(behind, context))
+        assert version == 2
+        np.testing.assert_allclose(
+            logprobs, _lora_turn_logprobs(cfg, ad[3], context, tokens), atol=LOGPROB_ATOL
+        )
+
+        server.close()
+        server = _Server(cfg, port=port)  # holds no adapter: the turn is a 404
+        tokens, logprobs, version = asyncio.run(_one_turn(ahead, context))
+        assert version == 3 and _health(server)["weight_version"] == "3"
+        np.testing.assert_allclose(
+            logprobs, _lora_turn_logprobs(cfg, ad[3], context, tokens), atol=LOGPROB_ATOL
+        )
+    finally:
+        server.close()
+
+
 def _all_at_once(engines: list[RemoteEngine], push) -> None:
     """`push(engine)` in one thread per engine, released together; the first error raised."""
     start, errors = threading.Barrier(len(engines)), []
@@ -568,11 +658,11 @@ def test_a_folder_removed_before_the_server_read_it_is_written_again(tmp_path, m
     push = RemoteEngine._push
     removed = []
 
-    async def removed_first(self, folder, version):
+    async def removed_first(self, folder, name, version):
         if not removed:  # the other actor's clean-up, just before this push
             removed.append(folder)
             shutil.rmtree(folder)
-        return await push(self, folder, version)
+        return await push(self, folder, name, version)
 
     monkeypatch.setattr(RemoteEngine, "_push", removed_first)
     try:

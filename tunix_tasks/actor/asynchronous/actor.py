@@ -36,7 +36,7 @@ from tunix_tasks.actor.runtime import ActorRuntime, episode_seed
 from tunix_tasks.config import ModelConfig, RunConfig
 from tunix_tasks.envs import make_env
 from tunix_tasks.episode import Episode
-from tunix_tasks.policy.build import build_actor_sampler, policy_spec
+from tunix_tasks.policy.build import build_actor_sampler, lora_spec, policy_spec
 from tunix_tasks.policy.packaged_models import resolve_checkpoint
 from tunix_tasks.policy.replicas import SamplerReplicas
 from tunix_tasks.policy.sampling import Sampler
@@ -93,6 +93,7 @@ class Actor(ActorRuntime):
             run_folder=run_weights_folder(self.cfg.run_name, self.cfg.run_uri),
             actor_id=self.actor_id,
             config_json=_base_config_json(self.cfg.model),
+            lora=lora_spec(self.cfg.model),
         )
 
     def _serve(self) -> None:

@@ -73,8 +73,11 @@ from tunix_tasks.actor.remote.shared_disk import (
     touching,
 )
 from tunix_tasks.actor.remote.wire import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
     WEIGHTS_FILE,
     RemoteError,
+    adapter_request,
     completion_request,
     parse_completion,
     served_version,
@@ -83,8 +86,9 @@ from tunix_tasks.actor.remote.wire import (
 from tunix_tasks.config.agent import api_key_from_env
 from tunix_tasks.config.remote import RemoteEngineConfig
 from tunix_tasks.policy.chat import ChatFormat
+from tunix_tasks.policy.hf_adapters import adapters_to_peft, peft_config
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, params_to_hf
-from tunix_tasks.policy.spec import DecoderSpec
+from tunix_tasks.policy.spec import DecoderSpec, LoraSpec
 
 __all__ = ["RemoteEngine", "RemoteError", "run_weights_folder"]
 
@@ -126,6 +130,7 @@ class RemoteEngine:
         run_folder: str,
         actor_id: str,
         config_json: Path | None = None,
+        lora: LoraSpec | None = None,
     ) -> None:
         self.cfg = cfg
         self.url = cfg.url.rstrip("/")
@@ -134,6 +139,8 @@ class RemoteEngine:
         self._spec = spec
         self._stop_ids = tuple(chat.stop_ids)
         self._config_json = config_json
+        self._lora = lora  # a LoRA run's: its snapshots are adapters, pushed by name
+        self._run_folder = run_folder
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_k = top_k
@@ -152,9 +159,10 @@ class RemoteEngine:
         self._requests = itertools.count()
         self._in_flight = 0
         self._restoring = asyncio.Lock()
-        # (version, its folder) the server acknowledged, set at once (the event loop reads
-        # it while a reload thread pushes); the folder is kept to push it again.
-        self._pushed: tuple[int, Path] | None = None
+        # (version, its folder, its adapter name or None) the server acknowledged, set at
+        # once (the event loop reads it while a reload thread pushes); the folder is kept
+        # to push it again, the name is what turns give as their model.
+        self._pushed: tuple[int, Path, str | None] | None = None
         self._pushed_created_at = 0.0  # its snapshot's: what a restore compares the record by
         self.latency_s: list[float] = []  # per turn, request -> reply
         self.batch_sizes: list[int] = []  # turns in flight when each was asked for
@@ -205,12 +213,12 @@ class RemoteEngine:
         """One turn: (tokens, behaviour log-probs, weights version) (module docstring)."""
         if self._client is None:
             raise RuntimeError("use `async with RemoteEngine(...)` before calling it")
-        version = self.version
+        version, _, adapter = self._pushed or (-1, None, None)
         room = self._spec.max_seq_len - len(context)
         if room <= 0:  # as the local sampler: a full context samples nothing
             return [], [], version
         body = completion_request(
-            model=self._model,
+            model=adapter or self._model,
             prompt=context,
             max_tokens=min(max_new_tokens or self.max_new_tokens, room),
             temperature=self.temperature,
@@ -223,16 +231,26 @@ class RemoteEngine:
         self.batch_sizes.append(self._in_flight)
         t0 = time.perf_counter()
         try:
-            for _ in range(2):
-                reply = await self._call(self._client, "POST", "/v1/completions", body)
+            for attempt in range(2):
+                try:
+                    reply = await self._call(self._client, "POST", "/v1/completions", body)
+                except RemoteError as err:
+                    if err.status != 404 or adapter is None or attempt:
+                        raise
+                    # The server does not hold this turn's adapter: it restarted. Load it
+                    # again and ask again.
+                    await self._restore_adapter(adapter)
+                    continue
                 served = served_version(reply)
                 if served is None or served >= version:
                     break
+                if attempt:
+                    raise RemoteError(
+                        f"the server still serves v{served} after v{version} was pushed"
+                    )
                 # The server lost the pushed weights (it restarted): this turn came from
                 # others. Push them again and ask again.
                 await self._restore(served)
-            else:
-                raise RemoteError(f"the server still serves v{served} after v{version} was pushed")
         finally:
             self._in_flight -= 1
         self.latency_s.append(time.perf_counter() - t0)
@@ -241,11 +259,13 @@ class RemoteEngine:
         return turn.tokens, turn.logprobs, version
 
     async def _restore(self, served: int) -> None:
+        if self._pushed is not None and self._pushed[2] is not None:
+            return await self._restore_adapter(self._pushed[2])  # adapters go by name
         async with self._restoring:  # one push for all the turns that noticed at once
             pushed = self._pushed
             if pushed is None or pushed[0] <= served:
                 return
-            version, folder = pushed
+            version, folder, _ = pushed
             # An actor ahead of this one had it load a later snapshot: restore that one, not
             # this actor's own (the server's weights must not go back).
             held = ServerRecord(self.weights_dir, self.url).read()
@@ -275,51 +295,68 @@ class RemoteEngine:
         digest: str = "",
         created_at: float = 0.0,
     ) -> None:
-        """Write `flat` as a Hugging Face checkpoint folder (or find it written by another
-        actor of the run: same `digest`) and have the server load it, unless another actor
-        of the run had it load this snapshot or one published later (`created_at`), from a
-        thread without a running event loop: the runtime's reload."""
-        if only is not nnx.Param:
-            raise ValueError("adapter snapshots are not pushed to a remote server")
-
-        def tensors() -> dict[str, np.ndarray]:
-            try:
-                return params_to_hf(flat, self._spec)
-            except CheckpointError as err:
-                raise ValueError(f"v{version}: {err}") from None
-
+        """Write `flat` as a Hugging Face checkpoint folder, or (`only=nnx.LoRAParam`, a
+        LoRA run's adapters) as a PEFT folder, or find it written by another actor of the
+        run (same `digest`), and have the server load it: a checkpoint as the weights, an
+        adapter under its name `<run folder>-v<N>`, which turns then give as their model.
+        Unless another actor of the run had it load this snapshot, or one the learner
+        published later (`created_at`: this actor lags; it uses that one). From a thread
+        without a running event loop: the runtime's reload."""
+        adapter = only is not nnx.Param
+        if adapter and self._lora is None:
+            raise ValueError("an adapter snapshot, but this engine was given no LoRA spec")
         if digest:
             folder = self.weights_dir / f"v{version}-{digest[:16]}"
         else:  # nothing names the content: a folder of this actor's, written afresh
             folder = self.weights_dir / f"v{version}-{self._actor_id}"
+        name = self._adapter_name(version) if adapter else None
 
-        def load() -> None:
-            if digest:
-                self._load_shared(folder, version, digest, created_at, tensors)
-            else:
-                self._load(self._write(folder, tensors()), version)
+        def fill(into: Path) -> None:  # the folder's files
+            try:
+                if name is None:
+                    tensors = params_to_hf(flat, self._spec)
+                    save_file(tensors, str(into / WEIGHTS_FILE), metadata={"format": "pt"})
+                    if self._config_json is not None:  # the base's, for servers reading it
+                        shutil.copyfile(self._config_json, into / "config.json")
+                    return
+                assert self._lora is not None
+                tensors = adapters_to_peft(flat, self._spec, self._lora)
+                save_file(tensors, str(into / ADAPTER_FILE), metadata={"format": "pt"})
+                config = peft_config(self._lora, base=self._model or "base")
+                (into / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+            except CheckpointError as err:
+                raise ValueError(f"v{version}: {err}") from None
 
         for attempt in range(2):
             try:
-                load()
+                if digest:
+                    used = self._load_shared(folder, version, digest, created_at, fill, name)
+                else:
+                    used = (self._write(folder, fill), name)
+                    self._load(*used, version)
                 break
             except RemoteError as err:
                 if err.status != 400:  # auth or a missing route: the actor stops
                     raise
-                if attempt == 0 and digest and not (folder / WEIGHTS_FILE).is_file():
+                if attempt == 0 and digest and not any(folder.glob("*.safetensors")):
                     # Found, then removed by the clean-up of an actor two versions ahead.
                     log.warning("%s went before the server read it: writing it again", folder)
                     continue
                 raise ValueError(f"the server refused weights v{version}: {err}") from None
-        self._pushed = (version, folder)
+        self._pushed = (version, *used)
         self._pushed_created_at = created_at
         self._clean(version)
 
-    def _load(self, folder: Path, version: int) -> None:
-        """Have the server load `folder` as weights `version`."""
-        reply = asyncio.run(self._push(folder, version))
-        if not isinstance(reply, dict) or reply.get("success") is not True:
+    def _adapter_name(self, version: int) -> str:
+        return f"{self._run_folder}-v{version}"
+
+    def _load(self, folder: Path, name: str | None, version: int) -> None:
+        """Have the server load `folder`: as weights `version`, or as adapter `name`."""
+        reply = asyncio.run(self._push(folder, name, version))
+        if name is None and (not isinstance(reply, dict) or reply.get("success") is not True):
             raise ValueError(f"the server refused weights v{version}: {str(reply)[:300]}")
+        if isinstance(reply, dict) and reply.get("success") is False:  # SGLang's refusal
+            raise ValueError(f"the server refused adapter {name}: {str(reply)[:300]}")
 
     def _load_shared(
         self,
@@ -327,43 +364,58 @@ class RemoteEngine:
         version: int,
         digest: str,
         created_at: float,
-        tensors: Callable[[], dict[str, np.ndarray]],
-    ) -> None:
+        fill: Callable[[Path], None],
+        name: str | None,
+    ) -> tuple[Path, str | None]:
         """Have the server load the run's shared `folder` (written here unless another
         actor wrote it), unless its record says an actor of the run had it load one the
         learner published later (this actor lags: nothing to write or push, and the
-        server's weights must not go back), or this snapshot since this engine started. The
-        run's actors push to a server one at a time (the record's claim), so each snapshot
-        is loaded once: vLLM and SGLang load every push, a 16-32 GB read for an 8B model.
-        A record from before this engine started is not trusted with its own snapshot: the
-        server may have restarted with the actor (vLLM reports no version)."""
+        server's weights must not go back: an adapter run's turns name that later
+        adapter), or this snapshot since this engine started. The run's actors push to a
+        server one at a time (the record's claim), so each snapshot is loaded once: vLLM
+        and SGLang load every push, a 16-32 GB read for an 8B model. A record from before
+        this engine started is not trusted with its own snapshot: the server may have
+        restarted with the actor (vLLM reports no version). Returns the (folder, adapter
+        name) the server holds for this actor. An adapter's load unloads the one loaded
+        two loads before (the record keeps the one before: what a lagging actor names)."""
         record = ServerRecord(self.weights_dir, self.url)
 
-        def held() -> bool:  # read without the claim too: waiters see it at once
+        def held() -> tuple[Path, str | None] | None:  # read without the claim too
             now = record.read()
             if now is None:
-                return False
-            if created_at > 0 and now["created_at"] > created_at:
-                return True
+                return None
+            if created_at > 0 and now["created_at"] > created_at:  # this actor lags
+                if name is None:  # a restore pushes the record's, labelled as it is
+                    return folder, None
+                later = self.weights_dir / f"v{now['version']}-{now['digest'][:16]}"
+                return later, self._adapter_name(now["version"])
             same = (now["version"], now["digest"]) == (version, digest)
-            return same and now["written"] >= self._started
+            return (folder, name) if same and now["written"] >= self._started else None
 
-        if held():
+        if (found := held()) is not None:
             self.loads_skipped += 1
-            return
-        self._shared_folder(folder, tensors)
+            return found
+        self._shared_folder(folder, fill)
         # No deadline: a live holder's push ends within its own timeout_s, and pushing
         # beside it could move the server's weights back.
-        with claimed(record.lock, ready=held, timeout_s=None) as mine:
-            if not mine or held():  # claimed: it may have landed since it was looked at
+        with claimed(record.lock, ready=lambda: held() is not None, timeout_s=None) as mine:
+            if not mine or (found := held()) is not None:  # it may have landed meanwhile
                 self.loads_skipped += 1
-                return
-            self._load(folder, version)
+                return found or (folder, name)
+            before = record.read() or {"version": None, "previous": None}
+            self._load(folder, name, version)
             record.write(
-                version=version, digest=digest, created_at=created_at, writer=self._actor_id
+                version=version,
+                digest=digest,
+                created_at=created_at,
+                writer=self._actor_id,
+                previous=before["version"],
             )
+        if name is not None and before["previous"] is not None:  # two loads back
+            asyncio.run(self._unload(self._adapter_name(before["previous"])))
+        return folder, name
 
-    def _shared_folder(self, folder: Path, tensors: Callable[[], dict[str, np.ndarray]]) -> None:
+    def _shared_folder(self, folder: Path, fill: Callable[[Path], None]) -> None:
         """`folder`, written here unless another actor wrote it. One that is writing it
         (its claim is fresh) is waited for, up to `timeout_s`; a stale claim (its writer
         died) is taken over; past `timeout_s` it is written here too. At worst a version
@@ -373,20 +425,22 @@ class RemoteEngine:
         with claimed(claim, ready=folder.is_dir, timeout_s=self.cfg.timeout_s) as mine:
             # Claimed: the folder may have landed since it was looked for.
             if mine and not folder.is_dir():
-                self._write(folder, tensors(), shared=True)
+                self._write(folder, fill, shared=True)
 
-    def _write(self, folder: Path, tensors: dict[str, np.ndarray], *, shared: bool = False) -> Path:
-        """Write `folder` whole (the server never sees half of one), touching the
-        half-written folder while it writes. `shared`: a copy that landed meanwhile wins
-        (same content); else an older folder of that name goes (this actor's own, from a
-        run re-created under the same URI)."""
+    def _write(self, folder: Path, fill: Callable[[Path], None], *, shared: bool = False) -> Path:
+        """Write `folder` whole (`fill` writes its files; the server never sees half of
+        one), touching the half-written folder while it writes. `shared`: a copy that
+        landed meanwhile wins (same content); else an older folder of that name goes (this
+        actor's own, from a run re-created under the same URI)."""
         partial = folder.with_name(f".{folder.name}.{self._actor_id}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        with touching([partial]):
-            save_file(tensors, str(partial / WEIGHTS_FILE), metadata={"format": "pt"})
-            if self._config_json is not None:  # the base's, for servers that read it again
-                shutil.copyfile(self._config_json, partial / "config.json")
+        try:
+            with touching([partial]):
+                fill(partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         self.folders_written += 1
         if not shared:
             shutil.rmtree(folder, ignore_errors=True)
@@ -417,16 +471,56 @@ class RemoteEngine:
                 with contextlib.suppress(OSError):  # another actor removed it first
                     (shutil.rmtree if entry.is_dir() else os.unlink)(entry)
 
-    async def _push(self, folder: Path, version: int) -> Any:
+    async def _push(self, folder: Path, name: str | None, version: int) -> Any:
         async with self._http() as client:
-            body = weights_request(str(folder.resolve()), version=version)
-            return await self._call(client, "POST", self.cfg.weights_route, body)
+            if name is None:
+                body = weights_request(str(folder.resolve()), version=version)
+                return await self._call(client, "POST", self.cfg.weights_route, body)
+            return await self._push_adapter(client, folder, name)
+
+    async def _push_adapter(self, client: aiohttp.ClientSession, folder: Path, name: str) -> Any:
+        """Load the PEFT `folder` as adapter `name`: the reply (vLLM's is text), None if
+        the server has it already (vLLM's 400 "... has already been loaded")."""
+        body = adapter_request(name, str(folder.resolve()))
+        try:
+            return await self._call(client, "POST", self.cfg.adapter_route, body, json_only=False)
+        except RemoteError as err:
+            if err.status == 400 and "already" in str(err):
+                return None
+            raise
+
+    async def _unload(self, name: str) -> None:
+        """Unload adapter `name`; best effort: one a restart removed first is a 404."""
+        async with self._http() as client:
+            with contextlib.suppress(RemoteError):
+                body = {"lora_name": name}
+                await self._call(client, "POST", self.cfg.unload_route, body, json_only=False)
+
+    async def _restore_adapter(self, name: str) -> None:
+        """The server does not hold adapter `name` (it restarted): load it again, once for
+        all the turns that noticed."""
+        async with self._restoring:
+            pushed = self._pushed
+            if pushed is None or pushed[2] != name:  # a newer push replaced it
+                return
+            log.warning("the server does not hold adapter %s: loading it again", name)
+            assert self._client is not None
+            reply = await self._push_adapter(self._client, pushed[1], name)
+            if isinstance(reply, dict) and reply.get("success") is False:
+                raise RemoteError(f"the server refused adapter {name} again: {str(reply)[:300]}")
 
     async def _call(
-        self, client: aiohttp.ClientSession, method: str, path: str, body: dict | None
+        self,
+        client: aiohttp.ClientSession,
+        method: str,
+        path: str,
+        body: dict | None,
+        *,
+        json_only: bool = True,
     ) -> Any:
-        """The reply's JSON; asked again with backoff while the server is unreachable or
-        busy, for `timeout_s`; `RemoteError` on a refusal, a non-JSON reply or the deadline."""
+        """The reply's JSON (not `json_only`: or its text); asked again with backoff while
+        the server is unreachable or busy, for `timeout_s`; `RemoteError` on a refusal, a
+        non-JSON reply or the deadline."""
         url, timeout_s = f"{self.url}{path}", self.cfg.timeout_s
         deadline = time.monotonic() + timeout_s
         delay, last = 0.25, ""
@@ -441,6 +535,8 @@ class RemoteEngine:
                     try:
                         return json.loads(text)
                     except ValueError:
+                        if not json_only:
+                            return text
                         raise RemoteError(f"{url}: the reply is not JSON: {text[:200]}") from None
                 last = f"HTTP {status}: {text[:300]}"
                 if status not in _RETRY_STATUS:

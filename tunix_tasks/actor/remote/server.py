@@ -9,6 +9,8 @@ run against it. The routes are the subset vLLM and SGLang serve (wire.py):
                                      "user"} -> text_completion: choices[0].token_ids,
                                      .logprobs.tokens / .token_logprobs, "weight_version"
     POST /update_weights_from_disk  {"model_path", "weight_version"} -> {"success", "message"}
+    POST /v1/load_lora_adapter      {"lora_name": "<name>-v<N>", "lora_path"} (a LoRA run)
+    POST /v1/unload_lora_adapter    {"lora_name"}; a turn's "model" names a loaded adapter
     GET  /v1/models, GET /health    {"status", "weight_version", "weights": {"pushes",
                                      "loads"}, "compile_count", "sampler"}
 
@@ -19,8 +21,11 @@ read). A weights folder is read as safetensors only (never unpickled), checked a
 the model's names and shapes before it replaces anything, and swapped in between two
 decode steps: a turn decoding across it reports the older version. Every actor of a fleet
 pushes each version: a version at or below the loaded one is acknowledged without a load,
-so the server's weights never go back. Refusals are OpenAI error bodies
-(actor/endpoint/server.py); with an API key every route needs the bearer.
+so the server's weights never go back. A LoRA run's adapters (vLLM's routes) load as
+its sampler's LoRA params, their version from the name's `-v<N>`; the sampler holds one
+set, so a turn naming an older adapter gets the newest (its reply says which version),
+and one naming an adapter it does not hold is a 404, as vLLM's. Refusals are OpenAI
+error bodies (actor/endpoint/server.py); with an API key every route needs the bearer.
 
     asyncio.run(serve(cfg, host="0.0.0.0", port=8000, api_key=key))
 """
@@ -29,13 +34,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import re
 import signal
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from flax import nnx
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -45,15 +54,16 @@ from starlette.routing import Route
 from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
 from tunix_tasks.actor.endpoint.server import ERROR_HANDLERS, EndpointServer, bearer, json_object
 from tunix_tasks.actor.endpoint.wire import ApiError, validated
-from tunix_tasks.actor.remote.wire import WEIGHTS_FILE, token_label
+from tunix_tasks.actor.remote.wire import ADAPTER_CONFIG, ADAPTER_FILE, WEIGHTS_FILE, token_label
 from tunix_tasks.config import RunConfig
-from tunix_tasks.policy.build import build_actor_sampler
+from tunix_tasks.policy.build import build_actor_sampler, lora_spec
 from tunix_tasks.policy.chat import ChatFormat
+from tunix_tasks.policy.hf_adapters import adapters_from_peft, lora_from_peft_config
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, params_from_hf
-from tunix_tasks.policy.spec import DecoderSpec
+from tunix_tasks.policy.spec import DecoderSpec, LoraSpec
 from tunix_tasks.storage.snapshot_format import BlobError, decode_safetensors
 
-__all__ = ["CompletionRequest", "Loaded", "build_app", "read_weights", "serve"]
+__all__ = ["CompletionRequest", "Loaded", "build_app", "read_adapter", "read_weights", "serve"]
 
 
 class CompletionRequest(BaseModel):
@@ -94,12 +104,32 @@ def read_weights(folder: Path, spec: DecoderSpec) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class Loaded:
-    """The weights version the server holds (-1: the base it started with), and the
-    weights pushes it was asked for and the loads they made (`GET /health`)."""
+    """The weights version the server holds (-1: the base it started with), the weights
+    pushes it was asked for and the loads they made (`GET /health`), and a LoRA run's
+    adapter names it serves, each with its version."""
 
     version: int = -1
     pushes: int = 0
     loads: int = 0
+    adapters: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+_ADAPTER_NAME = re.compile(r".*-v(\d+)")
+
+
+def read_adapter(folder: Path, spec: DecoderSpec, lora: LoraSpec) -> dict[str, Any]:
+    """A PEFT folder's adapters as our flat LoRA params; ValueError naming what is wrong
+    (no file, an adapter_config.json not of this server's rank, alpha and targets, a
+    corrupt header, a missing tensor or a wrong shape)."""
+    try:
+        config = json.loads((folder / ADAPTER_CONFIG).read_bytes())
+        theirs = lora_from_peft_config(config if isinstance(config, dict) else {})
+        if theirs != lora:
+            raise CheckpointError(f"{theirs} is not this server's {lora}")
+        blob = (folder / ADAPTER_FILE).read_bytes()
+        return adapters_from_peft(decode_safetensors(blob), spec, lora)
+    except (OSError, ValueError, BlobError, CheckpointError) as err:
+        raise ValueError(f"{folder}: {err}") from None
 
 
 def build_app(
@@ -111,6 +141,7 @@ def build_app(
     model_name: str,
     api_key: str | None = None,
     max_request_bytes: int = 1 << 22,
+    lora: LoraSpec | None = None,
 ) -> Starlette:
     """The server's ASGI app over a started `policy` whose version callable reads
     `loaded` (module docstring)."""
@@ -119,6 +150,9 @@ def build_app(
 
     async def completions(request: Request) -> JSONResponse:
         req = _parse(await json_object(request, max_request_bytes))
+        if req.model not in ("", model_name) and req.model not in loaded.adapters:
+            # vLLM's answer for an adapter it does not hold (unloaded, or it restarted).
+            raise ApiError(404, f"The model `{req.model}` does not exist.", param="model")
         bad = [t for t in req.prompt if not 0 <= t < spec.vocab_size]
         if bad:
             raise ApiError(
@@ -197,9 +231,44 @@ def build_app(
         current = str(loaded.version)
         return JSONResponse({"success": True, "message": message, "weight_version": current})
 
+    async def load_adapter(request: Request) -> JSONResponse:
+        data = await json_object(request, max_request_bytes)
+        name, path = data.get("lora_name"), data.get("lora_path")
+        loaded.pushes += 1
+        try:
+            if lora is None:
+                raise ValueError("this server's model has no LoRA (serve the run's config)")
+            if not isinstance(path, str) or not path:
+                raise ValueError("lora_path: required (a PEFT folder on this machine)")
+            m = _ADAPTER_NAME.fullmatch(name) if isinstance(name, str) else None
+            if m is None:
+                raise ValueError(f"lora_name {name!r}: <name>-v<version> (the remote engine's)")
+            if name in loaded.adapters:  # vLLM's refusal, word for word
+                raise ValueError(f"The lora adapter '{name}' has already been loaded.")
+            v = int(m[1])
+            async with one_load:
+                # Older names stay served, by the newest adapter: never back.
+                if v > loaded.version:
+                    flat = await asyncio.to_thread(read_adapter, Path(path), spec, lora)
+                    update = partial(sampler.update_params, flat, version=v, only=nnx.LoRAParam)
+                    await policy.between_steps(update)
+                    loaded.version = v
+                    loaded.loads += 1
+                loaded.adapters[name] = v
+        except ValueError as err:  # nothing was swapped
+            raise ApiError(400, str(err), param="lora_name") from None
+        return JSONResponse({"success": True, "message": f"Success: LoRA adapter '{name}' added"})
+
+    async def unload_adapter(request: Request) -> JSONResponse:
+        name = (await json_object(request, max_request_bytes)).get("lora_name")
+        if loaded.adapters.pop(name, None) is None:
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name")
+        return JSONResponse({"success": True, "message": f"Success: LoRA adapter '{name}' removed"})
+
     async def models(_request: Request) -> JSONResponse:
         entry = {"id": model_name, "object": "model", "created": 0, "owned_by": "tunix-tasks"}
-        return JSONResponse({"object": "list", "data": [entry]})
+        adapters = [entry | {"id": name, "parent": model_name} for name in loaded.adapters]
+        return JSONResponse({"object": "list", "data": [entry, *adapters]})
 
     async def health(_request: Request) -> JSONResponse:
         # The compile count tells a benchmark (or an operator) nothing compiles in steady state.
@@ -212,6 +281,8 @@ def build_app(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/update_weights_from_disk", update_weights, methods=["POST"]),
+            Route("/v1/load_lora_adapter", load_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", unload_adapter, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
         ],
@@ -250,6 +321,7 @@ async def serve(
         spec=sampler.model.spec,
         model_name=cfg.model.served_name,
         api_key=api_key,
+        lora=lora_spec(cfg.model),
     )
     if stop is None:
         stop = asyncio.Event()

@@ -170,7 +170,7 @@ class ServerRecord:
         self.lock = run_folder / f"{name}.lock"
 
     def read(self) -> dict[str, Any] | None:
-        """{"version", "digest", "created_at"}, and "written" (the record's mtime); None
+        """{"version", "digest", "created_at", "previous"}, and "written" (the record's mtime); None
         when there is none or it is unreadable (a torn or foreign one: then push)."""
         try:
             held = json.loads(self.path.read_bytes())
@@ -181,11 +181,24 @@ class ServerRecord:
             isinstance(held.get(k), t) for k, t in self.FIELDS.items()
         ):
             return None
-        return {k: held[k] for k in self.FIELDS} | {"written": written}
+        previous = held.get("previous")
+        previous = previous if isinstance(previous, int) else None
+        return {k: held[k] for k in self.FIELDS} | {"written": written, "previous": previous}
 
-    def write(self, *, version: int, digest: str, created_at: float, writer: str) -> None:
-        """Replace the record in one step (a reader sees the old one or the new one)."""
+    def write(
+        self,
+        *,
+        version: int,
+        digest: str,
+        created_at: float,
+        writer: str,
+        previous: int | None = None,
+    ) -> None:
+        """Replace the record in one step (a reader sees the old one or the new one).
+        `previous`: the version it held before (a LoRA run's adapters: the one to unload
+        once the next is loaded)."""
         partial = self.path.with_name(f"{self.path.name}.{writer}.partial")
         body = {"version": version, "digest": digest, "created_at": created_at}
+        body["previous"] = previous
         partial.write_text(json.dumps(body))
         partial.replace(self.path)

@@ -19,6 +19,16 @@ New weights reach the server as a Hugging Face checkpoint folder it loads by pat
     weights_request("/shared/w/v3", version=3)  # {"model_path": ..., "weight_version": "3"}
     # the folder holds WEIGHTS_FILE (HF names and layouts) and the base's config.json
     # reply: {"success": true, "message": "..."}; success false or a 4xx: refused
+
+A LoRA run's new adapters reach it as a PEFT folder it loads under a name (vLLM's
+`POST /v1/load_lora_adapter`), which the turns then give as their `model`:
+
+    adapter_request("run-1a2b3c4d-v3", "/shared/w/v3")  # {"lora_name", "lora_path"}
+    # the folder holds ADAPTER_FILE and ADAPTER_CONFIG (policy/hf_adapters.py)
+    # reply: 200 (vLLM: text; SGLang: {"success": true}); a 400 "already ... loaded": the
+    # name is loaded; another 4xx or success false: refused
+    # POST /v1/unload_lora_adapter {"lora_name"}; a turn naming an adapter the server does
+    # not hold (it restarted) is a 404
 """
 
 from __future__ import annotations
@@ -29,9 +39,12 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_FILE",
     "WEIGHTS_FILE",
     "RemoteError",
     "Turn",
+    "adapter_request",
     "completion_request",
     "parse_completion",
     "served_version",
@@ -40,6 +53,8 @@ __all__ = [
 ]
 
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 
 _PREFIX = "token_id:"
 # A sampled token's log-prob is <= 0; servers' float32 rounding may put it a hair above.
@@ -173,3 +188,8 @@ def weights_request(model_path: str, *, version: int) -> dict[str, Any]:
     """The body that asks the server to load the checkpoint folder `model_path` as
     weights `version`."""
     return {"model_path": model_path, "weight_version": str(version)}
+
+
+def adapter_request(name: str, path: str) -> dict[str, Any]:
+    """The body that asks the server to load the PEFT folder `path` as adapter `name`."""
+    return {"lora_name": name, "lora_path": path}
