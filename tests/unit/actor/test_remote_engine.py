@@ -518,8 +518,9 @@ def test_a_lora_run_loads_its_adapters_by_name(tmp_path):
     the server load it as `<run>-v<N>` (vLLM's route) and names it in its turns, whose
     log-probs are those of the base with that adapter. A fleet of three loads each once;
     an actor a version behind names the later adapter (tagged with its own version);
-    adapters from before the one behind are unloaded; after a server restart the turn's
-    404 has the adapter loaded again."""
+    adapters from before the one behind are unloaded, and a mate still naming one has the
+    newest named after its turn's 404; after a server restart the 404 has the adapter
+    loaded again."""
     cfg = _lora_cfg(tmp_path, weights_dir=str(tmp_path / "shared"))
     lora = lora_spec(cfg.model)
     server = _Server(cfg)
@@ -554,8 +555,17 @@ def test_a_lora_run_loads_its_adapters_by_name(tmp_path):
         assert _health(server)["weight_version"] == "3"
         models = {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
         assert {"run-v2", "run-v3"} <= models and "run-v1" not in models  # v1 unloaded
+        # A mate still on v1: its adapter unloaded and its folder gone, its turn's 404 has
+        # it name the newest adapter from now on (its tag stays v1).
+        late = fleet[2]
+        tokens, logprobs, version = asyncio.run(_one_turn(late, context))
+        assert version == 1 and late._pushed[2] == "run-v3"
+        np.testing.assert_allclose(
+            logprobs, _lora_turn_logprobs(cfg, ad[3], context, tokens), atol=LOGPROB_ATOL
+        )
         push(behind, 2)  # a version behind: the later adapter, no write, no push
-        assert behind._pushed[2] == "run-v3" and behind.version == 2 and _pushes(server) == 3
+        # (4 pushes: v1, v2, v3, and the late mate's of v3, answered "already loaded")
+        assert behind._pushed[2] == "run-v3" and behind.version == 2 and _pushes(server) == 4
         tokens, logprobs, version = asyncio.run(_one_turn(behind, context))
         assert version == 2
         np.testing.assert_allclose(

@@ -218,7 +218,8 @@ class RemoteEngine:
         if room <= 0:  # as the local sampler: a full context samples nothing
             return [], [], version
         body = completion_request(
-            model=adapter or self._model,
+            model=self._model,
+            adapter=adapter,
             prompt=context,
             max_tokens=min(max_new_tokens or self.max_new_tokens, room),
             temperature=self.temperature,
@@ -237,9 +238,11 @@ class RemoteEngine:
                 except RemoteError as err:
                     if err.status != 404 or adapter is None or attempt:
                         raise
-                    # The server does not hold this turn's adapter: it restarted. Load it
-                    # again and ask again.
+                    # The server does not hold this turn's adapter (it restarted, or a
+                    # fleet mate unloaded it): load the newest, and ask again naming it.
                     await self._restore_adapter(adapter)
+                    version, _, adapter = self._pushed or (-1, None, None)
+                    body["model"] = body["lora_path"] = adapter
                     continue
                 served = served_version(reply)
                 if served is None or served >= version:
@@ -336,12 +339,15 @@ class RemoteEngine:
                     self._load(*used, version)
                 break
             except RemoteError as err:
-                if err.status != 400:  # auth or a missing route: the actor stops
-                    raise
-                if attempt == 0 and digest and not any(folder.glob("*.safetensors")):
-                    # Found, then removed by the clean-up of an actor two versions ahead.
+                # Found, then removed by the clean-up of an actor two versions ahead before
+                # the server read it: SGLang says 400, vLLM (an adapter) 404.
+                gone = bool(digest) and not any(folder.glob("*.safetensors"))
+                missing = err.status == 400 or (err.status == 404 and name is not None)
+                if attempt == 0 and gone and missing:
                     log.warning("%s went before the server read it: writing it again", folder)
                     continue
+                if err.status != 400:  # auth or a missing route: the actor stops
+                    raise
                 raise ValueError(f"the server refused weights v{version}: {err}") from None
         self._pushed = (version, *used)
         self._pushed_created_at = created_at
@@ -403,15 +409,16 @@ class RemoteEngine:
                 self.loads_skipped += 1
                 return found or (folder, name)
             before = record.read() or {"version": None, "previous": None}
+            again = before["version"] == version  # a restarted actor's push of the same
             self._load(folder, name, version)
             record.write(
                 version=version,
                 digest=digest,
                 created_at=created_at,
                 writer=self._actor_id,
-                previous=before["version"],
+                previous=before["previous"] if again else before["version"],
             )
-        if name is not None and before["previous"] is not None:  # two loads back
+        if name is not None and not again and before["previous"] is not None:  # two back
             asyncio.run(self._unload(self._adapter_name(before["previous"])))
         return folder, name
 
@@ -485,7 +492,7 @@ class RemoteEngine:
         try:
             return await self._call(client, "POST", self.cfg.adapter_route, body, json_only=False)
         except RemoteError as err:
-            if err.status == 400 and "already" in str(err):
+            if err.status == 400 and "has already been loaded" in str(err):
                 return None
             raise
 
@@ -497,17 +504,26 @@ class RemoteEngine:
                 await self._call(client, "POST", self.cfg.unload_route, body, json_only=False)
 
     async def _restore_adapter(self, name: str) -> None:
-        """The server does not hold adapter `name` (it restarted): load it again, once for
-        all the turns that noticed."""
+        """The server does not hold adapter `name`: it restarted, or a fleet mate unloaded
+        it (this actor lags). Load the newest adapter the server's record names (or, with
+        none later, this actor's own) and name it from now on, once for all the turns that
+        noticed; the turns keep this actor's version as their tag."""
         async with self._restoring:
             pushed = self._pushed
             if pushed is None or pushed[2] != name:  # a newer push replaced it
                 return
-            log.warning("the server does not hold adapter %s: loading it again", name)
+            version, folder = pushed[0], pushed[1]
+            held = ServerRecord(self.weights_dir, self.url).read()
+            if held is not None and held["created_at"] >= self._pushed_created_at:
+                later = self.weights_dir / f"v{held['version']}-{held['digest'][:16]}"
+                if (later / ADAPTER_FILE).is_file():
+                    folder, name = later, self._adapter_name(held["version"])
+            log.warning("the server does not hold this actor's adapter: loading %s", name)
             assert self._client is not None
-            reply = await self._push_adapter(self._client, pushed[1], name)
+            reply = await self._push_adapter(self._client, folder, name)
             if isinstance(reply, dict) and reply.get("success") is False:
                 raise RemoteError(f"the server refused adapter {name} again: {str(reply)[:300]}")
+            self._pushed = (version, folder, name)
 
     async def _call(
         self,

@@ -150,7 +150,8 @@ def build_app(
 
     async def completions(request: Request) -> JSONResponse:
         req = _parse(await json_object(request, max_request_bytes))
-        if req.model not in ("", model_name) and req.model not in loaded.adapters:
+        named = req.model not in ("", model_name)
+        if lora is not None and named and req.model not in loaded.adapters:
             # vLLM's answer for an adapter it does not hold (unloaded, or it restarted).
             raise ApiError(404, f"The model `{req.model}` does not exist.", param="model")
         bad = [t for t in req.prompt if not 0 <= t < spec.vocab_size]
@@ -246,10 +247,10 @@ def build_app(
             if name in loaded.adapters:  # vLLM's refusal, word for word
                 raise ValueError(f"The lora adapter '{name}' has already been loaded.")
             v = int(m[1])
+            flat = await asyncio.to_thread(read_adapter, Path(path), spec, lora)  # checked
             async with one_load:
                 # Older names stay served, by the newest adapter: never back.
                 if v > loaded.version:
-                    flat = await asyncio.to_thread(read_adapter, Path(path), spec, lora)
                     update = partial(sampler.update_params, flat, version=v, only=nnx.LoRAParam)
                     await policy.between_steps(update)
                     loaded.version = v
@@ -261,6 +262,8 @@ def build_app(
 
     async def unload_adapter(request: Request) -> JSONResponse:
         name = (await json_object(request, max_request_bytes)).get("lora_name")
+        if not isinstance(name, str):
+            raise ApiError(400, f"lora_name {name!r}: a string", param="lora_name")
         if loaded.adapters.pop(name, None) is None:
             raise ApiError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name")
         return JSONResponse({"success": True, "message": f"Success: LoRA adapter '{name}' removed"})

@@ -94,12 +94,14 @@ def completion_request(
     seed: int,
     stop_ids: Sequence[int],
     session: str | None,
+    adapter: str | None = None,
 ) -> dict[str, Any]:
     """The request body of one turn. `session` travels as OpenAI's `user` field (ignored
     by vLLM, whose prefix cache finds the shared context by itself; `tunix-tasks serve`
-    keeps that conversation's KV cache by it)."""
+    keeps that conversation's KV cache by it). `adapter`: a LoRA adapter's name, given as
+    the `model` (vLLM's way) and as `lora_path` (SGLang's; vLLM ignores the field)."""
     body: dict[str, Any] = {
-        "model": model,
+        "model": adapter or model,
         "prompt": [int(t) for t in prompt],
         "max_tokens": int(max_tokens),
         "temperature": float(temperature),
@@ -114,6 +116,8 @@ def completion_request(
     }
     if session is not None:
         body["user"] = session
+    if adapter is not None:
+        body["lora_path"] = adapter
     return body
 
 
