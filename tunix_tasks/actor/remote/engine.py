@@ -523,7 +523,8 @@ class RemoteEngine:
             reply = await self._push_adapter(self._client, folder, name)
             if isinstance(reply, dict) and reply.get("success") is False:
                 raise RemoteError(f"the server refused adapter {name} again: {str(reply)[:300]}")
-            self._pushed = (version, folder, name)
+            if self._pushed is pushed:  # a push from the reload thread meanwhile wins
+                self._pushed = (version, folder, name)
 
     async def _call(
         self,
