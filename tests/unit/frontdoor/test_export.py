@@ -128,6 +128,26 @@ def _run(tmp_path, **model):
     return cfg, write_config(cfg)
 
 
+def _lora_run(tmp_path, *, version: int = 0, base: dict | None = None):
+    """A LoRA run of `tiny-qwen3` with PEFT's adapter published as its snapshot `version`,
+    for the base it was trained on (or `base`): (its config, PEFT's tensors)."""
+    tensors, _, lora, spec = _peft()
+    cfg, store = _run(
+        tmp_path, lora_rank=lora.rank, lora_alpha=lora.alpha, lora_targets=list(lora.targets)
+    )
+    assert lora_spec(cfg.model) == lora
+    base = base or {"fingerprint": base_fingerprint(cfg.model, cfg.seed), "uri": str(BASE)}
+    WeightsPublisher(store).publish(
+        adapters_from_peft(tensors, spec, lora),
+        version=version,
+        step=version,
+        model=cfg.model.model_dump(),
+        kind="adapter",
+        base=base,
+    )
+    return cfg, tensors
+
+
 def test_a_full_snapshot_exports_as_the_checkpoint_it_came_from(tmp_path):
     """A fine-tuned snapshot becomes a Hugging Face folder: its tensors the snapshot's in
     Hugging Face names and layouts (loaded back, the same params), the base's config and
@@ -173,16 +193,8 @@ def test_an_adapter_snapshot_exports_as_peft_wrote_it_or_merged(tmp_path):
     """A LoRA run's snapshot: as a PEFT folder, the tensors PEFT wrote (bit for bit) and a
     config PEFT reads; merged into the base, the tensors PEFT's `merge_and_unload` gave,
     whose logits are the adapted model's."""
-    tensors, _, lora, spec = _peft()
-    cfg, store = _run(
-        tmp_path, lora_rank=lora.rank, lora_alpha=lora.alpha, lora_targets=list(lora.targets)
-    )
-    assert lora_spec(cfg.model) == lora
-    base = {"fingerprint": base_fingerprint(cfg.model, cfg.seed), "uri": str(BASE)}
-    adapters = adapters_from_peft(tensors, spec, lora)
-    WeightsPublisher(store).publish(
-        adapters, version=3, step=30, model=cfg.model.model_dump(), kind="adapter", base=base
-    )
+    cfg, tensors = _lora_run(tmp_path, version=3)
+    lora = lora_spec(cfg.model)
 
     written = export_snapshot(cfg.run_uri, tmp_path / "adapter")
     assert written["kind"] == "adapter" and sorted(
@@ -305,22 +317,7 @@ def test_dtypes_that_cannot_hold_the_weights_or_do_not_apply_are_refused(tmp_pat
     assert export_snapshot(cfg.run_uri, ".", dtype="bfloat16")["kind"] == "full"
     assert (tmp_path / "here" / "model.safetensors").is_file()
 
-    tensors, _, lora, spec = _peft()
-    lcfg, lstore = _run(
-        tmp_path / "lora",
-        lora_rank=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_targets=list(lora.targets),
-    )
-    base = {"fingerprint": base_fingerprint(lcfg.model, lcfg.seed), "uri": str(BASE)}
-    WeightsPublisher(lstore).publish(
-        adapters_from_peft(tensors, spec, lora),
-        version=0,
-        step=0,
-        model=lcfg.model.model_dump(),
-        kind="adapter",
-        base=base,
-    )
+    lcfg, _ = _lora_run(tmp_path / "lora")
     with pytest.raises(ExportError, match="--dtype applies to full and merged folders"):
         export_snapshot(lcfg.run_uri, tmp_path / "a", dtype="bfloat16")
     assert export_snapshot(lcfg.run_uri, tmp_path / "m", dtype="bfloat16", merge=True)["dtype"] == (
@@ -329,18 +326,6 @@ def test_dtypes_that_cannot_hold_the_weights_or_do_not_apply_are_refused(tmp_pat
 
 
 def test_adapters_for_another_base_are_refused(tmp_path):
-    tensors, _, lora, spec = _peft()
-    cfg, store = _run(
-        tmp_path, lora_rank=lora.rank, lora_alpha=lora.alpha, lora_targets=list(lora.targets)
-    )
-    other = {"fingerprint": "f" * 64, "uri": "gs://elsewhere/base"}
-    WeightsPublisher(store).publish(
-        adapters_from_peft(tensors, spec, lora),
-        version=0,
-        step=0,
-        model=cfg.model.model_dump(),
-        kind="adapter",
-        base=other,
-    )
+    cfg, _ = _lora_run(tmp_path, base={"fingerprint": "f" * 64, "uri": "gs://elsewhere/base"})
     with pytest.raises(ExportError, match="not that base now"):
         export_snapshot(cfg.run_uri, tmp_path / "out")

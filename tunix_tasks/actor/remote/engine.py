@@ -150,6 +150,7 @@ class RemoteEngine:
         self._tmp = None if cfg.weights_dir else tempfile.TemporaryDirectory(prefix="tunix-w-")
         # The run's folder: its actors share it, each version written once (module docstring).
         self.weights_dir = Path(cfg.weights_dir or self._tmp.name) / run_folder
+        self._record = ServerRecord(self.weights_dir, self.url)  # what the server holds
         self._actor_id = actor_id
         self.folders_written = 0  # folders this actor wrote (a copy that lost the race too)
         self.loads_skipped = 0  # pushes left out: the server held this snapshot or a newer one
@@ -271,9 +272,9 @@ class RemoteEngine:
             version, folder, _ = pushed
             # An actor ahead of this one had it load a later snapshot: restore that one, not
             # this actor's own (the server's weights must not go back).
-            held = ServerRecord(self.weights_dir, self.url).read()
+            held = self._record.read()
             if held is not None and held["created_at"] > self._pushed_created_at:
-                later = self.weights_dir / f"v{held['version']}-{held['digest'][:16]}"
+                later = self._shared(held["version"], held["digest"])
                 if (later / WEIGHTS_FILE).is_file():
                     version, folder = held["version"], later
             log.warning("the server serves v%d, not v%d: pushing v%d", served, pushed[0], version)
@@ -309,7 +310,7 @@ class RemoteEngine:
         if adapter and self._lora is None:
             raise ValueError("an adapter snapshot, but this engine was given no LoRA spec")
         if digest:
-            folder = self.weights_dir / f"v{version}-{digest[:16]}"
+            folder = self._shared(version, digest)
         else:  # nothing names the content: a folder of this actor's, written afresh
             folder = self.weights_dir / f"v{version}-{self._actor_id}"
         name = self._adapter_name(version) if adapter else None
@@ -353,6 +354,10 @@ class RemoteEngine:
         self._pushed_created_at = created_at
         self._clean(version)
 
+    def _shared(self, version: int, digest: str) -> Path:
+        """The run's folder of snapshot `version` whose manifest's sha256 is `digest`."""
+        return self.weights_dir / f"v{version}-{digest[:16]}"
+
     def _adapter_name(self, version: int) -> str:
         return f"{self._run_folder}-v{version}"
 
@@ -384,7 +389,7 @@ class RemoteEngine:
         restarted with the actor (vLLM reports no version). Returns the (folder, adapter
         name) the server holds for this actor. An adapter's load unloads the one loaded
         two loads before (the record keeps the one before: what a lagging actor names)."""
-        record = ServerRecord(self.weights_dir, self.url)
+        record = self._record
 
         def held() -> tuple[Path, str | None] | None:  # read without the claim too
             now = record.read()
@@ -393,7 +398,7 @@ class RemoteEngine:
             if created_at > 0 and now["created_at"] > created_at:  # this actor lags
                 if name is None:  # a restore pushes the record's, labelled as it is
                     return folder, None
-                later = self.weights_dir / f"v{now['version']}-{now['digest'][:16]}"
+                later = self._shared(now["version"], now["digest"])
                 return later, self._adapter_name(now["version"])
             same = (now["version"], now["digest"]) == (version, digest)
             return (folder, name) if same and now["written"] >= self._started else None
@@ -513,9 +518,9 @@ class RemoteEngine:
             if pushed is None or pushed[2] != name:  # a newer push replaced it
                 return
             version, folder = pushed[0], pushed[1]
-            held = ServerRecord(self.weights_dir, self.url).read()
+            held = self._record.read()
             if held is not None and held["created_at"] >= self._pushed_created_at:
-                later = self.weights_dir / f"v{held['version']}-{held['digest'][:16]}"
+                later = self._shared(held["version"], held["digest"])
                 if (later / ADAPTER_FILE).is_file():
                     folder, name = later, self._adapter_name(held["version"])
             log.warning("the server does not hold this actor's adapter: loading %s", name)
