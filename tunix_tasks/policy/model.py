@@ -34,7 +34,12 @@ from jax.ad_checkpoint import checkpoint_name
 from tunix_tasks.policy.attention import ATTENTION, blockwise_attention
 from tunix_tasks.policy.distribution import output_logits
 from tunix_tasks.policy.lora import LowRank
-from tunix_tasks.policy.spec import DecoderSpec, LoraSpec, rope_inv_freq
+from tunix_tasks.policy.spec import (
+    DecoderSpec,
+    LoraSpec,
+    rope_attention_factor,
+    rope_inv_freq,
+)
 
 __all__ = ["FSDP", "KVCache", "Transformer", "merge_stacked", "split_stacked", "stack_layers"]
 
@@ -74,11 +79,14 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], spec: tuple[str | None,
     return nnx.Param(value, eager_sharding=eager)
 
 
-def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding (rotate-half form) of x [B,H,T,hd] at integer positions [B,T]."""
+def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float) -> jax.Array:
+    """Rotary embedding (rotate-half form) of x [B,H,T,hd] at integer positions [B,T], cos
+    and sin multiplied by `scale` (yarn's attention factor; 1.0 otherwise)."""
     half = x.shape[-1] // 2
     angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,half]
     sin, cos = jnp.sin(angle)[:, None], jnp.cos(angle)[:, None]
+    if scale != 1.0:  # static: a spec without it traces the same program as before
+        sin, cos = sin * scale, cos * scale
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -173,8 +181,8 @@ class Attention(nnx.Module):
         q, k, v = self._project(x, "q"), self._project(x, "k"), self._project(x, "v")
         if self.spec.qk_norm:  # Qwen3: per-head RMSNorm before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = jnp.asarray(rope_inv_freq(self.spec))
-        return _rope(q, positions, inv_freq), _rope(k, positions, inv_freq), v
+        inv_freq, scale = jnp.asarray(rope_inv_freq(self.spec)), rope_attention_factor(self.spec)
+        return _rope(q, positions, inv_freq, scale), _rope(k, positions, inv_freq, scale), v
 
     def _out(self, o: jax.Array) -> jax.Array:
         w = self.wo[...].astype(self.dtype)

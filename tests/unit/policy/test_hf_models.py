@@ -23,10 +23,16 @@ from tests.paths import HF_FIXTURES, REPO
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, HFCheckpoint, params_from_hf
 from tunix_tasks.policy.params import flat_params
 from tunix_tasks.policy.sampling import Sampler
-from tunix_tasks.policy.spec import UnsupportedCheckpoint, spec_from_hf_config
+from tunix_tasks.policy.spec import (
+    UnsupportedCheckpoint,
+    rope_attention_factor,
+    rope_inv_freq,
+    spec_from_hf_config,
+)
 
 FIXTURES = HF_FIXTURES
-FAMILIES = ("tiny-qwen3", "tiny-llama3", "tiny-qwen2")
+# tiny-qwen3-yarn: yarn rope scaling (interpolated frequencies, scaled q and k).
+FAMILIES = ("tiny-qwen3", "tiny-llama3", "tiny-qwen2", "tiny-qwen3-yarn")
 ATOL = 1e-4
 
 
@@ -102,6 +108,80 @@ def test_both_rope_config_forms_are_read():
     newer = {k: v for k, v in llama.items() if k not in ("rope_theta", "rope_scaling")}
     newer["rope_parameters"] = {"rope_theta": llama["rope_theta"], **llama["rope_scaling"]}
     assert spec_from_hf_config(newer, max_seq_len=64) == spec_from_hf_config(llama, max_seq_len=64)
+
+
+ROPE_REFERENCE = json.loads((FIXTURES / "rope_reference.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_REFERENCE))
+def test_rope_scalings_match_transformers(case):
+    """llama3, linear and yarn (truncated or not, DeepSeek's mscale ratio, an explicit
+    attention factor and betas): transformers' own frequencies and cos/sin factor."""
+    ref = ROPE_REFERENCE[case]
+    config = {
+        **ref["config"],
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 400,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+    }
+    spec = spec_from_hf_config(config, max_seq_len=64)
+    np.testing.assert_allclose(rope_inv_freq(spec), ref["inv_freq"], rtol=2e-6, atol=0)
+    assert rope_attention_factor(spec) == pytest.approx(ref["attention_factor"], rel=1e-12)
+
+
+def test_yarn_fixture_differs_from_plain_rope():
+    """The yarn fixture's logits are yarn's: read with its scaling removed they are not."""
+    cfg = json.loads((FIXTURES / "tiny-qwen3-yarn" / "config.json").read_text())
+    plain = spec_from_hf_config({**cfg, "rope_scaling": None}, max_seq_len=64)
+    yarn = spec_from_hf_config(cfg, max_seq_len=64)
+    assert rope_attention_factor(yarn) == pytest.approx(0.1 * np.log(4.0) + 1)
+    ramp = rope_inv_freq(yarn) / rope_inv_freq(plain)
+    # interpolated (1/4), on the ramp, and kept (1): every regime is exercised
+    assert ramp.min() == pytest.approx(0.25) and ramp.max() == pytest.approx(1.0)
+    assert ((ramp > 0.26) & (ramp < 0.99)).any()
+
+
+@pytest.mark.parametrize(
+    "scaling,message",
+    [
+        ({"rope_type": "dynamic", "factor": 2.0}, r"rope scaling 'dynamic' is not supported"),
+        ({"rope_type": "yarn"}, r"rope scaling lacks 'factor'"),
+        ({"rope_type": "linear", "factor": "2"}, r"factor must be a number"),
+        ({"rope_type": "yarn", "factor": -4.0}, r"factor must be > 0"),
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1e30},
+            r"original_max_position_embeddings must be an integer",
+        ),
+        ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial_rotary"),
+    ],
+)
+def test_bad_rope_scaling_is_refused_in_one_line(scaling, message):
+    cfg = json.loads((FIXTURES / "tiny-qwen3" / "config.json").read_text())
+    cfg.pop("rope_parameters")
+    cfg |= {"rope_theta": 1e6, "rope_scaling": scaling}
+    with pytest.raises(UnsupportedCheckpoint, match=message):
+        spec_from_hf_config(cfg, max_seq_len=64)
+
+
+@pytest.mark.parametrize(
+    "changes,max_seq_len,refused",
+    [
+        ({"use_sliding_window": True, "sliding_window": 4096}, 4096, False),  # never binds
+        ({"use_sliding_window": True, "sliding_window": 4096}, 4097, True),
+        ({"use_sliding_window": True, "sliding_window": None}, 64, True),
+        ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 32}, 64, True),
+        ({"layer_types": ["full_attention"] * 2, "sliding_window": 32}, 64, False),
+        ({"use_sliding_window": False, "sliding_window": 32}, 64, False),  # Qwen2.5's files
+    ],
+)
+def test_sliding_window_is_refused_only_where_it_drops_keys(changes, max_seq_len, refused):
+    cfg = json.loads((FIXTURES / "tiny-qwen2" / "config.json").read_text()) | changes
+    if not refused:
+        assert spec_from_hf_config(cfg, max_seq_len=max_seq_len).max_seq_len == max_seq_len
+        return
+    with pytest.raises(UnsupportedCheckpoint, match=r"sliding-window attention .* max_seq_len"):
+        spec_from_hf_config(cfg, max_seq_len=max_seq_len)
 
 
 # ---------------------------------------------------------------- bad checkpoints
