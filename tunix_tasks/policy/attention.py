@@ -9,6 +9,10 @@ needs are never computed: a query block reads the key blocks from the earliest s
 its queries' segments (over the batch) to its own, a key block is read by the query
 blocks from its own to the latest end of its keys' segments. Loop bounds are traced
 values, so shapes stay static. The sampler's KV-cache path keeps `model._attend`.
+
+A layer with a sliding `window` (Gemma 3's local layers) also drops the keys a window or
+more behind its query (`within_window`, shared with the model's other attention paths):
+the tiles are the same, only masked further.
 """
 
 from __future__ import annotations
@@ -19,10 +23,22 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-__all__ = ["ATTENTION", "blockwise_attention"]
+__all__ = ["ATTENTION", "Window", "blockwise_attention", "within_window"]
 
 #: `checkpoint_name` of what a layer's attention keeps for its backward pass.
 ATTENTION = "attention"
+
+#: A layer's sliding window: an int where the layer is known when tracing, an int32
+#: scalar inside a scan over layers; 0 is full (causal) attention.
+Window = int | jax.Array
+
+
+def within_window(mask: jax.Array, q_pos: jax.Array, k_pos: jax.Array, window: Window) -> jax.Array:
+    """`mask` where the key is less than `window` positions behind the query (transformers'
+    sliding-window overlay: key > query - window); `window` 0 leaves it as it is."""
+    if isinstance(window, int):
+        return mask if window == 0 else mask & (q_pos - k_pos < window)
+    return mask & ((window == 0) | (q_pos - k_pos < window))
 
 
 def _tile(x: jax.Array, i: jax.Array, block: int, axis: int) -> jax.Array:
@@ -50,10 +66,15 @@ def _block_bounds(segment_ids: jax.Array, block: int) -> tuple[jax.Array, jax.Ar
     return first.astype(jnp.int32), final.astype(jnp.int32)
 
 
-def _tile_mask(seg: jax.Array, i: jax.Array, j: jax.Array, block: int) -> jax.Array:
-    """[B, 1, 1, block(q), block(k)]: causal, same segment, query not padding."""
+def _tile_mask(
+    seg: jax.Array, window: jax.Array, i: jax.Array, j: jax.Array, block: int
+) -> jax.Array:
+    """[B, 1, 1, block(q), block(k)]: causal, same segment, query not padding, within the
+    window (a segment's indices advance with its positions)."""
     sq, sk = _tile(seg, i, block, 1), _tile(seg, j, block, 1)
-    causal = i * block + jnp.arange(block)[:, None] >= j * block + jnp.arange(block)[None, :]
+    q_idx = i * block + jnp.arange(block)[:, None]
+    k_idx = j * block + jnp.arange(block)[None, :]
+    causal = within_window(q_idx >= k_idx, q_idx, k_idx, window)
     mask = causal[None] & (sq[:, :, None] == sk[:, None, :]) & (sq != 0)[:, :, None]
     return mask[:, None, None]
 
@@ -64,7 +85,7 @@ def _scores(q_tile: jax.Array, k_tile: jax.Array) -> jax.Array:
     return s * scale
 
 
-def _forward(q, k, v, seg, block):
+def _forward(q, k, v, seg, window, block):
     """q [B,KV,G,T,hd] (T a multiple of block) -> (out [B,KV,G,T,hd], lse [B,KV,G,T])."""
     first, _ = _block_bounds(seg, block)
 
@@ -73,7 +94,7 @@ def _forward(q, k, v, seg, block):
 
         def step(j, carry):
             m, total, acc = carry
-            mask = _tile_mask(seg, i, j, block)
+            mask = _tile_mask(seg, window, i, j, block)
             s = jnp.where(mask, _scores(q_i, _tile(k, j, block, 2)), -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no valid key yet
@@ -102,7 +123,7 @@ def _forward(q, k, v, seg, block):
     return jnp.moveaxis(out, 0, 3).reshape(q.shape), jnp.moveaxis(lse, 0, 3).reshape(q.shape[:4])
 
 
-def _backward(q, k, v, seg, out, lse, d_out, block):
+def _backward(q, k, v, seg, window, out, lse, d_out, block):
     """Gradients wrt q, k, v: key block by key block, each over the query blocks that
     read it; dq accumulates in float32 across key blocks."""
     _, final = _block_bounds(seg, block)
@@ -116,7 +137,7 @@ def _backward(q, k, v, seg, out, lse, d_out, block):
             dk, dv, dq = carry
             q_i, do_i = _tile(q, i, block, 3), _tile(d_out, i, block, 3)
             lse_i, delta_i = _tile(lse, i, block, 3), _tile(delta, i, block, 3)
-            mask = _tile_mask(seg, i, j, block)
+            mask = _tile_mask(seg, window, i, j, block)
             p = jnp.where(mask, jnp.exp(_scores(q_i, k_j) - lse_i[..., None]), 0.0)
             f32 = partial(jnp.einsum, preferred_element_type=jnp.float32)
             dv = dv + f32("bkgqs,bkgqd->bksd", p.astype(do_i.dtype), do_i)
@@ -136,8 +157,8 @@ def _backward(q, k, v, seg, out, lse, d_out, block):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _with_grads(q, k, v, seg, out, lse, block):
+@partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _with_grads(q, k, v, seg, window, out, lse, block):
     """`out` (computed without gradients) given the attention's gradients wrt q, k, v.
 
     The forward runs outside this rule so that a checkpoint policy can keep its results
@@ -146,23 +167,30 @@ def _with_grads(q, k, v, seg, out, lse, block):
     return out
 
 
-def _with_grads_fwd(q, k, v, seg, out, lse, block):
-    return out, (q, k, v, seg, out, lse)
+def _with_grads_fwd(q, k, v, seg, window, out, lse, block):
+    return out, (q, k, v, seg, window, out, lse)
 
 
 def _with_grads_bwd(block, residuals, d_out):
-    return (*_backward(*residuals, d_out, block), None, None, None)
+    return (*_backward(*residuals, d_out, block), None, None, None, None)
 
 
 _with_grads.defvjp(_with_grads_fwd, _with_grads_bwd)
 
 
 def blockwise_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, block: int
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    window: Window = 0,
+    *,
+    segment_ids: jax.Array,
+    block: int,
 ) -> jax.Array:
     """q [B,H,T,hd], k/v [B,KV,T,hd], segment_ids [B,T] int -> [B,H,T,hd].
 
-    Query i attends key j <= i of the same non-zero segment; query head h reads key/value
+    Query i attends key j <= i (and i - j < window, unless window is 0) of the same
+    non-zero segment; query head h reads key/value
     head h // (H // KV). Softmax in float32; a padding query (segment 0) gives 0. Each
     segment is one contiguous run of its row. T need not be a multiple of `block`: the rows
     are padded with segment 0 and cut back.
@@ -176,7 +204,8 @@ def blockwise_attention(
         qg = jnp.pad(qg, [(0, 0)] * 3 + [(0, pad), (0, 0)])
         k, v = (jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (k, v))
         segment_ids = jnp.pad(segment_ids, [(0, 0), (0, pad)])
-    out, lse = _forward(*map(jax.lax.stop_gradient, (qg, k, v)), segment_ids, block)
+    window = jnp.asarray(window, jnp.int32)  # traced: one program for every layer
+    out, lse = _forward(*map(jax.lax.stop_gradient, (qg, k, v)), segment_ids, window, block)
     out, lse = checkpoint_name(out, ATTENTION), checkpoint_name(lse, ATTENTION)
-    out = _with_grads(qg, k, v, segment_ids, out, lse, block)
+    out = _with_grads(qg, k, v, segment_ids, window, out, lse, block)
     return out[:, :, :, :t].reshape(b, h, t, hd)

@@ -17,7 +17,6 @@ Errors (`CheckpointError`) name the file and the tensor.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import struct
 from collections.abc import Mapping
@@ -30,6 +29,7 @@ import pyarrow as pa
 
 from tunix_tasks.policy.spec import DecoderSpec, UnsupportedCheckpoint, spec_from_hf_config
 from tunix_tasks.storage.store import NotFound, ObjectStore, StoreError, open_store
+from tunix_tasks.untrusted import json_loads
 
 __all__ = [
     "INDEX",
@@ -102,6 +102,10 @@ def expected_tensors(spec: DecoderSpec) -> dict[str, Target]:
         if spec.qk_norm:
             layer["attn/q_norm/scale"] = Target("self_attn.q_norm.weight", (hd,))
             layer["attn/k_norm/scale"] = Target("self_attn.k_norm.weight", (hd,))
+        if spec.sandwich_norms:  # Gemma 3: post_attention_layernorm norms the attention's output
+            layer["attn_out_norm/scale"] = Target("post_attention_layernorm.weight", (d,))
+            layer["mlp_norm/scale"] = Target("pre_feedforward_layernorm.weight", (d,))
+            layer["mlp_out_norm/scale"] = Target("post_feedforward_layernorm.weight", (d,))
         for name, target in layer.items():
             out[f"{ours}/{name}"] = dataclasses.replace(target, hf_name=f"{hf}.{target.hf_name}")
     out["final_norm/scale"] = Target("model.norm.weight", (d,))
@@ -124,8 +128,8 @@ def _parse_header(raw: bytes, file: str, size: int) -> dict[str, HeaderEntry]:
             f"{file}: corrupt safetensors header: header length {n} exceeds the file ({size} B)"
         )
     try:
-        header = json.loads(raw[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        header = json_loads(raw[8 : 8 + n])
+    except ValueError as err:
         raise CheckpointError(f"{file}: corrupt safetensors header: {err}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: corrupt safetensors header: not a JSON object")
@@ -193,8 +197,8 @@ class CheckpointFiles:
         if raw is None:
             raise CheckpointError(f"{self.uri}/{name}: missing")
         try:
-            value = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            value = json_loads(raw)
+        except ValueError as err:
             raise CheckpointError(f"{self.uri}/{name}: not valid JSON: {err}") from None
         if not isinstance(value, dict):
             raise CheckpointError(f"{self.uri}/{name}: expected a JSON object")

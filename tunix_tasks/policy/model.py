@@ -4,7 +4,10 @@ This module owns:
 
 - `Transformer(spec)`: token embedding, pre-norm blocks (RMSNorm; causal grouped-query
   attention with RoPE, optional per-head q/k RMSNorm (Qwen3) and q/k/v bias (Qwen2);
-  SwiGLU MLP), final norm, output projection (tied to the embedding or not). The
+  SwiGLU MLP), final norm, output projection (tied to the embedding or not). Gemma 3's
+  options: per-layer sliding windows (static per layer in the loop, a traced value in a
+  scan), its local layers' own rope, norms of each sublayer's output, scales stored less
+  one, embeddings times sqrt(d_model), GeGLU. The
   `DecoderSpec` (`policy/spec.py`) says which options a family uses. Params are float32
   (a sampler holds them in its compute dtype: `policy/precision.py`); `compute_dtype`
   (float32 / bfloat16) is what matmuls run in; logits accumulate in float32.
@@ -31,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from tunix_tasks.policy.attention import ATTENTION, blockwise_attention
+from tunix_tasks.policy.attention import ATTENTION, Window, blockwise_attention, within_window
 from tunix_tasks.policy.distribution import output_logits
 from tunix_tasks.policy.lora import LowRank
 from tunix_tasks.policy.spec import (
@@ -46,8 +49,9 @@ __all__ = ["FSDP", "KVCache", "Transformer", "merge_stacked", "split_stacked", "
 FSDP = "fsdp"  # mesh axis that shards the d_model dimension of every weight
 # Finite (not -inf) so that a fully-masked attention row gives a uniform softmax, not NaN.
 _MASK_VALUE = -1e30
-#: q [B,H,T,hd], k/v [B,KV,T,hd] -> [B,H,T,hd]: the training forward's attention.
-Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+#: q [B,H,T,hd], k/v [B,KV,T,hd], the layer's sliding window -> [B,H,T,hd]: the training
+#: forward's attention.
+Attend = Callable[[jax.Array, jax.Array, jax.Array, Window], jax.Array]
 # Without remat a scanned layer keeps its weight matmuls' outputs and its attention's for
 # the backward pass and recomputes the elementwise rest: residuals that cross the scan
 # are materialised (a Python loop lets XLA fuse them away), and cost more than recomputing.
@@ -79,13 +83,16 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], spec: tuple[str | None,
     return nnx.Param(value, eager_sharding=eager)
 
 
-def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float) -> jax.Array:
+def _rope(
+    x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float | jax.Array
+) -> jax.Array:
     """Rotary embedding (rotate-half form) of x [B,H,T,hd] at integer positions [B,T], cos
-    and sin multiplied by `scale` (yarn's attention factor; 1.0 otherwise)."""
+    and sin multiplied by `scale` (yarn's attention factor; 1.0 otherwise; traced in a scan
+    over layers of two kinds)."""
     half = x.shape[-1] // 2
     angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,half]
     sin, cos = jnp.sin(angle)[:, None], jnp.cos(angle)[:, None]
-    if scale != 1.0:  # static: a spec without it traces the same program as before
+    if not (isinstance(scale, float) and scale == 1.0):  # a plain rope traces as before
         sin, cos = sin * scale, cos * scale
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half:]
@@ -108,14 +115,19 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float = 1e-6):
-        self.scale = _param(rngs, nnx.initializers.ones, (dim,), (None,))
+    """x / rms(x) * (offset + scale): Gemma stores its scales less one (`offset` 1)."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float = 1e-6, offset: float = 0.0):
+        init = nnx.initializers.zeros if offset else nnx.initializers.ones  # the identity
+        self.scale = _param(rngs, init, (dim,), (None,))
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)  # statistics in float32 even under bfloat16 compute
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x.dtype)
+        scale = self.scale[...] + self.offset if self.offset else self.scale[...]
+        return (y * scale).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -135,8 +147,8 @@ class Attention(nnx.Module):
             self.bk = _param(rngs, zeros, (kv, hd), (None, None))
             self.bv = _param(rngs, zeros, (kv, hd), (None, None))
         if spec.qk_norm:
-            self.q_norm = RMSNorm(hd, rngs=rngs, eps=spec.norm_eps)
-            self.k_norm = RMSNorm(hd, rngs=rngs, eps=spec.norm_eps)
+            self.q_norm = RMSNorm(hd, rngs=rngs, eps=spec.norm_eps, offset=spec.norm_offset)
+            self.k_norm = RMSNorm(hd, rngs=rngs, eps=spec.norm_eps, offset=spec.norm_offset)
         for name, n in (("q", h), ("k", kv), ("v", kv)):
             if lora is not None and name in lora.targets:
                 adapter = LowRank(
@@ -177,12 +189,28 @@ class Attention(nnx.Module):
             y = y + getattr(self, f"b{name}")[...].astype(self.dtype)[None, :, None, :]
         return y
 
-    def _qkv(self, x: jax.Array, positions: jax.Array):
+    def _rotation(self, window: Window) -> tuple[jax.Array, float | jax.Array]:
+        """(inverse frequencies, cos/sin factor) of a layer: a sliding layer's own rope
+        where the spec has one (Gemma 3's local theta), else the global rope."""
+        spec = self.spec
+        inv, scale = jnp.asarray(rope_inv_freq(spec)), rope_attention_factor(spec)
+        if not spec.rope_local_theta or (isinstance(window, int) and window == 0):
+            return inv, scale
+        local = jnp.asarray(rope_inv_freq(spec, local=True))
+        if isinstance(window, int):
+            return local, rope_attention_factor(spec, local=True)
+        sliding = window > 0  # traced: a scan over layers of both kinds
+        return jnp.where(sliding, local, inv), jnp.where(sliding, 1.0, scale)
+
+    def _qkv(self, x: jax.Array, positions: jax.Array, window: Window):
         q, k, v = self._project(x, "q"), self._project(x, "k"), self._project(x, "v")
-        if self.spec.qk_norm:  # Qwen3: per-head RMSNorm before the rotation
+        if self.spec.qk_norm:  # Qwen3, Gemma 3: per-head RMSNorm before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq, scale = jnp.asarray(rope_inv_freq(self.spec)), rope_attention_factor(self.spec)
-        return _rope(q, positions, inv_freq, scale), _rope(k, positions, inv_freq, scale), v
+        inv_freq, scale = self._rotation(window)
+        q, k = _rope(q, positions, inv_freq, scale), _rope(k, positions, inv_freq, scale)
+        if self.spec.query_scale:  # scores scaled by it, not head_dim ** -0.5 (Gemma)
+            q = q * jnp.asarray(self.spec.query_scale * self.spec.head_dim**0.5, q.dtype)
+        return q, k, v
 
     def _out(self, o: jax.Array) -> jax.Array:
         w = self.wo[...].astype(self.dtype)
@@ -193,8 +221,11 @@ class Attention(nnx.Module):
             y = y + adapter(o, self.dtype)
         return y
 
-    def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend) -> jax.Array:
-        return self._out(checkpoint_name(attend(*self._qkv(x, positions)), ATTENTION))
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, attend: Attend, window: Window = 0
+    ) -> jax.Array:
+        o = attend(*self._qkv(x, positions, window), window)
+        return self._out(checkpoint_name(o, ATTENTION))
 
     def cached(
         self,
@@ -203,12 +234,14 @@ class Attention(nnx.Module):
         k_cache: jax.Array,
         v_cache: jax.Array,
         layer: jax.Array | None = None,
+        window: Window = 0,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Write this chunk's k/v at slots positions[:, 0].. and attend over slots <= position.
+        """Write this chunk's k/v at slots positions[:, 0].. and attend over slots <= position
+        (and, with a sliding `window`, > position - window).
 
         With `layer`, the caches are the stacked ones ([L, B, ...]) and this is layer
         `layer` of them: only the chunk is written (in place in a scan's carry)."""
-        q, k, v = self._qkv(x, positions)
+        q, k, v = self._qkv(x, positions, window)
         start = positions[:, 0]
         if layer is None:
             write = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (0, s, 0)))
@@ -225,16 +258,27 @@ class Attention(nnx.Module):
             v_cache = write(v_cache, v.astype(v_cache.dtype), start)
             k_read = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)
             v_read = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)
-        slots = jnp.arange(k_read.shape[2], dtype=positions.dtype)
-        mask = slots[None, None, :] <= positions[:, :, None]
+        slots = jnp.arange(k_read.shape[2], dtype=positions.dtype)[None, None, :]
+        mask = within_window(slots <= positions[:, :, None], positions[:, :, None], slots, window)
         return self._out(_attend(q, k_read, v_read, mask)), k_cache, v_cache
 
 
+#: `DecoderSpec.activation` -> the gate's function (gelu_tanh: GeGLU, Gemma's).
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": partial(jax.nn.gelu, approximate=True)}
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated: down(act(gate(x)) * up(x)); act silu (SwiGLU) or tanh-approximated gelu."""
 
     def __init__(
-        self, d_model: int, d_ff: int, *, rngs: nnx.Rngs, dtype: jnp.dtype, lora: LoraSpec | None
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        rngs: nnx.Rngs,
+        dtype: jnp.dtype,
+        lora: LoraSpec | None,
+        activation: str = "silu",
     ):
         init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal")
         shapes = {"gate": (d_model, d_ff), "up": (d_model, d_ff), "down": (d_ff, d_model)}
@@ -254,6 +298,7 @@ class MLP(nnx.Module):
                 )
                 setattr(self, f"lora_{name}", adapter)
         self.dtype = dtype
+        self.activation = activation
 
     def _project(self, x: jax.Array, name: str) -> jax.Array:
         y = x @ getattr(self, name)[...].astype(self.dtype)
@@ -262,29 +307,44 @@ class MLP(nnx.Module):
         return y
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.silu(self._project(x, "gate")) * self._project(x, "up")
+        h = _ACTIVATIONS[self.activation](self._project(x, "gate")) * self._project(x, "up")
         return self._project(h, "down")
 
 
 class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); with the spec's
+    `sandwich_norms` (Gemma 3) each sublayer's output is normed too before it is added."""
+
     def __init__(
         self, spec: DecoderSpec, *, rngs: nnx.Rngs, dtype: jnp.dtype, lora: LoraSpec | None
     ):
-        self.attn_norm = RMSNorm(spec.d_model, rngs=rngs, eps=spec.norm_eps)
+        norm = partial(RMSNorm, spec.d_model, rngs=rngs, eps=spec.norm_eps, offset=spec.norm_offset)
+        self.attn_norm = norm()
         self.attn = Attention(spec, rngs=rngs, dtype=dtype, lora=lora)
-        self.mlp_norm = RMSNorm(spec.d_model, rngs=rngs, eps=spec.norm_eps)
-        self.mlp = MLP(spec.d_model, spec.d_ff, rngs=rngs, dtype=dtype, lora=lora)
-
-    def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions, attend)
-        return x + self.mlp(self.mlp_norm(x))
-
-    def cached(self, x, positions, k_cache, v_cache, layer=None):
-        a, k_cache, v_cache = self.attn.cached(
-            self.attn_norm(x), positions, k_cache, v_cache, layer
+        self.mlp_norm = norm()
+        self.mlp = MLP(
+            spec.d_model, spec.d_ff, rngs=rngs, dtype=dtype, lora=lora, activation=spec.activation
         )
+        if spec.sandwich_norms:
+            self.attn_out_norm, self.mlp_out_norm = norm(), norm()
+
+    def _residual(self, x: jax.Array, a: jax.Array) -> jax.Array:
+        if hasattr(self, "attn_out_norm"):
+            a = self.attn_out_norm(a)
         x = x + a
-        return x + self.mlp(self.mlp_norm(x)), k_cache, v_cache
+        m = self.mlp(self.mlp_norm(x))
+        return x + (self.mlp_out_norm(m) if hasattr(self, "mlp_out_norm") else m)
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, attend: Attend, window: Window = 0
+    ) -> jax.Array:
+        return self._residual(x, self.attn(self.attn_norm(x), positions, attend, window))
+
+    def cached(self, x, positions, k_cache, v_cache, layer=None, window: Window = 0):
+        a, k_cache, v_cache = self.attn.cached(
+            self.attn_norm(x), positions, k_cache, v_cache, layer, window
+        )
+        return self._residual(x, a), k_cache, v_cache
 
 
 def packed_attend(segment_ids: jax.Array, block: int = 0) -> Attend:
@@ -298,7 +358,12 @@ def packed_attend(segment_ids: jax.Array, block: int = 0) -> Attend:
     causal = idx[None, :] <= idx[:, None]  # [T(query), T(key)]
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     mask = causal[None] & same & (segment_ids != 0)[:, :, None]
-    return partial(_attend, mask=mask)
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, window: Window = 0) -> jax.Array:
+        # In one segment indices and positions advance together: index distance is position's.
+        return _attend(q, k, v, within_window(mask, idx[None, :, None], idx[None, None, :], window))
+
+    return attend
 
 
 def _split_blocks(blocks: nnx.List) -> tuple[nnx.GraphDef, list[nnx.State]]:
@@ -363,7 +428,7 @@ class Transformer(nnx.Module):
                 for _ in range(spec.n_layers)
             ]
         )
-        self.final_norm = RMSNorm(d, rngs=rngs, eps=spec.norm_eps)
+        self.final_norm = RMSNorm(d, rngs=rngs, eps=spec.norm_eps, offset=spec.norm_offset)
         if not spec.tie_embeddings:
             # Small init keeps the initial policy close to uniform (sane early exploration).
             init = nnx.initializers.normal(0.02 / d**0.5)
@@ -374,7 +439,13 @@ class Transformer(nnx.Module):
         return self.spec.max_seq_len
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embed[...], tokens, axis=0).astype(self.compute_dtype)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.compute_dtype)
+        if self.spec.embed_scale:  # Gemma: sqrt(d_model), rounded to the compute dtype
+            x = x * jnp.asarray(self.spec.d_model**0.5, self.compute_dtype)
+        return x
+
+    def _windows(self) -> tuple[int, ...]:
+        return tuple(self.spec.window(i) for i in range(self.spec.n_layers))
 
     def output_matrix(self) -> jax.Array:
         """[d_model, V] in the compute dtype: the unembedding (the embedding's transpose
@@ -407,18 +478,20 @@ class Transformer(nnx.Module):
         attend = packed_attend(segment_ids, attention_block)
         graphdef, states = _split_blocks(self.blocks)
 
-        def layer(x: jax.Array, state: nnx.State) -> jax.Array:
-            return nnx.merge(graphdef, state)(x, positions, attend)
+        def layer(x: jax.Array, state: nnx.State, window: Window) -> jax.Array:
+            return nnx.merge(graphdef, state)(x, positions, attend, window)
 
         x = self._embed(tokens)
         if scan_layers:
             body = jax.checkpoint(layer, policy=None if remat else _KEEP)
             stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)  # = stack_layers
-            x, _ = jax.lax.scan(lambda x, state: (body(x, state), None), x, stacked)
+            windows = jnp.asarray(self._windows(), jnp.int32)
+            x, _ = jax.lax.scan(lambda x, sw: (body(x, *sw), None), x, (stacked, windows))
         else:
-            body = jax.checkpoint(layer) if remat else layer
-            for state in states:
-                x = body(x, state)
+            # A layer's window is static here: it picks the layer's program, traced apart.
+            body = jax.checkpoint(layer, static_argnums=(2,)) if remat else layer
+            for state, window in zip(states, self._windows(), strict=True):
+                x = body(x, state, window)
         return self.final_norm(x)
 
     def __call__(
@@ -471,16 +544,18 @@ class Transformer(nnx.Module):
             graphdef = nnx.graphdef(self.blocks[0])
 
             def body(x, layer):
-                state, k, v = layer
-                x, k, v = nnx.merge(graphdef, state).cached(x, positions, k, v)
+                state, k, v, window = layer
+                x, k, v = nnx.merge(graphdef, state).cached(x, positions, k, v, window=window)
                 return x, (k, v)
 
-            x, (k, v) = jax.lax.scan(body, x, (layers, *cache.k, *cache.v))
+            windows = jnp.asarray(self._windows(), jnp.int32)
+            x, (k, v) = jax.lax.scan(body, x, (layers, *cache.k, *cache.v, windows))
             cache = KVCache(k=(k,), v=(v,))
         else:
             ks, vs = [], []
-            for block, kc, vc in zip(self.blocks, cache.k, cache.v, strict=True):
-                x, kc, vc = block.cached(x, positions, kc, vc)
+            blocks = zip(self.blocks, cache.k, cache.v, self._windows(), strict=True)
+            for block, kc, vc, window in blocks:
+                x, kc, vc = block.cached(x, positions, kc, vc, window=window)
                 ks.append(kc)
                 vs.append(vc)
             cache = KVCache(k=tuple(ks), v=tuple(vs))

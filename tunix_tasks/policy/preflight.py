@@ -10,18 +10,20 @@ built, here and in `build_policy` / `build_sampler` (policy/build.py).
 
     check_policy(cfg.model)          # PolicyError naming the directory and the file
     chat = build_chat(cfg.model)
+    check_tool_turns(chat, env.tools)  # PolicyError when its template has no tool role
 """
 
 from __future__ import annotations
 
 from tunix_tasks.config import ModelConfig
-from tunix_tasks.policy.chat import ChatFormat
-from tunix_tasks.policy.chat_template import load_template_chat
+from tunix_tasks.messages import Action, ToolCall
+from tunix_tasks.policy.chat import ChatFormat, Tools
+from tunix_tasks.policy.chat_template import ChatTemplateError, TemplateChat, load_template_chat
 from tunix_tasks.policy.hf_headers import CheckpointError, CheckpointFiles
 from tunix_tasks.policy.packaged_models import ModelFetchError, resolve_checkpoint
 from tunix_tasks.policy.tokenizer import CharChat, CharTokenizer
 
-__all__ = ["PolicyError", "build_chat", "check_policy", "checkpoint_files"]
+__all__ = ["PolicyError", "build_chat", "check_policy", "check_tool_turns", "checkpoint_files"]
 
 
 class PolicyError(ValueError):
@@ -65,3 +67,22 @@ def check_policy(cfg: ModelConfig) -> None:
         checkpoint_files(cfg.checkpoint).verify(max_seq_len=cfg.max_seq_len)
     except CheckpointError as err:
         raise PolicyError(str(err)) from None
+
+
+def check_tool_turns(chat: ChatFormat, tools: Tools) -> None:
+    """An environment with tools needs a template that renders a tool call and its result
+    (Gemma 3's alternates user and model turns and refuses a "tool" message): else
+    `PolicyError` now, not an actor that stops at its first tool call."""
+    if not tools or not isinstance(chat, TemplateChat):  # the char chat renders any turn
+        return
+    name = tools[0].get("function", {}).get("name", "tool")
+    call = Action(content="", tool_calls=(ToolCall(name, {}),)).message()
+    turns = [{"role": "user", "content": "?"}, call, {"role": "tool", "content": "1"}]
+    try:
+        chat.render(turns, tools, add_generation_prompt=True)
+    except ChatTemplateError as err:
+        raise PolicyError(
+            f"its chat template cannot render a tool call and its result ({err}); the "
+            "environment calls tools: choose an environment without tools, or a checkpoint "
+            "whose template has a tool role"
+        ) from None

@@ -2,8 +2,10 @@
 
 One decoder (`policy/model.py`) covers the families by options: Llama 3.x (GQA, RoPE with
 llama3 frequency scaling, tied or untied embeddings), Qwen3 (GQA, RMSNorm on q and k per
-head, head_dim independent of d_model), Qwen2/2.5 (bias on q/k/v), and the built-in char
-presets (multi-head attention, untied). A spec comes from a preset or from a Hugging Face
+head, head_dim independent of d_model), Qwen2/2.5 (bias on q/k/v), Gemma 3 text (local
+sliding-window layers with their own rope theta between global ones, norm scales stored
+less one, sandwich norms, scaled embeddings, GeGLU, its own query scale), and the built-in
+char presets (multi-head attention, untied). A spec comes from a preset or from a Hugging Face
 `config.json` (both the older top-level `rope_theta`/`rope_scaling` form most published
 checkpoints use and the newer `rope_parameters` form). RoPE scaling is one of
 `ROPE_SCALINGS` (llama3, linear, yarn), each a frozen dataclass that rescales the inverse
@@ -56,9 +58,17 @@ class HfFamily:
     name: str
     architectures: tuple[str, ...]  # config.json `architectures` entries
     model_type: str  # config.json `model_type` (when `architectures` is absent)
-    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3, Gemma 3)
     qkv_bias: bool = False  # q/k/v projections always biased (Qwen2)
     attention_bias: bool = True  # config.json `attention_bias: true` (q/k/v biases) accepted
+    # Gemma 3: RMSNorm weights stored as (scale - 1), embeddings scaled by sqrt(d_model),
+    # a norm on each sublayer's output too, and local (sliding-window) layers with their
+    # own rope theta between global ones (`layer_types`, `sliding_window`,
+    # `rope_local_base_freq`, `query_pre_attn_scalar`).
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    sliding_layers: bool = False
 
 
 #: Family name -> its options; `char` (the presets) is not a Hugging Face family.
@@ -77,6 +87,22 @@ def register_family(family: HfFamily) -> HfFamily:
 register_family(HfFamily("llama", ("LlamaForCausalLM",), "llama", attention_bias=False))
 register_family(HfFamily("qwen2", ("Qwen2ForCausalLM",), "qwen2", qkv_bias=True))
 register_family(HfFamily("qwen3", ("Qwen3ForCausalLM",), "qwen3", qk_norm=True))
+register_family(
+    HfFamily(
+        "gemma3",
+        ("Gemma3ForCausalLM",),
+        "gemma3_text",
+        qk_norm=True,
+        attention_bias=False,
+        norm_offset=1.0,
+        embed_scale=True,
+        sandwich_norms=True,
+        sliding_layers=True,
+    )
+)
+
+#: config.json `hidden_act` / `hidden_activation` -> the MLP gate's activation.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 #: The largest value each config.json shape field may hold: far above any published
@@ -257,6 +283,13 @@ class DecoderSpec:
     qk_norm: bool = False
     qkv_bias: bool = False
     tie_embeddings: bool = False
+    norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + weight)
+    embed_scale: bool = False  # embeddings times sqrt(d_model), in the compute dtype
+    sandwich_norms: bool = False  # an RMSNorm on each sublayer's output before the residual
+    activation: str = "silu"  # the MLP gate's: a value of ACTIVATIONS
+    query_scale: float = 0.0  # the attention scores' scale (0: head_dim ** -0.5)
+    layer_windows: tuple[int, ...] = ()  # per layer, its sliding window; 0 (or none): full
+    rope_local_theta: float = 0.0  # sliding layers' plain-rope theta (0: the global rope)
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -265,6 +298,19 @@ class DecoderSpec:
             )
         if self.head_dim % 2:
             raise UnsupportedCheckpoint(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.activation not in ACTIVATIONS.values():
+            raise UnsupportedCheckpoint(
+                f"activation {self.activation!r}: one of {sorted(ACTIVATIONS.values())}"
+            )
+        if self.layer_windows and len(self.layer_windows) != self.n_layers:
+            raise UnsupportedCheckpoint(
+                f"{len(self.layer_windows)} layer windows for {self.n_layers} layers"
+            )
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window: a query at position i reads keys after i - window
+        (0: every earlier key)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def groups(self) -> int:
@@ -330,6 +376,8 @@ def _family(config: Mapping[str, Any]) -> HfFamily:
 def _rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) from either config form."""
     params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and isinstance(params.get("full_attention"), Mapping):
+        params = params["full_attention"]  # per layer type (Gemma 3): the global layers'
     if isinstance(params, Mapping) and "default" not in params:
         scaling, theta = params, params.get("rope_theta", config.get("rope_theta"))
     else:  # older form (or per-layer-type parameters, which these families do not use)
@@ -358,6 +406,60 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     return float(theta), ROPE_SCALINGS[kind].from_config(scaling)
 
 
+def _positive(config: Mapping[str, Any], key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise UnsupportedCheckpoint(f"config.json: {key} must be a number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise UnsupportedCheckpoint(f"config.json: {key} must be > 0, got {value!r}")
+    return float(value)
+
+
+def _local_rope_theta(config: Mapping[str, Any]) -> float:
+    """Gemma 3's sliding layers' theta: plain rope, `rope_local_base_freq` (older form) or
+    `rope_parameters.sliding_attention` (newer); transformers' default 10,000."""
+    params = config.get("rope_parameters")
+    local = params.get("sliding_attention") if isinstance(params, Mapping) else None
+    theta = config.get("rope_local_base_freq", 10_000.0)
+    if isinstance(local, Mapping):
+        kind = local.get("rope_type", local.get("type", "default"))
+        if kind != "default":
+            raise UnsupportedCheckpoint(
+                f"config.json: sliding layers' rope scaling {kind!r} is not supported (default)"
+            )
+        theta = local.get("rope_theta", theta)
+    return _positive(config, "rope_local_base_freq", theta)
+
+
+def _layer_windows(config: Mapping[str, Any], n_layers: int) -> tuple[int, ...]:
+    """Per layer, its sliding window (0: full attention), from `layer_types` or, in older
+    Gemma 3 files, `sliding_window_pattern` (every pattern-th layer global; default 6)."""
+    types = config.get("layer_types")
+    if types is None:
+        pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise UnsupportedCheckpoint(
+                f"config.json: sliding_window_pattern must be a positive integer, got {pattern!r}"
+            )
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(n_layers)
+        ]
+    kinds = {"full_attention", "sliding_attention"}
+    if not isinstance(types, list) or len(types) != n_layers or not set(types) <= kinds:
+        raise UnsupportedCheckpoint(
+            f"config.json: layer_types must list {n_layers} of {sorted(kinds)}"
+        )
+    window = config.get("sliding_window")
+    if "sliding_attention" in types and (
+        isinstance(window, bool) or not isinstance(window, int) or not 0 < window <= 1 << 24
+    ):
+        raise UnsupportedCheckpoint(
+            f"config.json: sliding_window must be a positive integer at most {1 << 24}, "
+            f"got {window!r}"
+        )
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
 def _check_sliding_window(config: Mapping[str, Any], max_seq_len: int) -> None:
     """Refuse sliding-window attention that could drop a key at this context length.
 
@@ -380,7 +482,7 @@ def _check_sliding_window(config: Mapping[str, Any], max_seq_len: int) -> None:
 
 
 def spec_from_hf_config(config: Mapping[str, Any], *, max_seq_len: int) -> DecoderSpec:
-    """The spec of a Hugging Face Llama / Qwen2 / Qwen3 `config.json` (a dict)."""
+    """The spec of a Hugging Face Llama / Qwen2 / Qwen3 / Gemma 3 `config.json` (a dict)."""
     family = _family(config)
 
     def need(key: str, default: int | None = None) -> int:
@@ -399,18 +501,33 @@ def spec_from_hf_config(config: Mapping[str, Any], *, max_seq_len: int) -> Decod
         raise UnsupportedCheckpoint(
             f"config.json: attention_bias=true is not supported for {family.name}"
         )
-    if config.get("hidden_act", "silu") != "silu":
+    act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
         raise UnsupportedCheckpoint(
-            f"config.json: hidden_act {config['hidden_act']!r} is not supported (silu)"
+            f"config.json: hidden activation {act!r} is not supported ({', '.join(ACTIVATIONS)})"
         )
-    _check_sliding_window(config, max_seq_len)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key) is not None:  # Gemma 2's
+            raise UnsupportedCheckpoint(f"config.json: {key} is not supported")
+    if config.get("use_bidirectional_attention"):
+        raise UnsupportedCheckpoint("config.json: bidirectional attention is not supported")
     d_model, n_heads = need("hidden_size"), need("num_attention_heads")
+    n_layers = need("num_hidden_layers")
+    windows, local_theta, query_scale = (), 0.0, 0.0
+    if family.sliding_layers:
+        windows, local_theta = _layer_windows(config, n_layers), _local_rope_theta(config)
+        scalar = config.get("query_pre_attn_scalar")
+        query_scale = (
+            0.0 if scalar is None else _positive(config, "query_pre_attn_scalar", scalar) ** -0.5
+        )
+    else:
+        _check_sliding_window(config, max_seq_len)
     theta, scaling = _rope(config)
     return DecoderSpec(
         family=family.name,
         vocab_size=need("vocab_size"),
         d_model=d_model,
-        n_layers=need("num_hidden_layers"),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=need("num_key_value_heads", n_heads),
         head_dim=need("head_dim", max(d_model // n_heads, 1)),
@@ -423,6 +540,13 @@ def spec_from_hf_config(config: Mapping[str, Any], *, max_seq_len: int) -> Decod
         qkv_bias=family.qkv_bias or bool(config.get("attention_bias")),
         # Hugging Face's default is tied when the key is absent.
         tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+        norm_offset=family.norm_offset,
+        embed_scale=family.embed_scale,
+        sandwich_norms=family.sandwich_norms,
+        activation=ACTIVATIONS[act],
+        query_scale=query_scale,
+        layer_windows=windows,
+        rope_local_theta=local_theta,
     )
 
 
@@ -436,11 +560,16 @@ def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.nd
     return out
 
 
-def rope_inv_freq(spec: DecoderSpec) -> np.ndarray:
-    """RoPE inverse frequencies, float32 [head_dim // 2] (rotate-half pairing)."""
+def rope_inv_freq(spec: DecoderSpec, *, local: bool = False) -> np.ndarray:
+    """RoPE inverse frequencies, float32 [head_dim // 2] (rotate-half pairing); `local`:
+    a sliding layer's, where the spec gives them their own theta (Gemma 3)."""
+    if local and spec.rope_local_theta:
+        return _inv_freq(spec.head_dim, spec.rope_local_theta, None)
     return _inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
 
 
-def rope_attention_factor(spec: DecoderSpec) -> float:
+def rope_attention_factor(spec: DecoderSpec, *, local: bool = False) -> float:
     """What cos and sin are multiplied by (1.0 but for yarn): q and k scale by it."""
-    return 1.0 if spec.rope_scaling is None else float(spec.rope_scaling.attention_factor)
+    if spec.rope_scaling is None or (local and spec.rope_local_theta):
+        return 1.0
+    return float(spec.rope_scaling.attention_factor)

@@ -9,6 +9,9 @@ whatever the depth.
 
 from __future__ import annotations
 
+import dataclasses
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,8 +39,10 @@ def _segments(rng, rows: int, t: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("block", [8, 64])
-def test_blockwise_equals_dense_values_and_gradients(block):
+@pytest.mark.parametrize("block,window", [(8, 0), (64, 0), (8, 5)])
+def test_blockwise_equals_dense_values_and_gradients(block, window):
+    """Window 5: a sliding layer's (Gemma 3), keys up to 4 positions back; the dense mask
+    is checked against transformers in test_hf_models.py (tiny-gemma3)."""
     rng = np.random.default_rng(block)
     b, h, kv, t, hd = 3, 6, 2, 37, 8  # GQA (3 query heads per kv head); 37: not a multiple
     q, k, v = (jnp.asarray(rng.normal(size=(b, n, t, hd)), jnp.float32) for n in (h, kv, kv))
@@ -45,8 +50,8 @@ def test_blockwise_equals_dense_values_and_gradients(block):
     assert (segments.max(axis=1) >= 3).all()
     real = (segments != 0)[:, None, :, None]
     weights = jnp.asarray(rng.normal(size=(b, h, t, hd)), jnp.float32)
-    dense = packed_attend(segments)
-    blockwise = lambda q, k, v: blockwise_attention(q, k, v, segments, block=block)  # noqa: E731
+    dense = partial(packed_attend(segments), window=window)
+    blockwise = partial(blockwise_attention, window=window, segment_ids=segments, block=block)
 
     def loss(attend, q, k, v):  # padding queries' outputs are meaningless: left out
         return jnp.sum(jnp.where(real, attend(q, k, v) * weights, 0.0))
@@ -60,11 +65,26 @@ def test_blockwise_equals_dense_values_and_gradients(block):
         np.testing.assert_allclose(a, b_, atol=1e-5)
 
 
-def _model(n_layers: int, lora: bool = False, t: int = 32) -> Transformer:
+#: Gemma 3's options on a preset: sliding layers (window 5, their own rope theta) between
+#: a global one, sandwich norms stored less one, scaled embeddings, GeGLU, q/k norms.
+GEMMA_LIKE = {
+    "layer_windows": (5, 0, 5),
+    "rope_local_theta": 10_000.0,
+    "rope_theta": 1e6,
+    "sandwich_norms": True,
+    "norm_offset": 1.0,
+    "embed_scale": True,
+    "activation": "gelu_tanh",
+    "query_scale": 0.3,
+    "qk_norm": True,
+}
+
+
+def _model(n_layers: int, lora: bool = False, t: int = 32, **spec_changes) -> Transformer:
     cfg = ModelConfig(
         preset="custom", d_model=32, n_layers=n_layers, n_heads=4, d_ff=64, max_seq_len=t
     )
-    spec = spec_from_preset(cfg, vocab_size=40)
+    spec = dataclasses.replace(spec_from_preset(cfg, vocab_size=40), **spec_changes)
     model = Transformer(spec, rngs=nnx.Rngs(0), lora=LoraSpec(rank=4, alpha=8.0) if lora else None)
     rng = np.random.default_rng(1)
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):  # adapters that act
@@ -79,9 +99,13 @@ def _rows(t: int = 32):
     return tokens, jnp.asarray(np.tile(np.arange(t), (2, 1))), jnp.asarray(segments)
 
 
-@pytest.mark.parametrize("lora,remat", [(False, False), (True, True)])
-def test_scanned_layers_equal_the_loop(lora, remat):
-    model = _model(3, lora)
+@pytest.mark.parametrize(
+    "lora,remat,spec_changes", [(False, False, {}), (True, True, {}), (True, True, GEMMA_LIKE)]
+)
+def test_scanned_layers_equal_the_loop(lora, remat, spec_changes):
+    """Loop and scan, dense and blockwise: the same loss and gradients; with Gemma's
+    options each layer's window is static in the loop, traced in the scan."""
+    model = _model(3, lora, **spec_changes)
     tokens, positions, segments = _rows()
     trained = nnx.LoRAParam if lora else nnx.Param
 

@@ -354,6 +354,15 @@ def conversation(chat: TemplateChat) -> tuple[list[Message], list[Action], list[
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 12+7 then doubled?"},
     ]
+    try:
+        chat.render([*first, calc("12+7").message(), {"role": "tool", "content": "19"}])
+    except ChatTemplateError:  # Gemma 3: user and model turns alternate, no tool role
+        actions = [Action(content="19, doubled: 38."), Action(content="It is 38.")]
+        replies = [
+            {"role": "user", "content": "Sure?"},
+            {"role": "user", "content": "Thanks! And 1+1?"},
+        ]
+        return first, actions, replies
     if chat.tool_format == "hermes":
         a1 = Action(content="Adding first.", tool_calls=calc("12+7").tool_calls)
     else:
@@ -565,5 +574,6 @@ def test_encode_matches_transformers(name: str) -> None:
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_fixture_episode_ids_equal_the_full_rendering(name: str) -> None:
     chat, _ = fixture_chat(name)
-    assert chat.eot_text in ("<|im_end|>", "<|eot_id|>") and chat.eot_id in chat.stop_ids
+    assert chat.eot_text in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+    assert chat.eot_id in chat.stop_ids
     assert_token_in_token_out(chat)

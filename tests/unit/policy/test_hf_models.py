@@ -8,6 +8,7 @@ No torch needed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import struct
@@ -31,8 +32,9 @@ from tunix_tasks.policy.spec import (
 )
 
 FIXTURES = HF_FIXTURES
-# tiny-qwen3-yarn: yarn rope scaling (interpolated frequencies, scaled q and k).
-FAMILIES = ("tiny-qwen3", "tiny-llama3", "tiny-qwen2", "tiny-qwen3-yarn")
+# tiny-qwen3-yarn: yarn rope scaling (interpolated frequencies, scaled q and k); tiny-gemma3:
+# a sliding layer (window 4) and a global one, sandwich norms, scaled embeddings, GeGLU.
+FAMILIES = ("tiny-qwen3", "tiny-llama3", "tiny-qwen2", "tiny-qwen3-yarn", "tiny-gemma3")
 ATOL = 1e-4
 
 
@@ -182,6 +184,78 @@ def test_sliding_window_is_refused_only_where_it_drops_keys(changes, max_seq_len
         return
     with pytest.raises(UnsupportedCheckpoint, match=r"sliding-window attention .* max_seq_len"):
         spec_from_hf_config(cfg, max_seq_len=max_seq_len)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"layer_windows": (0, 0)},  # no sliding window
+        {"rope_local_theta": 0.0},  # the sliding layer on the global rope
+        {"query_scale": 0.0},  # scores by head_dim ** -0.5
+        {"norm_offset": 0.0},  # norm scales read as stored
+        {"embed_scale": False},
+        {"activation": "silu"},
+    ],
+    ids=lambda change: next(iter(change)),
+)
+def test_each_gemma3_option_is_needed(change):
+    """The Gemma 3 fixture exercises every option: without any one of them the logits
+    leave transformers' (so the match above is not by chance)."""
+    ref = _reference("tiny-gemma3")
+    ids = np.asarray(ref["input_ids"], np.int32)
+    expected = np.load(FIXTURES / "tiny-gemma3" / "logits.npy")
+    ckpt = HFCheckpoint(str(FIXTURES / "tiny-gemma3"))
+    model = ckpt.load_model(dataclasses.replace(ckpt.spec(max_seq_len=64), **change))
+    b, t = ids.shape
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+    logits = np.asarray(_forward(model, ids, positions, np.ones_like(ids)))
+    assert np.abs(logits - expected).max() > 100 * ATOL
+
+
+def test_gemma3_config_forms_give_one_spec():
+    """The published form (`sliding_window_pattern`, `rope_local_base_freq`, `rope_scaling`)
+    and the one transformers 5 writes (`layer_types`, `rope_parameters` per layer type)."""
+    published = json.loads((FIXTURES / "tiny-gemma3" / "config.json").read_text())
+    spec = spec_from_hf_config(published, max_seq_len=64)
+    assert spec.family == "gemma3" and spec.layer_windows == (4, 0)
+    assert spec.rope_local_theta == 10_000.0 and spec.rope_scaling.factor == 2.0
+    assert spec.query_scale == pytest.approx(24**-0.5) and spec.activation == "gelu_tanh"
+    newer = {
+        k: v
+        for k, v in published.items()
+        if k not in ("sliding_window_pattern", "rope_local_base_freq", "rope_theta", "rope_scaling")
+    }
+    newer["layer_types"] = ["sliding_attention", "full_attention"]
+    newer["rope_parameters"] = {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    assert spec_from_hf_config(newer, max_seq_len=64) == spec
+    # transformers' default pattern: every sixth layer global
+    six = {**published, "num_hidden_layers": 12}
+    del six["sliding_window_pattern"]
+    assert spec_from_hf_config(six, max_seq_len=64).layer_windows == ((4,) * 5 + (0,)) * 2
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+        ({"use_bidirectional_attention": True}, "bidirectional attention"),
+        ({"layer_types": ["sliding_attention"]}, "layer_types must list 2"),
+        ({"layer_types": ["local", "global"]}, "layer_types must list 2"),
+        ({"sliding_window": None}, "sliding_window must be a positive integer"),
+        ({"sliding_window_pattern": 0}, "sliding_window_pattern must be a positive integer"),
+        ({"hidden_activation": "relu"}, "hidden activation 'relu' is not supported"),
+        ({"rope_local_base_freq": -1}, "rope_local_base_freq must be > 0"),
+        ({"query_pre_attn_scalar": "24"}, "query_pre_attn_scalar must be a number"),
+    ],
+)
+def test_bad_gemma3_config_is_refused_in_one_line(changes, message):
+    cfg = json.loads((FIXTURES / "tiny-gemma3" / "config.json").read_text()) | changes
+    with pytest.raises(UnsupportedCheckpoint, match=message):
+        spec_from_hf_config(cfg, max_seq_len=64)
 
 
 # ---------------------------------------------------------------- bad checkpoints
@@ -344,6 +418,23 @@ def test_prepare_refuses_a_bad_checkpoint_before_any_process_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"nope: no config\.json there: the directory does not"):
         prepare_run(missing, run_name="bad")
     assert not (tmp_path / "runs" / "bad").exists()  # nothing written for a bad run
+
+
+def test_prepare_refuses_a_template_without_a_tool_role_for_a_tool_env(tmp_path):
+    """Gemma 3's template alternates user and model turns: with the calculator's tools the
+    run is refused at prepare (else every actor stopped at its first tool result); a task
+    whose replies are the user's runs."""
+    from tunix_tasks.config import ConfigError
+    from tunix_tasks.frontdoor.entrypoints import prepare_run
+
+    model = {"checkpoint": str(FIXTURES / "tiny-gemma3"), "max_seq_len": 256}
+    params = {"store": str(tmp_path / "runs"), "model": model}
+    with pytest.raises(ConfigError, match=r"cannot render a tool call and its result .* alternate"):
+        prepare_run({**params, "env": {"name": "calculator"}}, run_name="tools")
+    assert not (tmp_path / "runs" / "tools").exists()
+    assert prepare_run({**params, "env": {"name": "guess_number"}}, run_name="turns")
+    qwen = {**params, "model": {**model, "checkpoint": str(FIXTURES / "tiny-qwen3")}}
+    assert prepare_run({**qwen, "env": {"name": "calculator"}}, run_name="qwen")
 
 
 def test_build_policy_raises_policy_error_for_every_checkpoint_problem(tmp_path):
