@@ -7,6 +7,7 @@ chat_template.py  a checkpoint's jinja chat template, rendered as `apply_chat_te
 template_sandbox.py  the jinja sandbox templates render in, with a time and size budget
 toolcalls.py      tool calls in the models' own formats (Hermes/Qwen, Llama 3.1 JSON)
 spec.py           `DecoderSpec`: a family's architecture, from a preset or a config.json
+rope.py           RoPE frequency scalings (llama3, linear, yarn), as transformers computes them
 costs.py          a spec's cost model: parameters, FLOPs, KV-cache / weight / learner bytes
 model.py          decoder-only transformer (Flax NNX) for every family
 attention.py      the learner's blockwise (flash-style) attention over packed rows
@@ -27,6 +28,6 @@ slots.py          `SlotTable`: which KV-cache slot serves which conversation
 lanes.py          `DecodeLanes`: the decode working set and which lane serves which request
 decoding.py       the sampler's device programs: prefill into slots, decode a segment
 replicas.py       `SamplerReplicas`: one sampler per local device
-preflight.py      what `prepare` checks of a model (no JAX): `check_policy`, `build_chat`, `PolicyError`
+preflight.py      what `prepare` checks of a model (no JAX): `check_policy`, `build_chat`, `check_tool_turns`, `PolicyError`
 build.py          chat format + model (+ sampler) from a `ModelConfig`
 """

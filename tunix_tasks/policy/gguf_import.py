@@ -41,10 +41,10 @@ from tunix_tasks.policy.gguf_file import (
 )
 from tunix_tasks.policy.gguf_tokenizer import tokenizer_files
 from tunix_tasks.policy.hf_headers import SINGLE, hf_tensor_shapes
+from tunix_tasks.policy.rope import Llama3Scaling
 from tunix_tasks.policy.spec import (
     HF_FAMILIES,
     DecoderSpec,
-    Llama3Scaling,
     UnsupportedCheckpoint,
     rope_inv_freq,
     spec_from_hf_config,

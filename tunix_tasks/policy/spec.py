@@ -7,9 +7,8 @@ sliding-window layers with their own rope theta between global ones, norm scales
 less one, sandwich norms, scaled embeddings, GeGLU, its own query scale), and the built-in
 char presets (multi-head attention, untied). A spec comes from a preset or from a Hugging Face
 `config.json` (both the older top-level `rope_theta`/`rope_scaling` form most published
-checkpoints use and the newer `rope_parameters` form). RoPE scaling is one of
-`ROPE_SCALINGS` (llama3, linear, yarn), each a frozen dataclass that rescales the inverse
-frequencies and says by how much the rotated q and k are scaled (yarn's attention factor):
+checkpoints use and the newer `rope_parameters` form). Its RoPE scaling is one of
+`policy/rope.py`'s (llama3, linear, yarn):
 
     spec = spec_from_preset(cfg.model, vocab_size=tok.vocab_size)
     spec = spec_from_hf_config(json.loads(config_json), max_seq_len=4096)
@@ -20,7 +19,6 @@ frequencies and says by how much the rotated q and k are scaled (yarn's attentio
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -28,20 +26,16 @@ from typing import Any
 import numpy as np
 
 from tunix_tasks.config import ModelConfig
+from tunix_tasks.policy.rope import ROPE_SCALINGS, RopeScaling, inv_freq
 
 __all__ = [
     "HF_FAMILIES",
     "LORA_TARGETS",
-    "ROPE_SCALINGS",
     "SHAPE_BOUNDS",
     "DecoderSpec",
     "HfFamily",
-    "LinearScaling",
-    "Llama3Scaling",
     "LoraSpec",
-    "RopeScaling",
     "UnsupportedCheckpoint",
-    "YarnScaling",
     "register_family",
     "rope_attention_factor",
     "rope_inv_freq",
@@ -122,148 +116,6 @@ SHAPE_BOUNDS = {
 
 class UnsupportedCheckpoint(ValueError):
     """A checkpoint's config.json describes something this decoder cannot run."""
-
-
-def _number(scaling: Mapping[str, Any], key: str, default: float | None = None) -> float:
-    """A positive finite number of a `rope_scaling` dict (config.json names the key)."""
-    value = scaling.get(key)
-    value = default if value is None else value
-    if value is None:
-        raise UnsupportedCheckpoint(f"config.json: rope scaling lacks {key!r}")
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise UnsupportedCheckpoint(
-            f"config.json: rope scaling {key} must be a number, got {value!r}"
-        )
-    if not (math.isfinite(value) and value > 0):
-        raise UnsupportedCheckpoint(f"config.json: rope scaling {key} must be > 0, got {value!r}")
-    return float(value)
-
-
-def _positions(scaling: Mapping[str, Any]) -> int:
-    value = _number(scaling, "original_max_position_embeddings")
-    if value != int(value) or value > 1 << 24:
-        raise UnsupportedCheckpoint(
-            "config.json: rope scaling original_max_position_embeddings must be an integer at "
-            f"most {1 << 24}, got {value!r}"
-        )
-    return int(value)
-
-
-@dataclasses.dataclass(frozen=True)
-class Llama3Scaling:
-    """`rope_type: llama3` frequency scaling (Llama 3.1+): transformers'
-    `_compute_llama3_parameters`, in float64."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-    attention_factor = 1.0
-
-    @classmethod
-    def from_config(cls, scaling: Mapping[str, Any]) -> Llama3Scaling:
-        return cls(
-            factor=_number(scaling, "factor"),
-            low_freq_factor=_number(scaling, "low_freq_factor"),
-            high_freq_factor=_number(scaling, "high_freq_factor"),
-            original_max_position_embeddings=_positions(scaling),
-        )
-
-    def inv_freq(self, inv: np.ndarray, head_dim: int, theta: float) -> np.ndarray:
-        old = self.original_max_position_embeddings
-        low_wavelen = old / self.low_freq_factor
-        high_wavelen = old / self.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
-        smooth = (old / wavelen - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return np.where(medium, smoothed, scaled)
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearScaling:
-    """`rope_type: linear` (position interpolation): every frequency divided by `factor`."""
-
-    factor: float
-    attention_factor = 1.0
-
-    @classmethod
-    def from_config(cls, scaling: Mapping[str, Any]) -> LinearScaling:
-        return cls(factor=_number(scaling, "factor"))
-
-    def inv_freq(self, inv: np.ndarray, head_dim: int, theta: float) -> np.ndarray:
-        return inv / self.factor
-
-
-@dataclasses.dataclass(frozen=True)
-class YarnScaling:
-    """`rope_type: yarn` (static YaRN, Qwen2.5/Qwen3 long context): transformers'
-    `_compute_yarn_parameters`. Frequencies that turn fewer than `beta_slow` times over the
-    original context are interpolated (divided by `factor`), those that turn more than
-    `beta_fast` times kept, with a linear ramp between; cos and sin are scaled by
-    `attention_factor` (by default 0.1 ln(factor) + 1, or DeepSeek's mscale ratio)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    attention_factor: float
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-
-    @classmethod
-    def from_config(cls, scaling: Mapping[str, Any]) -> YarnScaling:
-        factor = _number(scaling, "factor")
-
-        def mscale(m: float) -> float:
-            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-        if scaling.get("attention_factor") is not None:
-            attention = _number(scaling, "attention_factor")
-        elif scaling.get("mscale") and scaling.get("mscale_all_dim"):
-            attention = mscale(_number(scaling, "mscale")) / mscale(
-                _number(scaling, "mscale_all_dim")
-            )
-        else:
-            attention = mscale(1.0)
-        truncate = scaling.get("truncate", True)
-        if not isinstance(truncate, bool):
-            raise UnsupportedCheckpoint(f"config.json: rope scaling truncate {truncate!r}")
-        # transformers' `x or default`: an explicit 0 means the default too.
-        return cls(
-            factor=factor,
-            original_max_position_embeddings=_positions(scaling),
-            attention_factor=attention,
-            beta_fast=_number(scaling, "beta_fast", 32.0) if scaling.get("beta_fast") else 32.0,
-            beta_slow=_number(scaling, "beta_slow", 1.0) if scaling.get("beta_slow") else 1.0,
-            truncate=truncate,
-        )
-
-    def inv_freq(self, inv: np.ndarray, head_dim: int, theta: float) -> np.ndarray:
-        def correction_dim(rotations: float) -> float:
-            turns = self.original_max_position_embeddings / (rotations * 2 * math.pi)
-            return head_dim * math.log(turns) / (2 * math.log(theta))
-
-        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, head_dim - 1)
-        high = high + 0.001 if low == high else high  # transformers' guard
-        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-        return inv / self.factor * ramp + inv * (1 - ramp)
-
-
-RopeScaling = Llama3Scaling | LinearScaling | YarnScaling
-
-#: config.json `rope_type` -> its scaling. A new kind is a frozen dataclass with
-#: `from_config`, `inv_freq` and `attention_factor`, added here.
-ROPE_SCALINGS: dict[str, type[Llama3Scaling] | type[LinearScaling] | type[YarnScaling]] = {
-    "llama3": Llama3Scaling,
-    "linear": LinearScaling,
-    "yarn": YarnScaling,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,7 +255,10 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
             **scaling,
             "original_max_position_embeddings": config.get("max_position_embeddings"),
         }
-    return float(theta), ROPE_SCALINGS[kind].from_config(scaling)
+    try:
+        return float(theta), ROPE_SCALINGS[kind].from_config(scaling)
+    except ValueError as err:
+        raise UnsupportedCheckpoint(str(err)) from None
 
 
 def _positive(config: Mapping[str, Any], key: str, value: Any) -> float:
@@ -550,22 +405,12 @@ def spec_from_hf_config(config: Mapping[str, Any], *, max_seq_len: int) -> Decod
     )
 
 
-@functools.lru_cache(maxsize=16)
-def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    if scaling is not None:
-        inv = scaling.inv_freq(inv, head_dim, theta)
-    out = inv.astype(np.float32)
-    out.setflags(write=False)
-    return out
-
-
 def rope_inv_freq(spec: DecoderSpec, *, local: bool = False) -> np.ndarray:
     """RoPE inverse frequencies, float32 [head_dim // 2] (rotate-half pairing); `local`:
     a sliding layer's, where the spec gives them their own theta (Gemma 3)."""
     if local and spec.rope_local_theta:
-        return _inv_freq(spec.head_dim, spec.rope_local_theta, None)
-    return _inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        return inv_freq(spec.head_dim, spec.rope_local_theta, None)
+    return inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
 
 
 def rope_attention_factor(spec: DecoderSpec, *, local: bool = False) -> float:
