@@ -493,3 +493,16 @@ def test_agent_kind_settings_are_checked(overrides, needle):
     assert ok.actor.agent.host == "127.0.0.1"
     wide = ["actor.agent.host=0.0.0.0", "actor.agent.api_key_env=AGENT_TOKEN"]
     assert load_config(None, wide).actor.agent.api_key_env == "AGENT_TOKEN"
+
+
+@pytest.mark.parametrize("value", ["1e-7", "2e6", "0"])
+def test_a_temperature_no_sampler_can_run_is_refused_at_load(value):
+    """Outside requests.TEMPERATURES logits / temperature is not finite in float32: the
+    config refuses it, not every turn of every actor."""
+    from tunix_tasks.policy.requests import TEMPERATURES
+
+    with pytest.raises(ConfigError, match=r"actor\.temperature"):
+        load_config(None, [f"actor.temperature={value}"])
+    low, high = TEMPERATURES
+    for ok in (low, high):
+        assert load_config(None, [f"actor.temperature={ok}"]).actor.temperature == ok

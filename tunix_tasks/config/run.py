@@ -53,7 +53,8 @@ class ActorConfig(Frozen):
     shard_interval_s: Float = Field(
         30.0, gt=0.0, description="flush a partial shard after this long"
     )
-    temperature: Float = Field(1.0, gt=0.0)
+    # requests.TEMPERATURES: finite logits / temperature in float32 (a sampler refuses others)
+    temperature: Float = Field(1.0, ge=1e-6, le=1e6)
     top_k: Int = Field(0, ge=0, description="0 disables top-k")
     max_new_tokens: Int = Field(16, ge=1, description="tokens the policy may generate per turn")
     max_episode_tokens: Int = Field(192, ge=8)

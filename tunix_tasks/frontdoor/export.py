@@ -168,7 +168,13 @@ def export_snapshot(
     check_free(dest, error=ExportError)
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise ExportError(f"dtype {dtype!r}: one of {', '.join(DTYPE_NAMES)}")
+    if version is not None and version < 0:  # else "weights/v-0000001 is incomplete"
+        raise ExportError(f"version must be >= 0, got {version}")
     cfg, store = read_config(run_uri)
+    root = store.local_path()
+    if root is not None and dest.resolve().is_relative_to(root.resolve()):
+        # Under the run's root the files would be the run's own: listed, pruned, copied.
+        raise ExportError(f"{dest} is inside the run {run_uri}: export to a folder outside it")
     if cfg.model.checkpoint is None:
         raise ExportError(
             f"{run_uri}: model.preset {cfg.model.preset!r} is this project's own architecture, "

@@ -24,6 +24,7 @@ same scale, so A is `a` flattened to [in, r] and transposed, and B is `b` flatte
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ import numpy as np
 
 from tunix_tasks.policy.hf_headers import CheckpointError
 from tunix_tasks.policy.spec import LORA_TARGETS, DecoderSpec, LoraSpec
+from tunix_tasks.storage.snapshot_format import short_repr
 
 __all__ = [
     "adapters_from_peft",
@@ -38,6 +40,7 @@ __all__ = [
     "lora_from_peft_config",
     "merged",
     "peft_config",
+    "peft_tensor_shapes",
 ]
 
 # Our target -> (the module holding it, its base weight, the Hugging Face projection).
@@ -52,6 +55,7 @@ _TARGETS = {
 }
 _BY_MODULE = {hf.rsplit(".", 1)[1]: ours for ours, (_, _, hf) in _TARGETS.items()}
 _PREFIX = "base_model.model.model.layers"
+_MAX_FLOAT = sys.float_info.max
 # What an adapter_config.json may hold at any value: what it is, and options that change
 # nothing at inference (dropout) or that only matter when another option is on. Any other
 # key must be at its default (`_unset`): an option ours cannot honour is refused by name.
@@ -134,6 +138,15 @@ def adapters_to_peft(
     return out
 
 
+def peft_tensor_shapes(spec: DecoderSpec, lora: LoraSpec) -> dict[str, tuple[int, ...]]:
+    """The PEFT tensors (name -> shape) an adapter folder of `spec` and `lora` holds."""
+    out, r = {}, lora.rank
+    for _, peft_a, a_shape, _, b_shape in _pairs(spec, lora):
+        out[peft_a] = (r, math.prod(a_shape) // r)
+        out[peft_a.replace(".lora_A.", ".lora_B.")] = (math.prod(b_shape) // r, r)
+    return out
+
+
 def adapters_from_peft(
     tensors: Mapping[str, np.ndarray], spec: DecoderSpec, lora: LoraSpec
 ) -> dict[str, np.ndarray]:
@@ -188,22 +201,32 @@ def lora_from_peft_config(config: Mapping[str, Any]) -> LoraSpec:
     cannot hold: another PEFT method, or any option not at its default (DoRA, rsLoRA,
     per-layer ranks, biases, activated LoRA, ... and those of later PEFT versions)."""
     if config.get("peft_type") != "LORA":
-        raise CheckpointError(f"peft_type {config.get('peft_type')!r}: only LORA is supported")
+        kind = short_repr(config.get("peft_type"))
+        raise CheckpointError(f"peft_type {kind}: only LORA is supported")
     for key, value in config.items():
         if key not in _FREE and not _unset(value):
-            raise CheckpointError(f"adapter_config.json: {key}={value!r} is not supported")
+            raise CheckpointError(
+                f"adapter_config.json: {short_repr(key)}={short_repr(value)} is not supported"
+            )
     modules = config.get("target_modules")
-    if not isinstance(modules, list) or not modules:
+    if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
         raise CheckpointError(
-            f"target_modules {modules!r}: a list of module names among {sorted(_BY_MODULE)}"
+            f"target_modules {short_repr(modules)}: a list of module names among "
+            f"{sorted(_BY_MODULE)}"
         )
     unknown = sorted(set(modules) - set(_BY_MODULE))
     if unknown:
-        raise CheckpointError(f"target_modules {unknown}: not among {sorted(_BY_MODULE)}")
+        raise CheckpointError(
+            f"target_modules {short_repr(unknown)}: not among {sorted(_BY_MODULE)}"
+        )
     rank, alpha = config.get("r"), config.get("lora_alpha")
     numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (rank, alpha))
-    if not numbers or not isinstance(rank, int) or rank < 1 or not 0 < alpha < math.inf:
-        raise CheckpointError(f"r={rank!r}, lora_alpha={alpha!r}: need r >= 1 and alpha > 0")
+    # An int alpha past float's range (10**400) is refused here, not by float() below.
+    if not numbers or not isinstance(rank, int) or rank < 1 or not 0 < alpha <= _MAX_FLOAT:
+        raise CheckpointError(
+            f"r={short_repr(rank)}, lora_alpha={short_repr(alpha)}: need r >= 1 and a finite "
+            "alpha > 0"
+        )
     targets = tuple(t for t in LORA_TARGETS if _TARGETS[t][2].rsplit(".", 1)[1] in modules)
     return LoraSpec(rank, float(alpha), targets)
 

@@ -19,6 +19,8 @@ import numpy as np
 from tunix_tasks.policy.decoding import RowParams
 
 __all__ = [
+    "INT32_MAX",
+    "TEMPERATURES",
     "TOP_LOGPROBS",
     "BlockingSample",
     "FinishReason",
@@ -135,6 +137,11 @@ def row_params(rows: Sequence[Request | None], batch: int, max_stops: int) -> Ro
 
 
 TOP_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's bound too)
+INT32_MAX = 2**31 - 1  # `row_params` lays counts out as int32: a larger one fails a step
+# Temperatures that keep logits / temperature finite in float32: 1e-46 is 0 there, and
+# past 3.4e38 inf (a masked logit's -inf / inf is NaN); either gives NaN log-probs. At
+# 1e-6 sampling is all but greedy, at 1e6 all but uniform.
+TEMPERATURES = (1e-6, 1e6)
 
 
 def check_request(
@@ -145,15 +152,20 @@ def check_request(
     max_seq_len: int,
     top_logprobs: int = 0,
 ) -> None:
-    """ValueError naming the bad setting of a request."""
+    """ValueError naming the bad setting of a request. Checked before it is queued: a
+    setting the engine cannot lay out would fail its step, and every request with it."""
     if not 0 <= top_logprobs <= TOP_LOGPROBS:
         raise ValueError(f"top_logprobs must be in 0..{TOP_LOGPROBS}, got {top_logprobs}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 (use top_k=1 for greedy), got {temperature}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    low, high = TEMPERATURES
+    if not low <= temperature <= high:  # NaN too
+        raise ValueError(
+            f"temperature must be in [{low:g}, {high:g}] (use top_k=1 for greedy), "
+            f"got {temperature}"
+        )
+    if not 0 <= top_k <= INT32_MAX:
+        raise ValueError(f"top_k must be in 0..{INT32_MAX}, got {top_k}")
+    if not 1 <= max_new_tokens <= INT32_MAX:
+        raise ValueError(f"max_new_tokens must be in 1..{INT32_MAX}, got {max_new_tokens}")
     if not 0 < len(context) <= max_seq_len:
         raise ValueError(f"a context has {len(context)} tokens; need 1..max_seq_len={max_seq_len}")
 

@@ -21,7 +21,9 @@ __all__ = ["check_free", "folder_in_place"]
 
 
 def check_free(dest: Path, *, error: type[Exception]) -> None:
-    """`error` unless `dest` is absent or an empty folder."""
+    """`error` unless `dest` is absent or an empty folder (or a symlink to one)."""
+    if dest.is_symlink() and not dest.exists():
+        raise error(f"{dest}: a symlink to nothing ({os.readlink(dest)}): name a folder")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise error(f"{dest}: already exists and is not an empty folder")
 
@@ -29,7 +31,10 @@ def check_free(dest: Path, *, error: type[Exception]) -> None:
 @contextlib.contextmanager
 def folder_in_place(dest: Path) -> Iterator[Path]:
     """A temporary sibling of `dest` to write into, renamed to `dest` when the block
-    ends (`dest` absent or empty), removed if it raises."""
+    ends (`dest` absent or empty), removed if it raises. A `dest` that is a symlink to an
+    empty folder is filled: the files go where it points (renamed onto that folder,
+    beside it, so as atomically) and the link is left as it was."""
+    dest = dest.resolve()
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700 would make the folder private once renamed

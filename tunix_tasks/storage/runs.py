@@ -21,8 +21,12 @@ from typing import Any
 from tunix_tasks.config import ConfigError, RunConfig, check_resume, config_from_dict
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import read_metrics
-from tunix_tasks.storage.store import NotFound, ObjectStore, open_store
+from tunix_tasks.storage.store import NotAFile, NotFound, ObjectStore, open_store, read_small
 from tunix_tasks.storage.uri import join_uri
+from tunix_tasks.untrusted import json_loads
+
+#: A run's config.json is a few KB; far more is not a config (and is not read into memory).
+MAX_CONFIG_BYTES = 16 << 20
 
 
 def write_config(cfg: RunConfig) -> ObjectStore:
@@ -41,14 +45,17 @@ def write_config(cfg: RunConfig) -> ObjectStore:
 
 
 def stored_config(store: ObjectStore) -> RunConfig | None:
-    """The run's config.json (None before the run exists); `ConfigError` if corrupt."""
+    """The run's config.json (None before the run exists); `ConfigError` if corrupt, not
+    a regular file, or over `MAX_CONFIG_BYTES`."""
     try:
-        data = store.read_bytes(RunLayout.CONFIG)
+        data = read_small(store, RunLayout.CONFIG, MAX_CONFIG_BYTES, error=ConfigError)
+    except NotAFile as err:  # there, but no file: "no config.json" would mislead
+        raise ConfigError(str(err)) from None
     except NotFound:
         return None
     try:
-        raw = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raw = json_loads(data)
+    except ValueError as err:
         where = join_uri(store.uri, RunLayout.CONFIG)
         raise ConfigError(f"{where} is corrupt: not valid JSON ({err})") from None
     return config_from_dict(raw)
@@ -115,7 +122,7 @@ def read_fleet(store: ObjectStore) -> int | None:
 def parse_fleet(raw: bytes) -> int:
     """The active count of a fleet control file's bytes (`read_fleet`)."""
     try:
-        active = json.loads(raw)["active"]
+        active = json_loads(raw)["active"]
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{RunLayout.FLEET}: not a fleet control file ({err!r})") from None
     if isinstance(active, bool) or not isinstance(active, int) or active < 0:

@@ -32,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from tunix_tasks.storage.layout import RunLayout
+from tunix_tasks.untrusted import json_loads
 
 __all__ = [
     "DTYPES",
@@ -111,7 +112,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
-        raw = json.loads(data)
+        raw = json_loads(data)
         return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
 
 
@@ -215,8 +216,8 @@ def _header_end(blob: Blob) -> tuple[int, dict[str, Any]]:
     if n > _MAX_HEADER_BYTES or 8 + n > size:
         raise BlobError(f"header length {n} exceeds the blob ({size} bytes)")
     try:
-        header = json.loads(bytes(blob[8 : 8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        header = json_loads(bytes(blob[8 : 8 + n]))
+    except ValueError as err:
         raise BlobError(f"header is not JSON: {err}") from None
     if not isinstance(header, dict):
         raise BlobError("header is not a JSON object")
@@ -323,7 +324,7 @@ def parse_pointer(data: bytes) -> int:
     """The version a `LATEST` pointer names; ValueError unless `version` is a non-negative
     JSON integer and `path` is exactly that version's snapshot key (so no pointer can send
     a reader outside the run, or to another version's files)."""
-    pointer = json.loads(data)  # UnicodeDecodeError / JSONDecodeError are ValueErrors
+    pointer = json_loads(data)
     if not isinstance(pointer, dict):
         raise ValueError(f"not a JSON object: {short_repr(pointer)}")
     version = pointer.get("version")

@@ -12,6 +12,11 @@ backend (`backends/`):
   caller read (0 = must not exist), else raises `PreconditionFailed`.
 - `size` answers from metadata (no read), so a reader can refuse an object larger than
   it expects before reading a byte of it (`weights.py`).
+- Only regular files are objects: locally a key naming a FIFO, a socket or a device
+  raises `NotAFile` (a `NotFound`) on `size` and every read, before a byte is read (a
+  FIFO blocked its reader forever); a folder does not exist, as a bucket's prefix.
+  `read_small` reads an object its reader knows to be small (a manifest, a run's
+  config) after `size` says it is.
 - `read_to` streams an object into the reader's own memory, a chunk at a time:
   `read_bytes` and `open_input` (random access, for Parquet) may hold the whole object,
   which for a weight snapshot doubled a reload's peak on gs://.
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
-from tunix_tasks.storage.uri import backend_for, normalize_uri
+from tunix_tasks.storage.uri import backend_for, join_uri, normalize_uri
 
 if TYPE_CHECKING:
     import numpy as np
@@ -45,6 +50,7 @@ __all__ = [
     "RETRY_DEADLINE_ENV",
     "ByteSink",
     "Data",
+    "NotAFile",
     "NotFound",
     "ObjectInfo",
     "ObjectStore",
@@ -52,6 +58,7 @@ __all__ = [
     "StoreError",
     "check_key",
     "open_store",
+    "read_small",
     "retry_deadline_s",
 ]
 
@@ -64,6 +71,11 @@ class StoreError(RuntimeError):
 
 class NotFound(StoreError, FileNotFoundError):
     """The object does not exist."""
+
+
+class NotAFile(NotFound):
+    """Something that is not a regular file (a FIFO, a socket, a device) is at the key:
+    refused unread, as if no object were there, with a message saying what it is."""
 
 
 class PreconditionFailed(StoreError):
@@ -135,6 +147,19 @@ def check_key(key: str) -> str:
     if not key or any(part in ("", ".", "..") for part in key.split("/")):
         raise ValueError(f"invalid object key {key!r}")
     return key
+
+
+def read_small(store: ObjectStore, key: str, max_bytes: int, *, error: type[Exception]) -> bytes:
+    """The bytes of `key`, an object its reader knows to be small (a manifest, a run's
+    config): `error` unread when the store's metadata says it holds more than `max_bytes`
+    (a sparse 100 GB file would be read whole otherwise); NotFound if none."""
+    size = store.size(key)
+    if size > max_bytes:
+        raise error(
+            f"{join_uri(store.uri, key)} holds {size} bytes, more than the {max_bytes} it "
+            "may: not read"
+        )
+    return store.read_bytes(key)
 
 
 def retry_deadline_s(explicit: float | None = None) -> float:

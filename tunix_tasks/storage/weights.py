@@ -58,7 +58,7 @@ from tunix_tasks.storage.snapshot_format import (
     parse_pointer,
     short_repr,
 )
-from tunix_tasks.storage.store import NotFound, ObjectStore, PreconditionFailed
+from tunix_tasks.storage.store import NotFound, ObjectStore, PreconditionFailed, read_small
 from tunix_tasks.storage.uri import join_uri
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 PARAMS_FILE = "params.safetensors"
 DELTA_FILE = "delta.bin"
 MANIFEST_FILE = "manifest.json"
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest is ~1 KB; a larger one is refused unread
 _READ_CHUNK = 8 << 20  # bytes hashed at a time as a snapshot streams in
 _SNAPSHOT_DIR = re.compile(re.escape(RunLayout.WEIGHTS) + r"v(\d+)/")
 
@@ -145,8 +146,10 @@ def read_manifest(store: ObjectStore, version: int) -> Manifest:
     """The manifest of one snapshot; WeightsError if missing, invalid or of another version."""
     where, key = _where(store, version), f"{RunLayout.snapshot(version)}/{MANIFEST_FILE}"
     try:
-        manifest = Manifest.from_json(store.read_bytes(key))
-    except NotFound as err:
+        manifest = Manifest.from_json(
+            read_small(store, key, MAX_MANIFEST_BYTES, error=WeightsError)
+        )
+    except NotFound as err:  # or not a regular file (`NotAFile`: a FIFO would block)
         raise WeightsError(f"snapshot {where} is incomplete: {err}") from None
     except (ValueError, KeyError, TypeError) as err:
         raise WeightsError(f"snapshot {where} has an invalid manifest: {err}") from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import shutil
 import socket
@@ -34,11 +35,15 @@ from tests.unit.actor.test_actor import (
     _Running,
 )
 from tunix_tasks.actor.asynchronous.actor import Actor
+from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
+from tunix_tasks.actor.endpoint.server import EndpointServer
 from tunix_tasks.actor.remote import engine as remote_engine
 from tunix_tasks.actor.remote import shared_disk
 from tunix_tasks.actor.remote.engine import RemoteEngine, run_weights_folder
-from tunix_tasks.actor.remote.server import serve
+from tunix_tasks.actor.remote.server import KEEP_ADAPTERS, Loaded, build_app, serve
 from tunix_tasks.actor.remote.wire import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
     WEIGHTS_FILE,
     RemoteError,
     parse_completion,
@@ -46,8 +51,9 @@ from tunix_tasks.actor.remote.wire import (
     token_label,
 )
 from tunix_tasks.config import ConfigError, RunConfig
-from tunix_tasks.policy.build import build_policy, lora_spec, policy_spec
+from tunix_tasks.policy.build import build_actor_sampler, build_policy, lora_spec, policy_spec
 from tunix_tasks.policy.distribution import token_logprobs
+from tunix_tasks.policy.hf_adapters import adapters_to_peft, peft_config
 from tunix_tasks.policy.hf_checkpoint import HFCheckpoint, params_from_hf, params_to_hf
 from tunix_tasks.policy.params import flat_params, load_flat_params
 from tunix_tasks.storage.runs import mark_done, write_config
@@ -348,6 +354,140 @@ def test_weight_pushes_are_checked_and_never_go_back(tmp_path):
         server.close()
 
 
+def _refused(r: httpx.Response, param: str | None = None) -> str:
+    """The message of a 400 in OpenAI's error body, none of Python's internals in it."""
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert param is None or err["param"] == param, err
+    for internal in ("Traceback", "invalid literal", "set_int_max_str_digits", "recursion"):
+        assert internal not in r.text, r.text
+    return err["message"]
+
+
+def test_requests_the_sampler_cannot_run_are_refused_and_it_keeps_serving(tmp_path):
+    """Settings the engine thread cannot lay out (int32) or that give NaN log-probs are a
+    400 naming the bound, never a failed engine (every later turn a 500 while /health
+    said ok); so are bodies the JSON parser cannot read. A `max_tokens` past the context
+    is cut to it, as the sampler stops there."""
+    cfg = _cfg(tmp_path)
+    server = _Server(cfg)
+    turn = {"prompt": [TOK.bos_id], "max_tokens": 2}
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            msg = _refused(http.post("/v1/completions", json=turn | {"max_tokens": 10**12}))
+            assert "max_tokens" in msg and "2147483647" in msg
+            msg = _refused(http.post("/v1/completions", json=turn | {"top_k": 10**12}), "top_k")
+            assert f"vocabulary size ({TOK.vocab_size})" in msg
+            for t in (1e-46, 1e39, float("inf")):
+                raw = json.dumps(turn | {"temperature": t}).encode()  # Infinity: Python's JSON
+                msg = _refused(http.post("/v1/completions", content=raw), "temperature")
+                assert "0 (greedy) or in [1e-06, 1e+06]" in msg
+            msg = _refused(http.post("/v1/completions", content=b"[" * 100_000))
+            assert "nested too deeply" in msg
+            raw = b'{"prompt": [1], "max_tokens": ' + b"9" * 5000 + b"}"
+            assert "more than 4300 digits" in _refused(http.post("/v1/completions", content=raw))
+            r = http.post("/v1/completions", json=turn | {"max_tokens": 2**31 - 1})
+            assert r.status_code == 200, r.text
+            assert len(r.json()["choices"][0]["token_ids"]) <= cfg.model.max_seq_len
+            r = http.post("/v1/completions", json=turn)
+            assert r.status_code == 200 and _health(server)["status"] == "ok"
+    finally:
+        server.close()
+
+
+def test_health_reports_an_engine_that_stopped(tmp_path):
+    """An engine thread that stopped (here: its weights reload raised) fails every turn
+    from then on: `/health` says so (503, the reason) and turns are a 503 saying what to
+    do, not a 500 each."""
+    cfg = _cfg(tmp_path)
+    chat, sampler = build_actor_sampler(cfg)
+
+    def reload() -> None:
+        raise RuntimeError("the reload found no weights")
+
+    async def run() -> None:
+        policy = BatchingPolicy(sampler, max_new_tokens=2, before_batch=reload)
+        app = build_app(policy, loaded=Loaded(), chat=chat, spec=sampler.model.spec, model_name="m")
+        async with (
+            policy,
+            EndpointServer(app, host="127.0.0.1", port=0) as server,
+            httpx.AsyncClient(base_url=server.base_url, timeout=60) as http,
+        ):
+            assert (await http.get("/health")).json()["status"] == "ok"
+            turn = {"prompt": [TOK.bos_id]}
+            assert (await http.post("/v1/completions", json=turn)).status_code == 500
+            r = await http.post("/v1/completions", json=turn)
+            assert r.status_code == 503 and "restart the server" in r.json()["error"]["message"]
+            r = await http.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "failed"
+            assert r.json()["error"] == "RuntimeError: the reload found no weights"
+
+    asyncio.run(run())
+
+
+def _weights_folder(folder, cfg: RunConfig, **changed: np.ndarray) -> str:
+    """A checkpoint folder as the engine writes it (`_peaky(1)`'s), tensors `changed`."""
+    folder.mkdir(parents=True)
+    tensors = params_to_hf(_peaky(1, cfg), policy_spec(cfg.model)[1]) | changed
+    save_file(tensors, str(folder / WEIGHTS_FILE))
+    return str(folder)
+
+
+def test_weights_folders_and_versions_are_checked_before_anything_loads(tmp_path):
+    """A weights push is refused (400, the reason, nothing loaded) for a version that is
+    not ASCII digits below 10**18 (one loaded would freeze the weights: every later push
+    "already at" it), a weights file that is not a regular file (a FIFO hung the load and
+    SIGTERM; /dev/zero filled the memory), one larger than the model's tensors can take,
+    a header nested too deeply, or a NaN; a later push loads."""
+    cfg = _cfg(tmp_path)
+    server = _Server(cfg)
+    good = _weights_folder(tmp_path / "good", cfg)
+    spec, embed = policy_spec(cfg.model)[1], "model.embed_tokens.weight"
+    shape = (spec.vocab_size, spec.d_model)
+    nan = _weights_folder(tmp_path / "nan", cfg, **{embed: np.full(shape, np.nan, np.float32)})
+    odd = {name: tmp_path / name for name in ("fifo", "zero", "folder", "huge", "deep")}
+    for folder in odd.values():
+        folder.mkdir()
+    os.mkfifo(odd["fifo"] / WEIGHTS_FILE)
+    os.symlink("/dev/zero", odd["zero"] / WEIGHTS_FILE)
+    (odd["folder"] / WEIGHTS_FILE).mkdir()
+    with open(odd["huge"] / WEIGHTS_FILE, "wb") as f:
+        f.truncate(1 << 40)  # sparse: 1 TiB on no disk
+    header = b"[" * 100_000 + b"]" * 100_000
+    (odd["deep"] / WEIGHTS_FILE).write_bytes(len(header).to_bytes(8, "little") + header)
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+
+            def push(path: str, version) -> httpx.Response:
+                body = {"model_path": path, "weight_version": version}
+                return http.post("/update_weights_from_disk", json=body)
+
+            for version in (10**30, "9" * 5000, "²", "+3", " 3", True, 1.5, -1):
+                r = push(good, version)
+                assert r.status_code == 400, (version, r.text)
+                assert "at most 18 digits" in r.json()["message"]
+                assert "invalid literal" not in r.text and "4300" not in r.text
+            reasons = {
+                "fifo": "not a regular file",
+                "zero": "not a regular file",
+                "folder": "not a regular file",
+                "huge": "over the limit",
+                "deep": "nested too deeply",
+            }
+            for name, reason in reasons.items():
+                r = push(str(odd[name]), "5")
+                assert r.status_code == 400 and reason in r.json()["message"], (name, r.text)
+            r = push(nan, "5")
+            assert r.status_code == 400 and f"tensor '{embed}' has" in r.json()["message"]
+            assert r.json()["message"].endswith(f"NaN/Inf of {np.prod(shape)} values: not loaded")
+            assert _health(server)["weights"] == {"pushes": 6, "loads": 0}
+            r = http.post("/v1/completions", json={"prompt": [TOK.bos_id], "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["weight_version"] == "-1"
+            assert push(good, str(10**18 - 1)).json()["message"] == f"loaded {good}"
+    finally:
+        server.close()
+
+
 def test_runs_sharing_a_weights_dir_keep_to_their_own_folders(tmp_path):
     """Two runs of one name in two stores, each with an `actor-0`, push through one shared
     `weights_dir`: neither run's push overwrites, nor its clean-up deletes, the folder of
@@ -490,6 +630,113 @@ def test_a_stale_claim_is_taken_over_once_and_a_live_one_never(tmp_path):
     assert key("http://inference:8000", "host-a") == key("http://inference:8000", "host-b")
 
 
+def test_a_stale_claim_that_is_a_folder_is_removed_not_waited_on(tmp_path):
+    """Claims are files: a folder at a claim's name (no holder's), once stale, is removed
+    and the waiter claims; it crashed the waiter (IsADirectoryError) and stayed aside."""
+    claim = tmp_path / ".v3-x.claim"
+    claim.mkdir()
+    (claim / "inside").write_text("x")
+    stale = time.time() - shared_disk.CLAIM_STALE_S - 5
+    os.utime(claim, (stale, stale))
+    with shared_disk.claimed(claim, ready=lambda: False, timeout_s=5) as mine:
+        assert mine and claim.is_file()
+    assert list(tmp_path.iterdir()) == []
+
+
+def _bad_record(path, kind: str) -> None:
+    """A server record the engine would never write, of `kind`."""
+    good = {"version": 3, "digest": _digest(3), "created_at": 100.0}
+    texts = {
+        "escaping digest": good | {"digest": "/../../../evil00"},
+        "escaping, far future": good | {"digest": "/../../../evil00", "created_at": 1e300},
+        "short digest": good | {"digest": _digest(3)[:16]},
+        "far future": good | {"created_at": 1e300},
+        "negative time": good | {"created_at": -1.0},
+        "bool version": good | {"version": True},
+        "huge version": good | {"version": 2**60},
+        "a list": [good],
+    }
+    if kind in texts:
+        path.write_text(json.dumps(texts[kind]))
+    elif kind == "Infinity":  # Python's JSON reads it
+        path.write_text(json.dumps(good).replace("100.0", "Infinity"))
+    elif kind == "deep":
+        path.write_bytes(b"[" * 100_000)
+    elif kind == "big":
+        path.write_text(json.dumps(good | {"pad": "x" * (1 << 16)}))
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+
+
+RECORD_KINDS = [
+    "escaping digest",
+    "escaping, far future",
+    "short digest",
+    "far future",
+    "negative time",
+    "bool version",
+    "huge version",
+    "a list",
+    "Infinity",
+    "deep",
+    "big",
+    "fifo",
+    "folder",
+]
+
+
+@pytest.mark.parametrize("kind", RECORD_KINDS)
+def test_a_record_the_engine_would_not_write_is_no_record(tmp_path, caplog, kind):
+    """Read every time an actor pushes (and every poll while it waits): a record of a
+    field the engine would not write, or that is not a small regular file, is no record
+    (the actor pushes), logged once; it never hangs, raises, or names a folder outside
+    the run's."""
+    record = shared_disk.ServerRecord(tmp_path, "http://inference:8000")
+    record.write(version=3, digest=_digest(3), created_at=100.0, writer="a")
+    assert record.read()["digest"] == _digest(3)
+    record.path.unlink()
+    _bad_record(record.path, kind)
+    assert record.read() is None and record.read() is None
+    assert len([r for r in caplog.records if "not a server record" in r.getMessage()]) == 1
+
+
+def test_a_poisoned_record_neither_stops_the_pushes_nor_sends_the_server_elsewhere(tmp_path):
+    """A record naming a snapshot published in the far future made every actor of the
+    run lag behind it (no push again), and its digest named a folder outside the run's,
+    which a restore pushed to the server. Now it is no record: the actor pushes, and
+    after a server restart restores its own snapshot."""
+    cfg = _cfg(tmp_path, weights_dir=str(tmp_path / "shared"))
+    run = tmp_path / "shared" / "run"
+    (run / "v9-").mkdir(parents=True)  # what the escaping path goes through
+    _weights_folder(tmp_path / "evil00", cfg)  # where it leads
+    server = _Server(cfg)
+    port = server.port
+    try:
+        engine = _engine(cfg, server.url, run="run")
+        kinds = ("escaping, far future", "Infinity", "far future", "fifo", "folder")
+        for v, kind in enumerate(kinds, start=1):
+            record = engine._record.path
+            record.unlink(missing_ok=True)  # the record of the push before
+            _bad_record(record, kind)
+            engine.update_params(_peaky(v, cfg), version=v, digest=_digest(v), created_at=100.0 + v)
+            assert _pushes(server) == v and engine.loads_skipped == 0, kind
+        record.unlink()
+        _bad_record(record, "escaping, far future")
+        server.close()
+        server = _Server(cfg, port=port)  # back to its base weights: the turn restores
+        tokens, logprobs, version = asyncio.run(_one_turn(engine, [TOK.bos_id]))
+        assert version == 5 and _health(server)["weight_version"] == "5"
+        np.testing.assert_allclose(
+            logprobs, _turn_logprobs(cfg, _peaky(5, cfg), [TOK.bos_id], tokens), atol=LOGPROB_ATOL
+        )
+        with pytest.raises(ValueError, match="not a sha256"):
+            engine.update_params(_peaky(6, cfg), version=6, digest="/../../../evil00")
+    finally:
+        server.close()
+
+
 def _health(server: _Server) -> dict:
     return httpx.get(f"{server.url}/health", timeout=30).json()
 
@@ -579,6 +826,68 @@ def test_a_lora_run_loads_its_adapters_by_name(tmp_path):
         np.testing.assert_allclose(
             logprobs, _lora_turn_logprobs(cfg, ad[3], context, tokens), atol=LOGPROB_ATOL
         )
+    finally:
+        server.close()
+
+
+def _peft_folder(folder, cfg: RunConfig, nan: bool = False, **config) -> str:
+    """A PEFT folder as the engine writes it (`_adapters(1)`), its config's fields
+    `config` changed, its first tensor NaN if `nan`."""
+    folder.mkdir(parents=True)
+    spec, lora = policy_spec(cfg.model)[1], lora_spec(cfg.model)
+    tensors = adapters_to_peft(_adapters(cfg, 1), spec, lora)
+    if nan:
+        first = next(iter(tensors))
+        tensors[first] = np.full_like(tensors[first], np.nan)
+    save_file(tensors, str(folder / ADAPTER_FILE))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, base="b") | config))
+    return str(folder)
+
+
+def test_adapter_pushes_are_checked_and_the_names_kept_are_bounded(tmp_path):
+    """An adapter push is refused (400, the reason) for a name over 256 characters or
+    whose version is not ASCII digits below 10**18, an adapter_config.json that is a
+    FIFO, over 1 MiB, nested too deeply or of a shape PEFT's parser would not make, or a
+    NaN tensor. The server keeps the newest `KEEP_ADAPTERS` names it loaded: older ones
+    are a 404, as an unloaded adapter is."""
+    cfg = _lora_cfg(tmp_path)
+    server = _Server(cfg)
+    good = _peft_folder(tmp_path / "good", cfg)
+    bad = {
+        "over the limit of 1048576 bytes": _peft_folder(
+            tmp_path / "big", cfg, base_model_name_or_path="x" * (2 << 20)
+        ),
+        "a list of module names": _peft_folder(tmp_path / "tm", cfg, target_modules=[{"a": 1}]),
+        "finite alpha > 0": _peft_folder(tmp_path / "alpha", cfg, lora_alpha=10**400),
+        "NaN/Inf": _peft_folder(tmp_path / "nan", cfg, nan=True),
+        "not a regular file": _peft_folder(tmp_path / "fifo", cfg),
+        "nested too deeply": _peft_folder(tmp_path / "deep", cfg),
+    }
+    config = tmp_path / "fifo" / ADAPTER_CONFIG
+    config.unlink()
+    os.mkfifo(config)
+    (tmp_path / "deep" / ADAPTER_CONFIG).write_bytes(b"[" * 100_000)
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+
+            def load(name: str, path: str = good) -> httpx.Response:
+                return http.post(
+                    "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}
+                )
+
+            for name in ("x-v" + "9" * 20, "x-v\u0661\u0662", "x" * 300 + "-v1"):
+                assert "at most 18 digits" in _refused(load(name), "lora_name")
+            for reason, path in bad.items():
+                assert reason in _refused(load("x-v1", path), "lora_name"), reason
+            names = [f"x-v{v}" for v in range(1, KEEP_ADAPTERS + 3)]
+            for name in names:
+                assert load(name).status_code == 200
+            models = {m["id"] for m in http.get("/v1/models").json()["data"]}
+            assert models == {cfg.model.served_name, *names[-KEEP_ADAPTERS:]}
+            turn = {"prompt": [TOK.bos_id], "max_tokens": 2}
+            assert http.post("/v1/completions", json=turn | {"model": names[0]}).status_code == 404
+            r = http.post("/v1/completions", json=turn | {"model": names[-1]})
+            assert r.status_code == 200 and r.json()["weight_version"] == str(len(names))
     finally:
         server.close()
 

@@ -6,6 +6,8 @@ tiny checkpoints (made by `transformers`) and a LoRA adapter made and applied by
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -81,9 +83,13 @@ def test_a_peft_adapter_gives_peft_logits_and_round_trips_exactly():
         ({"rank_pattern": {"q_proj": 8}}, "rank_pattern"),
         ({"target_modules": ["q_proj", "lm_head"]}, "lm_head"),
         ({"target_modules": "all-linear"}, "a list"),
+        ({"target_modules": [{"a": 1}]}, "a list of module names"),  # not a TypeError
+        ({"target_modules": [["q_proj"]]}, "a list of module names"),
         ({"r": 0}, "r >= 1"),
         ({"r": True}, "r >= 1"),
         ({"lora_alpha": float("inf")}, "alpha > 0"),
+        ({"lora_alpha": float("nan")}, "finite alpha > 0"),
+        ({"lora_alpha": 10**400}, "finite alpha > 0"),  # not an OverflowError
         ({"alora_invocation_tokens": [7, 8]}, "alora_invocation_tokens"),  # activated LoRA
         ({"layers_to_transform": 0}, "layers_to_transform"),  # 0 is a layer, not "off"
         ({"a_later_peft_option": "on"}, "a_later_peft_option"),
@@ -329,3 +335,87 @@ def test_adapters_for_another_base_are_refused(tmp_path):
     cfg, _ = _lora_run(tmp_path, base={"fingerprint": "f" * 64, "uri": "gs://elsewhere/base"})
     with pytest.raises(ExportError, match="not that base now"):
         export_snapshot(cfg.run_uri, tmp_path / "out")
+
+
+def _published_run(tmp_path):
+    """A run of `tiny-qwen3` with its initial weights published as v0: (config, store)."""
+    cfg, store = _run(tmp_path)
+    _, model = build_policy(cfg.model, seed=0)
+    WeightsPublisher(store).publish(
+        flat_params(model), version=0, step=0, model=cfg.model.model_dump()
+    )
+    return cfg, store
+
+
+def _one_line(capsys, code: int, argv: list[str], match: str) -> None:
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip().splitlines()  # after the progress bar's line
+    assert len(err) == 1 and err[0].startswith("tunix-tasks: "), err
+    assert re.search(match, err[0]), err
+
+
+@pytest.mark.timeout(60)  # a FIFO blocked the export forever
+def test_a_run_no_reader_could_parse_is_one_line_and_nothing_is_written(tmp_path, capsys):
+    """config.json or manifest.json nested 100k deep (a RecursionError traceback before),
+    a FIFO (a hang) or a 1 GiB sparse file (read whole): one line each, nothing written;
+    the run exports once its files are whole again."""
+    cfg, store = _published_run(tmp_path)
+    dest = str(tmp_path / "out")
+    config = store.local_path("config.json")
+    manifest = store.local_path("weights/v00000000/manifest.json")
+    good = {p: p.read_bytes() for p in (config, manifest)}
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for path, code, what in ((config, 2, "not valid JSON"), (manifest, 1, "invalid manifest")):
+        path.write_bytes(deep)
+        _one_line(capsys, code, ["export", cfg.run_uri, dest], f"{what}.*nested too deeply")
+        path.unlink()
+        os.mkfifo(path)
+        _one_line(capsys, code, ["export", cfg.run_uri, dest], "is a FIFO, not a regular file")
+        path.unlink()
+        with path.open("wb") as f:
+            f.truncate(1 << 30)
+        _one_line(capsys, code, ["export", cfg.run_uri, dest], "holds 1073741824 bytes, more")
+        path.write_bytes(good[path])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    assert main(["export", cfg.run_uri, dest]) == 0
+
+
+def test_a_dest_inside_the_run_or_a_negative_version_is_refused_up_front(tmp_path, capsys):
+    """DEST under RUN (by its path, or a symlink into it) would write into the run's own
+    store; a version below 0 named "weights/v-0000001". Each: one line, exit 2,
+    nothing written."""
+    cfg, store = _published_run(tmp_path)
+    root = store.local_path()
+    (tmp_path / "into").symlink_to(root / "weights")
+    for dest in (root / "exported", tmp_path / "into" / "x"):
+        _one_line(capsys, 2, ["export", cfg.run_uri, str(dest)], "is inside the run .*outside it")
+    out = str(tmp_path / "out")
+    _one_line(capsys, 2, ["export", cfg.run_uri, out, "--version", "-1"], "version must be >= 0")
+    assert sorted(p.name for p in root.iterdir()) == ["config.json", "weights"]
+    assert sorted(p.name for p in (root / "weights").iterdir()) == [
+        ".LATEST.gens",
+        "LATEST",
+        "v00000000",
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dest_symlinked_to_an_empty_folder_is_filled_through_the_link(tmp_path):
+    """The link stays a link, the folder it points to gets the files (renamed onto it
+    from beside it: complete or absent), nothing is left beside either; a link to
+    nothing is refused up front."""
+    cfg, _ = _published_run(tmp_path)
+    (tmp_path / "models" / "empty").mkdir(parents=True)
+    (tmp_path / "links").mkdir()
+    link = tmp_path / "links" / "to_empty"
+    link.symlink_to(tmp_path / "models" / "empty")
+    written = export_snapshot(cfg.run_uri, link)
+    assert written["dest"] == str(link) and written["kind"] == "full"
+    assert link.is_symlink() and (tmp_path / "models/empty/model.safetensors").is_file()
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["empty"]
+    assert sorted(p.name for p in (tmp_path / "links").iterdir()) == ["to_empty"]
+
+    (tmp_path / "links" / "dangling").symlink_to(tmp_path / "models" / "gone")
+    with pytest.raises(ExportError, match="a symlink to nothing"):
+        export_snapshot(cfg.run_uri, tmp_path / "links" / "dangling")
+    assert not (tmp_path / "models" / "gone").exists()

@@ -20,10 +20,12 @@ from tunix_tasks.storage.backends.local import LocalStore
 from tunix_tasks.storage.backends.local_tempfiles import MAX_AGE_ENV, write_temp
 from tunix_tasks.storage.store import (
     RETRY_DEADLINE_ENV,
+    NotAFile,
     NotFound,
     PreconditionFailed,
     StoreError,
     open_store,
+    read_small,
 )
 from tunix_tasks.storage.uri import normalize_uri
 
@@ -491,3 +493,44 @@ def test_symlinks_out_of_the_run_are_refused_by_the_local_store(tmp_path):
         "manifest.json",
         "params.safetensors",
     ]
+
+
+def test_read_small_refuses_an_object_over_its_bound_unread(store_uri):
+    """A reader that knows an object is small (a manifest, a run's config) is refused one
+    that is larger, from its size alone, the same on both backends."""
+    store = open_store(store_uri)
+    store.write_bytes("m.json", b"x" * 100)
+    assert read_small(store, "m.json", 100, error=ValueError) == b"x" * 100
+    with pytest.raises(ValueError, match=r"m\.json holds 100 bytes, more than the 99 it may"):
+        read_small(store, "m.json", 99, error=ValueError)
+    with pytest.raises(NotFound, match=r"nope\.json does not exist"):
+        read_small(store, "nope.json", 99, error=ValueError)
+
+
+@pytest.mark.timeout(30)  # the FIFO reads waited for a writer forever
+def test_a_key_that_is_no_regular_file_is_refused_unread_by_the_local_store(tmp_path):
+    """A FIFO at a key (a plain one, or a compare-and-swap key's generation file) is
+    `NotAFile`, a NotFound saying what it is, on every read and `size`, at once; a
+    folder at a key does not exist, as a bucket's prefix."""
+    from tunix_tasks.storage.weights import WeightsPublisher
+
+    store = open_store(f"file://{tmp_path}/run")
+    store.write_bytes("a/ok.json", b"{}")
+    os.mkfifo(tmp_path / "run/a/fifo.json")
+    (tmp_path / "run/a/dir.json").mkdir()
+    read_to = functools.partial(_read_to, store)
+    for call in (store.read_bytes, store.size, store.open_input, read_to):
+        with pytest.raises(NotAFile, match=r"a/fifo\.json is a FIFO, not a regular file"):
+            call("a/fifo.json")
+        with pytest.raises(NotFound, match=r"a/dir\.json does not exist$") as err:
+            call("a/dir.json")
+        assert type(err.value) is NotFound
+    assert store.read_bytes("a/ok.json") == b"{}"
+
+    WeightsPublisher(store).publish({"w": np.zeros(4, np.float32)}, version=0, step=0, model={})
+    gen = tmp_path / "run/weights/.LATEST.gens" / f"{2:020d}"
+    os.mkfifo(gen)
+    with pytest.raises(NotAFile, match=r"weights/LATEST is a FIFO"):
+        store.read_versioned("weights/LATEST")
+    gen.unlink()
+    assert store.read_versioned("weights/LATEST")[1] == 1

@@ -3,8 +3,11 @@ never published nor loaded, and a file larger than its manifest says is refused 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
+import struct
 import time
 import tracemalloc
 from dataclasses import replace
@@ -15,7 +18,12 @@ import pytest
 from tunix_tasks.learner.publishing import SnapshotPublisher
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.lease import Lease
-from tunix_tasks.storage.snapshot_format import encode_delta, encode_pointer, encode_snapshot
+from tunix_tasks.storage.snapshot_format import (
+    Manifest,
+    encode_delta,
+    encode_pointer,
+    encode_snapshot,
+)
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.storage.weights import (
     DELTA_FILE,
@@ -24,6 +32,7 @@ from tunix_tasks.storage.weights import (
     WeightsClient,
     WeightsError,
     WeightsPublisher,
+    load_snapshot,
     read_latest,
     read_manifest,
 )
@@ -52,6 +61,11 @@ def _write_unchecked(store, flat: dict[str, np.ndarray], version: int, delta: bo
         manifest = replace(manifest, kind="delta", base=based, num_bytes=len(data))
     store.write_bytes(f"{RunLayout.snapshot(version)}/{name}", data)
     store.write_bytes(f"{RunLayout.snapshot(version)}/{MANIFEST_FILE}", manifest.to_json())
+    _point_to(store, version)
+
+
+def _point_to(store, version: int) -> None:
+    """`LATEST` moved to `version`, as a learner moves it."""
     generation = read_latest(store)[2]
     store.write_if_generation(RunLayout.LATEST, encode_pointer(version, version), generation)
 
@@ -149,6 +163,51 @@ def test_a_file_larger_than_its_manifest_says_is_refused_unread(tmp_path, name):
     assert key not in spy.read
     assert elapsed < 1.0 and peak < 8 << 20, (elapsed, peak)
     assert client.version == 0
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000  # json.loads: RecursionError, not a ValueError
+
+
+@pytest.mark.timeout(30)  # the FIFO manifest blocked the reader forever
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ("fifo manifest", r"incomplete: .*manifest\.json is a FIFO, not a regular file"),
+        ("sparse manifest", r"manifest\.json holds 1073741824 bytes, more than the 1048576"),
+        ("deep manifest", "invalid manifest: nested too deeply"),
+        ("deep params header", "not valid safetensors: header is not JSON: nested too deeply"),
+    ],
+)
+def test_a_manifest_or_header_no_reader_could_parse_is_refused_once(tmp_path, bad, why):
+    """A snapshot whose manifest is a FIFO, a 1 GiB (sparse) file, or JSON nested 100k
+    deep, or whose params header is (checksum valid), is refused by the actor's client
+    with one logged reason, its weights kept, as the export refuses it (the same reader:
+    `load_snapshot`); before, a traceback (RecursionError) or a reader blocked forever."""
+    store = open_store(str(tmp_path))
+    WeightsPublisher(store).publish(_params(0), version=0, step=0, model={})
+    client = WeightsClient(store)
+    assert client.poll()[1].version == 0
+    folder = store.local_path(RunLayout.snapshot(1))
+    folder.mkdir(parents=True)
+    manifest = folder / MANIFEST_FILE
+    if bad == "fifo manifest":
+        os.mkfifo(manifest)
+    elif bad == "sparse manifest":
+        manifest.touch()
+        os.truncate(manifest, GIB)
+    elif bad == "deep manifest":
+        manifest.write_bytes(DEEP)
+    else:
+        blob = struct.pack("<Q", len(DEEP)) + DEEP
+        (folder / PARAMS_FILE).write_bytes(blob)
+        sha = hashlib.sha256(blob).hexdigest()
+        manifest.write_bytes(Manifest(1, 1, sha, 0.0, len(blob), {}).to_json())
+    _point_to(store, 1)
+    assert client.poll() is None and client.poll() is None
+    assert re.search(why, client.refused[1]), client.refused
+    assert client.version == 0
+    with pytest.raises(WeightsError, match=why):
+        load_snapshot(store, 1)
 
 
 def test_a_reload_holds_the_snapshot_once_on_every_backend(store_uri):

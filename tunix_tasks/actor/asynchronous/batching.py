@@ -79,6 +79,11 @@ class BatchingPolicy:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
 
+    @property
+    def failed(self) -> BaseException | None:
+        """What stopped the engine thread (every later call raises it); None while it runs."""
+        return self._failed
+
     async def __call__(
         self,
         context: Sequence[int],

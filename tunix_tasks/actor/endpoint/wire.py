@@ -19,10 +19,12 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tunix_tasks.messages import Action
+from tunix_tasks.untrusted import json_loads
 
 __all__ = [
     "ApiError",
     "ChatRequest",
+    "body_object",
     "choice",
     "completion",
     "completion_chunks",
@@ -83,16 +85,22 @@ class ChatRequest(BaseModel):
         return self.max_completion_tokens or self.max_tokens
 
 
-def parse_request(raw: bytes) -> ChatRequest:
-    """The request from its body; ApiError 400 for malformed JSON or a field of the
-    wrong type (naming the field)."""
+def body_object(raw: bytes) -> dict[str, Any]:
+    """A request body as its JSON object; ApiError 400 for malformed JSON (nesting too
+    deep for the parser included) or another JSON value."""
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json_loads(raw)
+    except ValueError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    return validated(ChatRequest, data)
+    return data
+
+
+def parse_request(raw: bytes) -> ChatRequest:
+    """The request from its body; ApiError 400 for malformed JSON or a field of the
+    wrong type (naming the field)."""
+    return validated(ChatRequest, body_object(raw))
 
 
 def validated(model: type[M], data: dict[str, Any]) -> M:

@@ -67,6 +67,7 @@ from safetensors.numpy import save_file
 
 from tunix_tasks.actor.remote.shared_disk import (
     CLAIM_STALE_S,
+    DIGEST,
     ServerRecord,
     age_s,
     claimed,
@@ -89,6 +90,7 @@ from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.hf_adapters import adapters_to_peft, peft_config
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, params_to_hf
 from tunix_tasks.policy.spec import DecoderSpec, LoraSpec
+from tunix_tasks.storage.snapshot_format import short_repr
 
 __all__ = ["RemoteEngine", "RemoteError", "run_weights_folder"]
 
@@ -305,7 +307,8 @@ class RemoteEngine:
         adapter under its name `<run folder>-v<N>`, which turns then give as their model.
         Unless another actor of the run had it load this snapshot, or one the learner
         published later (`created_at`: this actor lags; it uses that one). From a thread
-        without a running event loop: the runtime's reload."""
+        without a running event loop: the runtime's reload. A `digest` that is not a
+        sha256 (64 lowercase hex: it names a folder) is a ValueError."""
         adapter = only is not nnx.Param
         if adapter and self._lora is None:
             raise ValueError("an adapter snapshot, but this engine was given no LoRA spec")
@@ -355,8 +358,13 @@ class RemoteEngine:
         self._clean(version)
 
     def _shared(self, version: int, digest: str) -> Path:
-        """The run's folder of snapshot `version` whose manifest's sha256 is `digest`."""
-        return self.weights_dir / f"v{version}-{digest[:16]}"
+        """The run's folder of snapshot `version` whose manifest's sha256 is `digest`;
+        ValueError for a digest that is not one (it names a folder: never one elsewhere)."""
+        if DIGEST.fullmatch(digest) is None:
+            raise ValueError(f"digest {short_repr(digest)}: not a sha256 (64 lowercase hex)")
+        folder = self.weights_dir / f"v{version}-{digest[:16]}"
+        assert folder.parent == self.weights_dir, folder
+        return folder
 
     def _adapter_name(self, version: int) -> str:
         return f"{self._run_folder}-v{version}"

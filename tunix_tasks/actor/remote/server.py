@@ -12,7 +12,8 @@ run against it. The routes are the subset vLLM and SGLang serve (wire.py):
     POST /v1/load_lora_adapter      {"lora_name": "<name>-v<N>", "lora_path"} (a LoRA run)
     POST /v1/unload_lora_adapter    {"lora_name"}; a turn's "model" names a loaded adapter
     GET  /v1/models, GET /health    {"status", "weight_version", "weights": {"pushes",
-                                     "loads"}, "compile_count", "sampler"}
+                                     "loads"}, "compile_count", "sampler"}; a 503 with
+                                     "status": "failed" and "error" once the engine stopped
 
 A prompt is token ids only (a text prompt is a 400: nothing here re-tokenizes); `user`
 names a conversation whose KV cache the sampler keeps between its turns; temperature 0 is
@@ -24,8 +25,14 @@ pushes each version: a version at or below the loaded one is acknowledged withou
 so the server's weights never go back. A LoRA run's adapters (vLLM's routes) load as
 its sampler's LoRA params, their version from the name's `-v<N>`; the sampler holds one
 set, so a turn naming an older adapter gets the newest (its reply says which version),
-and one naming an adapter it does not hold is a 404, as vLLM's. Refusals are OpenAI
-error bodies (actor/endpoint/server.py); with an API key every route needs the bearer.
+and one naming an adapter it does not hold is a 404, as vLLM's (it holds the names of the
+`KEEP_ADAPTERS` loaded last). Refusals are OpenAI error bodies (actor/endpoint/server.py);
+with an API key every route needs the bearer.
+
+What it is sent is checked before the engine thread sees it (an error there stops the
+engine, and every later turn fails): a turn's settings within the sampler's bounds
+(`_parse`), versions of at most 18 ASCII digits, a folder's files read only as regular
+files no larger than the model's tensors take (`_safetensors`), every value finite.
 
     asyncio.run(serve(cfg, host="0.0.0.0", port=8000, api_key=key))
 """
@@ -34,16 +41,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
+import math
 import re
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from flax import nnx
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.applications import Starlette
@@ -58,12 +66,33 @@ from tunix_tasks.actor.remote.wire import ADAPTER_CONFIG, ADAPTER_FILE, WEIGHTS_
 from tunix_tasks.config import RunConfig
 from tunix_tasks.policy.build import build_actor_sampler, lora_spec
 from tunix_tasks.policy.chat import ChatFormat
-from tunix_tasks.policy.hf_adapters import adapters_from_peft, lora_from_peft_config
+from tunix_tasks.policy.hf_adapters import (
+    adapters_from_peft,
+    lora_from_peft_config,
+    peft_tensor_shapes,
+)
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, params_from_hf
+from tunix_tasks.policy.hf_headers import hf_tensor_shapes
+from tunix_tasks.policy.requests import INT32_MAX, TEMPERATURES
 from tunix_tasks.policy.spec import DecoderSpec, LoraSpec
-from tunix_tasks.storage.snapshot_format import BlobError, decode_safetensors
+from tunix_tasks.storage.snapshot_format import (
+    BlobError,
+    decode_safetensors,
+    non_finite,
+    short_repr,
+)
+from tunix_tasks.untrusted import json_loads, read_regular
 
-__all__ = ["CompletionRequest", "Loaded", "build_app", "read_adapter", "read_weights", "serve"]
+__all__ = [
+    "KEEP_ADAPTERS",
+    "MAX_ADAPTER_NAME",
+    "CompletionRequest",
+    "Loaded",
+    "build_app",
+    "read_adapter",
+    "read_weights",
+    "serve",
+]
 
 
 class CompletionRequest(BaseModel):
@@ -73,7 +102,7 @@ class CompletionRequest(BaseModel):
 
     model: str = ""
     prompt: list[int] = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0.0)
     top_k: int = Field(-1, ge=-1)
     seed: int | None = None
@@ -83,22 +112,66 @@ class CompletionRequest(BaseModel):
     user: str | None = Field(None, max_length=256)
 
 
-def _parse(data: dict[str, Any]) -> CompletionRequest:
+def _parse(data: dict[str, Any], spec: DecoderSpec) -> CompletionRequest:
+    """The request, its settings within what the sampler can run: ApiError 400 naming the
+    bound otherwise (vLLM's for `top_k`), before anything reaches the engine thread."""
     if isinstance(data.get("prompt"), str):
         raise ApiError(
             400, "prompt: token ids only (this server does not tokenize)", param="prompt"
         )
-    return validated(CompletionRequest, data)
+    req = validated(CompletionRequest, data)
+    bad = [t for t in req.prompt if not 0 <= t < spec.vocab_size]
+    if bad:
+        raise ApiError(400, f"prompt: ids {bad[:5]} outside [0, {spec.vocab_size})", param="prompt")
+    low, high = TEMPERATURES
+    if req.temperature != 0.0 and not low <= req.temperature <= high:
+        raise ApiError(
+            400,
+            f"temperature: 0 (greedy) or in [{low:g}, {high:g}], got {req.temperature:g}",
+            param="temperature",
+        )
+    if req.top_k > spec.vocab_size:
+        raise ApiError(
+            400,
+            f"top_k: at most the vocabulary size ({spec.vocab_size}), got {req.top_k}",
+            param="top_k",
+        )
+    return req
+
+
+def _reason(err: BaseException) -> str:
+    """What went wrong, in words: an OSError's reason without its errno and path."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return str(err)
+
+
+def _safetensors(path: Path, shapes: Iterable[tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """The tensors of the safetensors file `path` whose expected tensors have `shapes`,
+    every value finite. Read only if a regular file no larger than those tensors take at
+    8 bytes a value (F64, the widest dtype read) and a header: a FIFO or a device would
+    hang the load (and SIGTERM with it), a huge file fill the memory. ValueError naming
+    the file and what is wrong."""
+    limit = 8 + _HEADER_BYTES + 8 * sum(math.prod(shape) for shape in shapes)
+    try:
+        tensors = decode_safetensors(read_regular(path, limit))
+    except (OSError, BlobError) as err:
+        raise ValueError(f"{path}: {_reason(err)}") from None
+    bad = non_finite(tensors)  # NaN weights would make every completion's JSON fail
+    if bad is not None:
+        raise ValueError(f"{path}: {bad}: not loaded")
+    return tensors
 
 
 def read_weights(folder: Path, spec: DecoderSpec) -> dict[str, Any]:
     """A checkpoint folder's `WEIGHTS_FILE` as our flat params; ValueError naming what is
-    wrong (no file, a corrupt header, a missing tensor or a wrong shape)."""
+    wrong (no file or not a regular one, too large, a corrupt header, a non-finite value,
+    a missing tensor or a wrong shape)."""
     path = folder / WEIGHTS_FILE
+    tensors = _safetensors(path, hf_tensor_shapes(spec).values())
     try:
-        blob = path.read_bytes()
-        return params_from_hf(decode_safetensors(blob), spec)
-    except (OSError, BlobError, CheckpointError) as err:
+        return params_from_hf(tensors, spec)
+    except CheckpointError as err:
         raise ValueError(f"{path}: {err}") from None
 
 
@@ -106,7 +179,7 @@ def read_weights(folder: Path, spec: DecoderSpec) -> dict[str, Any]:
 class Loaded:
     """The weights version the server holds (-1: the base it started with), the weights
     pushes it was asked for and the loads they made (`GET /health`), and a LoRA run's
-    adapter names it serves, each with its version."""
+    adapter names it serves, each with its version: the `KEEP_ADAPTERS` loaded last."""
 
     version: int = -1
     pushes: int = 0
@@ -114,22 +187,44 @@ class Loaded:
     adapters: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-_ADAPTER_NAME = re.compile(r".*-v(\d+)")
+# A pushed version: ASCII digits ("²".isdigit() is true too), fewer than 19. A larger one
+# would be loaded once, then every later push acknowledged "already at" it: frozen weights.
+_VERSION = re.compile(r"[0-9]{1,18}")
+_ADAPTER_NAME = re.compile(r".*-v([0-9]{1,18})")
+MAX_ADAPTER_NAME = 256  # characters of a lora_name
+KEEP_ADAPTERS = 8  # adapter names served: the ones loaded last (older ones are a 404)
+_CONFIG_BYTES = 1 << 20  # an adapter_config.json: ~1 KB
+_HEADER_BYTES = 1 << 20  # a safetensors header: ~150 bytes a tensor
+
+
+def _version(value: object) -> int:
+    """`weight_version`: a JSON integer or a string of digits (SGLang's), below 10**18."""
+    text = str(value) if type(value) is int else value  # bool is refused
+    if not isinstance(text, str) or _VERSION.fullmatch(text) is None:
+        raise ValueError(
+            f"weight_version: a non-negative integer of at most 18 digits, got {short_repr(value)}"
+        )
+    return int(text)
 
 
 def read_adapter(folder: Path, spec: DecoderSpec, lora: LoraSpec) -> dict[str, Any]:
     """A PEFT folder's adapters as our flat LoRA params; ValueError naming what is wrong
-    (no file, an adapter_config.json not of this server's rank, alpha and targets, a
-    corrupt header, a missing tensor or a wrong shape)."""
+    (no file or not a regular one, too large, an adapter_config.json not of this server's
+    rank, alpha and targets, a corrupt header, a non-finite value, a missing tensor or a
+    wrong shape)."""
+    path = folder / ADAPTER_CONFIG
     try:
-        config = json.loads((folder / ADAPTER_CONFIG).read_bytes())
+        config = json_loads(read_regular(path, _CONFIG_BYTES))
         theirs = lora_from_peft_config(config if isinstance(config, dict) else {})
         if theirs != lora:
             raise CheckpointError(f"{theirs} is not this server's {lora}")
-        blob = (folder / ADAPTER_FILE).read_bytes()
-        return adapters_from_peft(decode_safetensors(blob), spec, lora)
-    except (OSError, ValueError, BlobError, CheckpointError) as err:
-        raise ValueError(f"{folder}: {err}") from None
+    except (OSError, ValueError) as err:  # CheckpointError is a ValueError
+        raise ValueError(f"{path}: {_reason(err)}") from None
+    tensors = _safetensors(folder / ADAPTER_FILE, peft_tensor_shapes(spec, lora).values())
+    try:
+        return adapters_from_peft(tensors, spec, lora)
+    except CheckpointError as err:
+        raise ValueError(f"{folder / ADAPTER_FILE}: {err}") from None
 
 
 def build_app(
@@ -149,22 +244,24 @@ def build_app(
     decode = chat.tokenizer.decode
 
     async def completions(request: Request) -> JSONResponse:
-        req = _parse(await json_object(request, max_request_bytes))
+        req = _parse(await json_object(request, max_request_bytes), spec)
         named = req.model not in ("", model_name)
         if lora is not None and named and req.model not in loaded.adapters:
             # vLLM's answer for an adapter it does not hold (unloaded, or it restarted).
             raise ApiError(404, f"The model `{req.model}` does not exist.", param="model")
-        bad = [t for t in req.prompt if not 0 <= t < spec.vocab_size]
-        if bad:
+        if policy.failed is not None:  # every turn would raise its error: say what to do
             raise ApiError(
-                400, f"prompt: ids {bad[:5]} outside [0, {spec.vocab_size})", param="prompt"
+                503,
+                "the sampler stopped (GET /health says why): restart the server",
+                type="server_error",
             )
         greedy = req.temperature == 0.0
         try:
             s = await policy.sample(
                 req.prompt,
                 session=None if req.user is None else ("user", req.user),
-                max_new_tokens=req.max_tokens,
+                # The sampler stops at max_seq_len whatever was asked.
+                max_new_tokens=min(req.max_tokens, spec.max_seq_len),
                 temperature=1.0 if greedy else req.temperature,
                 top_k=1 if greedy else max(req.top_k, 0),
                 seed=req.seed,
@@ -214,22 +311,22 @@ def build_app(
         try:
             if not isinstance(path, str) or not path:
                 raise ValueError("model_path: required (a checkpoint folder on this machine)")
-            if not isinstance(version, str | int) or not str(version).isdigit():
-                raise ValueError(f"weight_version: a non-negative integer, got {version!r}")
-            v = int(version)
+            v = _version(version)
             loaded.pushes += 1
-            async with one_load:
-                # Every actor of a fleet pushes each version: load it once, never go back.
-                if v <= loaded.version:
-                    message = f"already at v{loaded.version}"
-                else:
-                    flat = await asyncio.to_thread(read_weights, Path(path), spec)
-                    await policy.between_steps(lambda: sampler.update_params(flat, version=v))
-                    loaded.version, message = v, f"loaded {path}"
-                    loaded.loads += 1
+            # Every actor of a fleet pushes each version: load it once, never go back. A
+            # version held already waits for no load under way.
+            message = None
+            if v > loaded.version:
+                async with one_load:
+                    if v > loaded.version:  # the load that held the lock may have passed it
+                        flat = await asyncio.to_thread(read_weights, Path(path), spec)
+                        await policy.between_steps(lambda: sampler.update_params(flat, version=v))
+                        loaded.version, message = v, f"loaded {path}"
+                        loaded.loads += 1
         except ValueError as err:  # nothing was swapped
             return JSONResponse({"success": False, "message": str(err)}, status_code=400)
         current = str(loaded.version)
+        message = message or f"already at v{current}"
         return JSONResponse({"success": True, "message": message, "weight_version": current})
 
     async def load_adapter(request: Request) -> JSONResponse:
@@ -241,9 +338,13 @@ def build_app(
                 raise ValueError("this server's model has no LoRA (serve the run's config)")
             if not isinstance(path, str) or not path:
                 raise ValueError("lora_path: required (a PEFT folder on this machine)")
-            m = _ADAPTER_NAME.fullmatch(name) if isinstance(name, str) else None
+            short = isinstance(name, str) and len(name) <= MAX_ADAPTER_NAME
+            m = _ADAPTER_NAME.fullmatch(name) if short else None
             if m is None:
-                raise ValueError(f"lora_name {name!r}: <name>-v<version> (the remote engine's)")
+                raise ValueError(
+                    f"lora_name {short_repr(name)}: <name>-v<version> (the remote engine's), "
+                    f"at most {MAX_ADAPTER_NAME} characters and a version of at most 18 digits"
+                )
             if name in loaded.adapters:  # vLLM's refusal, word for word
                 raise ValueError(f"The lora adapter '{name}' has already been loaded.")
             v = int(m[1])
@@ -256,14 +357,20 @@ def build_app(
                     loaded.version = v
                     loaded.loads += 1
                 loaded.adapters[name] = v
+                for old in list(loaded.adapters)[:-KEEP_ADAPTERS]:  # bounded: forgotten
+                    del loaded.adapters[old]
         except ValueError as err:  # nothing was swapped
             raise ApiError(400, str(err), param="lora_name") from None
         return JSONResponse({"success": True, "message": f"Success: LoRA adapter '{name}' added"})
 
     async def unload_adapter(request: Request) -> JSONResponse:
         name = (await json_object(request, max_request_bytes)).get("lora_name")
-        if not isinstance(name, str):
-            raise ApiError(400, f"lora_name {name!r}: a string", param="lora_name")
+        if not isinstance(name, str) or len(name) > MAX_ADAPTER_NAME:
+            raise ApiError(
+                400,
+                f"lora_name {short_repr(name)}: a string of at most {MAX_ADAPTER_NAME} characters",
+                param="lora_name",
+            )
         if loaded.adapters.pop(name, None) is None:
             raise ApiError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name")
         return JSONResponse({"success": True, "message": f"Success: LoRA adapter '{name}' removed"})
@@ -275,10 +382,15 @@ def build_app(
 
     async def health(_request: Request) -> JSONResponse:
         # The compile count tells a benchmark (or an operator) nothing compiles in steady state.
-        body = {"status": "ok", "weight_version": str(loaded.version)}
+        body: dict[str, Any] = {"status": "ok", "weight_version": str(loaded.version)}
         body["weights"] = {"pushes": loaded.pushes, "loads": loaded.loads}
         work = dataclasses.asdict(sampler.stats) | {"engine_steps": policy.calls}
-        return JSONResponse(body | {"compile_count": sampler.compile_count, "sampler": work})
+        body |= {"compile_count": sampler.compile_count, "sampler": work}
+        if policy.failed is None:
+            return JSONResponse(body)
+        # Every turn fails from now on: a health check must take the server out.
+        error = f"{type(policy.failed).__name__}: {policy.failed}"[:300]
+        return JSONResponse(body | {"status": "failed", "error": error}, status_code=503)
 
     return Starlette(
         routes=[

@@ -16,6 +16,11 @@ live holder's, which replaced the stale one meanwhile) puts it back.
 
 Times are the shared disk's mtimes against this machine's clock: a few seconds of skew
 between machines is fine.
+
+Anything on the shared disk may be another's (a foreign or torn file, a FIFO, a folder):
+a record is read only as a regular file of at most 64 KiB and used only if each field is
+of what the engine writes (else it is no record: the actor pushes); a stale claim that is
+not a regular file (a folder) is removed, never waited on.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ import ipaddress
 import json
 import logging
 import os
+import re
+import shutil
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -35,7 +43,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["CLAIM_STALE_S", "ServerRecord", "age_s", "claimed", "touching"]
+from tunix_tasks.storage.snapshot_format import short_repr
+from tunix_tasks.untrusted import json_loads, read_regular
+
+__all__ = ["CLAIM_STALE_S", "DIGEST", "ServerRecord", "age_s", "claimed", "touching"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +110,17 @@ def _take_over(claim: Path, token: bytes) -> None:
         os.rename(claim, aside)
     except FileNotFoundError:
         return  # another waiter took it over first
+    mode = os.lstat(aside).st_mode
+    if not stat.S_ISREG(mode):
+        # No holder's: claims are regular files. Left alone it would block every waiter (a
+        # folder cannot be linked back or unlinked); it lies in the run's folder, whose
+        # stale leftovers the engine's clean-up removes the same way.
+        log.warning("%s: not a regular file, so no claim: removing it", claim)
+        if stat.S_ISDIR(mode):
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            aside.unlink(missing_ok=True)
+        return
     if age_s(aside) <= CLAIM_STALE_S:
         with contextlib.suppress(FileExistsError):  # else yet another claim is there
             os.link(aside, claim)
@@ -110,8 +132,8 @@ def _take_over(claim: Path, token: bytes) -> None:
 def _release(claim: Path, token: bytes) -> None:
     """Remove `claim` if it still holds `token` (a holder stalled past the stale limit may
     have lost it to another)."""
-    with contextlib.suppress(FileNotFoundError):
-        if claim.read_bytes() == token:
+    with contextlib.suppress(OSError):  # gone, or replaced by what is not a claim
+        if read_regular(claim, len(token)) == token:
             claim.unlink()
 
 
@@ -158,32 +180,67 @@ def _server_key(url: str) -> str:
     return hashlib.sha256(url.encode()).hexdigest()[:8]
 
 
+_RECORD_BYTES = 1 << 16  # a record is ~150 bytes
+DIGEST = re.compile(r"[0-9a-f]{64}")  # a manifest's sha256, as the engine writes it
+_MAX_VERSION = 2**53  # a JSON number's exact ints
+_FUTURE_S = 86400.0  # a snapshot published further ahead of this clock is no record
+
+
+def _version(value: Any) -> bool:
+    return type(value) is int and 0 <= value < _MAX_VERSION  # bool is refused
+
+
+def _record_problem(held: Any) -> str | None:
+    """What makes `held` no record the engine wrote, or None. Each field is used: the
+    digest names a folder (a path outside the run's folder would be pushed), and a
+    `created_at` in the far future (or Infinity, which Python's JSON reads) would make
+    every actor of the run lag behind it: no push again."""
+    if not isinstance(held, dict):
+        return "not a JSON object"
+    if not _version(held.get("version")):
+        return f"version is not an int in [0, 2**53): {short_repr(held.get('version'))}"
+    if not isinstance(held.get("digest"), str) or not DIGEST.fullmatch(held["digest"]):
+        return f"digest is not 64 lowercase hex: {short_repr(held.get('digest'))}"
+    created = held.get("created_at")
+    if type(created) not in (int, float) or not 0 <= created <= time.time() + _FUTURE_S:
+        return f"created_at is not a time before tomorrow: {short_repr(created)}"
+    return None
+
+
 class ServerRecord:
     """What one server was last told to load by the run's actors, in the run's folder:
     `.server-<key>.json`, and `.server-<key>.lock`, the claim its pushes are made under."""
 
-    FIELDS = {"version": int, "digest": str, "created_at": float | int}
+    FIELDS = ("version", "digest", "created_at")
 
     def __init__(self, run_folder: Path, url: str) -> None:
         name = f".server-{_server_key(url)}"
         self.path = run_folder / f"{name}.json"
         self.lock = run_folder / f"{name}.lock"
+        self._warned = False  # an unreadable record is logged once: it is read every poll
 
     def read(self) -> dict[str, Any] | None:
-        """{"version", "digest", "created_at", "previous"}, and "written" (the record's mtime); None
-        when there is none or it is unreadable (a torn or foreign one: then push)."""
+        """{"version", "digest", "created_at", "previous"}, and "written" (the record's
+        mtime); None when there is none or it is unreadable (a torn or foreign one, or one
+        with a field the engine would not write: then push)."""
         try:
-            held = json.loads(self.path.read_bytes())
+            held = json_loads(read_regular(self.path, _RECORD_BYTES))
             written = self.path.stat().st_mtime
-        except (OSError, ValueError):
+        except FileNotFoundError:
             return None
-        if not isinstance(held, dict) or not all(
-            isinstance(held.get(k), t) for k, t in self.FIELDS.items()
-        ):
-            return None
+        except (OSError, ValueError) as err:
+            return self._unreadable(str(err))
+        problem = _record_problem(held)
+        if problem is not None:
+            return self._unreadable(problem)
         previous = held.get("previous")
-        previous = previous if isinstance(previous, int) else None
+        previous = previous if _version(previous) else None
         return {k: held[k] for k in self.FIELDS} | {"written": written, "previous": previous}
+
+    def _unreadable(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("%s: not a server record (%s): pushing as if none", self.path, why)
 
     def write(
         self,
@@ -201,4 +258,8 @@ class ServerRecord:
         body = {"version": version, "digest": digest, "created_at": created_at}
         body["previous"] = previous
         partial.write_text(json.dumps(body))
-        partial.replace(self.path)
+        try:
+            partial.replace(self.path)
+        except IsADirectoryError:  # no record (records are files): it would fail every push
+            shutil.rmtree(self.path, ignore_errors=True)
+            partial.replace(self.path)

@@ -13,6 +13,7 @@ some systems) works as any other.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from pathlib import Path
@@ -26,6 +27,7 @@ from tunix_tasks.storage.backends.local_tempfiles import TempSweeper, write_temp
 from tunix_tasks.storage.store import (
     ByteSink,
     Data,
+    NotAFile,
     NotFound,
     ObjectInfo,
     PreconditionFailed,
@@ -45,6 +47,24 @@ _FD_PATHS = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else ""
 class OutsideRoot(NotFound):
     """A key whose local path resolves outside the store's root (a symlink out of the
     run): refused as if it did not exist, so no file outside the run is read or written."""
+
+
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def _check_regular(mode: int, where: str) -> None:
+    """NotFound for a folder (as a bucket's prefix: no object), `NotAFile` for anything
+    else that is not a regular file: a FIFO blocks its reader, a device never ends."""
+    if stat.S_ISDIR(mode):
+        raise NotFound(f"{where} does not exist")
+    if not stat.S_ISREG(mode):
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise NotAFile(f"{where} is {kind}, not a regular file: refused unread")
 
 
 class LocalStore:
@@ -82,20 +102,15 @@ class LocalStore:
         versioned = self.read_versioned(key) if self._gens_dir(key).is_dir() else None
         if versioned is not None:
             return versioned[0]
-        path = self._path(key)  # OutsideRoot is a FileNotFoundError too: not in the try
-        try:
-            return path.read_bytes()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise NotFound(f"{join_uri(self.uri, key)} does not exist") from None
+        return self._read_file(key)
 
     def size(self, key: str) -> int:
         path = self._path(key)
         try:
             st = path.stat()
         except (FileNotFoundError, NotADirectoryError):
-            st = None
-        if st is None or not stat.S_ISREG(st.st_mode):
-            raise NotFound(f"{join_uri(self.uri, key)} does not exist")
+            raise NotFound(f"{join_uri(self.uri, key)} does not exist") from None
+        _check_regular(st.st_mode, join_uri(self.uri, key))
         return st.st_size
 
     def write_bytes(self, key: str, data: Data) -> None:
@@ -116,8 +131,12 @@ class LocalStore:
             gen = self._latest_generation(key)
             if gen == 0:
                 return None
-            with contextlib.suppress(FileNotFoundError):
-                return (self._gens_dir(key) / f"{gen:020d}").read_bytes(), gen
+            try:
+                return self._read_file(key, self._gens_dir(key) / f"{gen:020d}"), gen
+            except (NotAFile, OutsideRoot):
+                raise
+            except NotFound:  # pruned since listed
+                continue
         raise StoreError(f"{join_uri(self.uri, key)}: generation files keep changing")
 
     def write_if_generation(self, key: str, data: bytes, generation: int) -> int:
@@ -184,24 +203,47 @@ class LocalStore:
                 path.parent.rmdir()
 
     def open_input(self, key: str) -> pa.NativeFile:
-        """`key` memory-mapped. Where the kernel names open files (`/proc/self/fd`), the
-        file is opened first and the check is of the file opened: one system call instead
-        of one per path component (`realpath`, the learner's reader paid it per shard,
-        #29), and no window between the check and the open."""
-        path = self._path(key) if not _FD_PATHS else self.root / check_key(key)
+        """`key` memory-mapped (`_open_file`: the file checked is the file mapped)."""
+        fd, opened = self._open_file(key)
         try:
+            return pa.memory_map(opened, "r")
+        finally:
+            os.close(fd)
+
+    def _read_file(self, key: str, path: Path | None = None) -> bytes:
+        fd, _ = self._open_file(key, path)
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
+
+    def _open_file(self, key: str, path: Path | None = None) -> tuple[int, str]:
+        """(a descriptor open on the regular file of `key`, a path naming that very file);
+        `path`: where it is when not at the key's (a generation file). NotFound when
+        absent or a folder, `NotAFile` when not a regular file, `OutsideRoot`.
+
+        Where the kernel names open files (`/proc/self/fd`), the file is opened first and
+        the check is of the file opened: one system call instead of one per path component
+        (`realpath`, the learner's reader paid it per shard, #29), and no window between
+        the check and the open."""
+        if path is None:
+            path = self._path(key) if not _FD_PATHS else self.root / check_key(key)
+        where = join_uri(self.uri, key)
+        try:  # O_NONBLOCK: a FIFO opens at once (to be refused), not when a writer comes
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        except FileNotFoundError:
-            raise NotFound(f"{join_uri(self.uri, key)} does not exist") from None
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotFound(f"{where} does not exist") from None
+        except OSError as err:
+            if err.errno == errno.ENXIO:  # a socket
+                raise NotAFile(f"{where} is not a regular file: refused unread") from None
+            raise
         try:
             opened = f"{_FD_PATHS}/{fd}" if _FD_PATHS else str(path)
             if _FD_PATHS:
                 self._refuse_outside(key, os.readlink(opened))
-            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would block the reader
-                raise OSError(f"{join_uri(self.uri, key)} is not a regular file")
-            return pa.memory_map(opened, "r")  # with /proc: the file `fd` is, whatever its path now
-        finally:
+            _check_regular(os.fstat(fd).st_mode, where)
+        except BaseException:
             os.close(fd)
+            raise
+        return fd, opened
 
     def read_to(self, key: str, sink: ByteSink) -> None:
         with self.open_input(key) as f:

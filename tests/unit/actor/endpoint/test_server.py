@@ -164,6 +164,10 @@ def test_bad_input_gets_openai_error_bodies_and_frees_nothing_it_should_not():
             chat = f"{base}/chat/completions"
             user = [{"role": "user", "content": "hi"}]
             _error(await http.post(chat, content=b"{not json"), 400)
+            # Nesting past the parser's recursion limit: a 400, not a 500 (RecursionError).
+            deep = b"[" * 2000 + b"]" * 2000
+            for url in (chat, f"{ep.url}/episodes"):
+                assert "nested too deeply" in _error(await http.post(url, content=deep), 400)
             _error(
                 await http.post(chat, json={"messages": user, "temperature": "hot"}),
                 400,
