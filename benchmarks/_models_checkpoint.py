@@ -37,7 +37,8 @@ from _machine import med, peak, reset_peak, rss, trim
 from _models_timing import MB, make_sampler
 
 # Model shapes (HF config keys). qwen3-0.6b is huggingface.co/Qwen/Qwen3-0.6B's config.json
-# (`tunix_tasks.testing.published`); the llama3 family takes the same dimensions, untied.
+# (`tunix_tasks.testing.published`); the llama3 family takes the same dimensions, untied;
+# gemma3 the same, tied, with Gemma 3's sliding layers and sandwich norms.
 _TOY = {
     "hidden_size": 256,
     "num_hidden_layers": 4,
@@ -73,6 +74,24 @@ def hf_config(family: str, shape: str, ckpt_dtype: str) -> dict[str, Any]:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    if family == "gemma3":  # gemma-3-1b-it's form: five sliding layers (512), then a global one
+        return {
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            **{k: v for k, v in common.items() if k != "hidden_act"},
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": s["head_dim"],
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0,
+            "rope_scaling": None,
+            "sliding_window": 512,
+            "sliding_window_pattern": 6,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "tie_word_embeddings": True,
+            "torch_dtype": ckpt_dtype,
+        }
     if family == "qwen3":  # the newer form, as Qwen3 checkpoints on the Hub now carry
         return {
             "architectures": ["Qwen3ForCausalLM"],

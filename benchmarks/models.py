@@ -1,8 +1,9 @@
 """Real-architecture models end to end: checkpoint import, forward, sampling, weight reload.
 
 For each family (Qwen3: tied, q/k norm, `rope_parameters` config; Llama 3: untied, llama3
-rope scaling in the older top-level config form) at one shape (`--shape`), with random
-weights, in one run:
+rope scaling in the older top-level config form; `--families gemma3` too: Gemma 3's five
+sliding layers (window 512) to a global one, sandwich norms, GeGLU) at one shape
+(`--shape`), with random weights, in one run:
 
   1. write    a random-weight Hugging Face checkpoint (config.json + safetensors in
               `--ckpt-dtype`, split into `model-0000i-of-0000n.safetensors` + index once it
@@ -118,7 +119,7 @@ from _models_timing import (
     timed,
 )
 
-FAMILIES = ("qwen3", "llama3")
+FAMILIES = ("qwen3", "llama3", "gemma3")
 # Per-shape defaults of the run flags (a flag given on the command line wins).
 RUN_DEFAULTS: dict[str, dict[str, Any]] = {
     "toy": {"fwd_batch": 4, "seq": 256, "sample_batches": [1, 16, 64], "new_tokens": 16},
@@ -219,7 +220,7 @@ def run_family(family: str, args, root: Path, lim: dict, gcs) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="toy")
-    parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    parser.add_argument("--families", nargs="+", choices=FAMILIES, default=["qwen3", "llama3"])
     parser.add_argument("--ckpt-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--shard-mb", type=float, default=200.0)

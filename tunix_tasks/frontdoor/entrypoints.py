@@ -40,17 +40,19 @@ def actor_name(actor_id: int | str) -> str:
     return actor_id if isinstance(actor_id, str) else RunLayout.actor_name(actor_id)
 
 
-def _env_tools(cfg: RunConfig) -> list[dict[str, Any]]:
-    """The tools of the run's environment, for the chat template's check: an async actor's
-    (an agent program brings its own tools; a vectorized env renders no chat)."""
+def _env_calls_tools(cfg: RunConfig) -> bool:
+    """Whether the run's environment has tools: an async actor's (an agent program brings
+    its own; a vectorized env renders no chat). Built only when a template cannot render
+    a tool turn (rare), for the env's own `tools`."""
     if cfg.actor.kind != "async":
-        return []
+        return False
     from tunix_tasks.envs import make_env
 
     try:
-        return list(make_env(cfg.env.name, **cfg.env.kwargs).tools)
-    except Exception:  # an env that cannot be built: its actors say why, in their logs
-        return []
+        return bool(make_env(cfg.env.name, **cfg.env.kwargs).tools)
+    except Exception as err:  # its actors, maybe on other machines, say why they cannot
+        log.warning("env %s not built to check its tools: %s", cfg.env.name, err)
+        return False
 
 
 def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None = None) -> str:
@@ -66,18 +68,18 @@ def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None =
             data["run_name"] = run_name
         cfg = config_from_dict(data)
     if cfg.model.checkpoint:  # a bad checkpoint fails here, not in every process
-        from tunix_tasks.policy.preflight import (
-            PolicyError,
-            build_chat,
-            check_policy,
-            check_tool_turns,
-        )
+        from tunix_tasks.policy.preflight import PolicyError, check_policy, tool_turn_error
 
         try:
-            check_policy(cfg.model)
-            check_tool_turns(build_chat(cfg.model), _env_tools(cfg))
+            cannot = tool_turn_error(check_policy(cfg.model))
         except PolicyError as err:
             raise ConfigError(f"model.checkpoint: {err}") from None
+        if cannot is not None and _env_calls_tools(cfg):
+            raise ConfigError(
+                f"model.checkpoint: its chat template cannot render a tool call and its "
+                f"result ({cannot}); env {cfg.env.name} calls tools: choose an environment "
+                "without tools, or a checkpoint whose template has a tool role"
+            )
     store = write_config(cfg)
     if cfg.warm_start_steps:
         from tunix_tasks.actor.demonstrations import write_demonstrations

@@ -28,6 +28,6 @@ slots.py          `SlotTable`: which KV-cache slot serves which conversation
 lanes.py          `DecodeLanes`: the decode working set and which lane serves which request
 decoding.py       the sampler's device programs: prefill into slots, decode a segment
 replicas.py       `SamplerReplicas`: one sampler per local device
-preflight.py      what `prepare` checks of a model (no JAX): `check_policy`, `build_chat`, `check_tool_turns`, `PolicyError`
+preflight.py      what `prepare` checks of a model (no JAX): `check_policy`, `build_chat`, `tool_turn_error`, `PolicyError`
 build.py          chat format + model (+ sampler) from a `ModelConfig`
 """

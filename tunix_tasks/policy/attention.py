@@ -12,7 +12,7 @@ values, so shapes stay static. The sampler's KV-cache path keeps `model._attend`
 
 A layer with a sliding `window` (Gemma 3's local layers) also drops the keys a window or
 more behind its query (`within_window`, shared with the model's other attention paths):
-the tiles are the same, only masked further.
+tiles wholly outside the window are skipped too, the others masked further.
 """
 
 from __future__ import annotations
@@ -113,7 +113,10 @@ def _forward(q, k, v, seg, window, block):
             jnp.zeros(q_i.shape[:-1], jnp.float32),
             jnp.zeros(q_i.shape, jnp.float32),
         )
-        m, total, acc = jax.lax.fori_loop(first[i], i + 1, step, init)
+        # A sliding window's queries read no key block wholly behind it either.
+        behind = jnp.maximum(first[i], (i * block - window + 1) // block)
+        start = jnp.where(window > 0, behind, first[i])
+        m, total, acc = jax.lax.fori_loop(start, i + 1, step, init)
         seen = total > 0  # padding queries see no key: output 0
         out = jnp.where(seen[..., None], acc / jnp.where(seen, total, 1.0)[..., None], 0.0)
         return out.astype(q.dtype), jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), 0.0)
@@ -148,7 +151,10 @@ def _backward(q, k, v, seg, window, out, lse, d_out, block):
             return dk, dv, jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * block, axis=3)
 
         zeros = jnp.zeros(k_j.shape, jnp.float32)
-        dk, dv, dq = jax.lax.fori_loop(j, final[j] + 1, step, (zeros, zeros, dq))
+        # ... nor is a key block read by a query block wholly past its window.
+        ahead = jnp.minimum(final[j], ((j + 1) * block + window - 2) // block)
+        stop = jnp.where(window > 0, ahead, final[j]) + 1
+        dk, dv, dq = jax.lax.fori_loop(j, stop, step, (zeros, zeros, dq))
         return dq, (dk, dv)
 
     n = k.shape[2] // block

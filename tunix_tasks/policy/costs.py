@@ -73,10 +73,11 @@ def embedding_params(spec: DecoderSpec) -> int:
 
 
 def layer_params(spec: DecoderSpec) -> int:
-    """One decoder block: attention, SwiGLU MLP, its norms (and q/k norm, q/k/v bias)."""
+    """One decoder block: attention, gated MLP, its norms (four with sandwich norms; q/k
+    norm, q/k/v bias)."""
     d, hd, q, kv = spec.d_model, spec.head_dim, spec.n_heads * spec.head_dim, spec.n_kv_heads
     attention = 2 * d * q + 2 * d * kv * hd
-    norms = 2 * d + (2 * hd if spec.qk_norm else 0)
+    norms = (4 if spec.sandwich_norms else 2) * d + (2 * hd if spec.qk_norm else 0)
     bias = q + 2 * kv * hd if spec.qkv_bias else 0
     return attention + 3 * d * spec.d_ff + norms + bias
 

@@ -126,7 +126,9 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)  # statistics in float32 even under bfloat16 compute
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        scale = self.scale[...] + self.offset if self.offset else self.scale[...]
+        scale = self.scale[...]
+        if self.offset:  # in float32, as transformers: 1 + w in bfloat16 is off by up to 0.4%
+            scale = scale.astype(jnp.float32) + self.offset
         return (y * scale).astype(x.dtype)
 
 
@@ -208,8 +210,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq, scale = self._rotation(window)
         q, k = _rope(q, positions, inv_freq, scale), _rope(k, positions, inv_freq, scale)
-        if self.spec.query_scale:  # scores scaled by it, not head_dim ** -0.5 (Gemma)
-            q = q * jnp.asarray(self.spec.query_scale * self.spec.head_dim**0.5, q.dtype)
+        # Scores scaled by query_scale, not head_dim ** -0.5 (Gemma 3 27B's; in 270M and 1B
+        # the two are equal, and q is left as it is).
+        factor = self.spec.query_scale * self.spec.head_dim**0.5 if self.spec.query_scale else 1.0
+        if abs(factor - 1.0) > 1e-12:
+            q = q * jnp.asarray(factor, q.dtype)
         return q, k, v
 
     def _out(self, o: jax.Array) -> jax.Array:
@@ -325,15 +330,14 @@ class Block(nnx.Module):
         self.mlp = MLP(
             spec.d_model, spec.d_ff, rngs=rngs, dtype=dtype, lora=lora, activation=spec.activation
         )
-        if spec.sandwich_norms:
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
             self.attn_out_norm, self.mlp_out_norm = norm(), norm()
 
     def _residual(self, x: jax.Array, a: jax.Array) -> jax.Array:
-        if hasattr(self, "attn_out_norm"):
-            a = self.attn_out_norm(a)
-        x = x + a
+        x = x + (self.attn_out_norm(a) if self.sandwich else a)
         m = self.mlp(self.mlp_norm(x))
-        return x + (self.mlp_out_norm(m) if hasattr(self, "mlp_out_norm") else m)
+        return x + (self.mlp_out_norm(m) if self.sandwich else m)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, attend: Attend, window: Window = 0

@@ -8,22 +8,22 @@ its reads (~0.1 s), not a JAX import (~13 s). `build_chat` is the chat format al
 a rollout renders with; `PolicyError` is the one error type for a policy that cannot be
 built, here and in `build_policy` / `build_sampler` (policy/build.py).
 
-    check_policy(cfg.model)          # PolicyError naming the directory and the file
-    chat = build_chat(cfg.model)
-    check_tool_turns(chat, env.tools)  # PolicyError when its template has no tool role
+    chat = check_policy(cfg.model)   # PolicyError naming the directory and the file
+    chat = build_chat(cfg.model)     # the chat format alone
+    tool_turn_error(chat)            # why its template cannot render a tool turn, or None
 """
 
 from __future__ import annotations
 
 from tunix_tasks.config import ModelConfig
-from tunix_tasks.messages import Action, ToolCall
-from tunix_tasks.policy.chat import ChatFormat, Tools
+from tunix_tasks.messages import Action, ToolCall, function_tool
+from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.chat_template import ChatTemplateError, TemplateChat, load_template_chat
 from tunix_tasks.policy.hf_headers import CheckpointError, CheckpointFiles
 from tunix_tasks.policy.packaged_models import ModelFetchError, resolve_checkpoint
 from tunix_tasks.policy.tokenizer import CharChat, CharTokenizer
 
-__all__ = ["PolicyError", "build_chat", "check_policy", "check_tool_turns", "checkpoint_files"]
+__all__ = ["PolicyError", "build_chat", "check_policy", "checkpoint_files", "tool_turn_error"]
 
 
 class PolicyError(ValueError):
@@ -57,32 +57,32 @@ def build_chat(cfg: ModelConfig) -> ChatFormat:
         raise PolicyError(f"{cfg.checkpoint}/{err}") from None
 
 
-def check_policy(cfg: ModelConfig) -> None:
+def check_policy(cfg: ModelConfig) -> ChatFormat:
     """Fail fast, before any process starts: a checkpoint's tokenizer, chat template,
-    config.json and every safetensors header (names, shapes) must load. Reads no weights."""
-    if cfg.checkpoint is None:
-        return
-    build_chat(cfg)
-    try:
-        checkpoint_files(cfg.checkpoint).verify(max_seq_len=cfg.max_seq_len)
-    except CheckpointError as err:
-        raise PolicyError(str(err)) from None
+    config.json and every safetensors header (names, shapes) must load. Reads no weights.
+    Returns the chat format it built."""
+    chat = build_chat(cfg)
+    if cfg.checkpoint is not None:
+        try:
+            checkpoint_files(cfg.checkpoint).verify(max_seq_len=cfg.max_seq_len)
+        except CheckpointError as err:
+            raise PolicyError(str(err)) from None
+    return chat
 
 
-def check_tool_turns(chat: ChatFormat, tools: Tools) -> None:
-    """An environment with tools needs a template that renders a tool call and its result
-    (Gemma 3's alternates user and model turns and refuses a "tool" message): else
-    `PolicyError` now, not an actor that stops at its first tool call."""
-    if not tools or not isinstance(chat, TemplateChat):  # the char chat renders any turn
-        return
-    name = tools[0].get("function", {}).get("name", "tool")
-    call = Action(content="", tool_calls=(ToolCall(name, {}),)).message()
+_PROBE_TOOL = function_tool("probe", "A tool call the template renders.", {"x": "any"})
+
+
+def tool_turn_error(chat: ChatFormat) -> str | None:
+    """Why `chat` cannot render a tool call and its result (Gemma 3's template alternates
+    user and model turns and refuses a "tool" message), or None when it can: an
+    environment with tools would stop its actors at their first tool result."""
+    if not isinstance(chat, TemplateChat):  # the char chat renders any turn
+        return None
+    call = Action(content="", tool_calls=(ToolCall("probe", {"x": "1"}),)).message()
     turns = [{"role": "user", "content": "?"}, call, {"role": "tool", "content": "1"}]
     try:
-        chat.render(turns, tools, add_generation_prompt=True)
+        chat.render(turns, [_PROBE_TOOL], add_generation_prompt=True)
     except ChatTemplateError as err:
-        raise PolicyError(
-            f"its chat template cannot render a tool call and its result ({err}); the "
-            "environment calls tools: choose an environment without tools, or a checkpoint "
-            "whose template has a tool role"
-        ) from None
+        return str(err)
+    return None

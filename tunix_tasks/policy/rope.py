@@ -135,13 +135,13 @@ class YarnScaling:
         truncate = scaling.get("truncate", True)
         if not isinstance(truncate, bool):
             raise ValueError(f"config.json: rope scaling truncate {truncate!r}")
-        # transformers' `x or default`: an explicit 0 means the default too.
+        # transformers' `x or default`: an explicit 0 (or null) means the default too.
         return cls(
             factor=factor,
             original_max_position_embeddings=_positions(scaling),
             attention_factor=attention,
-            beta_fast=_number(scaling, "beta_fast", 32.0) if scaling.get("beta_fast") else 32.0,
-            beta_slow=_number(scaling, "beta_slow", 1.0) if scaling.get("beta_slow") else 1.0,
+            beta_fast=_number(scaling, "beta_fast") if scaling.get("beta_fast") else 32.0,
+            beta_slow=_number(scaling, "beta_slow") if scaling.get("beta_slow") else 1.0,
             truncate=truncate,
         )
 

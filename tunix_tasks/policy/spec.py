@@ -63,6 +63,9 @@ class HfFamily:
     embed_scale: bool = False
     sandwich_norms: bool = False
     sliding_layers: bool = False
+    # transformers' defaults for keys a config.json may leave out, where they are not the
+    # decoder's: (key, value) pairs, read under the file's own keys.
+    config_defaults: tuple[tuple[str, Any], ...] = ()
 
 
 #: Family name -> its options; `char` (the presets) is not a Hugging Face family.
@@ -92,6 +95,14 @@ register_family(
         embed_scale=True,
         sandwich_norms=True,
         sliding_layers=True,
+        config_defaults=(  # Gemma3TextConfig's
+            ("head_dim", 256),
+            ("hidden_activation", "gelu_pytorch_tanh"),
+            ("query_pre_attn_scalar", 256),
+            ("sliding_window", 4096),
+            ("rope_theta", 1_000_000.0),
+            ("rope_local_base_freq", 10_000.0),
+        ),
     )
 )
 
@@ -232,7 +243,7 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         params = params["full_attention"]  # per layer type (Gemma 3): the global layers'
     if isinstance(params, Mapping) and "default" not in params:
         scaling, theta = params, params.get("rope_theta", config.get("rope_theta"))
-    else:  # older form (or per-layer-type parameters, which these families do not use)
+    else:  # the older form
         scaling, theta = config.get("rope_scaling") or {}, config.get("rope_theta")
     if theta is None:
         raise UnsupportedCheckpoint("config.json: no rope_theta (nor rope_parameters.rope_theta)")
@@ -249,12 +260,12 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
             f"config.json: rope scaling {kind!r} is not supported (supported: default, "
             f"{', '.join(ROPE_SCALINGS)})"
         )
-    if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in scaling:
-        # transformers' standardization: the checkpoint's own context length
-        scaling = {
-            **scaling,
-            "original_max_position_embeddings": config.get("max_position_embeddings"),
-        }
+    if kind in ("llama3", "yarn"):  # transformers' standardization: a top-level value
+        # wins (Phi-3's form), else the scaling's own, else the checkpoint's context length
+        top = config.get("original_max_position_embeddings")
+        own = scaling.get("original_max_position_embeddings")
+        fallback = config.get("max_position_embeddings")
+        scaling = {**scaling, "original_max_position_embeddings": top or own or fallback}
     try:
         return float(theta), ROPE_SCALINGS[kind].from_config(scaling)
     except ValueError as err:
@@ -290,7 +301,7 @@ def _layer_windows(config: Mapping[str, Any], n_layers: int) -> tuple[int, ...]:
     Gemma 3 files, `sliding_window_pattern` (every pattern-th layer global; default 6)."""
     types = config.get("layer_types")
     if types is None:
-        pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+        pattern = config.get("sliding_window_pattern", 6)  # transformers' default
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise UnsupportedCheckpoint(
                 f"config.json: sliding_window_pattern must be a positive integer, got {pattern!r}"
@@ -339,6 +350,7 @@ def _check_sliding_window(config: Mapping[str, Any], max_seq_len: int) -> None:
 def spec_from_hf_config(config: Mapping[str, Any], *, max_seq_len: int) -> DecoderSpec:
     """The spec of a Hugging Face Llama / Qwen2 / Qwen3 / Gemma 3 `config.json` (a dict)."""
     family = _family(config)
+    config = {**dict(family.config_defaults), **config}
 
     def need(key: str, default: int | None = None) -> int:
         value = config.get(key)

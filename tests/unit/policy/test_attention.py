@@ -39,9 +39,10 @@ def _segments(rng, rows: int, t: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("block,window", [(8, 0), (64, 0), (8, 5)])
+@pytest.mark.parametrize("block,window", [(8, 0), (64, 0), (8, 5), (4, 9)])
 def test_blockwise_equals_dense_values_and_gradients(block, window):
-    """Window 5: a sliding layer's (Gemma 3), keys up to 4 positions back; the dense mask
+    """Windows 5 and 9: a sliding layer's (Gemma 3), keys up to 4 or 8 positions back:
+    tiles wholly outside it are skipped (9 over tiles of 4: two behind). The dense mask
     is checked against transformers in test_hf_models.py (tiny-gemma3)."""
     rng = np.random.default_rng(block)
     b, h, kv, t, hd = 3, 6, 2, 37, 8  # GQA (3 query heads per kv head); 37: not a multiple

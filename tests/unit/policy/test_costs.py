@@ -44,6 +44,7 @@ BUILT = {
     "qwen3-tied": _hf_spec("Qwen3ForCausalLM", tied=True),
     "llama-untied": _hf_spec("LlamaForCausalLM", tied=False),
     "qwen2-bias": _hf_spec("Qwen2ForCausalLM", tied=True),
+    "gemma3-sandwich": _hf_spec("Gemma3ForCausalLM", tied=True),
 }
 
 
@@ -87,6 +88,8 @@ def test_layer_options_add_their_params():
     base = costs.layer_params(llama)
     assert costs.layer_params(qwen3) == base + 2 * 16  # q and k norms over head_dim
     assert costs.layer_params(qwen2) == base + (4 + 2 * 2) * 16  # q, k, v biases
+    gemma = BUILT["gemma3-sandwich"]  # q/k norms and each sublayer's output norm
+    assert costs.layer_params(gemma) == costs.layer_params(qwen3) + 2 * 48
 
 
 def test_flops_hand_example():

@@ -214,3 +214,15 @@ def test_cast_params_keeps_shardings_and_loading_keeps_the_held_dtype():
     np.testing.assert_array_equal(
         flat_params(model)[name], snapshot[name].astype(jnp.bfloat16).astype(np.float32)
     )
+
+
+def test_a_norm_stored_less_one_adds_the_one_in_float32():
+    """Gemma's RMSNorm scales are stored as w, applied as 1 + w, which transformers adds in
+    float32. A sampler holding bfloat16 params (`model.dtype`) must too: 1 + 2**-9 is 1.0
+    in bfloat16, a 0.2% error in every norm of every layer."""
+    from tunix_tasks.policy.model import RMSNorm
+
+    norm = RMSNorm(4, rngs=nnx.Rngs(0), offset=1.0)
+    norm.scale.set_value(jnp.full((4,), 2.0**-9, jnp.bfloat16))  # exact in bfloat16
+    out = norm(jnp.ones((1, 4), jnp.float32))
+    np.testing.assert_allclose(np.asarray(out), 1 + 2.0**-9, rtol=1e-6)  # rms: eps aside
