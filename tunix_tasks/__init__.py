@@ -16,6 +16,7 @@ The package reads as the pipeline (docs/architecture.md has the map):
     messages.py the conversation vocabulary envs and policies share (`Action`, `ToolCall`)
     registry.py `Registry`: names -> factories from code and entry points (every plug-in kind)
     seeds.py   the env seed ranges: training, held-out evaluation, demonstrations
+    untrusted.py reading what others wrote: a bounded read of a regular file, JSON that cannot crash its reader
 
 The public API, importable from here (loaded on first use, so `import tunix_tasks` stays
 light enough for Airflow's DAG parser):

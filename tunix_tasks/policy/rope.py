@@ -27,6 +27,7 @@ __all__ = [
     "RopeScaling",
     "YarnScaling",
     "inv_freq",
+    "positive",
 ]
 
 
@@ -36,10 +37,16 @@ def _number(scaling: Mapping[str, Any], key: str, default: float | None = None) 
     value = default if value is None else value
     if value is None:
         raise ValueError(f"config.json: rope scaling lacks {key!r}")
+    return positive(f"rope scaling {key}", value)
+
+
+def positive(what: str, value: Any) -> float:
+    """`value`, a config.json number, as a positive finite float; ValueError naming
+    `what` otherwise (a bool, a string, 0, inf, NaN)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"config.json: rope scaling {key} must be a number, got {value!r}")
+        raise ValueError(f"config.json: {what} must be a number, got {value!r}")
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"config.json: rope scaling {key} must be > 0, got {value!r}")
+        raise ValueError(f"config.json: {what} must be > 0, got {value!r}")
     return float(value)
 
 

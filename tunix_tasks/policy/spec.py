@@ -19,14 +19,13 @@ checkpoints use and the newer `rope_parameters` form). Its RoPE scaling is one o
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from tunix_tasks.config import ModelConfig
-from tunix_tasks.policy.rope import ROPE_SCALINGS, RopeScaling, inv_freq
+from tunix_tasks.policy.rope import ROPE_SCALINGS, RopeScaling, inv_freq, positive
 
 __all__ = [
     "HF_FAMILIES",
@@ -272,12 +271,11 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         raise UnsupportedCheckpoint(str(err)) from None
 
 
-def _positive(config: Mapping[str, Any], key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise UnsupportedCheckpoint(f"config.json: {key} must be a number, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise UnsupportedCheckpoint(f"config.json: {key} must be > 0, got {value!r}")
-    return float(value)
+def _positive(key: str, value: Any) -> float:
+    try:
+        return positive(key, value)
+    except ValueError as err:
+        raise UnsupportedCheckpoint(str(err)) from None
 
 
 def _local_rope_theta(config: Mapping[str, Any]) -> float:
@@ -293,7 +291,7 @@ def _local_rope_theta(config: Mapping[str, Any]) -> float:
                 f"config.json: sliding layers' rope scaling {kind!r} is not supported (default)"
             )
         theta = local.get("rope_theta", theta)
-    return _positive(config, "rope_local_base_freq", theta)
+    return _positive("rope_local_base_freq", theta)
 
 
 def _layer_windows(config: Mapping[str, Any], n_layers: int) -> tuple[int, ...]:
@@ -384,9 +382,7 @@ def spec_from_hf_config(config: Mapping[str, Any], *, max_seq_len: int) -> Decod
     if family.sliding_layers:
         windows, local_theta = _layer_windows(config, n_layers), _local_rope_theta(config)
         scalar = config.get("query_pre_attn_scalar")
-        query_scale = (
-            0.0 if scalar is None else _positive(config, "query_pre_attn_scalar", scalar) ** -0.5
-        )
+        query_scale = 0.0 if scalar is None else _positive("query_pre_attn_scalar", scalar) ** -0.5
     else:
         _check_sliding_window(config, max_seq_len)
     theta, scaling = _rope(config)
