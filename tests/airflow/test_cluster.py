@@ -72,7 +72,7 @@ if not (CHROMIUM and CHROMEDRIVER) and os.geteuid() != 0:
     )
 
 RUN = "cluster-e2e"
-MAX_STEPS = 12
+MAX_STEPS = 30  # long enough that the kill lands while the actors run (12 finished first once)
 #: What the test types into the form (param name -> text).
 FORM = {
     "run_name": RUN,
