@@ -210,6 +210,37 @@ def test_slow_reset_is_an_env_timeout():
     _check_invariants(rec)
 
 
+class _CancelsItsEpisode(_CountdownEnv):
+    """Cancels `episode` (the task playing its episode), then answers at once: the
+    cancellation and the answer land in the same loop iteration."""
+
+    episode: asyncio.Task | None = None
+
+    async def step(self, action: Action) -> StepResult:
+        self.episode.cancel()
+        return await super().step(action)
+
+
+def test_a_cancellation_that_lands_as_a_step_completes_ends_the_episode():
+    # With asyncio.wait_for (Python 3.11) the step's result won and the cancelled episode
+    # played on: an actor stopping on an error then waited forever on a stopped sampler.
+    class Yielding(_Scripted):  # a real policy awaits its sampler
+        async def __call__(self, context, **conversation):
+            await asyncio.sleep(0)
+            return await super().__call__(context, **conversation)
+
+    policy = Yielding(["a"] * 8)
+
+    async def play() -> None:
+        env = _CancelsItsEpisode(turns=4)
+        env.episode = asyncio.current_task()
+        await play_episode(env, policy, seed=1, limits=_limits(), chat=CHAT)
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(play())
+    assert len(policy.contexts) == 1  # no turn after the cancellation
+
+
 async def _timed(env, **limits):
     loop = asyncio.get_running_loop()
     t0 = loop.time()

@@ -109,12 +109,26 @@ class Actor(ActorRuntime):
                     await self._run_sync()
                 else:
                     slots = max(1, self.cfg.actor.envs_per_actor // self.cfg.actor.group_size)
-                    await asyncio.gather(*(self._group_loop(i) for i in range(slots)))
+                    await self._group_loops(slots)
         finally:
             for task in tasks:
                 task.cancel()
         if self._reload_error is not None:
             raise self._reload_error
+
+    async def _group_loops(self, slots: int) -> None:
+        """`slots` group loops until the actor stops; the first error (a store outage past
+        its limit, a failed engine) stops the actor and ends the other loops before it is
+        raised, so none is left sampling from a stopped engine."""
+        loops = [asyncio.create_task(self._group_loop(i)) for i in range(slots)]
+        try:
+            await asyncio.gather(*loops)
+        except BaseException as err:
+            self.request_stop(f"failed: {err!r}")
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            raise
 
     async def _reload_loop(self) -> None:
         """A remote engine's weights: polled (at `weight_poll_s`) and pushed while turns

@@ -78,6 +78,9 @@ class BatchingPolicy:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        # Nothing answers a request once the engine is gone (a task that outlived its
+        # cancellation must not wait forever).
+        self._reject_all(RuntimeError("the policy's engine has stopped"))
 
     @property
     def failed(self) -> BaseException | None:
@@ -156,6 +159,8 @@ class BatchingPolicy:
             raise RuntimeError("use `async with BatchingPolicy(...)` before calling it")
         if self._failed is not None:
             raise self._failed
+        if self._stopping.is_set():  # the engine may not take another step for it
+            raise RuntimeError("the policy's engine is stopping")
         loop = asyncio.get_running_loop()
         return loop, loop.create_future()
 
@@ -191,6 +196,9 @@ class BatchingPolicy:
 
     def _fail(self, err: BaseException) -> None:
         self._failed = err
+        self._reject_all(err)
+
+    def _reject_all(self, err: BaseException) -> None:
         for loop, fut in list(self._pending.values()):
             loop.call_soon_threadsafe(_reject, fut, err)
         self._pending.clear()

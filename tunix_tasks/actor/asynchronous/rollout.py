@@ -137,7 +137,8 @@ async def play_episode(
 
     loop = asyncio.get_running_loop()
     try:
-        first = await asyncio.wait_for(env.reset(seed), limits.step_timeout_s)
+        async with asyncio.timeout(limits.step_timeout_s):  # not wait_for: see _answer
+            first = await env.reset(seed)
     except TimeoutError:
         rec.status = EpisodeStatus.ENV_TIMEOUT
         return episode()
@@ -204,7 +205,11 @@ async def _answer(env: Environment, action: Action, timeout_s: float) -> StepRes
     """The environment's answer, or the parse error of an action it cannot receive."""
     if action.error is not None:
         return StepResult(f"error: {action.error}", 0.0, False, {"parse_error": action.error})
-    return await asyncio.wait_for(env.step(action), timeout_s)
+    # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that
+    # lands as the step completes, and the cancelled episode played on against a stopped
+    # sampler (an actor giving up in a store outage then never finished stopping).
+    async with asyncio.timeout(timeout_s):
+        return await env.step(action)
 
 
 class ScriptedPolicy:

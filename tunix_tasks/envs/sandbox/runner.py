@@ -330,20 +330,22 @@ async def _execute(code: str, limits: SandboxLimits, plan: _Plan) -> SandboxResu
         assert proc.stdout is not None and proc.stderr is not None
         pumps = asyncio.gather(pump(proc.stdout, out["stdout"]), pump(proc.stderr, out["stderr"]))
         try:
-            await asyncio.wait_for(asyncio.shield(pumps), timeout=limits.wall_s)
-            await asyncio.wait_for(
-                proc.wait(), timeout=max(0.1, limits.wall_s - (time.monotonic() - t0))
-            )
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+            async with asyncio.timeout(limits.wall_s):
+                await asyncio.shield(pumps)
+            async with asyncio.timeout(max(0.1, limits.wall_s - (time.monotonic() - t0))):
+                await proc.wait()
         except TimeoutError:
             timed_out = not output_exceeded
         _kill_group(proc.pid)  # under bubblewrap this ends its pid namespace: everything
         if uid is not None:
             _kill_uid(uid)
         await proc.wait()
-        try:  # a process that escaped the group could hold the pipes open: do not wait
-            await asyncio.wait_for(pumps, timeout=0.5)
-        except TimeoutError:
-            pumps.cancel()
+        # A process that escaped the group could hold the pipes open: do not wait (the
+        # timeout cancels the pumps).
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await pumps
         os.set_blocking(report_r, False)
         try:
             report = os.read(report_r, 65536).decode(errors="replace")
