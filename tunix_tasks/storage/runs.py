@@ -27,6 +27,9 @@ from tunix_tasks.untrusted import json_loads
 
 #: A run's config.json is a few KB; far more is not a config (and is not read into memory).
 MAX_CONFIG_BYTES = 16 << 20
+#: A DONE marker is a few dozen bytes; a larger one is not read (it still means done).
+MAX_DONE_BYTES = 64 << 10
+MAX_EPOCH_S = 253_402_300_800  # 10000-01-01: `datetime` shows no later time
 
 
 def write_config(cfg: RunConfig) -> ObjectStore:
@@ -85,10 +88,26 @@ def mark_done(store: ObjectStore, reason: str) -> None:
 
 
 def is_done(store: ObjectStore) -> dict[str, Any] | None:
+    """The run's DONE record, `{"reason": str, "time": float | None}`, or None while the
+    run is not done. The marker's presence is what counts: a body that is not what
+    `mark_done` writes (hand-written, cut short, empty, too large to read) still means
+    done, and its reason says so; no reader stops on it with a traceback."""
     try:
-        return json.loads(store.read_bytes(RunLayout.DONE))
+        body = json_loads(read_small(store, RunLayout.DONE, MAX_DONE_BYTES, error=ValueError))
     except NotFound:
         return None
+    except ValueError as err:
+        return {"reason": f"(DONE marker unreadable: {err})", "time": None}
+    if not isinstance(body, dict):
+        return {"reason": "(DONE marker not a JSON object)", "time": None}
+    return {"reason": str(body.get("reason", "")), "time": _epoch_s(body.get("time"))}
+
+
+def _epoch_s(value: Any) -> float | None:
+    """`value` as seconds since the epoch, if it is one a date can show (0 to year 9999)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if 0 <= value < MAX_EPOCH_S else None
 
 
 def finished_step(store: ObjectStore, max_steps: int) -> int | None:
