@@ -38,7 +38,8 @@ from _models_timing import MB, make_sampler
 
 # Model shapes (HF config keys). qwen3-0.6b is huggingface.co/Qwen/Qwen3-0.6B's config.json
 # (`tunix_tasks.testing.published`); the llama3 family takes the same dimensions, untied;
-# gemma3 the same, tied, with Gemma 3's sliding layers and sandwich norms.
+# gemma3 the same, tied, with Gemma 3's sliding layers and sandwich norms; mistral the same
+# as llama3 with every layer sliding.
 _TOY = {
     "hidden_size": 256,
     "num_hidden_layers": 4,
@@ -90,6 +91,17 @@ def hf_config(family: str, shape: str, ckpt_dtype: str) -> dict[str, Any]:
             "final_logit_softcapping": None,
             "attn_logit_softcapping": None,
             "tie_word_embeddings": True,
+            "torch_dtype": ckpt_dtype,
+        }
+    if family == "mistral":  # Mistral-7B-v0.1's form, its window (4096) cut to 512 to bind
+        return {
+            "architectures": ["MistralForCausalLM"],
+            "model_type": "mistral",
+            **common,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10_000.0,
+            "sliding_window": 512,
+            "tie_word_embeddings": False,
             "torch_dtype": ckpt_dtype,
         }
     if family == "qwen3":  # the newer form, as Qwen3 checkpoints on the Hub now carry

@@ -2,7 +2,8 @@
 
 For each family (Qwen3: tied, q/k norm, `rope_parameters` config; Llama 3: untied, llama3
 rope scaling in the older top-level config form; `--families gemma3` too: Gemma 3's five
-sliding layers (window 512) to a global one, sandwich norms, GeGLU) at one shape
+sliding layers (window 512) to a global one, sandwich norms, GeGLU; `mistral`: every layer
+sliding, window 512) at one shape
 (`--shape`), with random weights, in one run:
 
   1. write    a random-weight Hugging Face checkpoint (config.json + safetensors in
@@ -119,7 +120,7 @@ from _models_timing import (
     timed,
 )
 
-FAMILIES = ("qwen3", "llama3", "gemma3")
+FAMILIES = ("qwen3", "llama3", "gemma3", "mistral")
 # Per-shape defaults of the run flags (a flag given on the command line wins).
 RUN_DEFAULTS: dict[str, dict[str, Any]] = {
     "toy": {"fwd_batch": 4, "seq": 256, "sample_batches": [1, 16, 64], "new_tokens": 16},

@@ -7,7 +7,7 @@ policy's chat format turns messages into tokens and sampled tokens back into an 
     tools = env.tools                                   # [{"type": "function", "function": {...}}]
     action = chat.parse(sampled_ids)                    # Action(content, tool_calls, error)
     action.message()                                    # {"role": "assistant", ...} for the template
-    reply = {"role": action.reply_role, "content": result.observation}
+    reply = action.reply(result.observation)            # {"role": "tool"|"user", "content": ...}
 
 `Action.error` is set when the policy's text could not be parsed (a malformed tool call);
 the rollout then answers with the error instead of calling the environment.
@@ -20,7 +20,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["Action", "Message", "ToolCall", "function_tool", "tool_argument_names"]
+__all__ = ["Action", "Message", "ToolCall", "call_id", "function_tool", "tool_argument_names"]
 
 Message = dict[str, Any]  # {"role": "system"|"user"|"assistant"|"tool", "content": str, ...}
 
@@ -31,13 +31,15 @@ class ToolCall:
 
     name: str
     arguments: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    id: str = ""  # links the call to its result; Mistral's template wants 9 alphanumerics
 
     def as_openai(self) -> dict[str, Any]:
         """The OpenAI / Hugging Face chat-message form of the call."""
-        return {
+        call = {
             "type": "function",
             "function": {"name": self.name, "arguments": dict(self.arguments)},
         }
+        return {"id": self.id, **call} if self.id else call
 
     def __str__(self) -> str:
         return f"{self.name}({json.dumps(dict(self.arguments), ensure_ascii=False)})"
@@ -62,6 +64,25 @@ class Action:
         if self.tool_calls:
             msg["tool_calls"] = [c.as_openai() for c in self.tool_calls]
         return msg
+
+    def with_call_ids(self, turn: int) -> Action:
+        """This action with its calls named `call_id(turn, k)` (an episode's turn `turn`)."""
+        calls = (dataclasses.replace(c, id=call_id(turn, k)) for k, c in enumerate(self.tool_calls))
+        return dataclasses.replace(self, tool_calls=tuple(calls))
+
+    def reply(self, content: str) -> Message:
+        """The message that answers this action: its tool results (naming the first call,
+        the one message answering them all) or the user's next words."""
+        msg: Message = {"role": self.reply_role, "content": content}
+        if self.tool_calls and self.tool_calls[0].id:
+            msg["tool_call_id"] = self.tool_calls[0].id
+        return msg
+
+
+def call_id(turn: int, k: int) -> str:
+    """The id of an episode's `k`-th tool call in turn `turn`: 9 alphanumerics, as the
+    strictest template (Mistral's) wants, unique within an episode."""
+    return f"t{turn % 10_000:04d}c{k % 1_000:03d}"
 
 
 def function_tool(

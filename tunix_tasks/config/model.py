@@ -72,7 +72,7 @@ class ModelConfig(Frozen):
         min_length=1,
         description="projections that get adapters",
     )
-    tool_format: Literal["auto", "hermes", "llama3_json"] = Field(
+    tool_format: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
         "auto",
         description="how the checkpoint's model writes tool calls; auto: read its chat template",
     )

@@ -13,7 +13,7 @@ own tokens for that message (never decode-and-re-tokenize):
         ids += sampled + chat.close_turn(sampled)                 # end-of-turn if it never stopped
         action = chat.parse(sampled, tools)                       # Action(content, tool_calls, error)
         history += [action.message()]
-        reply = {"role": action.reply_role, "content": env_observation}
+        reply = action.reply(env_observation)
         ids += chat.reply(history, [reply], tools)                # reply + next generation prompt
         history += [reply]
     ids += chat.end_ids

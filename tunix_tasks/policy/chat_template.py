@@ -12,13 +12,15 @@ assistant turn, found by rendering the conversation with and without the new mes
     action = chat.parse(sampled, tools)        # tool calls in the family's format
 
 The end-of-turn token (`<|im_end|>`, `<|eot_id|>`, ...) is discovered by rendering a probe
-conversation; tool calls are parsed as Hermes (`<tool_call>` JSON, Qwen) or Llama 3.1 JSON.
+conversation; tool calls are parsed as Hermes (`<tool_call>` JSON, Qwen), Llama 3.1 JSON or
+Mistral (`[TOOL_CALLS] [...]`).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -28,7 +30,7 @@ from tunix_tasks.messages import Action, Message
 from tunix_tasks.policy.chat import Tools
 from tunix_tasks.policy.hf_tokenizer import HFTokenizer
 from tunix_tasks.policy.template_sandbox import BoundedEnvironment, ChatTemplateError
-from tunix_tasks.policy.toolcalls import parse_hermes, parse_llama3_json
+from tunix_tasks.policy.toolcalls import parse_hermes, parse_llama3_json, parse_mistral
 
 __all__ = [
     "ChatTemplateError",
@@ -40,10 +42,13 @@ __all__ = [
     "select_template",
 ]
 
-ToolFormat = Literal["auto", "hermes", "llama3_json"]
+log = logging.getLogger(__name__)
+
+ToolFormat = Literal["auto", "hermes", "llama3_json", "mistral"]
 _PARSERS: dict[str, Callable[[str], Action]] = {
     "hermes": parse_hermes,
     "llama3_json": parse_llama3_json,
+    "mistral": parse_mistral,
 }
 _PROBE = [{"role": "user", "content": "PROBE_U"}, {"role": "assistant", "content": "PROBE_A"}]
 
@@ -108,12 +113,14 @@ def select_template(config: Mapping[str, Any], chat_template: str | None) -> str
     )
 
 
-def detect_tool_format(template: str) -> Literal["hermes", "llama3_json"]:
+def detect_tool_format(template: str) -> Literal["hermes", "llama3_json", "mistral"]:
     """The tool-call format a template's assistant turns use."""
     if "<tool_call>" in template:
         return "hermes"
     if "ipython" in template or "<|python_tag|>" in template:
         return "llama3_json"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
     return "hermes"
 
 
@@ -136,6 +143,7 @@ class TemplateChat:
         self.tokenizer = tokenizer
         self.template = template
         self._origin = f"{origin}: " if origin else ""
+        self._warned_unstable = False  # `_after_last_turn` logs the first difference only
         try:
             self._compiled = compile_template(template)
         except ChatTemplateError as e:
@@ -238,32 +246,46 @@ class TemplateChat:
         return self.tokenizer.encode(full[len(prompt) : end + len(self.eot_text)])
 
     def _after_last_turn(self, prefix: str, full: str) -> int:
-        """Where `full` continues after the turn that closes `prefix` (its last end-of-turn).
+        """Where `full` continues after the turn that closes `prefix` (its last end-of-turn):
+        after as many end-of-turns as `prefix` holds.
 
-        Everything before that turn must render identically with more messages. The turn
-        itself may not: Qwen3 writes an empty `<think></think>` only into the last assistant
-        turn; its tokens in the episode are the sampled ones either way.
+        The episode keeps the ids it was played with, so earlier turns need not render the
+        same once more messages follow. Most templates do, but not all: Qwen3 writes an
+        empty `<think></think>` only into the last assistant turn, Mistral lists the tools
+        before the last user message (which a user reply moves). The first difference is
+        logged once per chat; the episode then differs there from the template's rendering
+        of the whole conversation (what a server would prompt with), never from the ids
+        its policy sampled with and its learner trains on.
         """
         eot = self.eot_text
-        last = prefix.rfind(eot)
-        if last < 0:
+        closed = prefix.count(eot)
+        if not closed:
             raise self._error(f"history renders no {eot!r}: no closed turn to reply to")
-        before = prefix.rfind(eot, 0, last)
-        turn_start = 0 if before < 0 else before + len(eot)
-        if not full.startswith(prefix[:turn_start]):
-            raise self._not_prefix_stable(prefix[:turn_start], full)
-        end = full.find(eot, turn_start)
-        if end < 0:
-            raise self._not_prefix_stable(prefix, full)
+        end = -len(eot)
+        for _ in range(closed):
+            end = full.find(eot, end + len(eot))
+            if end < 0:  # the new messages removed a turn: no place to reply after
+                raise self._not_prefix_stable(prefix, full)
+        before = prefix.rfind(eot, 0, prefix.rfind(eot))
+        stable = prefix[: 0 if before < 0 else before + len(eot)]
+        if not self._warned_unstable and not full.startswith(stable):
+            self._warned_unstable = True
+            log.warning(
+                "%s; episodes keep the ids they were played with", self._unstable(stable, full)
+            )
         return end + len(eot)
 
-    def _not_prefix_stable(self, prefix: str, full: str) -> ChatTemplateError:
+    def _unstable(self, prefix: str, full: str) -> str:
         at = next((i for i, (a, b) in enumerate(zip(prefix, full, strict=False)) if a != b), None)
         at = min(len(prefix), len(full)) if at is None else at
-        return self._error(
-            "chat template is not prefix-stable: adding messages changed the text of earlier "
-            f"turns at char {at}: {prefix[at : at + 40]!r} became {full[at : at + 40]!r}"
+        return (
+            f"{self._origin}chat template is not prefix-stable: adding messages changed the "
+            f"text of earlier turns at char {at}: {prefix[at : at + 40]!r} became "
+            f"{full[at : at + 40]!r}"
         )
+
+    def _not_prefix_stable(self, prefix: str, full: str) -> ChatTemplateError:
+        return ChatTemplateError(self._unstable(prefix, full))
 
     def _discover_eot(self, stop_ids: Sequence[int]) -> tuple[str, int]:
         """The token that closes an assistant turn: the first stop token after the probe's

@@ -79,8 +79,9 @@ def tool_turn_error(chat: ChatFormat) -> str | None:
     environment with tools would stop its actors at their first tool result."""
     if not isinstance(chat, TemplateChat):  # the char chat renders any turn
         return None
-    call = Action(content="", tool_calls=(ToolCall("probe", {"x": "1"}),)).message()
-    turns = [{"role": "user", "content": "?"}, call, {"role": "tool", "content": "1"}]
+    # The call named and answered as the rollout does it (Mistral's template checks ids).
+    call = Action(content="", tool_calls=(ToolCall("probe", {"x": "1"}),)).with_call_ids(1)
+    turns = [{"role": "user", "content": "?"}, call.message(), call.reply("1")]
     try:
         chat.render(turns, [_PROBE_TOOL], add_generation_prompt=True)
     except ChatTemplateError as err:

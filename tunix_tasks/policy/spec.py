@@ -4,8 +4,8 @@ One decoder (`policy/model.py`) covers the families by options: Llama 3.x (GQA, 
 llama3 frequency scaling, tied or untied embeddings), Qwen3 (GQA, RMSNorm on q and k per
 head, head_dim independent of d_model), Qwen2/2.5 (bias on q/k/v), Gemma 3 text (local
 sliding-window layers with their own rope theta between global ones, norm scales stored
-less one, sandwich norms, scaled embeddings, GeGLU, its own query scale), and the built-in
-char presets (multi-head attention, untied). A spec comes from a preset or from a Hugging Face
+less one, sandwich norms, scaled embeddings, GeGLU, its own query scale), Mistral (Llama's
+layers, every one sliding when `sliding_window` is set), and the built-in char presets (multi-head attention, untied). A spec comes from a preset or from a Hugging Face
 `config.json` (both the older top-level `rope_theta`/`rope_scaling` form most published
 checkpoints use and the newer `rope_parameters` form). Its RoPE scaling is one of
 `policy/rope.py`'s (llama3, linear, yarn):
@@ -62,6 +62,8 @@ class HfFamily:
     embed_scale: bool = False
     sandwich_norms: bool = False
     sliding_layers: bool = False
+    # Mistral: `sliding_window`, when not null, is every layer's window.
+    sliding_everywhere: bool = False
     # transformers' defaults for keys a config.json may leave out, where they are not the
     # decoder's: (key, value) pairs, read under the file's own keys.
     config_defaults: tuple[tuple[str, Any], ...] = ()
@@ -101,6 +103,21 @@ register_family(
             ("sliding_window", 4096),
             ("rope_theta", 1_000_000.0),
             ("rope_local_base_freq", 10_000.0),
+        ),
+    )
+)
+
+register_family(
+    HfFamily(
+        "mistral",
+        ("MistralForCausalLM",),
+        "mistral",
+        attention_bias=False,
+        sliding_everywhere=True,
+        config_defaults=(  # MistralConfig's
+            ("sliding_window", 4096),
+            ("rope_theta", 10_000.0),
+            ("tie_word_embeddings", False),
         ),
     )
 )
@@ -324,6 +341,19 @@ def _layer_windows(config: Mapping[str, Any], n_layers: int) -> tuple[int, ...]:
     return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
+def _uniform_windows(config: Mapping[str, Any], n_layers: int, max_seq_len: int) -> tuple[int, ...]:
+    """Mistral's windows: `sliding_window` on every layer, none when it is null or at least
+    `max_seq_len` (it then drops no key, and full attention is the same and cheaper)."""
+    window = config.get("sliding_window")
+    if window is None:
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UnsupportedCheckpoint(
+            f"config.json: sliding_window must be a positive integer or null, got {window!r}"
+        )
+    return () if window >= max_seq_len else (window,) * n_layers
+
+
 def _check_sliding_window(config: Mapping[str, Any], max_seq_len: int) -> None:
     """Refuse sliding-window attention that could drop a key at this context length.
 
@@ -346,7 +376,8 @@ def _check_sliding_window(config: Mapping[str, Any], max_seq_len: int) -> None:
 
 
 def spec_from_hf_config(config: Mapping[str, Any], *, max_seq_len: int) -> DecoderSpec:
-    """The spec of a Hugging Face Llama / Qwen2 / Qwen3 / Gemma 3 `config.json` (a dict)."""
+    """The spec of a Hugging Face Llama / Qwen2 / Qwen3 / Gemma 3 / Mistral `config.json`
+    (a dict)."""
     family = _family(config)
     config = {**dict(family.config_defaults), **config}
 
@@ -383,6 +414,8 @@ def spec_from_hf_config(config: Mapping[str, Any], *, max_seq_len: int) -> Decod
         windows, local_theta = _layer_windows(config, n_layers), _local_rope_theta(config)
         scalar = config.get("query_pre_attn_scalar")
         query_scale = 0.0 if scalar is None else _positive("query_pre_attn_scalar", scalar) ** -0.5
+    elif family.sliding_everywhere:
+        windows = _uniform_windows(config, n_layers, max_seq_len)
     else:
         _check_sliding_window(config, max_seq_len)
     theta, scaling = _rope(config)

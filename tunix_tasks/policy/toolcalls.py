@@ -8,6 +8,7 @@ answers with the error instead of calling the environment.
     parse_hermes('<tool_call>\\n{"name": "calc", "arguments": {"x": "1+2"}}\\n</tool_call>')
     # Action(tool_calls=(ToolCall("calc", {"x": "1+2"}),))
     parse_llama3_json('{"name": "calc", "parameters": {"x": "1+2"}}')   # the same action
+    parse_mistral('[TOOL_CALLS] [{"name": "calc", "arguments": {"x": "1+2"}}]')  # again
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from typing import Any
 
 from tunix_tasks.messages import Action, ToolCall
 
-__all__ = ["parse_hermes", "parse_llama3_json", "strip_think"]
+__all__ = ["parse_hermes", "parse_llama3_json", "parse_mistral", "strip_think"]
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_CALLS = "[TOOL_CALLS]"
 
 
 class _Malformed(ValueError):
@@ -131,3 +133,25 @@ def parse_llama3_json(text: str) -> Action:
         return Action(tool_calls=tuple(_llama3_calls(body)))
     except _Malformed as e:
         return Action(content=text, error=f"malformed tool call: {e}")
+
+
+def parse_mistral(text: str) -> Action:
+    """Mistral: `[TOOL_CALLS] [{"name", "arguments"}, ...]`, the text before the marker
+    (if any) as the content. An `"id"` the model wrote is dropped: the rollout names every
+    call itself (`Action.with_call_ids`), as mistral-common does."""
+    start = text.find(MISTRAL_CALLS)
+    if start < 0:
+        return Action(content=text.strip())
+    content, body = text[:start].strip(), text[start + len(MISTRAL_CALLS) :].strip()
+    try:
+        try:
+            objs = json.loads(body)
+        except json.JSONDecodeError as e:
+            raise _Malformed(f"bad JSON: {e.msg}") from None
+        objs = [objs] if isinstance(objs, dict) else objs
+        if not isinstance(objs, list) or not objs:
+            raise _Malformed("not a list of calls")
+        calls = tuple(_call(obj, ("arguments",)) for obj in objs)
+    except _Malformed as e:
+        return Action(content=text.strip(), error=f"malformed tool call: {e}")
+    return Action(content=content, tool_calls=calls)

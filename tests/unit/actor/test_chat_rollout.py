@@ -47,14 +47,15 @@ class _DemoThenSample:
         return tokens, logprobs, version
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama3"])
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama3", "tiny-mistral"])
 def test_sampled_ids_and_logprobs_survive_the_episode(name):
     chat, sampler = build_sampler(
         ModelConfig(checkpoint=str(FIXTURES / name), max_seq_len=1024), seed=0
     )
     env = make_env("calculator", max_turns=3)
+    # room for the demonstrated call (Mistral's, with its id, is 55 ids in this vocabulary)
     limits = EpisodeLimits(
-        max_turns=3, max_episode_tokens=1024, max_new_tokens=48, step_timeout_s=10.0
+        max_turns=3, max_episode_tokens=1024, max_new_tokens=96, step_timeout_s=10.0
     )
 
     async def play():
@@ -69,11 +70,12 @@ def test_sampled_ids_and_logprobs_survive_the_episode(name):
     # The tool's result came back as the template's tool message.
     expression = env.demonstration(5)[0].tool_calls[0].arguments["expression"]
     text = chat.tokenizer.decode(episode.tokens.tolist())
-    tool_turn = (
-        "<tool_response>\n{}\n</tool_response>"
-        if "qwen" in name
-        else 'ipython<|end_header_id|>\n\n"{}"'
-    )
+    tool_turn = {
+        "tiny-qwen3": "<tool_response>\n{}\n</tool_response>",
+        "tiny-llama3": 'ipython<|end_header_id|>\n\n"{}"',
+        # named as the demonstrated call was (its turn, its index)
+        "tiny-mistral": '[TOOL_RESULTS] {{"content": {}, "call_id": "t0001c000"}}[/TOOL_RESULTS]',
+    }[name]
     assert tool_turn.format(safe_eval(expression)) in text
 
     # The sampled turns, in order, are exactly the ids at the masked positions after turn 1.

@@ -33,8 +33,16 @@ from tunix_tasks.policy.spec import (
 
 FIXTURES = HF_FIXTURES
 # tiny-qwen3-yarn: yarn rope scaling (interpolated frequencies, scaled q and k); tiny-gemma3:
-# a sliding layer (window 4) and a global one, sandwich norms, scaled embeddings, GeGLU.
-FAMILIES = ("tiny-qwen3", "tiny-llama3", "tiny-qwen2", "tiny-qwen3-yarn", "tiny-gemma3")
+# a sliding layer (window 4) and a global one, sandwich norms, scaled embeddings, GeGLU;
+# tiny-mistral: every layer sliding (window 4).
+FAMILIES = (
+    "tiny-qwen3",
+    "tiny-llama3",
+    "tiny-qwen2",
+    "tiny-qwen3-yarn",
+    "tiny-gemma3",
+    "tiny-mistral",
+)
 ATOL = 1e-4
 
 
@@ -258,6 +266,55 @@ def test_bad_gemma3_config_is_refused_in_one_line(changes, message):
         spec_from_hf_config(cfg, max_seq_len=64)
 
 
+def test_mistral_windows_bind_and_are_needed():
+    """Mistral's `sliding_window` slides every layer; the fixture's 4 binds inside its
+    12-token rows, so full attention leaves transformers' logits."""
+    ckpt = HFCheckpoint(str(FIXTURES / "tiny-mistral"))
+    spec = ckpt.spec(max_seq_len=64)
+    assert spec.family == "mistral" and spec.layer_windows == (4, 4)
+    assert not spec.tie_embeddings and not spec.qk_norm and not spec.rope_local_theta
+    ref = _reference("tiny-mistral")
+    ids = np.asarray(ref["input_ids"], np.int32)
+    model = ckpt.load_model(dataclasses.replace(spec, layer_windows=()))
+    b, t = ids.shape
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+    logits = np.asarray(_forward(model, ids, positions, np.ones_like(ids)))
+    expected = np.load(FIXTURES / "tiny-mistral" / "logits.npy")
+    assert np.abs(logits - expected).max() > 100 * ATOL
+
+
+@pytest.mark.parametrize(
+    "changes,max_seq_len,windows",
+    [
+        ({"sliding_window": None}, 64, ()),  # v0.2 and later: full attention
+        ({"sliding_window": 64}, 64, ()),  # drops no key at this length: full is the same
+        ({"sliding_window": 63}, 64, (63, 63)),
+        ({}, 4096, (4, 4)),
+    ],
+)
+def test_mistral_window_is_kept_only_where_it_drops_keys(changes, max_seq_len, windows):
+    cfg = json.loads((FIXTURES / "tiny-mistral" / "config.json").read_text()) | changes
+    assert spec_from_hf_config(cfg, max_seq_len=max_seq_len).layer_windows == windows
+
+
+def test_mistral_config_defaults_are_mistralconfigs():
+    """A config.json without the keys gets MistralConfig's values: untied embeddings, a
+    window of 4096, rope theta 10,000 (the decoder's defaults differ: tied, none)."""
+    cfg = json.loads((FIXTURES / "tiny-mistral" / "config.json").read_text())
+    for key in ("tie_word_embeddings", "sliding_window", "rope_theta"):
+        del cfg[key]
+    spec = spec_from_hf_config(cfg, max_seq_len=8192)
+    assert not spec.tie_embeddings and spec.layer_windows == (4096, 4096)
+    assert spec.rope_theta == 10_000.0
+
+
+@pytest.mark.parametrize("window", [0, -4, 4.0, "4", True])
+def test_a_bad_mistral_window_is_refused_in_one_line(window):
+    cfg = json.loads((FIXTURES / "tiny-mistral" / "config.json").read_text())
+    with pytest.raises(UnsupportedCheckpoint, match="sliding_window must be a positive integer"):
+        spec_from_hf_config(cfg | {"sliding_window": window}, max_seq_len=64)
+
+
 # ---------------------------------------------------------------- bad checkpoints
 
 
@@ -435,6 +492,9 @@ def test_prepare_refuses_a_template_without_a_tool_role_for_a_tool_env(tmp_path)
     assert prepare_run({**params, "env": {"name": "guess_number"}}, run_name="turns")
     qwen = {**params, "model": {**model, "checkpoint": str(FIXTURES / "tiny-qwen3")}}
     assert prepare_run({**qwen, "env": {"name": "calculator"}}, run_name="qwen")
+    # Mistral's renders one once the call is named as the rollout names it (9 characters)
+    mistral = {**params, "model": {**model, "checkpoint": str(FIXTURES / "tiny-mistral")}}
+    assert prepare_run({**mistral, "env": {"name": "calculator"}}, run_name="mistral")
 
 
 def test_build_policy_raises_policy_error_for_every_checkpoint_problem(tmp_path):

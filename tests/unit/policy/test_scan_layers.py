@@ -25,7 +25,9 @@ def _load(name: str) -> Transformer:
     return ckpt.load_model(ckpt.spec(max_seq_len=64))
 
 
-@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"])
+@pytest.mark.parametrize(
+    "name", ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-mistral"]
+)
 def test_scanned_cache_forward_equals_unrolled(name: str) -> None:
     model = _load(name)
     layers = stack_layers(model.blocks)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from tunix_tasks.messages import Action, ToolCall
-from tunix_tasks.policy.toolcalls import parse_hermes, parse_llama3_json, strip_think
+from tunix_tasks.policy.toolcalls import parse_hermes, parse_llama3_json, parse_mistral, strip_think
 
 
 def hermes_call(body: str) -> str:
@@ -180,3 +180,30 @@ def test_no_input_raises(parse) -> None:
         assert isinstance(action, Action)
         assert action.error is None or not action.tool_calls
         assert all(isinstance(c.arguments, dict) for c in action.tool_calls)
+
+
+def test_mistral_calls_after_the_marker() -> None:
+    text = ' [TOOL_CALLS] [{"name": "a", "arguments": {"s": "x"}}, {"name": "b", "arguments": {}}]'
+    assert parse_mistral(text) == Action(tool_calls=(ToolCall("a", {"s": "x"}), ToolCall("b", {})))
+    # An id the model wrote is dropped (the rollout names calls); text before is content.
+    text = 'Let me add.[TOOL_CALLS] {"name": "a", "arguments": "{}", "id": "abcdefghi"}'
+    assert parse_mistral(text) == Action(content="Let me add.", tool_calls=(ToolCall("a", {}),))
+    assert parse_mistral(" The answer is [4]. ") == Action(content="The answer is [4].")
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('[TOOL_CALLS] [{"name": "f", "arguments": {}}', "bad JSON"),
+        ("[TOOL_CALLS]", "bad JSON"),
+        ("[TOOL_CALLS] []", "not a list of calls"),
+        ('[TOOL_CALLS] "f"', "not a list of calls"),
+        ('[TOOL_CALLS] [{"arguments": {}}]', 'missing "name"'),
+        ('[TOOL_CALLS] [{"name": "f", "arguments": [1]}]', '"arguments" is not an object'),
+        ('[TOOL_CALLS] [{"name": "f"}, 3]', "not a JSON object"),
+    ],
+)
+def test_mistral_malformed_sets_error(text: str, reason: str) -> None:
+    action = parse_mistral(text)
+    assert action.tool_calls == () and action.content == text.strip()
+    assert action.error is not None and reason in action.error

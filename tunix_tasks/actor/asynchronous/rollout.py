@@ -165,7 +165,7 @@ async def play_episode(
         rec.extend(tokens, policy=True, logprobs=logprobs)
         rec.extend(chat.close_turn(tokens), policy=False)
         rec.turns += 1
-        action = chat.parse(tokens, tools)
+        action = chat.parse(tokens, tools).with_call_ids(rec.turns)
         history.append(action.message())
         t0 = loop.time()
         try:
@@ -193,7 +193,7 @@ async def play_episode(
         rec.reward += float(result.reward)
         if result.done:
             break
-        reply = {"role": action.reply_role, "content": result.observation}
+        reply = action.reply(result.observation)
         prompt = chat.reply(history, [reply], tools)
         history.append(reply)
     else:
@@ -229,5 +229,6 @@ class ScriptedPolicy:
         session: str | None = None,
     ) -> tuple[list[int], list[float], int]:
         action = self._actions.pop(0) if self._actions else Action()
-        tokens = self._chat.render_action(messages, action, tools)
+        turn = 1 + sum(m.get("role") == "assistant" for m in messages)  # as play_episode's
+        tokens = self._chat.render_action(messages, action.with_call_ids(turn), tools)
         return tokens, [0.0] * len(tokens), 0

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tunix_tasks.actor.endpoint.wire import ApiError
-from tunix_tasks.messages import Action, Message, ToolCall
+from tunix_tasks.messages import Action, Message, ToolCall, call_id
 from tunix_tasks.policy.chat import ChatFormat
+from tunix_tasks.policy.template_sandbox import ChatTemplateError
 from tunix_tasks.policy.toolcalls import strip_think
 
 __all__ = ["ToolChoice", "as_text", "forced_opening", "read_tool_choice"]
@@ -107,8 +108,12 @@ def forced_opening(
     if choice.mode in ("auto", "none"):
         return []
     name, sentinel = (_NAME, _NAME) if choice.mode == "required" else (choice.name, _ARGS)
-    call = ToolCall(name=name, arguments={_ARGS: _ARGS})
-    rendered = chat.tokenizer.decode(chat.render_action(history, Action(tool_calls=(call,)), tools))
+    call = ToolCall(name=name, arguments={_ARGS: _ARGS}, id=call_id(0, 0))
+    try:
+        action = chat.render_action(history, Action(tool_calls=(call,)), tools)
+    except ChatTemplateError as err:  # Mistral's drops a system message once a turn follows
+        raise ApiError(400, f"tool_choice: {err}; use 'auto'", param="tool_choice") from None
+    rendered = chat.tokenizer.decode(action)
     head = _opening(rendered, sentinel)
     if not head:
         raise ApiError(

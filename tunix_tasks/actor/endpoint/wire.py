@@ -131,7 +131,7 @@ def choice(
     if action.tool_calls:
         message["tool_calls"] = [
             {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "id": uuid.uuid4().hex[:9],  # 9 alphanumerics: Mistral's template wants them
                 "type": "function",
                 "function": {
                     "name": call.name,

@@ -47,6 +47,11 @@ def _chat(name: str):
             '<tool_call>\n{"name": "calculate", "arguments": ',
         ),
         ("tiny-llama3", '{"name": "', '{"name": "calculate", "parameters": '),
+        (
+            "tiny-mistral",
+            '[TOOL_CALLS] [{"name": "',
+            '[TOOL_CALLS] [{"name": "calculate", "arguments": ',
+        ),
     ],
 )
 def test_the_forced_opening_is_the_templates_own_tool_call_text(fixture, required, named):
@@ -57,6 +62,16 @@ def test_the_forced_opening_is_the_templates_own_tool_call_text(fixture, require
     assert decode(opening) == named
     assert forced_opening(chat, QUESTION, [CALCULATE], ToolChoice("auto")) == []
     assert forced_opening(chat, QUESTION, [CALCULATE], ToolChoice("none")) == []
+
+
+def test_a_forced_call_the_template_cannot_render_after_its_prompt_is_a_400():
+    """Mistral v0.3 writes a system message into the last user turn only: once a call
+    follows, the prompt is gone from the rendering, and no opening can be cut from it."""
+    chat = _chat("tiny-mistral")
+    history = [{"role": "system", "content": "Be brief."}, *QUESTION]
+    with pytest.raises(ApiError, match=r"tool_choice: .*not prefix-stable") as err:
+        forced_opening(chat, history, [CALCULATE], ToolChoice("required"))
+    assert err.value.status == 400
 
 
 def test_invalid_tool_choices_name_what_is_wrong():
