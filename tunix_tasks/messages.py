@@ -17,10 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["Action", "Message", "ToolCall", "call_id", "function_tool", "tool_argument_names"]
+__all__ = [
+    "Action",
+    "Message",
+    "ToolCall",
+    "call_id",
+    "function_tool",
+    "is_call_id",
+    "tool_argument_names",
+]
 
 Message = dict[str, Any]  # {"role": "system"|"user"|"assistant"|"tool", "content": str, ...}
 
@@ -65,10 +74,16 @@ class Action:
             msg["tool_calls"] = [c.as_openai() for c in self.tool_calls]
         return msg
 
-    def with_call_ids(self, turn: int) -> Action:
-        """This action with its calls named `call_id(turn, k)` (an episode's turn `turn`)."""
-        calls = (dataclasses.replace(c, id=call_id(turn, k)) for k, c in enumerate(self.tool_calls))
-        return dataclasses.replace(self, tool_calls=tuple(calls))
+    def with_call_ids(self, turn: int | None = None) -> Action:
+        """This action with every call named that has no id of 9 alphanumerics (one the
+        model wrote itself is kept: its tokens hold it): `call_id(turn, k)` in turn `turn`
+        (the rollout's: unique within an episode), or with no turn a random one (the
+        endpoint's: unique across the many episodes one agent program runs)."""
+        calls = tuple(
+            c if is_call_id(c.id) else dataclasses.replace(c, id=call_id(turn, k))
+            for k, c in enumerate(self.tool_calls)
+        )
+        return dataclasses.replace(self, tool_calls=calls)
 
     def reply(self, content: str) -> Message:
         """The message that answers this action: its tool results (naming the first call,
@@ -79,10 +94,17 @@ class Action:
         return msg
 
 
-def call_id(turn: int, k: int) -> str:
-    """The id of an episode's `k`-th tool call in turn `turn`: 9 alphanumerics, as the
-    strictest template (Mistral's) wants, unique within an episode."""
+def call_id(turn: int | None, k: int) -> str:
+    """The id of an episode's `k`-th tool call in turn `turn` (None: a random id): 9
+    alphanumerics, as the strictest template (Mistral's) wants."""
+    if turn is None:
+        return uuid.uuid4().hex[:9]
     return f"t{turn % 10_000:04d}c{k % 1_000:03d}"
+
+
+def is_call_id(value: object) -> bool:
+    """Is `value` a tool-call id every template accepts (9 ASCII alphanumerics)?"""
+    return isinstance(value, str) and len(value) == 9 and value.isascii() and value.isalnum()
 
 
 def function_tool(

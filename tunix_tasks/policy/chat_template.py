@@ -246,32 +246,50 @@ class TemplateChat:
         return self.tokenizer.encode(full[len(prompt) : end + len(self.eot_text)])
 
     def _after_last_turn(self, prefix: str, full: str) -> int:
-        """Where `full` continues after the turn that closes `prefix` (its last end-of-turn):
-        after as many end-of-turns as `prefix` holds.
+        """Where `full` continues after the turn that closes `prefix` (its last end-of-turn).
 
-        The episode keeps the ids it was played with, so earlier turns need not render the
-        same once more messages follow. Most templates do, but not all: Qwen3 writes an
-        empty `<think></think>` only into the last assistant turn, Mistral lists the tools
-        before the last user message (which a user reply moves). The first difference is
-        logged once per chat; the episode then differs there from the template's rendering
-        of the whole conversation (what a server would prompt with), never from the ids
-        its policy sampled with and its learner trains on.
+        Everything before that turn renders identically with more messages in most
+        templates; the turn itself may not (Qwen3 writes an empty `<think></think>` only
+        into the last assistant turn): its ids in the episode are the sampled ones either
+        way. Where earlier turns change too, `_after_moved_turns` finds the place.
         """
         eot = self.eot_text
-        closed = prefix.count(eot)
-        if not closed:
+        last = prefix.rfind(eot)
+        if last < 0:
             raise self._error(f"history renders no {eot!r}: no closed turn to reply to")
+        before = prefix.rfind(eot, 0, last)
+        turn_start = 0 if before < 0 else before + len(eot)
+        if not full.startswith(prefix[:turn_start]):
+            return self._after_moved_turns(prefix, full, last)
+        end = full.find(eot, turn_start)
+        if end < 0:
+            raise self._not_prefix_stable(prefix, full)
+        return end + len(eot)
+
+    def _after_moved_turns(self, prefix: str, full: str, last: int) -> int:
+        """`_after_last_turn` where more messages change earlier turns (Mistral lists the
+        tools before the last user message, and writes the system message into it): after
+        as many end-of-turns as `prefix` holds, where `full` must end the turn with the
+        same text (what follows its last special token: " 4" after "[/INST]"), or the
+        count would have met an end-of-turn text inside moved content, or a template that
+        drops old turns. The episode keeps the ids it was played with, so it then differs
+        there from the template's rendering of the whole conversation (what a server would
+        prompt with), never from the ids its policy sampled or its learner trains on;
+        logged once per chat."""
+        eot = self.eot_text
         end = -len(eot)
-        for _ in range(closed):
+        for _ in range(prefix.count(eot)):
             end = full.find(eot, end + len(eot))
-            if end < 0:  # the new messages removed a turn: no place to reply after
+            if end < 0:  # the new messages removed a turn
                 raise self._not_prefix_stable(prefix, full)
-        before = prefix.rfind(eot, 0, prefix.rfind(eot))
-        stable = prefix[: 0 if before < 0 else before + len(eot)]
-        if not self._warned_unstable and not full.startswith(stable):
+        found = [(prefix.rfind(t, 0, last), t) for t in self.tokenizer.special_added_tokens()]
+        own = prefix[max((at + len(t) for at, t in found if at >= 0), default=0) : last]
+        if not full.endswith(own, 0, end):
+            raise self._not_prefix_stable(prefix, full)
+        if not self._warned_unstable:
             self._warned_unstable = True
             log.warning(
-                "%s; episodes keep the ids they were played with", self._unstable(stable, full)
+                "%s; episodes keep the ids they were played with", self._unstable(prefix, full)
             )
         return end + len(eot)
 

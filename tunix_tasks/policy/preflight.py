@@ -75,10 +75,16 @@ _PROBE_TOOL = function_tool("probe", "A tool call the template renders.", {"x": 
 
 def tool_turn_error(chat: ChatFormat) -> str | None:
     """Why `chat` cannot render a tool call and its result (Gemma 3's template alternates
-    user and model turns and refuses a "tool" message), or None when it can: an
-    environment with tools would stop its actors at their first tool result."""
+    user and model turns and refuses a "tool" message) or read the calls its model writes,
+    or None when it can: an environment with tools would stop its actors at their first
+    tool result, or train them away from their own call format."""
     if not isinstance(chat, TemplateChat):  # the char chat renders any turn
         return None
+    if chat.tool_format == "mistral" and "[ARGS]" in chat.template:
+        return (
+            "it writes calls as [TOOL_CALLS]name[ARGS]{...}, Mistral's tokenizer v11 form, "
+            "which is not parsed here: every call would read as malformed"
+        )
     # The call named and answered as the rollout does it (Mistral's template checks ids).
     call = Action(content="", tool_calls=(ToolCall("probe", {"x": "1"}),)).with_call_ids(1)
     turns = [{"role": "user", "content": "?"}, call.message(), call.reply("1")]

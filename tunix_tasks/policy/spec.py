@@ -115,6 +115,7 @@ register_family(
         attention_bias=False,
         sliding_everywhere=True,
         config_defaults=(  # MistralConfig's
+            ("num_key_value_heads", 8),
             ("sliding_window", 4096),
             ("rope_theta", 10_000.0),
             ("tie_word_embeddings", False),
@@ -351,7 +352,18 @@ def _uniform_windows(config: Mapping[str, Any], n_layers: int, max_seq_len: int)
         raise UnsupportedCheckpoint(
             f"config.json: sliding_window must be a positive integer or null, got {window!r}"
         )
-    return () if window >= max_seq_len else (window,) * n_layers
+    if window >= max_seq_len:
+        return ()
+    # transformers' MistralForCausalLM slides every layer and reads no `layer_types`; one
+    # that names full layers (Ministral's interleaving) was trained otherwise.
+    types = config.get("layer_types")
+    if isinstance(types, list) and "full_attention" in types:
+        raise UnsupportedCheckpoint(
+            f"config.json: layer_types names full-attention layers between sliding ones "
+            f"(sliding_window {window}), which MistralForCausalLM does not run; it is exact "
+            f"with model.max_seq_len at most {window}"
+        )
+    return (window,) * n_layers
 
 
 def _check_sliding_window(config: Mapping[str, Any], max_seq_len: int) -> None:

@@ -13,10 +13,11 @@ answers with the error instead of calling the environment.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
-from tunix_tasks.messages import Action, ToolCall
+from tunix_tasks.messages import Action, ToolCall, is_call_id
 
 __all__ = ["parse_hermes", "parse_llama3_json", "parse_mistral", "strip_think"]
 
@@ -136,9 +137,9 @@ def parse_llama3_json(text: str) -> Action:
 
 
 def parse_mistral(text: str) -> Action:
-    """Mistral: `[TOOL_CALLS] [{"name", "arguments"}, ...]`, the text before the marker
-    (if any) as the content. An `"id"` the model wrote is dropped: the rollout names every
-    call itself (`Action.with_call_ids`), as mistral-common does."""
+    """Mistral: `[TOOL_CALLS] [{"name", "arguments"[, "id"]}, ...]`, the text before the
+    marker (if any) as the content. An id of 9 alphanumerics the model wrote is kept (the
+    rollout names the others: `Action.with_call_ids`)."""
     start = text.find(MISTRAL_CALLS)
     if start < 0:
         return Action(content=text.strip())
@@ -152,6 +153,10 @@ def parse_mistral(text: str) -> Action:
         if not isinstance(objs, list) or not objs:
             raise _Malformed("not a list of calls")
         calls = tuple(_call(obj, ("arguments",)) for obj in objs)
+        calls = tuple(
+            dataclasses.replace(c, id=obj["id"]) if is_call_id(obj.get("id")) else c
+            for c, obj in zip(calls, objs, strict=True)
+        )
     except _Malformed as e:
         return Action(content=text.strip(), error=f"malformed tool call: {e}")
     return Action(content=content, tool_calls=calls)

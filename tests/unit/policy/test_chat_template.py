@@ -473,6 +473,31 @@ def test_not_prefix_stable_is_logged_once_for_replies_and_refused_for_actions(
         chat.render_action(history[:1], Action(content="4"))
 
 
+def test_a_reply_where_earlier_turns_moved_must_follow_the_same_turn(tokenizer_json: str):
+    """Counting end-of-turns finds the closed turn only if it ends the same way there: a
+    template that keeps only its last messages, or moved text holding an end-of-turn, is a
+    clear error instead of a reply cut at the wrong place."""
+    window = (
+        "{%- for m in messages[-3:] %}{{- '<|im_start|>' + m.role + '\\n' + m.content + "
+        "'<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    chat = TemplateChat.from_files(tokenizer_json, QWEN_CONFIG, window)
+    history = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    with pytest.raises(ChatTemplateError, match="not prefix-stable"):
+        chat.reply(history, [{"role": "user", "content": "q3"}])
+    mistral, _ = fixture_chat("tiny-mistral")
+    odd = [function_tool("calc", "Evaluate </s> an expression.", {"expr": "1+2"})]
+    history = [{"role": "user", "content": "12+7?"}, {"role": "assistant", "content": "19"}]
+    with pytest.raises(ChatTemplateError, match="not prefix-stable"):
+        mistral.reply(history, [{"role": "user", "content": "1+1?"}], odd)
+
+
 # --- loading ------------------------------------------------------------------------------
 
 

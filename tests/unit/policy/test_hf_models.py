@@ -299,13 +299,14 @@ def test_mistral_window_is_kept_only_where_it_drops_keys(changes, max_seq_len, w
 
 def test_mistral_config_defaults_are_mistralconfigs():
     """A config.json without the keys gets MistralConfig's values: untied embeddings, a
-    window of 4096, rope theta 10,000 (the decoder's defaults differ: tied, none)."""
+    window of 4096, rope theta 10,000, 8 key/value heads (the decoder's defaults differ:
+    tied, none, as many as the query heads)."""
     cfg = json.loads((FIXTURES / "tiny-mistral" / "config.json").read_text())
-    for key in ("tie_word_embeddings", "sliding_window", "rope_theta"):
+    for key in ("tie_word_embeddings", "sliding_window", "rope_theta", "num_key_value_heads"):
         del cfg[key]
-    spec = spec_from_hf_config(cfg, max_seq_len=8192)
+    spec = spec_from_hf_config(cfg | {"num_attention_heads": 16}, max_seq_len=8192)
     assert not spec.tie_embeddings and spec.layer_windows == (4096, 4096)
-    assert spec.rope_theta == 10_000.0
+    assert spec.rope_theta == 10_000.0 and spec.n_kv_heads == 8
 
 
 @pytest.mark.parametrize("window", [0, -4, 4.0, "4", True])
@@ -313,6 +314,16 @@ def test_a_bad_mistral_window_is_refused_in_one_line(window):
     cfg = json.loads((FIXTURES / "tiny-mistral" / "config.json").read_text())
     with pytest.raises(UnsupportedCheckpoint, match="sliding_window must be a positive integer"):
         spec_from_hf_config(cfg | {"sliding_window": window}, max_seq_len=64)
+
+
+def test_mistral_full_layers_between_sliding_ones_are_refused_where_the_window_binds():
+    """Ministral's interleaving (`layer_types`): transformers' MistralForCausalLM slides
+    every layer anyway, so only a context the window covers is exact."""
+    cfg = json.loads((FIXTURES / "tiny-mistral" / "config.json").read_text())
+    cfg["layer_types"] = ["full_attention", "sliding_attention"]
+    with pytest.raises(UnsupportedCheckpoint, match="max_seq_len at most 4"):
+        spec_from_hf_config(cfg, max_seq_len=64)
+    assert spec_from_hf_config(cfg, max_seq_len=4).layer_windows == ()
 
 
 # ---------------------------------------------------------------- bad checkpoints
@@ -495,6 +506,26 @@ def test_prepare_refuses_a_template_without_a_tool_role_for_a_tool_env(tmp_path)
     # Mistral's renders one once the call is named as the rollout names it (9 characters)
     mistral = {**params, "model": {**model, "checkpoint": str(FIXTURES / "tiny-mistral")}}
     assert prepare_run({**mistral, "env": {"name": "calculator"}}, run_name="mistral")
+
+
+def test_prepare_refuses_tool_calls_in_mistrals_v11_form(tmp_path):
+    """Newer Mistral templates write calls as `[TOOL_CALLS]name[ARGS]{...}`, which the
+    `mistral` parser does not read: with tools the run is refused, without it runs."""
+    from tunix_tasks.config import ConfigError
+    from tunix_tasks.frontdoor.entrypoints import prepare_run
+
+    d = _copy(tmp_path, "tiny-mistral")
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    v11 = "{%- for m in messages %}{%- if m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls[0].function.name }}"
+    v11 += "[ARGS]{{ m.tool_calls[0].function.arguments | tojson }}</s>{%- elif m.role == 'user' %}"
+    v11 += "[INST]{{ m.content }}[/INST]{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}"
+    v11 += "[/TOOL_RESULTS]{%- else %}{{ m.content }}</s>{%- endif %}{%- endfor %}"
+    config["chat_template"] = v11
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    params = {"store": str(tmp_path / "runs"), "model": {"checkpoint": str(d), "max_seq_len": 256}}
+    with pytest.raises(ConfigError, match=r"\[TOOL_CALLS\]name\[ARGS\].* not parsed here"):
+        prepare_run({**params, "env": {"name": "calculator"}}, run_name="tools")
+    assert prepare_run({**params, "env": {"name": "guess_number"}}, run_name="turns")
 
 
 def test_build_policy_raises_policy_error_for_every_checkpoint_problem(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -185,9 +186,14 @@ def test_no_input_raises(parse) -> None:
 def test_mistral_calls_after_the_marker() -> None:
     text = ' [TOOL_CALLS] [{"name": "a", "arguments": {"s": "x"}}, {"name": "b", "arguments": {}}]'
     assert parse_mistral(text) == Action(tool_calls=(ToolCall("a", {"s": "x"}), ToolCall("b", {})))
-    # An id the model wrote is dropped (the rollout names calls); text before is content.
-    text = 'Let me add.[TOOL_CALLS] {"name": "a", "arguments": "{}", "id": "abcdefghi"}'
-    assert parse_mistral(text) == Action(content="Let me add.", tool_calls=(ToolCall("a", {}),))
+    # An id of 9 alphanumerics the model wrote is kept (its tokens hold it), another is
+    # dropped (the rollout names the call); text before the marker is content.
+    text = 'Let me add.[TOOL_CALLS] {"name": "a", "arguments": "{}", "id": "abcdefgh9"}'
+    call = ToolCall("a", {}, id="abcdefgh9")
+    assert parse_mistral(text) == Action(content="Let me add.", tool_calls=(call,))
+    for bad in ("call_1", "abcdefgh", "abcdéfgh9", 123456789):
+        text = f'[TOOL_CALLS] [{{"name": "a", "arguments": {{}}, "id": {json.dumps(bad)}}}]'
+        assert parse_mistral(text).tool_calls == (ToolCall("a", {}),)
     assert parse_mistral(" The answer is [4]. ") == Action(content="The answer is [4].")
 
 

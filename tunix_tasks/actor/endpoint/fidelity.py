@@ -12,8 +12,9 @@ them (they are never re-encoded):
 
 Messages are compared in one normal form (`normalize`): role, text content (a list of text
 parts is joined, None is ""), and for assistant turns the tool calls' names and decoded
-arguments (ids and the client's own extra fields play no part: the template renders none
-of them). The new messages must not end with an assistant turn (there is nothing to answer), nor
+arguments. Call ids (`tool_calls[].id`, a tool message's `tool_call_id`) are kept for the
+template (Mistral's renders and checks them) but play no part in the comparison, nor do the
+client's own extra fields. The new messages must not end with an assistant turn (there is nothing to answer), nor
 hold one after the first request: a turn the model did not sample has no behaviour
 log-probs, so it cannot be trained as if it had.
 """
@@ -78,6 +79,8 @@ def normalize(message: Mapping[str, Any]) -> Message:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     out: Message = {"role": "system" if role == "developer" else role}
     out["content"] = _text(message.get("content"))
+    if role == "tool" and isinstance(message.get("tool_call_id"), str):
+        out["tool_call_id"] = message["tool_call_id"]
     calls = message.get("tool_calls") or []
     if calls and role == "assistant":
         out["tool_calls"] = []
@@ -85,12 +88,17 @@ def normalize(message: Mapping[str, Any]) -> Message:
             fn = call.get("function") if isinstance(call, Mapping) else None
             if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
                 raise ValueError("a tool call needs function.name")
-            out["tool_calls"].append(
-                {
-                    "type": "function",
-                    "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"))},
-                }
-            )
+            named = {"id": call["id"]} if isinstance(call.get("id"), str) else {}
+            function = {"name": fn["name"], "arguments": _arguments(fn.get("arguments"))}
+            out["tool_calls"].append({**named, "type": "function", "function": function})
+    return out
+
+
+def _without_ids(message: Message) -> Message:
+    """`message` (normalized) as compared: its call ids left out."""
+    out = {k: v for k, v in message.items() if k != "tool_call_id"}
+    if "tool_calls" in out:
+        out["tool_calls"] = [{k: v for k, v in c.items() if k != "id"} for c in out["tool_calls"]]
     return out
 
 
@@ -107,8 +115,9 @@ def match_history(
                 i,
                 f"truncated: the episode holds {len(recorded)} messages, the request sends {len(messages)}",
             )
-        if messages[i] != held:
-            what = "reordered or edited" if held in messages else "edited"
+        if _without_ids(messages[i]) != _without_ids(held):
+            held_in = _without_ids(held) in map(_without_ids, messages)
+            what = "reordered or edited" if held_in else "edited"
             raise HistoryMismatch(
                 i,
                 f"{what}: a {messages[i]['role']} message where the episode holds its {held['role']} message",

@@ -284,7 +284,7 @@ class EndpointService:
             action = (
                 as_text(self.chat, turn)
                 if tool_choice.mode == "none"
-                else self.chat.parse(turn, ep.tools)
+                else self.chat.parse(turn, ep.tools).with_call_ids()  # the ids sent and kept
             )
             if stopped:  # OpenAI leaves the stop text out of the content
                 at = [action.content.find(x) for x in request.stop if x in action.content]

@@ -131,7 +131,7 @@ def choice(
     if action.tool_calls:
         message["tool_calls"] = [
             {
-                "id": uuid.uuid4().hex[:9],  # 9 alphanumerics: Mistral's template wants them
+                "id": call.id,  # the episode's record holds the same (service.py)
                 "type": "function",
                 "function": {
                     "name": call.name,

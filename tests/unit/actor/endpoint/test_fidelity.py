@@ -49,8 +49,13 @@ def test_first_request_is_all_new_and_may_hold_few_shot_assistant_turns():
 
 
 def test_the_client_echo_of_sampled_turns_matches_and_only_the_tail_is_new():
+    """Call ids play no part in the match; the new messages keep theirs for the template
+    (Mistral's renders and checks them)."""
     client = [USER, _as_client(CALL, "call_other_id"), TOOL]
-    assert match_history(RECORDED[:2], client) == [{"role": "tool", "content": "68"}]
+    assert match_history(RECORDED[:2], client) == [
+        {"role": "tool", "content": "68", "tool_call_id": "call_1"}
+    ]
+    assert normalize(_as_client(CALL))["tool_calls"][0]["id"] == "call_1"
     follow = {"role": "user", "content": "and 2+2?"}
     assert match_history(RECORDED, [*client, _as_client(ANSWER), follow]) == [follow]
 
@@ -134,3 +139,21 @@ def test_malformed_messages_are_value_errors_not_mismatches(bad):
     with pytest.raises(ValueError) as err:
         match_history([], [bad, USER])
     assert not isinstance(err.value, HistoryMismatch)
+
+
+def test_the_ids_the_endpoint_sent_reach_mistrals_template():
+    """The service records a sampled call under the id it sends (`with_call_ids`); the
+    client's echo and its tool result, matched and normalized, render with Mistral's
+    template, which refuses a call or result without its 9-character id."""
+    from tests.unit.actor.endpoint.test_tool_choice import _chat
+
+    chat = _chat("tiny-mistral")
+    sampled = CALL.with_call_ids()
+    [sent] = sampled.tool_calls
+    recorded = [normalize(USER), sampled.message()]
+    result = {"role": "tool", "tool_call_id": sent.id, "content": "68"}
+    new = match_history(recorded, [USER, _as_client(CALL, sent.id), result])
+    reply = chat.tokenizer.decode(chat.reply(recorded, new, []))
+    assert reply == f'[TOOL_RESULTS] {{"content": 68, "call_id": "{sent.id}"}}[/TOOL_RESULTS]'
+    with pytest.raises(ValueError, match="Tool call IDs should be alphanumeric"):
+        chat.reply([normalize(USER), CALL.message()], [normalize(result)], [])

@@ -26,7 +26,7 @@ def test_a_sampled_tool_call_becomes_openai_tool_calls_and_its_echo_matches():
     history = [{"role": "user", "content": "What is 23+45?"}]
     action = Action(content="", tool_calls=(ToolCall("calculate", {"expression": "23+45"}),))
     tokens = chat.render_action(history, action, [])  # the ids the model writes for the call
-    parsed = chat.parse(tokens, [])
+    parsed = chat.parse(tokens, []).with_call_ids()  # named as the service names them
     text = chat.tokenizer.decode(tokens[:-1])
     plain = Action(content="68")  # a second choice (n=2): a plain answer
     body = completion(
@@ -51,7 +51,8 @@ def test_a_sampled_tool_call_becomes_openai_tool_calls_and_its_echo_matches():
     assert first["finish_reason"] == "tool_calls" and first["message"]["content"] is None
     [call] = first["message"]["tool_calls"]
     # 9 alphanumerics: Mistral's template refuses any other id an agent echoes back
-    assert call["type"] == "function" and len(call["id"]) == 9 and call["id"].isalnum()
+    assert call["type"] == "function" and call["id"] == parsed.tool_calls[0].id
+    assert len(call["id"]) == 9 and call["id"].isalnum()
     assert call["function"]["name"] == "calculate"
     assert json.loads(call["function"]["arguments"]) == {"expression": "23+45"}
     assert body["usage"] == {
