@@ -152,14 +152,17 @@ def check_key(key: str) -> str:
 def read_small(store: ObjectStore, key: str, max_bytes: int, *, error: type[Exception]) -> bytes:
     """The bytes of `key`, an object its reader knows to be small (a manifest, a run's
     config): `error` unread when the store's metadata says it holds more than `max_bytes`
-    (a sparse 100 GB file would be read whole otherwise); NotFound if none."""
+    (a sparse 100 GB file would be read whole otherwise), and `error` too when what was
+    read is larger (the object grew between the two calls); NotFound if none."""
     size = store.size(key)
-    if size > max_bytes:
-        raise error(
-            f"{join_uri(store.uri, key)} holds {size} bytes, more than the {max_bytes} it "
-            "may: not read"
-        )
-    return store.read_bytes(key)
+    if size <= max_bytes:
+        data = store.read_bytes(key)
+        if len(data) <= max_bytes:
+            return data
+        size = len(data)
+    raise error(
+        f"{join_uri(store.uri, key)} holds {size} bytes, more than the {max_bytes} it may: not read"
+    )
 
 
 def retry_deadline_s(explicit: float | None = None) -> float:

@@ -507,6 +507,27 @@ def test_read_small_refuses_an_object_over_its_bound_unread(store_uri):
         read_small(store, "nope.json", 99, error=ValueError)
 
 
+def test_read_small_refuses_an_object_that_grew_after_its_size_was_read(tmp_path):
+    """The size and the read are two calls: an object rewritten larger between them is
+    refused too, never handed on."""
+    store = open_store(f"file://{tmp_path}/run")
+    store.write_bytes("m.json", b"x" * 10)
+
+    class Growing:  # the store as the rewrite lands between size() and read_bytes()
+        uri = store.uri
+
+        def size(self, key: str) -> int:
+            size = store.size(key)
+            store.write_bytes(key, b"x" * 1000)
+            return size
+
+        def read_bytes(self, key: str) -> bytes:
+            return store.read_bytes(key)
+
+    with pytest.raises(ValueError, match=r"m\.json holds 1000 bytes, more than the 99"):
+        read_small(Growing(), "m.json", 99, error=ValueError)
+
+
 @pytest.mark.timeout(30)  # the FIFO reads waited for a writer forever
 def test_a_key_that_is_no_regular_file_is_refused_unread_by_the_local_store(tmp_path):
     """A FIFO at a key (a plain one, or a compare-and-swap key's generation file) is
