@@ -11,8 +11,8 @@ own tokens for that message (never decode-and-re-tokenize):
     while not done:
         sampled = sampler(ids)                                    # stops at one of chat.stop_ids
         ids += sampled + chat.close_turn(sampled)                 # end-of-turn if it never stopped
-        action = chat.parse(sampled, tools)                       # Action(content, tool_calls, error)
-        history += [action.message()]
+        action = chat.parse(sampled, tools).with_call_ids(turn)   # Action(content, tool_calls, error)
+        history += [action.message()]                             # calls named: Mistral checks
         reply = action.reply(env_observation)
         ids += chat.reply(history, [reply], tools)                # reply + next generation prompt
         history += [reply]

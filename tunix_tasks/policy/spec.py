@@ -5,7 +5,8 @@ llama3 frequency scaling, tied or untied embeddings), Qwen3 (GQA, RMSNorm on q a
 head, head_dim independent of d_model), Qwen2/2.5 (bias on q/k/v), Gemma 3 text (local
 sliding-window layers with their own rope theta between global ones, norm scales stored
 less one, sandwich norms, scaled embeddings, GeGLU, its own query scale), Mistral (Llama's
-layers, every one sliding when `sliding_window` is set), and the built-in char presets (multi-head attention, untied). A spec comes from a preset or from a Hugging Face
+layers, every one sliding when `sliding_window` is set), and the built-in char presets
+(multi-head attention, untied). A spec comes from a preset or from a Hugging Face
 `config.json` (both the older top-level `rope_theta`/`rope_scaling` form most published
 checkpoints use and the newer `rope_parameters` form). Its RoPE scaling is one of
 `policy/rope.py`'s (llama3, linear, yarn):

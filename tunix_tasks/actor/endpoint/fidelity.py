@@ -109,15 +109,15 @@ def match_history(
     the client's conversation does not start with exactly the recorded messages, adds
     nothing, or adds an assistant turn (module docstring). ValueError: a malformed message."""
     messages = [normalize(m) for m in client]
-    for i, held in enumerate(recorded):
+    compared = [_without_ids(m) for m in messages]
+    for i, held in enumerate(map(_without_ids, recorded)):
         if i >= len(messages):
             raise HistoryMismatch(
                 i,
                 f"truncated: the episode holds {len(recorded)} messages, the request sends {len(messages)}",
             )
-        if _without_ids(messages[i]) != _without_ids(held):
-            held_in = _without_ids(held) in map(_without_ids, messages)
-            what = "reordered or edited" if held_in else "edited"
+        if compared[i] != held:
+            what = "reordered or edited" if held in compared else "edited"
             raise HistoryMismatch(
                 i,
                 f"{what}: a {messages[i]['role']} message where the episode holds its {held['role']} message",
