@@ -120,7 +120,7 @@ def _threads_per_core() -> dict[str, int]:
     """How many of this process's threads may run on each set of cores."""
     found: collections.Counter[str] = collections.Counter()
     for task in Path("/proc/self/task").iterdir():
-        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that just ended
             found[",".join(map(str, sorted(os.sched_getaffinity(int(task.name)))))] += 1
     return dict(sorted(found.items()))
 
