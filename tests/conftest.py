@@ -12,14 +12,20 @@ one cache directory per session a program is compiled once, then loaded. Compile
 *counts* are unchanged: they count traces (`Sampler.compile_count`,
 `Trainer.compile_count`), which still happen. The directory is new for each session and
 removed after it, so no run depends on an earlier one.
+
+Garbage-collection pauses over `GC_PAUSE_S` are recorded with the test that paid them and
+listed at the end of the run: a test with a tight wall-clock margin that failed once on CI
+may have met one (a full collection walks this long-lived process's whole heap).
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -34,6 +40,35 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import pytest
 
 from tunix_tasks.testing.gcs_server import FakeGcs
+
+GC_PAUSE_S = 0.2
+_gc_pauses: list[tuple[float, int, str]] = []  # (seconds, generation, the test)
+_gc_started = [0.0]
+
+
+def _time_collections(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+        return
+    took = time.perf_counter() - _gc_started[0]
+    if took > GC_PAUSE_S:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "(between tests)")
+        _gc_pauses.append((took, info["generation"], test))
+
+
+gc.callbacks.append(_time_collections)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _gc_pauses:
+        return
+    total = sum(p for p, _, _ in _gc_pauses)
+    terminalreporter.write_line(
+        f"garbage-collection pauses over {GC_PAUSE_S} s: {len(_gc_pauses)}, {total:.1f} s in all; "
+        "the longest:"
+    )
+    for took, generation, test in sorted(_gc_pauses, reverse=True)[:5]:
+        terminalreporter.write_line(f"  {took:.2f} s (generation {generation}) in {test}")
 
 
 @pytest.fixture(scope="session")

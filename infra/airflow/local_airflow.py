@@ -31,6 +31,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,6 +67,15 @@ def tree_pids(leaders: set[int]) -> list[int]:
         if not more:
             return sorted(found)
         found |= more
+
+
+def left_alive(pids: Callable[[], list[int]], timeout: float = 10) -> list[int]:
+    """`pids()` once it is empty, or what it still lists after `timeout`: a SIGKILLed
+    process tearing down a large heap is not a zombie yet for a moment."""
+    deadline = time.monotonic() + timeout
+    while (left := pids()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def airflow_env(
@@ -256,8 +266,7 @@ class LocalAirflow:
         for proc in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-        time.sleep(0.5)
-        return self.pids()
+        return left_alive(self.pids)
 
     # -- REST
     def request(self, method: str, path: str, body: object = None, timeout: float = 30) -> dict:

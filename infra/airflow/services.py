@@ -31,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from local_airflow import free_port, tree_pids
+from local_airflow import free_port, left_alive, tree_pids
 
 
 def redis_server_bin() -> str | None:
@@ -114,8 +114,7 @@ class Server:
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
-        time.sleep(0.2)
-        return self.pids()
+        return left_alive(self.pids)
 
     def __enter__(self) -> Self:
         self.start()

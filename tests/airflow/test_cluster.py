@@ -60,7 +60,9 @@ from .conftest import SMALL_RUN_OVERRIDES, running, small_train_conf
 if TYPE_CHECKING:
     from celery_cluster import CeleryAirflow
 
-pytestmark = [pytest.mark.airflow, pytest.mark.slow, pytest.mark.timeout(600)]
+# 1200 s: the first test also pays the module's cluster start (initdb, migrate, up to
+# 240 s for the servers and 180 s for the DAGs), and the form test waits up to 1020 s.
+pytestmark = [pytest.mark.airflow, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")

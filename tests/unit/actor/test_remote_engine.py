@@ -950,10 +950,11 @@ def test_a_live_writer_slower_than_the_stale_limit_is_waited_for(tmp_path, monke
     """A writer whose write outlasts the stale limit keeps its claim fresh by touching it:
     the other actor waits for its folder instead of writing the version a second time."""
     monkeypatch.setattr(shared_disk, "CLAIM_BEAT_S", 0.1)
-    monkeypatch.setattr(shared_disk, "CLAIM_STALE_S", 0.5)
+    # 20 beats to the stale limit: a host stalled 1.9 s still keeps the claim fresh
+    monkeypatch.setattr(shared_disk, "CLAIM_STALE_S", 2.0)
 
     def slow_save(*args, **kwargs) -> None:  # a large model on a slow shared disk
-        time.sleep(2.0)
+        time.sleep(3.0)
         save_file(*args, **kwargs)
 
     monkeypatch.setattr(remote_engine, "save_file", slow_save)

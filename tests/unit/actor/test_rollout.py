@@ -196,17 +196,17 @@ def test_env_reset_raising_is_env_error():
 def test_slow_step_is_an_env_timeout():
     # Not `truncated`: a slow environment says nothing about the policy, so the learner
     # drops the episode instead of training on its partial reward.
-    env = make_env(ENV, turns=3, step_sleep_s=2.0)
+    env = make_env(ENV, turns=3, step_sleep_s=60.0)
     rec, wall, step_times = asyncio.run(_timed(env, step_timeout_s=0.1))
     assert rec.status == "env_timeout" and rec.num_turns == 1
-    assert wall < 1.5  # the slow step was abandoned at the timeout, not awaited
-    assert step_times and step_times[0] < 1.0
+    assert wall < 10  # the slow step was abandoned at the timeout, not awaited
+    assert step_times and step_times[0] < 10
     _check_invariants(rec)
 
 
 def test_slow_reset_is_an_env_timeout():
-    rec, wall, _ = asyncio.run(_timed(make_env(ENV, reset_sleep_s=2.0), step_timeout_s=0.1))
-    assert rec.status == "env_timeout" and rec.num_turns == 0 and wall < 1.5
+    rec, wall, _ = asyncio.run(_timed(make_env(ENV, reset_sleep_s=60.0), step_timeout_s=0.1))
+    assert rec.status == "env_timeout" and rec.num_turns == 0 and wall < 10
     _check_invariants(rec)
 
 

@@ -344,7 +344,8 @@ def test_hostile_config_files_are_one_line_in_bounded_time(tmp_path):
         (tmp_path / name).write_text(text)
         start = time.monotonic()
         out = _cli_env("config", "--config", str(tmp_path / name), timeout=20)
-        assert time.monotonic() - start < 5.0, name
+        # an unbounded parse took over 90 s; this allows a loaded host's start-up
+        assert time.monotonic() - start < 15.0, name
         _assert_one_line_error(out, 2, str(tmp_path / name), bound)
 
 

@@ -80,7 +80,9 @@ def test_second_learner_refused_and_stolen_lease_stops_publishing(store_uri):
     """A second learner on a run is refused (LeaseHeldError naming the holder); when the
     lease is then taken by someone else, the first learner stops and never overwrites the
     new owner's weights pointer."""
-    uri = prepare_tiny_run(store_uri, max_steps=10_000, lease_ttl_s=1.5, max_staleness=10_000)
+    # A lease of 6 s: renewed every 2 s, it outlives a loaded host's stalls (at 1.5 s, a
+    # missed renewal let the second learner in).
+    uri = prepare_tiny_run(store_uri, max_steps=10_000, lease_ttl_s=6.0, max_staleness=10_000)
     store = open_store(uri)
     rng = np.random.default_rng(0)
     write_shards(store, [make_episodes(rng, 64) for _ in range(8)])
@@ -106,13 +108,15 @@ def test_second_learner_refused_and_stolen_lease_stops_publishing(store_uri):
             break
         except PreconditionFailed:
             continue
-    for _ in range(50):  # the old learner may still publish until it notices (<= ttl/3)
+    deadline = time.monotonic() + 30  # the old learner publishes until it notices (ttl/3)
+    while True:
         try:
             WeightsPublisher(store).publish(
                 {"w": np.zeros(1, np.float32)}, version=9999, step=0, model={}
             )
             break
         except PublishConflict:
+            assert time.monotonic() < deadline, "the stolen learner kept publishing"
             time.sleep(0.05)
 
     thread.join(timeout=60)

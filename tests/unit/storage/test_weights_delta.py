@@ -415,5 +415,6 @@ def test_encoding_a_snapshot_leaves_the_gil_to_other_threads():
         took = time.perf_counter() - t0
     gaps = ticker.gaps
     assert len(blob) > 256 << 20
-    # The ticker runs for at least half the encode (a 2-core machine may be busy).
-    assert sum(g for g in gaps if g < 0.05) > took / 2, (took, max(gaps))
+    # The ticker runs for at least half the encode (a 2-core machine may be busy, and
+    # page faults on fresh buffers pause it for tens of ms; the GIL held stopped it ~1 s).
+    assert sum(g for g in gaps if g < 0.2) > took / 2, (took, max(gaps))

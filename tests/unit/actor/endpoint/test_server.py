@@ -5,6 +5,7 @@ continuously batched sampler), and every refusal as an OpenAI error body."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import numpy as np
@@ -263,14 +264,16 @@ def test_bearer_token_when_configured():
 def test_load_abandoned_and_disconnected_episodes_are_dropped_and_free_their_slots():
     async def run():
         async with (
-            # b must stay open through the requests below on a loaded core: 2 s, not less.
-            endpoint(max_concurrent_requests=1, timeout_s=2.0) as ep,
+            # No real idle timeout: b must stay open through the requests below however
+            # slow the host; c's abandonment is the sweep's, on a clock moved past it (the
+            # periodic sweep is test_runner's).
+            endpoint(max_concurrent_requests=1, timeout_s=3600.0) as ep,
             httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http,
         ):
             ep.policy.gate = asyncio.Event()  # hold requests before the sampler
             _, base_a = await open_episode(http, ep.url, group="g", group_size=3)
             b, base_b = await open_episode(http, ep.url, group="g", group_size=3)
-            _, base_c = await open_episode(http, ep.url, group="g", group_size=3)
+            c, base_c = await open_episode(http, ep.url, group="g", group_size=3)
             _error(
                 await http.post(f"{ep.url}/episodes", json={"group": "g", "group_size": 3}),
                 409,
@@ -297,8 +300,8 @@ def test_load_abandoned_and_disconnected_episodes_are_dropped_and_free_their_slo
             assert r.status_code == 200, r.text
             await http.post(f"{ep.url}/episodes/{b}/close", json={"reward": 0.5})
             # c never comes back: abandoned after the timeout; the group is handed over without it.
-            while ep.registry.dropped["abandoned"] == 0:
-                await asyncio.sleep(0.05)
+            assert ep.registry.sweep(now=time.monotonic() + 3601) == [c]
+            assert ep.registry.dropped["abandoned"] == 1
             _error(await http.post(f"{base_c}/chat/completions", json=body), 409, "episode_ended")
             assert len(ep.registry) == 0
             return ep
