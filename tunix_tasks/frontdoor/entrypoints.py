@@ -76,7 +76,7 @@ def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None =
             raise ConfigError(f"model.checkpoint: {err}") from None
         if cannot is not None and _env_calls_tools(cfg):
             raise ConfigError(
-                f"model.checkpoint: its chat template cannot render a tool call and its "
+                f"model.checkpoint: its chat template cannot carry a tool call and its "
                 f"result ({cannot}); env {cfg.env.name} calls tools: choose an environment "
                 "without tools, or a checkpoint whose template has a tool role"
             )

@@ -13,7 +13,7 @@ assistant turn, found by rendering the conversation with and without the new mes
 
 The end-of-turn token (`<|im_end|>`, `<|eot_id|>`, ...) is discovered by rendering a probe
 conversation; tool calls are parsed as Hermes (`<tool_call>` JSON, Qwen), Llama 3.1 JSON or
-Mistral (`[TOOL_CALLS] [...]`).
+Mistral (`[TOOL_CALLS] [...]`, or `[TOOL_CALLS]name[ARGS]{...}` in its newer templates).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from tunix_tasks.policy.template_sandbox import BoundedEnvironment, ChatTemplate
 from tunix_tasks.policy.toolcalls import parse_hermes, parse_llama3_json, parse_mistral
 
 __all__ = [
+    "TOOL_PARSERS",
     "ChatTemplateError",
     "TemplateChat",
     "ToolFormat",
@@ -45,7 +46,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ToolFormat = Literal["auto", "hermes", "llama3_json", "mistral"]
-_PARSERS: dict[str, Callable[[str], Action]] = {
+#: tool_format -> the parser of an assistant turn's text (policy/toolcalls.py)
+TOOL_PARSERS: dict[str, Callable[[str], Action]] = {
     "hermes": parse_hermes,
     "llama3_json": parse_llama3_json,
     "mistral": parse_mistral,
@@ -151,12 +153,12 @@ class TemplateChat:
         self._variables = {**tokenizer.special_tokens, **(template_kwargs or {})}
         if tool_format == "auto":
             tool_format = detect_tool_format(template)
-        if tool_format not in _PARSERS:
+        if tool_format not in TOOL_PARSERS:
             raise ValueError(
-                f"tool_format {tool_format!r} is not one of {sorted(_PARSERS)} or auto"
+                f"tool_format {tool_format!r} is not one of {sorted(TOOL_PARSERS)} or auto"
             )
         self.tool_format = tool_format
-        self._parse_text = _PARSERS[tool_format]
+        self._parse_text = TOOL_PARSERS[tool_format]
         eos = tokenizer.special_tokens.get("eos_token")
         eos_id = [tokenizer.token_id(eos)] if isinstance(eos, str) else []
         stops = list(dict.fromkeys([*eos_id, *eos_ids]))  # deduplicated, in order

@@ -18,7 +18,12 @@ from __future__ import annotations
 from tunix_tasks.config import ModelConfig
 from tunix_tasks.messages import Action, ToolCall, function_tool
 from tunix_tasks.policy.chat import ChatFormat
-from tunix_tasks.policy.chat_template import ChatTemplateError, TemplateChat, load_template_chat
+from tunix_tasks.policy.chat_template import (
+    TOOL_PARSERS,
+    ChatTemplateError,
+    TemplateChat,
+    load_template_chat,
+)
 from tunix_tasks.policy.hf_headers import CheckpointError, CheckpointFiles
 from tunix_tasks.policy.packaged_models import ModelFetchError, resolve_checkpoint
 from tunix_tasks.policy.tokenizer import CharChat, CharTokenizer
@@ -80,16 +85,21 @@ def tool_turn_error(chat: ChatFormat) -> str | None:
     tool result, or train them away from their own call format."""
     if not isinstance(chat, TemplateChat):  # the char chat renders any turn
         return None
-    if chat.tool_format == "mistral" and "[ARGS]" in chat.template:
-        return (
-            "it writes calls as [TOOL_CALLS]name[ARGS]{...}, Mistral's tokenizer v11 form, "
-            "which is not parsed here: every call would read as malformed"
-        )
     # The call named and answered as the rollout does it (Mistral's template checks ids).
     call = Action(content="", tool_calls=(ToolCall("probe", {"x": "1"}),)).with_call_ids(1)
-    turns = [{"role": "user", "content": "?"}, call.message(), call.reply("1")]
+    question = {"role": "user", "content": "?"}
     try:
-        chat.render(turns, [_PROBE_TOOL], add_generation_prompt=True)
+        chat.render([question, call.message(), call.reply("1")], [_PROBE_TOOL], True)
+        written = chat.render_action([question], call, [_PROBE_TOOL])
     except ChatTemplateError as err:
         return str(err)
+    # The call as the template writes it (what its model learnt to write) must read back.
+    read = chat.parse(written, [_PROBE_TOOL])
+    if [(c.name, c.arguments) for c in read.tool_calls] != [("probe", {"x": "1"})]:
+        text = chat.tokenizer.decode(written)
+        got = read.error or f"{len(read.tool_calls)} calls, content {read.content[:80]!r}"
+        return (
+            f"it writes a call as {text[:200]!r}, which the {chat.tool_format!r} tool-call "
+            f"parser reads as {got} (model.tool_format: one of {sorted(TOOL_PARSERS)})"
+        )
     return None

@@ -9,6 +9,7 @@ answers with the error instead of calling the environment.
     # Action(tool_calls=(ToolCall("calc", {"x": "1+2"}),))
     parse_llama3_json('{"name": "calc", "parameters": {"x": "1+2"}}')   # the same action
     parse_mistral('[TOOL_CALLS] [{"name": "calc", "arguments": {"x": "1+2"}}]')  # again
+    parse_mistral('[TOOL_CALLS]calc[ARGS]{"x": "1+2"}')    # and in Mistral's newer form
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
+MISTRAL_ARGS, MISTRAL_CALL_ID = "[ARGS]", "[CALL_ID]"
 
 
 class _Malformed(ValueError):
@@ -136,27 +138,71 @@ def parse_llama3_json(text: str) -> Action:
         return Action(content=text, error=f"malformed tool call: {e}")
 
 
+def _with_id(call: ToolCall, value: object) -> ToolCall:
+    """`call` with the id the model wrote, where it is one of 9 alphanumerics (the rollout
+    names the others: `Action.with_call_ids`)."""
+    return dataclasses.replace(call, id=value) if is_call_id(value) else call
+
+
+def _mistral_list(body: str) -> list[ToolCall]:
+    """Calls from `[{"name", "arguments"[, "id"]}, ...]` (tokenizers v3 and v7); raises
+    _Malformed."""
+    try:
+        objs = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise _Malformed(f"bad JSON: {e.msg}") from None
+    objs = [objs] if isinstance(objs, dict) else objs
+    if not isinstance(objs, list) or not objs:
+        raise _Malformed("not a list of calls")
+    return [_with_id(_call(obj, ("arguments",)), obj.get("id")) for obj in objs]
+
+
+def _mistral_named(body: str) -> list[ToolCall]:
+    """Calls from `name[CALL_ID]id[ARGS]{...}` (tokenizer v11) or `name[ARGS]{...}` (v13
+    and later), each after its own [TOOL_CALLS] (the first one already read); raises
+    _Malformed."""
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    pos = 0
+    while True:
+        at = body.find(MISTRAL_ARGS, pos)
+        if at < 0:
+            raise _Malformed(f"no {MISTRAL_ARGS} after the tool's name")
+        name, _, call_id = body[pos:at].partition(MISTRAL_CALL_ID)
+        if MISTRAL_CALLS in name:  # a call before this one ended at its name
+            raise _Malformed(f"no {MISTRAL_ARGS} after the tool's name")
+        args_at = at + len(MISTRAL_ARGS)
+        args_at += len(body[args_at:]) - len(body[args_at:].lstrip())
+        try:
+            args, pos = decoder.raw_decode(body, args_at)
+        except json.JSONDecodeError as e:
+            raise _Malformed(f"bad JSON: {e.msg}") from None
+        call = _call({"name": name.strip(), "arguments": args}, ("arguments",))
+        calls.append(_with_id(call, call_id.strip()))
+        rest = body[pos:].lstrip()
+        if not rest:
+            return calls
+        if not rest.startswith(MISTRAL_CALLS):
+            raise _Malformed("text after the tool call")
+        pos = len(body) - len(rest) + len(MISTRAL_CALLS)
+
+
 def parse_mistral(text: str) -> Action:
-    """Mistral: `[TOOL_CALLS] [{"name", "arguments"[, "id"]}, ...]`, the text before the
-    marker (if any) as the content. An id of 9 alphanumerics the model wrote is kept (the
-    rollout names the others: `Action.with_call_ids`)."""
+    """Mistral, in either form its templates write, the text before the first marker (if
+    any) as the content:
+
+        [TOOL_CALLS] [{"name", "arguments"[, "id"]}, ...]          tokenizers v3 and v7
+        [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}[TOOL_CALLS]...      v11 (v13 and later: no id)
+
+    An id of 9 alphanumerics the model wrote is kept (the rollout names the others:
+    `Action.with_call_ids`)."""
     start = text.find(MISTRAL_CALLS)
     if start < 0:
         return Action(content=text.strip())
     content, body = text[:start].strip(), text[start + len(MISTRAL_CALLS) :].strip()
     try:
-        try:
-            objs = json.loads(body)
-        except json.JSONDecodeError as e:
-            raise _Malformed(f"bad JSON: {e.msg}") from None
-        objs = [objs] if isinstance(objs, dict) else objs
-        if not isinstance(objs, list) or not objs:
-            raise _Malformed("not a list of calls")
-        calls = tuple(_call(obj, ("arguments",)) for obj in objs)
-        calls = tuple(
-            dataclasses.replace(c, id=obj["id"]) if is_call_id(obj.get("id")) else c
-            for c, obj in zip(calls, objs, strict=True)
-        )
+        listed = body[:1] in ("[", "{", "") and not body.startswith(MISTRAL_ARGS)
+        calls = _mistral_list(body) if listed else _mistral_named(body)
     except _Malformed as e:
         return Action(content=text.strip(), error=f"malformed tool call: {e}")
-    return Action(content=content, tool_calls=calls)
+    return Action(content=content, tool_calls=tuple(calls))

@@ -1,7 +1,8 @@
-"""Token-in / token-out episodes of a chat model (the tiny Qwen3 and Llama 3 checkpoints).
+"""Token-in / token-out episodes of a chat model (the tiny Qwen3, Llama 3 and Mistral
+checkpoints, Mistral's with its template in each of the three call forms).
 
 A multi-turn tool-calling calculator episode: the first turn is a demonstrated tool call
-in the model's own format (`<tool_call>{json}</tool_call>` / Llama JSON), the next turns
+in the model's own format (`<tool_call>{json}</tool_call>`, Llama JSON, `[TOOL_CALLS]`), the next turns
 are sampled by the real KV-cache sampler. Every sampled id lands in the episode exactly as
 sampled, at the loss-masked positions, and its behaviour log-prob equals the learner's
 recomputation over the whole episode (staleness 0, fp32, atol 1e-4).
@@ -10,12 +11,14 @@ recomputation over the whole episode (staleness 0, fp32, atol 1e-4).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
 from flax import nnx
 
+from tests.mistral_forms import mistral_checkpoint
 from tests.paths import HF_FIXTURES
 from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
 from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, ScriptedPolicy, play_episode
@@ -47,11 +50,14 @@ class _DemoThenSample:
         return tokens, logprobs, version
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama3", "tiny-mistral"])
-def test_sampled_ids_and_logprobs_survive_the_episode(name):
-    chat, sampler = build_sampler(
-        ModelConfig(checkpoint=str(FIXTURES / name), max_seq_len=1024), seed=0
-    )
+@pytest.mark.parametrize(
+    "name", ["tiny-qwen3", "tiny-llama3", "tiny-mistral", "tiny-mistral-v11", "tiny-mistral-v13"]
+)
+def test_sampled_ids_and_logprobs_survive_the_episode(name, tmp_path):
+    # -v11 / -v13: the template writes calls in Mistral's newer forms (tests/mistral_forms.py)
+    base, _, form = name.partition("-v")
+    ckpt = mistral_checkpoint(tmp_path / name, f"v{form}") if form else FIXTURES / name
+    chat, sampler = build_sampler(ModelConfig(checkpoint=str(ckpt), max_seq_len=1024), seed=0)
     env = make_env("calculator", max_turns=3)
     # room for the demonstrated call (Mistral's, with its id, is 55 ids in this vocabulary)
     limits = EpisodeLimits(
@@ -75,8 +81,14 @@ def test_sampled_ids_and_logprobs_survive_the_episode(name):
         "tiny-llama3": 'ipython<|end_header_id|>\n\n"{}"',
         # named as the demonstrated call was (its turn, its index)
         "tiny-mistral": '[TOOL_RESULTS] {{"content": {}, "call_id": "t0001c000"}}[/TOOL_RESULTS]',
-    }[name]
+    }[base]
     assert tool_turn.format(safe_eval(expression)) in text
+    args = json.dumps({"expression": expression})
+    demonstrated = {  # the demonstrated call as the template wrote it
+        "v11": f"[TOOL_CALLS]calculate[CALL_ID]t0001c000[ARGS]{args}</s>",
+        "v13": f"[TOOL_CALLS]calculate[ARGS]{args}</s>",
+    }
+    assert form == "" or demonstrated[f"v{form}"] in text
 
     # The sampled turns, in order, are exactly the ids at the masked positions after turn 1.
     mask = episode.loss_mask.astype(bool)

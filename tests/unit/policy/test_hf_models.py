@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from tests.mistral_forms import mistral_checkpoint
 from tests.paths import HF_FIXTURES, REPO
 from tunix_tasks.policy.hf_checkpoint import CheckpointError, HFCheckpoint, params_from_hf
 from tunix_tasks.policy.params import flat_params
@@ -497,7 +498,7 @@ def test_prepare_refuses_a_template_without_a_tool_role_for_a_tool_env(tmp_path)
 
     model = {"checkpoint": str(FIXTURES / "tiny-gemma3"), "max_seq_len": 256}
     params = {"store": str(tmp_path / "runs"), "model": model}
-    with pytest.raises(ConfigError, match=r"cannot render a tool call and its result .* alternate"):
+    with pytest.raises(ConfigError, match=r"cannot carry a tool call and its result .* alternate"):
         prepare_run({**params, "env": {"name": "calculator"}}, run_name="tools")
     assert not (tmp_path / "runs" / "tools").exists()
     assert prepare_run({**params, "env": {"name": "guess_number"}}, run_name="turns")
@@ -508,24 +509,36 @@ def test_prepare_refuses_a_template_without_a_tool_role_for_a_tool_env(tmp_path)
     assert prepare_run({**mistral, "env": {"name": "calculator"}}, run_name="mistral")
 
 
-def test_prepare_refuses_tool_calls_in_mistrals_v11_form(tmp_path):
-    """Newer Mistral templates write calls as `[TOOL_CALLS]name[ARGS]{...}`, which the
-    `mistral` parser does not read: with tools the run is refused, without it runs."""
+@pytest.mark.parametrize("form", ["v11", "v13"])
+def test_prepare_accepts_tool_calls_in_mistrals_newer_forms(tmp_path, form):
+    """Newer Mistral templates write each call as `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`
+    (v11) or without the id (v13 and later): the `mistral` parser reads both, so a run with
+    tools prepares."""
+    from tunix_tasks.frontdoor.entrypoints import prepare_run
+
+    d = mistral_checkpoint(tmp_path / "ckpt", form)
+    params = {"store": str(tmp_path / "runs"), "model": {"checkpoint": str(d), "max_seq_len": 256}}
+    assert prepare_run({**params, "env": {"name": "calculator"}}, run_name="tools")
+
+
+def test_prepare_refuses_a_template_whose_calls_the_parser_cannot_read(tmp_path):
+    """A call as the template writes it (what its model learnt to write) must read back as
+    that call: Qwen3's `<tool_call>` blocks under the `mistral` parser read as plain text,
+    so a run with tools is refused, naming the parser and what it read; without tools it
+    runs."""
     from tunix_tasks.config import ConfigError
     from tunix_tasks.frontdoor.entrypoints import prepare_run
 
-    d = _copy(tmp_path, "tiny-mistral")
-    config = json.loads((d / "tokenizer_config.json").read_text())
-    v11 = "{%- for m in messages %}{%- if m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls[0].function.name }}"
-    v11 += "[ARGS]{{ m.tool_calls[0].function.arguments | tojson }}</s>{%- elif m.role == 'user' %}"
-    v11 += "[INST]{{ m.content }}[/INST]{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}"
-    v11 += "[/TOOL_RESULTS]{%- else %}{{ m.content }}</s>{%- endif %}{%- endfor %}"
-    config["chat_template"] = v11
-    (d / "tokenizer_config.json").write_text(json.dumps(config))
-    params = {"store": str(tmp_path / "runs"), "model": {"checkpoint": str(d), "max_seq_len": 256}}
-    with pytest.raises(ConfigError, match=r"\[TOOL_CALLS\]name\[ARGS\].* not parsed here"):
+    model = {"checkpoint": str(FIXTURES / "tiny-qwen3"), "max_seq_len": 256}
+    params = {"store": str(tmp_path / "runs"), "model": {**model, "tool_format": "mistral"}}
+    with pytest.raises(ConfigError) as info:
         prepare_run({**params, "env": {"name": "calculator"}}, run_name="tools")
+    msg = str(info.value)
+    assert "writes a call as '<tool_call>" in msg and "'mistral' tool-call parser" in msg
+    assert "0 calls" in msg and "['hermes', 'llama3_json', 'mistral']" in msg
+    assert not (tmp_path / "runs" / "tools").exists()
     assert prepare_run({**params, "env": {"name": "guess_number"}}, run_name="turns")
+    assert prepare_run({**params, "model": model, "env": {"name": "calculator"}}, run_name="ok")
 
 
 def test_build_policy_raises_policy_error_for_every_checkpoint_problem(tmp_path):

@@ -197,13 +197,34 @@ def test_mistral_calls_after_the_marker() -> None:
     assert parse_mistral(" The answer is [4]. ") == Action(content="The answer is [4].")
 
 
+def test_mistral_calls_in_the_newer_forms() -> None:
+    """Tokenizer v11: `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` per call; v13 and later
+    without the id. The JSON may be followed by the next call, or spaces."""
+    text = '[TOOL_CALLS]calc[ARGS]{"x": "1+2"}'
+    assert parse_mistral(text) == Action(tool_calls=(ToolCall("calc", {"x": "1+2"}),))
+    text = 'Let me add.[TOOL_CALLS]a[CALL_ID]abcdefgh9[ARGS]{"s": "x"}[TOOL_CALLS] b [ARGS] {} \n'
+    calls = (ToolCall("a", {"s": "x"}, id="abcdefgh9"), ToolCall("b", {}))
+    assert parse_mistral(text) == Action(content="Let me add.", tool_calls=calls)
+    # an id that is not 9 alphanumerics is dropped (the rollout names the call)
+    text = '[TOOL_CALLS]a[CALL_ID]call_1[ARGS]"{\\"s\\": 1}"'  # arguments as a JSON string
+    assert parse_mistral(text) == Action(tool_calls=(ToolCall("a", {"s": 1}),))
+
+
 @pytest.mark.parametrize(
     ("text", "reason"),
     [
+        ("[TOOL_CALLS]calc{}", "no [ARGS] after the tool's name"),
+        ('[TOOL_CALLS]a[ARGS]{"s": 1}[TOOL_CALLS]b', "no [ARGS] after the tool's name"),
+        ("[TOOL_CALLS]a[TOOL_CALLS]b[ARGS]{}", "no [ARGS] after the tool's name"),
+        ("[TOOL_CALLS][ARGS]{}", 'missing "name"'),
+        ("[TOOL_CALLS]calc[ARGS]{", "bad JSON"),
+        ("[TOOL_CALLS]calc[ARGS]", "bad JSON"),
+        ('[TOOL_CALLS]calc[ARGS]{"x": 1} and more', "text after the tool call"),
+        ("[TOOL_CALLS]calc[ARGS][1]", '"arguments" is not an object'),
         ('[TOOL_CALLS] [{"name": "f", "arguments": {}}', "bad JSON"),
         ("[TOOL_CALLS]", "bad JSON"),
         ("[TOOL_CALLS] []", "not a list of calls"),
-        ('[TOOL_CALLS] "f"', "not a list of calls"),
+        ('[TOOL_CALLS] "f"', "no [ARGS]"),  # not a list: read as the newer form
         ('[TOOL_CALLS] [{"arguments": {}}]', 'missing "name"'),
         ('[TOOL_CALLS] [{"name": "f", "arguments": [1]}]', '"arguments" is not an object'),
         ('[TOOL_CALLS] [{"name": "f"}, 3]', "not a JSON object"),

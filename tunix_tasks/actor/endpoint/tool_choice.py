@@ -13,11 +13,11 @@ OpenAI's four forms, and what this endpoint does with each:
 
 The forced opening is the template's text for a tool call (`chat.render_action` of a call
 with sentinel name and arguments, cut before the sentinel), so it works for every format
-the chat template renders (Hermes `<tool_call>`, Llama 3.1 JSON, ...). Its ids join the
-episode as prompt tokens (not trained, like a template's text); only the continuation is
-the policy's sample, so the behaviour log-probs and the learner's recomputation still
-agree. The model may still write a malformed call after the opening: that turn comes back
-as content with `finish_reason: "stop"`, as any unparseable turn does.
+the chat template renders (Hermes `<tool_call>`, Llama 3.1 JSON, Mistral's forms). Its ids
+join the episode as prompt tokens (not trained, like a template's text); only the
+continuation is the policy's sample, so the behaviour log-probs and the learner's
+recomputation still agree. The model may still write a malformed call after the opening:
+that turn comes back as content with `finish_reason: "stop"`, as any unparseable turn does.
 
     choice = read_tool_choice(request.tool_choice, tools)       # ApiError 400 if invalid
     forced = forced_opening(chat, history, tools, choice)       # ids, [] unless forced
@@ -108,7 +108,9 @@ def forced_opening(
     if choice.mode in ("auto", "none"):
         return []
     name, sentinel = (_NAME, _NAME) if choice.mode == "required" else (choice.name, _ARGS)
-    call = ToolCall(name=name, arguments={_ARGS: _ARGS}, id=call_id(0, 0))
+    # A random id, as the endpoint names calls: Mistral's v11 form writes it before the
+    # arguments, so it is in the opening, and the call keeps it.
+    call = ToolCall(name=name, arguments={_ARGS: _ARGS}, id=call_id(None, 0))
     try:
         action = chat.render_action(history, Action(tool_calls=(call,)), tools)
     except ChatTemplateError as err:  # Mistral's drops a system message once a turn follows

@@ -6,11 +6,14 @@ choices are 400s naming `tool_choice`."""
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
+from tests.mistral_forms import mistral_checkpoint
 from tests.paths import HF_FIXTURES
 from tests.unit.actor.endpoint.harness import HTTP_TIMEOUT_S, endpoint
 from tests.unit.actor.endpoint.test_server import (
@@ -31,8 +34,8 @@ from tunix_tasks.policy.chat_template import load_template_chat
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
 
 
-def _chat(name: str):
-    folder = HF_FIXTURES / name
+def _chat(name: str, folder: Path | None = None):
+    folder = folder or HF_FIXTURES / name
     return load_template_chat(
         lambda f: (folder / f).read_bytes() if (folder / f).exists() else None
     )
@@ -62,6 +65,26 @@ def test_the_forced_opening_is_the_templates_own_tool_call_text(fixture, require
     assert decode(opening) == named
     assert forced_opening(chat, QUESTION, [CALCULATE], ToolChoice("auto")) == []
     assert forced_opening(chat, QUESTION, [CALCULATE], ToolChoice("none")) == []
+
+
+@pytest.mark.parametrize("form", ["v11", "v13"])
+def test_the_forced_opening_in_mistrals_newer_forms(tmp_path, form):
+    """`[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` (v11) writes the call's id before its
+    arguments: a named choice's opening holds a random id, which the parsed call keeps."""
+    chat = _chat("", mistral_checkpoint(tmp_path / form, form))
+    decode = chat.tokenizer.decode
+    assert decode(forced_opening(chat, QUESTION, [CALCULATE], ToolChoice("required"))) == (
+        "[TOOL_CALLS]"
+    )
+    named = ToolChoice("function", "calculate")
+    first, second = (decode(forced_opening(chat, QUESTION, [CALCULATE], named)) for _ in "ab")
+    if form == "v13":
+        assert first == second == "[TOOL_CALLS]calculate[ARGS]"
+        return
+    assert re.fullmatch(r"\[TOOL_CALLS\]calculate\[CALL_ID\][0-9a-f]{9}\[ARGS\]", first)
+    assert first != second  # each forced turn names its call anew
+    action = chat.parse(chat.tokenizer.encode(first + '{"expression": "2+3"}'))
+    assert action.tool_calls[0].id == first[-15:-6] and action.error is None
 
 
 def test_a_forced_call_the_template_cannot_render_after_its_prompt_is_a_400():
