@@ -1,10 +1,14 @@
-"""The tiny Mistral checkpoint with its template writing tool calls in Mistral's newer forms.
+"""The tiny Mistral checkpoint with its template writing tool calls in Mistral's other forms.
 
-Its v0.3 template writes `[TOOL_CALLS] [{"name", "arguments", "id"}, ...]`; the templates of
-tokenizer v11 write each call as `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`, and those of v13
-and later drop the id: `[TOOL_CALLS]name[ARGS]{...}`. `mistral_checkpoint(dst, form)` copies
-the checkpoint with only that block of its template rewritten (written here after the
-published templates' form, not copied from them).
+Its v0.3 template writes `[TOOL_CALLS] [{"name", "arguments", "id"}, ...]` with
+`tool_call.function|tojson`. mistral-common's v7 templates write the same list by
+concatenating text with `arguments|tojson|safe`, which HTML-escapes the text where the
+arguments are an object (jinja's `str + Markup`), so only JSON-string arguments render it
+right. Tokenizer v11's write each call as `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`, and v13
+and later drop the id: `[TOOL_CALLS]name[ARGS]{...}`. `mistral_checkpoint(dst, form)`
+copies the checkpoint with only that block of its template rewritten (written here after
+the published templates' form, not copied from them). `refuse_empty` has it refuse an
+assistant turn with neither content nor calls, as v7 and later do.
 """
 
 from __future__ import annotations
@@ -17,6 +21,17 @@ from tests.paths import HF_FIXTURES
 
 #: form -> the jinja block of an assistant turn's calls
 CALL_BLOCKS = {
+    "v7": (
+        '{{- "[TOOL_CALLS][" }}'
+        "{%- for tool_call in message.tool_calls %}"
+        "{%- set arguments = tool_call.function.arguments %}"
+        "{%- if arguments is not string %}{%- set arguments = arguments|tojson|safe %}{%- endif %}"
+        '{{- \'{"name": "\' + tool_call.function.name + \'", "arguments": \' + arguments }}'
+        "{{- ', \"id\": \"' + tool_call.id + '\"}' }}"
+        '{%- if not loop.last %}{{- ", " }}{%- endif %}'
+        "{%- endfor %}"
+        '{{- "]" + eos_token }}'
+    ),
     "v11": (
         "{%- for tool_call in message.tool_calls %}"
         '{{- "[TOOL_CALLS]" + tool_call.function.name + "[CALL_ID]" + tool_call.id }}'
@@ -32,15 +47,26 @@ CALL_BLOCKS = {
 }
 _V03_OPEN = '{{- "[TOOL_CALLS] [" }}'
 _V03_CLOSE = '{%- elif message["role"] == "assistant" %}'
+_V03_ANSWER = '{{- " " + message["content"]|trim + eos_token}}'
+_REFUSE_EMPTY = (
+    '{%- if not message["content"] %}'
+    "{{- raise_exception('Assistant message must have content or tool calls.') }}"
+    "{%- endif %}"
+)
 
 
-def mistral_checkpoint(dst: Path, form: str) -> Path:
-    """A copy of tiny-mistral at `dst` whose template writes calls in `form` (CALL_BLOCKS)."""
+def mistral_checkpoint(dst: Path, form: str = "v0.3", *, refuse_empty: bool = False) -> Path:
+    """A copy of tiny-mistral at `dst` whose template writes calls in `form` (CALL_BLOCKS,
+    or v0.3: as it is)."""
     shutil.copytree(HF_FIXTURES / "tiny-mistral", dst)
     path = dst / "tokenizer_config.json"
     config = json.loads(path.read_text())
     template = config["chat_template"]
-    start, end = template.index(_V03_OPEN), template.index(_V03_CLOSE)
-    config["chat_template"] = template[:start] + CALL_BLOCKS[form] + "\n    " + template[end:]
+    if form != "v0.3":
+        start, end = template.index(_V03_OPEN), template.index(_V03_CLOSE)
+        template = template[:start] + CALL_BLOCKS[form] + "\n    " + template[end:]
+    if refuse_empty:
+        template = template.replace(_V03_ANSWER, _REFUSE_EMPTY + _V03_ANSWER)
+    config["chat_template"] = template
     path.write_text(json.dumps(config))
     return dst

@@ -78,7 +78,14 @@ def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None =
             raise ConfigError(
                 f"model.checkpoint: its chat template cannot carry a tool call and its "
                 f"result ({cannot}); env {cfg.env.name} calls tools: choose an environment "
-                "without tools, or a checkpoint whose template has a tool role"
+                "without tools, a checkpoint whose template writes tool calls and results, "
+                "or the model.tool_format its calls are written in"
+            )
+        if cannot is not None and cfg.actor.kind == "agent":  # its program's tools: unknown
+            log.warning(
+                "model.checkpoint: its chat template cannot carry a tool call and its result "
+                "(%s): an agent program that passes tools gets none called",
+                cannot,
             )
     store = write_config(cfg)
     if cfg.warm_start_steps:

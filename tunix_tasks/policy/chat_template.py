@@ -26,13 +26,16 @@ from typing import Any, Literal
 
 import jinja2
 
-from tunix_tasks.messages import Action, Message
+from tunix_tasks.messages import Action, Message, ToolCall, call_id, function_tool
 from tunix_tasks.policy.chat import Tools
 from tunix_tasks.policy.hf_tokenizer import HFTokenizer
 from tunix_tasks.policy.template_sandbox import BoundedEnvironment, ChatTemplateError
 from tunix_tasks.policy.toolcalls import parse_hermes, parse_llama3_json, parse_mistral
 
 __all__ = [
+    "PROBE_CALL",
+    "PROBE_QUESTION",
+    "PROBE_TOOLS",
     "TOOL_PARSERS",
     "ChatTemplateError",
     "TemplateChat",
@@ -40,6 +43,7 @@ __all__ = [
     "compile_template",
     "detect_tool_format",
     "load_template_chat",
+    "same_calls",
     "select_template",
 ]
 
@@ -53,6 +57,11 @@ TOOL_PARSERS: dict[str, Callable[[str], Action]] = {
     "mistral": parse_mistral,
 }
 _PROBE = [{"role": "user", "content": "PROBE_U"}, {"role": "assistant", "content": "PROBE_A"}]
+#: A tool call as the rollout makes one (named, 9-character id) after a question: what a
+#: template must write so that its parser reads it back (`TemplateChat.write_probe_call`).
+PROBE_CALL = Action(tool_calls=(ToolCall("probe", {"x": "1"}, id=call_id(1, 0)),))
+PROBE_TOOLS = (function_tool("probe", "A tool call the template renders.", {"x": "any"}),)
+PROBE_QUESTION = ({"role": "user", "content": "?"},)
 
 
 def _raise_exception(message: str) -> None:
@@ -159,11 +168,19 @@ class TemplateChat:
             )
         self.tool_format = tool_format
         self._parse_text = TOOL_PARSERS[tool_format]
+        # A call's arguments reach the template as an object (Hugging Face's form), or as
+        # a JSON string (OpenAI's) where only that reads back: mistral-common's templates
+        # write `arguments|tojson|safe` after plain text, and `str + Markup` HTML-escapes
+        # that text (`[{&#34;name&#34;: ...`), in transformers too, given an object.
+        self.string_arguments = False
         eos = tokenizer.special_tokens.get("eos_token")
         eos_id = [tokenizer.token_id(eos)] if isinstance(eos, str) else []
         stops = list(dict.fromkeys([*eos_id, *eos_ids]))  # deduplicated, in order
         self.eot_text, self.eot_id = self._discover_eot(stops)
         self._stop_ids = tuple(dict.fromkeys([*stops, self.eot_id]))
+        if not self._reads_back_probe():
+            self.string_arguments = True
+            self.string_arguments = self._reads_back_probe()
 
     @classmethod
     def from_files(
@@ -196,7 +213,10 @@ class TemplateChat:
     def render(
         self, messages: Sequence[Message], tools: Tools = (), add_generation_prompt: bool = False
     ) -> str:
-        """The template's text for `messages`, exactly as `apply_chat_template` renders it."""
+        """The template's text for `messages`, exactly as `apply_chat_template` renders it
+        (calls' arguments as JSON strings where `string_arguments`)."""
+        if self.string_arguments:
+            messages = [_with_string_arguments(m) for m in messages]
         try:
             return self._compiled.render(
                 messages=list(messages),
@@ -307,6 +327,19 @@ class TemplateChat:
     def _not_prefix_stable(self, prefix: str, full: str) -> ChatTemplateError:
         return ChatTemplateError(self._unstable(prefix, full))
 
+    def write_probe_call(self) -> tuple[list[int], Action]:
+        """(`PROBE_CALL` as the template writes it after `PROBE_QUESTION`, what the parser
+        reads in it); ChatTemplateError where the template cannot write it."""
+        written = self.render_action(PROBE_QUESTION, PROBE_CALL, PROBE_TOOLS)
+        return written, self.parse(written, PROBE_TOOLS)
+
+    def _reads_back_probe(self) -> bool:
+        try:
+            _, read = self.write_probe_call()
+        except ChatTemplateError:
+            return False
+        return same_calls(read, PROBE_CALL)
+
     def _discover_eot(self, stop_ids: Sequence[int]) -> tuple[str, int]:
         """The token that closes an assistant turn: the first stop token after the probe's
         assistant content, else the first special token there (base checkpoints whose eos
@@ -327,6 +360,29 @@ class TemplateChat:
         raise self._error(
             f"chat template closes assistant turns with no special token: {probe[after:]!r}"
         )
+
+
+def same_calls(a: Action, b: Action) -> bool:
+    """Do `a` and `b` call the same tools with the same arguments (ids aside)?"""
+    return [(c.name, c.arguments) for c in a.tool_calls] == [
+        (c.name, c.arguments) for c in b.tool_calls
+    ]
+
+
+def _with_string_arguments(message: Message) -> Message:
+    """`message` with each call's object arguments as a JSON string (transformers' tojson)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list) or not calls:
+        return message
+
+    def one(call: Any) -> Any:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), dict):
+            return call
+        arguments = json.dumps(fn["arguments"], ensure_ascii=False)
+        return {**call, "function": {**fn, "arguments": arguments}}
+
+    return {**message, "tool_calls": [one(c) for c in calls]}
 
 
 def _read_json(read: Callable[[str], bytes | None], name: str) -> dict[str, Any] | None:

@@ -16,13 +16,16 @@ built, here and in `build_policy` / `build_sampler` (policy/build.py).
 from __future__ import annotations
 
 from tunix_tasks.config import ModelConfig
-from tunix_tasks.messages import Action, ToolCall, function_tool
 from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.chat_template import (
+    PROBE_CALL,
+    PROBE_QUESTION,
+    PROBE_TOOLS,
     TOOL_PARSERS,
     ChatTemplateError,
     TemplateChat,
     load_template_chat,
+    same_calls,
 )
 from tunix_tasks.policy.hf_headers import CheckpointError, CheckpointFiles
 from tunix_tasks.policy.packaged_models import ModelFetchError, resolve_checkpoint
@@ -75,9 +78,6 @@ def check_policy(cfg: ModelConfig) -> ChatFormat:
     return chat
 
 
-_PROBE_TOOL = function_tool("probe", "A tool call the template renders.", {"x": "any"})
-
-
 def tool_turn_error(chat: ChatFormat) -> str | None:
     """Why `chat` cannot render a tool call and its result (Gemma 3's template alternates
     user and model turns and refuses a "tool" message) or read the calls its model writes,
@@ -86,16 +86,14 @@ def tool_turn_error(chat: ChatFormat) -> str | None:
     if not isinstance(chat, TemplateChat):  # the char chat renders any turn
         return None
     # The call named and answered as the rollout does it (Mistral's template checks ids).
-    call = Action(content="", tool_calls=(ToolCall("probe", {"x": "1"}),)).with_call_ids(1)
-    question = {"role": "user", "content": "?"}
+    turns = [*PROBE_QUESTION, PROBE_CALL.message(), PROBE_CALL.reply("1")]
     try:
-        chat.render([question, call.message(), call.reply("1")], [_PROBE_TOOL], True)
-        written = chat.render_action([question], call, [_PROBE_TOOL])
+        chat.render(turns, PROBE_TOOLS, add_generation_prompt=True)
+        written, read = chat.write_probe_call()
     except ChatTemplateError as err:
         return str(err)
     # The call as the template writes it (what its model learnt to write) must read back.
-    read = chat.parse(written, [_PROBE_TOOL])
-    if [(c.name, c.arguments) for c in read.tool_calls] != [("probe", {"x": "1"})]:
+    if not same_calls(read, PROBE_CALL):
         text = chat.tokenizer.decode(written)
         got = read.error or f"{len(read.tool_calls)} calls, content {read.content[:80]!r}"
         return (

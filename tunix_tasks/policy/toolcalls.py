@@ -22,7 +22,8 @@ from tunix_tasks.messages import Action, ToolCall, is_call_id
 
 __all__ = ["parse_hermes", "parse_llama3_json", "parse_mistral", "strip_think"]
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+#: (open, close) of a reasoning block: Qwen3 / DeepSeek-R1's, Magistral's (Mistral v11+)
+THINK_TAGS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
@@ -36,18 +37,47 @@ class _Malformed(ValueError):
 def strip_think(text: str) -> str:
     """`text` without its leading reasoning block.
 
-    Reasoning is `<think>...</think>` at the start, or everything up to a `</think>` with no
-    opening tag (templates that write `<think>` into the generation prompt). An unclosed
-    `<think>` means the turn was all reasoning.
+    Reasoning is `<think>...</think>` (or `[THINK]...[/THINK]`) at the start, or everything
+    up to a closing tag with no opening one (templates that write the opening tag into the
+    generation prompt). An unclosed opening tag means the turn was all reasoning.
     """
     stripped = text.lstrip()
-    if stripped.startswith(THINK_OPEN):
-        end = stripped.find(THINK_CLOSE)
-        return "" if end < 0 else stripped[end + len(THINK_CLOSE) :]
-    end = text.find(THINK_CLOSE)
-    if end >= 0 and THINK_OPEN not in text[:end]:
-        return text[end + len(THINK_CLOSE) :]
+    for think_open, think_close in THINK_TAGS:
+        if stripped.startswith(think_open):
+            end = stripped.find(think_close)
+            return "" if end < 0 else stripped[end + len(think_close) :]
+        end = text.find(think_close)
+        if end >= 0 and think_open not in text[:end]:
+            return text[end + len(think_close) :]
     return text
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # NaN / Infinity: a template's tojson rewrites it
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def _json(text: str, pos: int = 0) -> tuple[Any, int]:
+    """(the JSON value at `pos` in `text`, where it ends); raises _Malformed, never a
+    RecursionError (deep nesting) or the ValueError of an over-long integer."""
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except json.JSONDecodeError as e:
+        raise _Malformed(f"bad JSON: {e.msg}") from None
+    except RecursionError:
+        raise _Malformed("bad JSON: nested too deeply") from None
+    except ValueError as e:  # an integer of more than 4300 digits, NaN
+        raise _Malformed(f"bad JSON: {str(e)[:80]}") from None
+
+
+def _whole_json(text: str) -> Any:
+    """The JSON value that is all of `text` (surrounding whitespace allowed); _Malformed."""
+    value, end = _json(text, len(text) - len(text.lstrip()))
+    if text[end:].strip():
+        raise _Malformed("bad JSON: Extra data")
+    return value
 
 
 def _call(obj: Any, args_keys: tuple[str, ...]) -> ToolCall:
@@ -61,9 +91,9 @@ def _call(obj: Any, args_keys: tuple[str, ...]) -> ToolCall:
     args = obj.get(key, {})
     if isinstance(args, str):  # some models write the arguments as a JSON-encoded string
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError as e:
-            raise _Malformed(f'"{key}" string is not JSON: {e.msg}') from None
+            args = _whole_json(args)
+        except _Malformed as e:
+            raise _Malformed(f'"{key}" string is not JSON: {e}'.replace(": bad JSON", "")) from None
     if not isinstance(args, dict):
         raise _Malformed(f'"{key}" is not an object')
     return ToolCall(name=name, arguments=args)
@@ -84,10 +114,7 @@ def _hermes_calls(text: str) -> tuple[list[ToolCall], str]:
         end = text.find(CALL_CLOSE, start)
         if end < 0:
             raise _Malformed(f"unclosed {CALL_OPEN}")
-        try:
-            obj = json.loads(text[start + len(CALL_OPEN) : end])
-        except json.JSONDecodeError as e:
-            raise _Malformed(f"bad JSON: {e.msg}") from None
+        obj = _whole_json(text[start + len(CALL_OPEN) : end])
         calls.append(_call(obj, ("arguments",)))
         pos = end + len(CALL_CLOSE)
 
@@ -105,14 +132,10 @@ def parse_hermes(text: str) -> Action:
 
 def _llama3_calls(body: str) -> list[ToolCall]:
     """Calls from `{...}[; {...}]*`; raises _Malformed."""
-    decoder = json.JSONDecoder()
     calls: list[ToolCall] = []
     pos = 0
     while True:
-        try:
-            obj, pos = decoder.raw_decode(body, pos)
-        except json.JSONDecodeError as e:
-            raise _Malformed(f"bad JSON: {e.msg}") from None
+        obj, pos = _json(body, pos)
         calls.append(_call(obj, ("parameters", "arguments")))
         rest = body[pos:].lstrip()
         if not rest:
@@ -147,10 +170,7 @@ def _with_id(call: ToolCall, value: object) -> ToolCall:
 def _mistral_list(body: str) -> list[ToolCall]:
     """Calls from `[{"name", "arguments"[, "id"]}, ...]` (tokenizers v3 and v7); raises
     _Malformed."""
-    try:
-        objs = json.loads(body)
-    except json.JSONDecodeError as e:
-        raise _Malformed(f"bad JSON: {e.msg}") from None
+    objs = _whole_json(body)
     objs = [objs] if isinstance(objs, dict) else objs
     if not isinstance(objs, list) or not objs:
         raise _Malformed("not a list of calls")
@@ -161,7 +181,6 @@ def _mistral_named(body: str) -> list[ToolCall]:
     """Calls from `name[CALL_ID]id[ARGS]{...}` (tokenizer v11) or `name[ARGS]{...}` (v13
     and later), each after its own [TOOL_CALLS] (the first one already read); raises
     _Malformed."""
-    decoder = json.JSONDecoder()
     calls: list[ToolCall] = []
     pos = 0
     while True:
@@ -173,10 +192,7 @@ def _mistral_named(body: str) -> list[ToolCall]:
             raise _Malformed(f"no {MISTRAL_ARGS} after the tool's name")
         args_at = at + len(MISTRAL_ARGS)
         args_at += len(body[args_at:]) - len(body[args_at:].lstrip())
-        try:
-            args, pos = decoder.raw_decode(body, args_at)
-        except json.JSONDecodeError as e:
-            raise _Malformed(f"bad JSON: {e.msg}") from None
+        args, pos = _json(body, args_at)
         call = _call({"name": name.strip(), "arguments": args}, ("arguments",))
         calls.append(_with_id(call, call_id.strip()))
         rest = body[pos:].lstrip()
@@ -195,13 +211,15 @@ def parse_mistral(text: str) -> Action:
         [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}[TOOL_CALLS]...      v11 (v13 and later: no id)
 
     An id of 9 alphanumerics the model wrote is kept (the rollout names the others:
-    `Action.with_call_ids`)."""
+    `Action.with_call_ids`). Reasoning (`[THINK]...[/THINK]`, Magistral's) is removed."""
+    text = strip_think(text)
     start = text.find(MISTRAL_CALLS)
     if start < 0:
         return Action(content=text.strip())
     content, body = text[:start].strip(), text[start + len(MISTRAL_CALLS) :].strip()
     try:
-        listed = body[:1] in ("[", "{", "") and not body.startswith(MISTRAL_ARGS)
+        named = body.startswith((MISTRAL_ARGS, MISTRAL_CALL_ID))  # with the name left out
+        listed = body[:1] in ("[", "{", "") and not named
         calls = _mistral_list(body) if listed else _mistral_named(body)
     except _Malformed as e:
         return Action(content=text.strip(), error=f"malformed tool call: {e}")

@@ -1,5 +1,5 @@
 """Token-in / token-out episodes of a chat model (the tiny Qwen3, Llama 3 and Mistral
-checkpoints, Mistral's with its template in each of the three call forms).
+checkpoints, Mistral's with its template in each of its four call forms).
 
 A multi-turn tool-calling calculator episode: the first turn is a demonstrated tool call
 in the model's own format (`<tool_call>{json}</tool_call>`, Llama JSON, `[TOOL_CALLS]`), the next turns
@@ -51,10 +51,18 @@ class _DemoThenSample:
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny-qwen3", "tiny-llama3", "tiny-mistral", "tiny-mistral-v11", "tiny-mistral-v13"]
+    "name",
+    [
+        "tiny-qwen3",
+        "tiny-llama3",
+        "tiny-mistral",
+        "tiny-mistral-v7",
+        "tiny-mistral-v11",
+        "tiny-mistral-v13",
+    ],
 )
 def test_sampled_ids_and_logprobs_survive_the_episode(name, tmp_path):
-    # -v11 / -v13: the template writes calls in Mistral's newer forms (tests/mistral_forms.py)
+    # -v7 / -v11 / -v13: the template writes calls in Mistral's other forms (mistral_forms.py)
     base, _, form = name.partition("-v")
     ckpt = mistral_checkpoint(tmp_path / name, f"v{form}") if form else FIXTURES / name
     chat, sampler = build_sampler(ModelConfig(checkpoint=str(ckpt), max_seq_len=1024), seed=0)
@@ -85,6 +93,7 @@ def test_sampled_ids_and_logprobs_survive_the_episode(name, tmp_path):
     assert tool_turn.format(safe_eval(expression)) in text
     args = json.dumps({"expression": expression})
     demonstrated = {  # the demonstrated call as the template wrote it
+        "v7": f'[TOOL_CALLS][{{"name": "calculate", "arguments": {args}, "id": "t0001c000"}}]</s>',
         "v11": f"[TOOL_CALLS]calculate[CALL_ID]t0001c000[ARGS]{args}</s>",
         "v13": f"[TOOL_CALLS]calculate[ARGS]{args}</s>",
     }
@@ -109,3 +118,30 @@ def test_sampled_ids_and_logprobs_survive_the_episode(name, tmp_path):
         np.testing.assert_allclose(
             recomputed[start - 1 : end - 1], episode.behavior_logprobs[start:end], atol=1e-4
         )
+
+
+def test_a_turn_the_template_cannot_continue_ends_the_episode_not_the_actor(tmp_path, caplog):
+    """Mistral's v7 and later templates refuse an assistant turn with neither content nor
+    calls: a policy that writes only its stop token leaves a conversation whose next prompt
+    does not render. The episode ends there (truncated, trained on as it stands) and says
+    why once; the next episode plays too."""
+    ckpt = mistral_checkpoint(tmp_path / "ckpt", refuse_empty=True)
+    chat, _ = build_sampler(ModelConfig(checkpoint=str(ckpt), max_seq_len=256), seed=0)
+    stop = chat.stop_ids[0]
+
+    async def silent(context: Sequence[int], **conversation):
+        return [stop], [-0.5], 7
+
+    limits = EpisodeLimits(max_turns=3, max_episode_tokens=256, max_new_tokens=8)
+
+    async def play():
+        env = make_env("calculator", max_turns=3)
+        return [await play_episode(env, silent, seed=s, limits=limits, chat=chat) for s in (1, 2)]
+
+    with caplog.at_level("WARNING"):
+        episodes = asyncio.run(play())
+    for episode in episodes:
+        assert (episode.status, episode.num_turns, episode.policy_version) == ("truncated", 1, 7)
+        assert episode.loss_mask.sum() == 1  # the stop token, its log-prob kept
+    warnings = [r.getMessage() for r in caplog.records if "does not render" in r.getMessage()]
+    assert len(warnings) == 1 and "Assistant message must have content" in warnings[0]

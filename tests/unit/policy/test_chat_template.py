@@ -15,6 +15,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from tests.mistral_forms import mistral_checkpoint
 from tests.paths import HF_FIXTURES
 from tunix_tasks.messages import Action, Message, ToolCall, function_tool
 from tunix_tasks.policy.chat import ChatFormat, Tokenizer
@@ -633,3 +634,25 @@ def test_mistral_user_reply_after_tools_moves_the_tools_list() -> None:
     ]
     text = chat.tokenizer.decode(chat.reply(history, [{"role": "user", "content": "1+1?"}], TOOLS))
     assert text.startswith("[AVAILABLE_TOOLS] [") and text.endswith("[INST] 1+1?[/INST]")
+
+
+def test_arguments_are_a_json_string_only_where_an_object_does_not_read_back(tmp_path) -> None:
+    """mistral-common's v7 template writes `arguments|tojson|safe` after plain text: given
+    an object, jinja's `str + Markup` HTML-escapes that text (transformers renders it so too),
+    and the call reads back as bad JSON. There, and only there, calls' arguments reach the
+    template as JSON strings (OpenAI's form), and the list reads back whole."""
+    for name in FIXTURE_NAMES:
+        assert not fixture_chat(name)[0].string_arguments, name
+    root = mistral_checkpoint(tmp_path / "v7", "v7")
+    chat = load_template_chat(lambda f: (root / f).read_bytes() if (root / f).exists() else None)
+    assert chat.string_arguments
+    action = Action(tool_calls=(ToolCall("calc", {"x": "<1>"}), ToolCall("f", {}))).with_call_ids(2)
+    written = chat.tokenizer.decode(chat.render_action([{"role": "user", "content": "?"}], action))
+    assert written == (
+        '[TOOL_CALLS][{"name": "calc", "arguments": {"x": "<1>"}, "id": "t0002c000"}, '
+        '{"name": "f", "arguments": {}, "id": "t0002c001"}]</s>'
+    )
+    assert chat.parse(chat.tokenizer.encode(written)) == action
+    chat.string_arguments = False  # the object, as Hugging Face passes it
+    escaped = chat.render_action([{"role": "user", "content": "?"}], action)
+    assert chat.tokenizer.decode(escaped).startswith("[TOOL_CALLS][{&#34;name&#34;: &#34;calc")

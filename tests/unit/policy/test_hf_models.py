@@ -509,11 +509,12 @@ def test_prepare_refuses_a_template_without_a_tool_role_for_a_tool_env(tmp_path)
     assert prepare_run({**mistral, "env": {"name": "calculator"}}, run_name="mistral")
 
 
-@pytest.mark.parametrize("form", ["v11", "v13"])
-def test_prepare_accepts_tool_calls_in_mistrals_newer_forms(tmp_path, form):
-    """Newer Mistral templates write each call as `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`
-    (v11) or without the id (v13 and later): the `mistral` parser reads both, so a run with
-    tools prepares."""
+@pytest.mark.parametrize("form", ["v7", "v11", "v13"])
+def test_prepare_accepts_tool_calls_in_mistrals_other_forms(tmp_path, form):
+    """mistral-common's v7 template (its list right only with JSON-string arguments), and
+    the newer ones that write each call as `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` (v11)
+    or without the id (v13 and later): the `mistral` parser reads each call as the template
+    writes it, so a run with tools prepares (tests/mistral_forms.py)."""
     from tunix_tasks.frontdoor.entrypoints import prepare_run
 
     d = mistral_checkpoint(tmp_path / "ckpt", form)
@@ -521,11 +522,11 @@ def test_prepare_accepts_tool_calls_in_mistrals_newer_forms(tmp_path, form):
     assert prepare_run({**params, "env": {"name": "calculator"}}, run_name="tools")
 
 
-def test_prepare_refuses_a_template_whose_calls_the_parser_cannot_read(tmp_path):
+def test_prepare_refuses_a_template_whose_calls_the_parser_cannot_read(tmp_path, caplog):
     """A call as the template writes it (what its model learnt to write) must read back as
     that call: Qwen3's `<tool_call>` blocks under the `mistral` parser read as plain text,
     so a run with tools is refused, naming the parser and what it read; without tools it
-    runs."""
+    runs; an agent program's run (its tools unknown until it runs) is warned."""
     from tunix_tasks.config import ConfigError
     from tunix_tasks.frontdoor.entrypoints import prepare_run
 
@@ -539,6 +540,10 @@ def test_prepare_refuses_a_template_whose_calls_the_parser_cannot_read(tmp_path)
     assert not (tmp_path / "runs" / "tools").exists()
     assert prepare_run({**params, "env": {"name": "guess_number"}}, run_name="turns")
     assert prepare_run({**params, "model": model, "env": {"name": "calculator"}}, run_name="ok")
+    agent = {"kind": "agent", "agent": {"program": "answer_agent:run"}}
+    with caplog.at_level("WARNING"):
+        assert prepare_run({**params, "actor": agent}, run_name="agent")
+    assert any("agent program that passes tools" in r.getMessage() for r in caplog.records)
 
 
 def test_build_policy_raises_policy_error_for_every_checkpoint_problem(tmp_path):

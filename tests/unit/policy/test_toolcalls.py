@@ -65,6 +65,8 @@ def test_hermes_think_block_is_not_content_and_its_calls_are_ignored() -> None:
         ("reasoning the template opened\n</think>\n\nanswer", "\n\nanswer"),
         ("no reasoning", "no reasoning"),
         ("text <think>late</think> more", "text <think>late</think> more"),
+        ("[THINK]2+3 is 5[/THINK]The answer is 5.", "The answer is 5."),  # Magistral's
+        ("opened by the template[/THINK]5", "5"),
     ],
 )
 def test_strip_think(text: str, expected: str) -> None:
@@ -148,6 +150,11 @@ FRAGMENTS = [
     "</tool_call>",
     "<think>",
     "</think>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "[THINK]",
+    "[/THINK]",
     "<|python_tag|>",
     "{",
     "}",
@@ -172,7 +179,7 @@ FRAGMENTS = [
 ]
 
 
-@pytest.mark.parametrize("parse", [parse_hermes, parse_llama3_json])
+@pytest.mark.parametrize("parse", [parse_hermes, parse_llama3_json, parse_mistral])
 def test_no_input_raises(parse) -> None:
     rng = random.Random(0)
     for _ in range(500):
@@ -181,6 +188,36 @@ def test_no_input_raises(parse) -> None:
         assert isinstance(action, Action)
         assert action.error is None or not action.tool_calls
         assert all(isinstance(c.arguments, dict) for c in action.tool_calls)
+
+
+@pytest.mark.parametrize(
+    ("parse", "opening"),
+    [
+        (parse_hermes, '<tool_call>{"name": "f", "arguments": '),
+        (parse_llama3_json, '{"name": "f", "parameters": '),
+        (parse_mistral, '[TOOL_CALLS] [{"name": "f", "arguments": '),
+        (parse_mistral, "[TOOL_CALLS]f[ARGS]"),
+    ],
+)
+def test_hostile_json_is_a_malformed_call_not_an_exception(parse, opening) -> None:
+    """What the JSON decoder raises besides JSONDecodeError would have ended the actor:
+    nesting past the recursion limit, an integer past Python's 4300 digits; NaN parses
+    but no template writes it back as JSON."""
+    for payload, reason in [
+        ("[" * 100_000, "nested too deeply"),
+        ('{"x": ' + "1" * 5000 + "}", "integer string conversion"),
+        ('{"x": NaN}', "NaN is not JSON"),
+    ]:
+        action = parse(opening + payload + ("}</tool_call>" if parse is parse_hermes else ""))
+        assert action.tool_calls == () and reason in (action.error or ""), action.error
+
+
+def test_mistral_reasoning_is_not_content_and_may_mention_the_marker() -> None:
+    text = "[THINK]I could write [TOOL_CALLS] here[/THINK]" + '[TOOL_CALLS]calc[ARGS]{"x": 1}'
+    assert parse_mistral(text) == Action(tool_calls=(ToolCall("calc", {"x": 1}),))
+    assert parse_mistral("[THINK]2+3 is 5[/THINK]The answer is 5.") == Action(
+        content="The answer is 5."
+    )
 
 
 def test_mistral_calls_after_the_marker() -> None:
@@ -217,6 +254,7 @@ def test_mistral_calls_in_the_newer_forms() -> None:
         ('[TOOL_CALLS]a[ARGS]{"s": 1}[TOOL_CALLS]b', "no [ARGS] after the tool's name"),
         ("[TOOL_CALLS]a[TOOL_CALLS]b[ARGS]{}", "no [ARGS] after the tool's name"),
         ("[TOOL_CALLS][ARGS]{}", 'missing "name"'),
+        ("[TOOL_CALLS][CALL_ID]abcdefgh9[ARGS]{}", 'missing "name"'),
         ("[TOOL_CALLS]calc[ARGS]{", "bad JSON"),
         ("[TOOL_CALLS]calc[ARGS]", "bad JSON"),
         ('[TOOL_CALLS]calc[ARGS]{"x": 1} and more', "text after the tool call"),

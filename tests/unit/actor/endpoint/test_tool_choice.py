@@ -67,17 +67,21 @@ def test_the_forced_opening_is_the_templates_own_tool_call_text(fixture, require
     assert forced_opening(chat, QUESTION, [CALCULATE], ToolChoice("none")) == []
 
 
-@pytest.mark.parametrize("form", ["v11", "v13"])
-def test_the_forced_opening_in_mistrals_newer_forms(tmp_path, form):
-    """`[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` (v11) writes the call's id before its
-    arguments: a named choice's opening holds a random id, which the parsed call keeps."""
+@pytest.mark.parametrize("form", ["v7", "v11", "v13"])
+def test_the_forced_opening_in_mistrals_other_forms(tmp_path, form):
+    """v7's list with its arguments as a JSON string (tests/mistral_forms.py), v11's and
+    v13's call per marker. v11 writes the call's id before its arguments: a named
+    choice's opening holds a random id, which the parsed call keeps."""
     chat = _chat("", mistral_checkpoint(tmp_path / form, form))
     decode = chat.tokenizer.decode
-    assert decode(forced_opening(chat, QUESTION, [CALCULATE], ToolChoice("required"))) == (
-        "[TOOL_CALLS]"
-    )
+    required = decode(forced_opening(chat, QUESTION, [CALCULATE], ToolChoice("required")))
     named = ToolChoice("function", "calculate")
     first, second = (decode(forced_opening(chat, QUESTION, [CALCULATE], named)) for _ in "ab")
+    if form == "v7":
+        assert required == '[TOOL_CALLS][{"name": "'
+        assert first == second == '[TOOL_CALLS][{"name": "calculate", "arguments": '
+        return
+    assert required == "[TOOL_CALLS]"
     if form == "v13":
         assert first == second == "[TOOL_CALLS]calculate[ARGS]"
         return
