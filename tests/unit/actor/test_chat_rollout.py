@@ -63,7 +63,7 @@ class _DemoThenSample:
 )
 def test_sampled_ids_and_logprobs_survive_the_episode(name, tmp_path):
     # -v7 / -v11 / -v13: the template writes calls in Mistral's other forms (mistral_forms.py)
-    base, _, form = name.partition("-v")
+    _, _, form = name.partition("-v")
     ckpt = mistral_checkpoint(tmp_path / name, f"v{form}") if form else FIXTURES / name
     chat, sampler = build_sampler(ModelConfig(checkpoint=str(ckpt), max_seq_len=1024), seed=0)
     env = make_env("calculator", max_turns=3)
@@ -89,7 +89,10 @@ def test_sampled_ids_and_logprobs_survive_the_episode(name, tmp_path):
         "tiny-llama3": 'ipython<|end_header_id|>\n\n"{}"',
         # named as the demonstrated call was (its turn, its index)
         "tiny-mistral": '[TOOL_RESULTS] {{"content": {}, "call_id": "t0001c000"}}[/TOOL_RESULTS]',
-    }[base]
+        "tiny-mistral-v7": "[TOOL_RESULTS]t0001c000[TOOL_CONTENT]{}[/TOOL_RESULTS]",
+        "tiny-mistral-v11": "[TOOL_RESULTS]t0001c000[TOOL_CONTENT]{}[/TOOL_RESULTS]",
+        "tiny-mistral-v13": "[TOOL_RESULTS]{}[/TOOL_RESULTS]",
+    }[name]
     assert tool_turn.format(safe_eval(expression)) in text
     args = json.dumps({"expression": expression})
     demonstrated = {  # the demonstrated call as the template wrote it
