@@ -13,6 +13,7 @@ The package reads as the pipeline (docs/architecture.md has the map):
     config/    the run configuration (`RunConfig`): frozen, validated, one for CLI, DAGs, tests
     episode.py `Episode`, the one record of an episode; `EpisodeStatus`, `DropReason`
     env_kwargs.py checks of the `env.kwargs` an env owns, run when a config loads (light)
+    logs.py    `warn_once`: a warning logged the first time a process meets it
     messages.py the conversation vocabulary envs and policies share (`Action`, `ToolCall`)
     registry.py `Registry`: names -> factories from code and entry points (every plug-in kind)
     seeds.py   the env seed ranges: training, held-out evaluation, demonstrations

@@ -31,6 +31,7 @@ from tunix_tasks.actor.episodes import EpisodeBuilder
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs.base import Environment, StepResult
 from tunix_tasks.episode import MAX_ABS_REWARD, Episode, EpisodeStatus, reward_in_range
+from tunix_tasks.logs import warn_once
 from tunix_tasks.messages import Action, Message
 from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.template_sandbox import ChatTemplateError
@@ -201,23 +202,13 @@ async def play_episode(
             # The template refuses the conversation the policy's turn made (Mistral's v7+
             # refuse an assistant turn with neither content nor a call): the episode ends
             # there, trained on as it stands, rather than the actor.
-            _warn_once(f"episode ended: its next prompt does not render: {err}")
+            warn_once(log, f"episode ended: its next prompt does not render: {err}")
             rec.status = EpisodeStatus.TRUNCATED
             break
         history.append(reply)
     else:
         rec.status = EpisodeStatus.TRUNCATED  # ran out of turns without the env finishing
     return episode()
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """Log `message` the first time (of at most 64 kinds): every episode may meet it."""
-    if message not in _warned and len(_warned) < 64:
-        _warned.add(message)
-        log.warning(message)
 
 
 async def _answer(env: Environment, action: Action, timeout_s: float) -> StepResult:

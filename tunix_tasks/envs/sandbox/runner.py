@@ -30,6 +30,7 @@ from tunix_tasks.envs.sandbox.limits import (
     SandboxUnavailable,
     Status,
 )
+from tunix_tasks.logs import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +51,6 @@ class _Plan:
 
 _plans: dict[tuple, _Plan] = {}
 _plans_lock = threading.Lock()
-_warned: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    with _plans_lock:
-        if msg in _warned:
-            return
-        _warned.add(msg)
-    logger.warning(msg)
 
 
 def _fresh_uid() -> int:
@@ -187,17 +179,19 @@ def _resolve(limits: SandboxLimits) -> _Plan:
         r = _blocking(lambda: _execute("pass", probe, plan))
         missing = sorted(_FALLBACK_NEEDS - set(r.mechanisms))
         if r.status == "ok" and not missing:
-            _warn_once(
+            warn_once(
+                logger,
                 f"sandbox: bubblewrap unusable ({'; '.join(reasons)}); using the kernel-"
                 "namespace fallback, which leaves world-readable host files readable. "
-                + INSTALL_HINT
+                + INSTALL_HINT,
             )
             return plan
         reasons.append(f"kernel namespaces: missing {', '.join(missing) or r.status}")
     if limits.mode == "unsafe-audit-only":
-        _warn_once(
+        warn_once(
+            logger,
             f"sandbox: UNSAFE (unsafe-audit-only): model code runs without real isolation "
-            f"({'; '.join(reasons)}). " + INSTALL_HINT
+            f"({'; '.join(reasons)}). " + INSTALL_HINT,
         )
         return _Plan("unsafe")
     raise SandboxUnavailable(
@@ -367,7 +361,7 @@ async def _execute(code: str, limits: SandboxLimits, plan: _Plan) -> SandboxResu
     if proc.returncode == _SETUP_FAILED and "sandbox setup failed" in stderr:
         logger.error("sandbox bootstrap failed: %s", stderr[-1000:])
     if failures and plan.kind != "bwrap":
-        _warn_once(f"sandbox layers failed: {failures}")
+        warn_once(logger, f"sandbox layers failed: {failures}")
     rc = proc.returncode
     if plan.kind == "bwrap" and rc is not None and 128 < rc <= 128 + 64:
         rc = 128 - rc  # bubblewrap reports a child killed by signal N as exit code 128 + N
