@@ -93,7 +93,8 @@ def _call(obj: Any, args_keys: tuple[str, ...]) -> ToolCall:
         try:
             args = _whole_json(args)
         except _Malformed as e:
-            raise _Malformed(f'"{key}" string is not JSON: {e}'.replace(": bad JSON", "")) from None
+            reason = str(e).removeprefix("bad JSON: ")
+            raise _Malformed(f'"{key}" string is not JSON: {reason}') from None
     if not isinstance(args, dict):
         raise _Malformed(f'"{key}" is not an object')
     return ToolCall(name=name, arguments=args)
