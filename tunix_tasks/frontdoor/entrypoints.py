@@ -74,18 +74,16 @@ def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None =
             cannot = tool_turn_error(check_policy(cfg.model))
         except PolicyError as err:
             raise ConfigError(f"model.checkpoint: {err}") from None
+        why = f"its chat template cannot carry a tool call and its result ({cannot})"
         if cannot is not None and _env_calls_tools(cfg):
             raise ConfigError(
-                f"model.checkpoint: its chat template cannot carry a tool call and its "
-                f"result ({cannot}); env {cfg.env.name} calls tools: choose an environment "
-                "without tools, a checkpoint whose template writes tool calls and results, "
-                "or the model.tool_format its calls are written in"
+                f"model.checkpoint: {why}; env {cfg.env.name} calls tools: choose an "
+                "environment without tools, a checkpoint whose template writes tool calls "
+                "and results, or the model.tool_format its calls are written in"
             )
         if cannot is not None and cfg.actor.kind == "agent":  # its program's tools: unknown
             log.warning(
-                "model.checkpoint: its chat template cannot carry a tool call and its result "
-                "(%s): an agent program that passes tools gets none called",
-                cannot,
+                "model.checkpoint: %s: an agent program that passes tools gets none called", why
             )
     store = write_config(cfg)
     if cfg.warm_start_steps:
