@@ -47,7 +47,10 @@ from tunix_tasks.actor.remote.wire import (
     WEIGHTS_FILE,
     RemoteError,
     parse_completion,
+    publish_time_problem,
+    served_run,
     served_version,
+    supersedes,
     token_label,
 )
 from tunix_tasks.config import ConfigError, RunConfig
@@ -112,6 +115,33 @@ def test_parse_completion_refuses_a_reply_that_breaks_the_contract(reply, match)
 )
 def test_served_version_reads_what_each_server_reports(reply, version):
     assert served_version(reply) == version
+
+
+def test_a_push_loads_unless_the_held_snapshot_of_its_run_supersedes_it():
+    """Of the held run: a fleet mate's late push of an earlier version never loads; a
+    higher version does whatever the learner's clock says, and so does a re-created run's
+    lower version, published later. Another run's push always loads (the run that pushes
+    last has the server); one that names no run (SGLang's callers) by version alone. A
+    publish time from beyond tomorrow is no time."""
+    held = ("run-a", 103.0, 3)
+    for run, created_at, version, loads in [
+        ("run-a", 102.0, 2, False),  # a lagging fleet mate
+        ("run-a", 103.0, 3, False),  # the one held
+        ("run-a", 104.0, 4, True),
+        ("run-a", 90.0, 4, True),  # the learner's clock stepped back
+        ("run-a", 200.0, 0, True),  # re-created under the same URI
+        ("run-b", 50.0, 0, True),  # another run, even one published before
+        (None, 0.0, 2, False),
+        (None, 0.0, 4, True),
+    ]:
+        assert supersedes(run, created_at, version, held=held) is loads, (run, version)
+    assert supersedes("run-a", 0.0, 0, held=(None, 0.0, -1))  # the base it started with
+    assert publish_time_problem(time.time()) is None and publish_time_problem(0) is None
+    for bad in (1e300, float("inf"), float("nan"), -1.0, 10**400, True, "1", None):
+        assert "not a time before tomorrow" in publish_time_problem(bad), bad
+    assert served_run({"weight_run": "run-1a2b3c4d", "weight_version": "3"}) == "run-1a2b3c4d"
+    for reply in ({"weight_version": "3"}, {"weight_run": 5}, [], "text"):
+        assert served_run(reply) is None  # vLLM, SGLang: nothing to compare
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3", "tiny-llama3"])
@@ -338,7 +368,21 @@ def test_weight_pushes_are_checked_and_never_go_back(tmp_path):
             assert "shape" in r.json()["message"] or "missing" in r.json()["message"]
             push = {"model_path": "/nowhere", "weight_version": "1"}
             r = http.post("/update_weights_from_disk", json=push)
-            assert r.json() == {"success": True, "message": "already at v2", "weight_version": "2"}
+            assert r.json() == {
+                "success": True,
+                "message": "already at v2",
+                "weight_version": "2",
+                "weight_run": "run-test",
+            }
+            for field, value, reason in [
+                ("created_at", 1e300, "not a time before tomorrow"),
+                ("created_at", True, "not a time before tomorrow"),
+                ("weight_run", "run\nforged log line", "printable ASCII"),
+                ("weight_run", "", "printable ASCII"),
+                ("weight_run", 5, "printable ASCII"),
+            ]:
+                r = http.post("/update_weights_from_disk", json=push | {field: value})
+                assert r.status_code == 400 and reason in r.json()["message"], (field, value)
             r = http.post("/v1/completions", json={"prompt": "text", "max_tokens": 2})
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
             r = http.post("/v1/completions", json={"prompt": [TOK.vocab_size], "max_tokens": 2})
@@ -362,6 +406,65 @@ def _refused(r: httpx.Response, param: str | None = None) -> str:
     for internal in ("Traceback", "invalid literal", "set_int_max_str_digits", "recursion"):
         assert internal not in r.text, r.text
     return err["message"]
+
+
+def test_a_server_kept_across_runs_serves_the_run_that_published_last(tmp_path):
+    """`tunix-tasks serve` kept running from one run to the next: a run re-created under
+    the same URI (versions from 0 again, once acknowledged without a load: its turns drawn
+    by the old run's weights) loads, a fleet mate's late push of an earlier one never
+    moves it back, and the run that pushes last has it (a run resumed after another used
+    it included). An actor of the run it replaced stops at its next turn with an error
+    naming both runs, and not the URL's credentials, instead of sampling the other's
+    weights. A push that names no run (SGLang's callers) goes by version."""
+    cfg = _cfg(tmp_path)
+    context = [TOK.bos_id, *TOK.encode("q3")]
+    server = _Server(cfg)
+
+    def loads() -> int:
+        return _health(server)["weights"]["loads"]
+
+    def drawn_by(engine: RemoteEngine, seed: int, tag: int) -> None:
+        tokens, logprobs, version = asyncio.run(_one_turn(engine, context))
+        assert version == tag
+        np.testing.assert_allclose(
+            logprobs, _turn_logprobs(cfg, _peaky(seed, cfg), context, tokens), atol=LOGPROB_ATOL
+        )
+
+    try:
+        first = _engine(cfg, server.url, run="run-a")
+        first.update_params(_peaky(3, cfg), version=3, created_at=103.0)
+        again = _engine(cfg, server.url.replace("//", "//user:secret@"), run="run-a")
+        again.update_params(_peaky(9, cfg), version=0, created_at=200.0)  # re-created
+        drawn_by(again, 9, 0)
+        again.update_params(_peaky(8, cfg), version=1, created_at=201.0)
+        mate = _engine(cfg, server.url, run="run-a", actor="actor-mate")
+        mate.update_params(_peaky(9, cfg), version=0, created_at=200.0)  # late: no load
+        assert loads() == 3 and _health(server)["weight_run"] == "run-a"
+        drawn_by(mate, 8, 0)  # drawn by v1, tagged with the mate's own v0
+
+        other = _engine(cfg, server.url, run="run-b")
+        other.update_params(_peaky(5, cfg), version=0, created_at=300.0)
+        drawn_by(other, 5, 0)
+        with pytest.raises(RemoteError, match=r"serves run 'run-b'.*this run's \('run-a'\)") as e:
+            asyncio.run(_one_turn(again, context))
+        assert "secret" not in str(e.value) and f"127.0.0.1:{server.port}" in str(e.value)
+        again.update_params(_peaky(7, cfg), version=2, created_at=250.0)  # run a resumed
+        assert loads() == 5
+        with pytest.raises(RemoteError, match="serves run 'run-a'"):
+            asyncio.run(_one_turn(other, context))
+        drawn_by(again, 7, 2)
+        again.update_params(_peaky(6, cfg), version=3, created_at=240.0)  # its clock went back
+        drawn_by(again, 6, 3)
+
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            folder = str(again._pushed[1])
+            for version, loaded in (("2", False), ("4", True)):
+                body = {"model_path": folder, "weight_version": version}
+                r = http.post("/update_weights_from_disk", json=body)
+                assert r.json()["message"].startswith("loaded" if loaded else "already at v3")
+        assert _health(server)["weight_version"] == "4"
+    finally:
+        server.close()
 
 
 def test_requests_the_sampler_cannot_run_are_refused_and_it_keeps_serving(tmp_path):
@@ -582,11 +685,21 @@ def test_a_lagging_actor_never_moves_the_servers_weights_back(tmp_path):
         np.testing.assert_allclose(
             logprobs, _turn_logprobs(cfg, _peaky(3, cfg), [TOK.bos_id], tokens), atol=LOGPROB_ATOL
         )
+        # The restore named v3's publish time: a mate with a record of its own, late with
+        # v2 (published before v3, after the lagging actor's v1), moves nothing back.
+        mate = _engine(cfg, server.url, run="run", actor="actor-2", weights_dir="")
+        mate.update_params(_peaky(2, cfg), version=2, digest=_digest(2), created_at=102.0)
+        assert _health(server)["weight_version"] == "3"
 
-        pushed = _pushes(server)  # 1: the restore
+        pushed = _pushes(server)  # 2: the restore, the mate's
         again = _engine(cfg, server.url, run="run", actor="actor-0")  # the run re-created
         again.update_params(_peaky(9, cfg), version=1, digest=_digest(9), created_at=200.0)
         assert _pushes(server) == pushed + 1 and again.loads_skipped == 0
+        tokens, logprobs, version = asyncio.run(_one_turn(again, [TOK.bos_id]))
+        assert version == 1  # loaded: published after the v3 the server held
+        np.testing.assert_allclose(
+            logprobs, _turn_logprobs(cfg, _peaky(9, cfg), [TOK.bos_id], tokens), atol=LOGPROB_ATOL
+        )
         restarted = _engine(cfg, server.url, run="run", actor="actor-1")  # after the record
         restarted.update_params(_peaky(9, cfg), version=1, digest=_digest(9), created_at=200.0)
         assert _pushes(server) == pushed + 2
@@ -821,11 +934,59 @@ def test_a_lora_run_loads_its_adapters_by_name(tmp_path):
 
         server.close()
         server = _Server(cfg, port=port)  # holds no adapter: the turn is a 404
-        tokens, logprobs, version = asyncio.run(_one_turn(ahead, context))
-        assert version == 3 and _health(server)["weight_version"] == "3"
+        tokens, logprobs, version = asyncio.run(_one_turn(late, context))
+        assert version == 1 and _health(server)["weight_version"] == "3"
         np.testing.assert_allclose(
             logprobs, _lora_turn_logprobs(cfg, ad[3], context, tokens), atol=LOGPROB_ATOL
         )
+        # The restore named v3's publish time, not the late mate's own v1's: another mate
+        # with a record of its own, late with v2, moves nothing back.
+        mate = _engine(cfg, server.url, run="run", actor="actor-9", lora=lora, weights_dir="")
+        push(mate, 2)
+        assert _health(server)["weight_version"] == "3"
+        tokens, logprobs, version = asyncio.run(_one_turn(ahead, context))
+        assert version == 3
+        np.testing.assert_allclose(
+            logprobs, _lora_turn_logprobs(cfg, ad[3], context, tokens), atol=LOGPROB_ATOL
+        )
+    finally:
+        server.close()
+
+
+def test_a_lora_server_kept_across_runs_serves_each_turn_its_own_runs_adapter(tmp_path):
+    """A LoRA run re-created under the same URI names its adapters as the old run did
+    (`<run>-v0`, ...): the one published later loads (vLLM's "already loaded" would have
+    served the old run's). The next run's adapter drops the names of the run before, whose
+    actor's next turn then finds its adapter gone (a 404) and loads it again: each turn is
+    drawn by its own run's adapter."""
+    cfg = _lora_cfg(tmp_path)
+    lora = lora_spec(cfg.model)
+    context = [TOK.bos_id, *TOK.encode("q3")]
+    server = _Server(cfg)
+
+    def push(engine: RemoteEngine, seed: int, v: int, t: float) -> None:
+        engine.update_params(_adapters(cfg, seed), version=v, only=nnx.LoRAParam, created_at=t)
+
+    def drawn_by(engine: RemoteEngine, seed: int) -> None:
+        tokens, logprobs, version = asyncio.run(_one_turn(engine, context))
+        assert version == 0
+        expected = _lora_turn_logprobs(cfg, _adapters(cfg, seed), context, tokens)
+        np.testing.assert_allclose(logprobs, expected, atol=LOGPROB_ATOL)
+
+    try:
+        first = _engine(cfg, server.url, run="run-a", lora=lora)
+        push(first, 1, 0, 100.0)
+        push(first, 2, 1, 101.0)
+        again = _engine(cfg, server.url, run="run-a", lora=lora)  # re-created
+        push(again, 9, 0, 200.0)
+        drawn_by(again, 9)
+        assert again._pushed[2] == "run-a-v0"
+        other = _engine(cfg, server.url, run="run-b", lora=lora)
+        push(other, 5, 0, 300.0)
+        models = {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+        assert models == {cfg.model.served_name, "run-b-v0"}
+        drawn_by(again, 9)
+        drawn_by(other, 5)
     finally:
         server.close()
 
@@ -978,11 +1139,11 @@ def test_a_folder_removed_before_the_server_read_it_is_written_again(tmp_path, m
     push = RemoteEngine._push
     removed = []
 
-    async def removed_first(self, folder, name, version):
+    async def removed_first(self, folder, name, version, created_at):
         if not removed:  # the other actor's clean-up, just before this push
             removed.append(folder)
             shutil.rmtree(folder)
-        return await push(self, folder, name, version)
+        return await push(self, folder, name, version, created_at)
 
     monkeypatch.setattr(RemoteEngine, "_push", removed_first)
     try:

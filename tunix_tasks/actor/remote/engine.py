@@ -41,6 +41,12 @@ its `ServerRecord`, shared_disk.py), and each records what the server then holds
 actor whose snapshot a fleet mate pushed since it started, or that lags (the record
 holds one the learner published later), pushes nothing: each snapshot is loaded once,
 and the server's weights never go back, a restore after a restart included.
+
+A server serves one run: each push names the run and when the learner published it;
+`tunix-tasks serve` gives itself to the run that pushes last (`wire.supersedes`) and
+names that run in its replies. A reply naming another run (the next run took over a
+server kept running, or two live runs were given one) is a `RemoteError`: the actor
+stops, no turn of another run's weights recorded.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import numpy as np
@@ -81,6 +88,7 @@ from tunix_tasks.actor.remote.wire import (
     adapter_request,
     completion_request,
     parse_completion,
+    served_run,
     served_version,
     weights_request,
 )
@@ -247,6 +255,7 @@ class RemoteEngine:
                     version, _, adapter = self._pushed or (-1, None, None)
                     body["model"] = body["lora_path"] = adapter
                     continue
+                self._same_run(reply)
                 served = served_version(reply)
                 if served is None or served >= version:
                     break
@@ -264,6 +273,18 @@ class RemoteEngine:
         turn = parse_completion(reply, vocab_size=self._spec.vocab_size)
         return turn.tokens, turn.logprobs, version
 
+    def _same_run(self, reply: Any) -> None:
+        """RemoteError when the server says it holds another run's weights (module
+        docstring); a server that does not say (vLLM, SGLang) is taken at its word."""
+        run = served_run(reply)
+        if run is not None and run != self._run_folder:
+            where = urlsplit(self.url).netloc.rpartition("@")[2]  # never a URL's credentials
+            raise RemoteError(
+                f"the server at {where} now serves run {short_repr(run)}'s weights, not this "
+                f"run's ({self._run_folder!r}): it serves the run that pushed to it last; "
+                "give each live run its own server (actor.remote.url)"
+            )
+
     async def _restore(self, served: int) -> None:
         if self._pushed is not None and self._pushed[2] is not None:
             return await self._restore_adapter(self._pushed[2])  # adapters go by name
@@ -274,13 +295,13 @@ class RemoteEngine:
             version, folder, _ = pushed
             # An actor ahead of this one had it load a later snapshot: restore that one, not
             # this actor's own (the server's weights must not go back).
-            held = self._record.read()
-            if held is not None and held["created_at"] > self._pushed_created_at:
+            created_at, held = self._pushed_created_at, self._record.read()
+            if held is not None and held["created_at"] > created_at:
                 later = self._shared(held["version"], held["digest"])
                 if (later / WEIGHTS_FILE).is_file():
-                    version, folder = held["version"], later
+                    version, folder, created_at = held["version"], later, held["created_at"]
             log.warning("the server serves v%d, not v%d: pushing v%d", served, pushed[0], version)
-            body = weights_request(str(folder.resolve()), version=version)
+            body = self._weights_request(folder, version, created_at)
             assert self._client is not None
             try:
                 reply = await self._call(self._client, "POST", self.cfg.weights_route, body)
@@ -290,6 +311,12 @@ class RemoteEngine:
                 raise
             if not isinstance(reply, dict) or reply.get("success") is not True:
                 raise RemoteError(f"the server refused v{version} again: {str(reply)[:300]}")
+            self._same_run(reply)
+
+    def _weights_request(self, folder: Path, version: int, created_at: float) -> dict[str, Any]:
+        return weights_request(
+            str(folder.resolve()), version=version, run=self._run_folder, created_at=created_at
+        )
 
     # -- weights -------------------------------------------------------------------
     def update_params(
@@ -340,7 +367,7 @@ class RemoteEngine:
                     used = self._load_shared(folder, version, digest, created_at, fill, name)
                 else:
                     used = (self._write(folder, fill), name)
-                    self._load(*used, version)
+                    self._load(*used, version, created_at)
                 break
             except RemoteError as err:
                 # Found, then removed by the clean-up of an actor two versions ahead before
@@ -369,13 +396,15 @@ class RemoteEngine:
     def _adapter_name(self, version: int) -> str:
         return f"{self._run_folder}-v{version}"
 
-    def _load(self, folder: Path, name: str | None, version: int) -> None:
-        """Have the server load `folder`: as weights `version`, or as adapter `name`."""
-        reply = asyncio.run(self._push(folder, name, version))
+    def _load(self, folder: Path, name: str | None, version: int, created_at: float) -> None:
+        """Have the server load `folder`: as weights `version`, or as adapter `name`;
+        RemoteError when it says it holds another run's."""
+        reply = asyncio.run(self._push(folder, name, version, created_at))
         if name is None and (not isinstance(reply, dict) or reply.get("success") is not True):
             raise ValueError(f"the server refused weights v{version}: {str(reply)[:300]}")
         if isinstance(reply, dict) and reply.get("success") is False:  # SGLang's refusal
             raise ValueError(f"the server refused adapter {name}: {str(reply)[:300]}")
+        self._same_run(reply)
 
     def _load_shared(
         self,
@@ -423,7 +452,7 @@ class RemoteEngine:
                 return found or (folder, name)
             before = record.read() or {"version": None, "previous": None}
             again = before["version"] == version  # a restarted actor's push of the same
-            self._load(folder, name, version)
+            self._load(folder, name, version, created_at)
             record.write(
                 version=version,
                 digest=digest,
@@ -491,17 +520,21 @@ class RemoteEngine:
                 with contextlib.suppress(OSError):  # another actor removed it first
                     (shutil.rmtree if entry.is_dir() else os.unlink)(entry)
 
-    async def _push(self, folder: Path, name: str | None, version: int) -> Any:
+    async def _push(self, folder: Path, name: str | None, version: int, created_at: float) -> Any:
         async with self._http() as client:
             if name is None:
-                body = weights_request(str(folder.resolve()), version=version)
+                body = self._weights_request(folder, version, created_at)
                 return await self._call(client, "POST", self.cfg.weights_route, body)
-            return await self._push_adapter(client, folder, name)
+            return await self._push_adapter(client, folder, name, created_at)
 
-    async def _push_adapter(self, client: aiohttp.ClientSession, folder: Path, name: str) -> Any:
+    async def _push_adapter(
+        self, client: aiohttp.ClientSession, folder: Path, name: str, created_at: float
+    ) -> Any:
         """Load the PEFT `folder` as adapter `name`: the reply (vLLM's is text), None if
         the server has it already (vLLM's 400 "... has already been loaded")."""
-        body = adapter_request(name, str(folder.resolve()))
+        body = adapter_request(
+            name, str(folder.resolve()), run=self._run_folder, created_at=created_at
+        )
         try:
             return await self._call(client, "POST", self.cfg.adapter_route, body, json_only=False)
         except RemoteError as err:
@@ -526,16 +559,18 @@ class RemoteEngine:
             if pushed is None or pushed[2] != name:  # a newer push replaced it
                 return
             version, folder = pushed[0], pushed[1]
-            held = self._record.read()
-            if held is not None and held["created_at"] >= self._pushed_created_at:
+            created_at, held = self._pushed_created_at, self._record.read()
+            if held is not None and held["created_at"] >= created_at:
                 later = self._shared(held["version"], held["digest"])
                 if (later / ADAPTER_FILE).is_file():
                     folder, name = later, self._adapter_name(held["version"])
+                    created_at = held["created_at"]
             log.warning("the server does not hold this actor's adapter: loading %s", name)
             assert self._client is not None
-            reply = await self._push_adapter(self._client, folder, name)
+            reply = await self._push_adapter(self._client, folder, name, created_at)
             if isinstance(reply, dict) and reply.get("success") is False:
                 raise RemoteError(f"the server refused adapter {name} again: {str(reply)[:300]}")
+            self._same_run(reply)
             if self._pushed is pushed:  # a push from the reload thread meanwhile wins
                 self._pushed = (version, folder, name)
 

@@ -8,8 +8,11 @@ run against it. The routes are the subset vLLM and SGLang serve (wire.py):
                                      "seed", "logprobs", "return_tokens_as_token_ids",
                                      "user"} -> text_completion: choices[0].token_ids,
                                      .logprobs.tokens / .token_logprobs, "weight_version"
-    POST /update_weights_from_disk  {"model_path", "weight_version"} -> {"success", "message"}
-    POST /v1/load_lora_adapter      {"lora_name": "<name>-v<N>", "lora_path"} (a LoRA run)
+    POST /update_weights_from_disk  {"model_path", "weight_version", "weight_run",
+                                     "created_at"} -> {"success", "message",
+                                     "weight_version", "weight_run"}
+    POST /v1/load_lora_adapter      {"lora_name": "<name>-v<N>", "lora_path", "weight_run",
+                                     "created_at"} (a LoRA run)
     POST /v1/unload_lora_adapter    {"lora_name"}; a turn's "model" names a loaded adapter
     GET  /v1/models, GET /health    {"status", "weight_version", "weights": {"pushes",
                                      "loads"}, "compile_count", "sampler"}; a 503 with
@@ -21,18 +24,25 @@ greedy; the sampler stops at the run's chat format's stop ids (`stop_token_ids` 
 read). A weights folder is read as safetensors only (never unpickled), checked against
 the model's names and shapes before it replaces anything, and swapped in between two
 decode steps: a turn decoding across it reports the older version. Every actor of a fleet
-pushes each version: a version at or below the loaded one is acknowledged without a load,
-so the server's weights never go back. A LoRA run's adapters (vLLM's routes) load as
-its sampler's LoRA params, their version from the name's `-v<N>`; the sampler holds one
-set, so a turn naming an older adapter gets the newest (its reply says which version),
-and one naming an adapter it does not hold is a 404, as vLLM's (it holds the names of the
-`KEEP_ADAPTERS` loaded last). Refusals are OpenAI error bodies (actor/endpoint/server.py);
-with an API key every route needs the bearer.
+pushes each version: one the held snapshot supersedes (`wire.supersedes`: of the same
+run, a version at or below it published no later) is acknowledged without a load, so the
+server's weights never go back. Another run's push loads: the run that pushes last has
+the server (the next run on a server kept running, a run resumed after another used it),
+and so does a run re-created under the same URI (versions from 0 again, published
+later). Every reply names the run whose weights it holds (`weight_run`), so an actor of
+the run it replaced stops with a clear error instead of sampling another run's weights.
+A LoRA run's adapters (vLLM's routes) load as its sampler's LoRA params, their version
+from the name's `-v<N>`; the sampler holds one set, so a turn naming an older adapter of
+the run gets the newest (its reply says which version), and one naming an adapter it
+does not hold is a 404, as vLLM's (it holds the names of the `KEEP_ADAPTERS` loaded last,
+of the run it serves). Refusals are OpenAI error bodies (actor/endpoint/server.py); with
+an API key every route needs the bearer.
 
 What it is sent is checked before the engine thread sees it (an error there stops the
 engine, and every later turn fails): a turn's settings within the sampler's bounds
-(`_parse`), versions of at most 18 ASCII digits, a folder's files read only as regular
-files no larger than the model's tensors take (`_safetensors`), every value finite.
+(`_parse`), versions of at most 18 ASCII digits, publish times before tomorrow, run
+names of printable ASCII, a folder's files read only as regular files no larger than the
+model's tensors take (`_safetensors`), every value finite.
 
     asyncio.run(serve(cfg, host="0.0.0.0", port=8000, api_key=key))
 """
@@ -41,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import re
 import signal
@@ -62,7 +73,14 @@ from starlette.routing import Route
 from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
 from tunix_tasks.actor.endpoint.server import ERROR_HANDLERS, EndpointServer, bearer, json_object
 from tunix_tasks.actor.endpoint.wire import ApiError, validated
-from tunix_tasks.actor.remote.wire import ADAPTER_CONFIG, ADAPTER_FILE, WEIGHTS_FILE, token_label
+from tunix_tasks.actor.remote.wire import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
+    WEIGHTS_FILE,
+    publish_time_problem,
+    supersedes,
+    token_label,
+)
 from tunix_tasks.config import RunConfig
 from tunix_tasks.policy.build import build_actor_sampler, lora_spec
 from tunix_tasks.policy.chat import ChatFormat
@@ -93,6 +111,8 @@ __all__ = [
     "read_weights",
     "serve",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class CompletionRequest(BaseModel):
@@ -177,19 +197,52 @@ def read_weights(folder: Path, spec: DecoderSpec) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class Loaded:
-    """The weights version the server holds (-1: the base it started with), the weights
-    pushes it was asked for and the loads they made (`GET /health`), and a LoRA run's
-    adapter names it serves, each with its version: the `KEEP_ADAPTERS` loaded last."""
+    """The weights the server holds: their version (-1: the base it started with), the
+    run they are of and when it published them (None and 0 for the base, or a push that
+    does not say); the weights pushes it was asked for and the loads they made (`GET
+    /health`); and a LoRA run's adapter names it serves, each with its version: the
+    `KEEP_ADAPTERS` loaded last."""
 
     version: int = -1
+    run: str | None = None
+    created_at: float = 0.0
     pushes: int = 0
     loads: int = 0
     adapters: dict[str, int] = dataclasses.field(default_factory=dict)
 
+    def superseded_by(self, run: str | None, created_at: float, version: int) -> bool:
+        """Whether a push of this snapshot loads (`wire.supersedes`)."""
+        return supersedes(run, created_at, version, held=(self.run, self.created_at, self.version))
+
+    def hold(self, version: int, run: str | None, created_at: float) -> None:
+        """The snapshot just loaded; another run's replaces that run's adapter names."""
+        if run != self.run:
+            if self.run is not None:
+                log.warning(
+                    "now serving run %s's v%d (it held run %s's v%d): that run's actors stop",
+                    run,
+                    version,
+                    self.run,
+                    self.version,
+                )
+            self.adapters.clear()
+        self.version, self.run, self.created_at = version, run, created_at
+        self.loads += 1
+
+    def identity(self) -> dict[str, str]:
+        """Whose weights a reply was drawn by: `weight_version`, and `weight_run` once a
+        push named one."""
+        held = {"weight_version": str(self.version)}
+        return held if self.run is None else held | {"weight_run": self.run}
+
 
 # A pushed version: ASCII digits ("²".isdigit() is true too), fewer than 19. A larger one
-# would be loaded once, then every later push acknowledged "already at" it: frozen weights.
+# would be loaded once, then every later push of the run acknowledged "already at" it
+# (but one published later): frozen weights.
 _VERSION = re.compile(r"[0-9]{1,18}")
+# A run as a push names it (`run_weights_folder`: `<run_name>-<8 hex>`): echoed in replies
+# and logged, so printable ASCII only.
+_RUN = re.compile(r"[\x21-\x7e]{1,256}")
 _ADAPTER_NAME = re.compile(r".*-v([0-9]{1,18})")
 MAX_ADAPTER_NAME = 256  # characters of a lora_name
 KEEP_ADAPTERS = 8  # adapter names served: the ones loaded last (older ones are a 404)
@@ -205,6 +258,19 @@ def _version(value: object) -> int:
             f"weight_version: a non-negative integer of at most 18 digits, got {short_repr(value)}"
         )
     return int(text)
+
+
+def _whose(data: dict[str, Any]) -> tuple[str | None, float]:
+    """A push's `weight_run` and `created_at` (None and 0 when it does not say: vLLM's
+    and SGLang's callers); ValueError naming a bad one."""
+    run, created_at = data.get("weight_run"), data.get("created_at", 0.0)
+    if run is not None and (not isinstance(run, str) or _RUN.fullmatch(run) is None):
+        raise ValueError(
+            f"weight_run {short_repr(run)}: the run's name, 1 to 256 printable ASCII characters"
+        )
+    if problem := publish_time_problem(created_at):
+        raise ValueError(problem)
+    return run, float(created_at)
 
 
 def read_adapter(folder: Path, spec: DecoderSpec, lora: LoraSpec) -> dict[str, Any]:
@@ -299,6 +365,9 @@ def build_app(
                     "completion_tokens": len(s.tokens),
                     "total_tokens": len(req.prompt) + len(s.tokens),
                 },
+                # The version that drew it; the run held now (a turn decoding across a
+                # switch of runs is of the run switched from: its actor stops).
+                **loaded.identity(),
                 "weight_version": str(s.version),
             }
         )
@@ -312,22 +381,23 @@ def build_app(
             if not isinstance(path, str) or not path:
                 raise ValueError("model_path: required (a checkpoint folder on this machine)")
             v = _version(version)
+            run, created_at = _whose(data)
             loaded.pushes += 1
             # Every actor of a fleet pushes each version: load it once, never go back. A
-            # version held already waits for no load under way.
+            # snapshot held already waits for no load under way.
             message = None
-            if v > loaded.version:
+            if loaded.superseded_by(run, created_at, v):
                 async with one_load:
-                    if v > loaded.version:  # the load that held the lock may have passed it
+                    # The load that held the lock may have passed it.
+                    if loaded.superseded_by(run, created_at, v):
                         flat = await asyncio.to_thread(read_weights, Path(path), spec)
                         await policy.between_steps(lambda: sampler.update_params(flat, version=v))
-                        loaded.version, message = v, f"loaded {path}"
-                        loaded.loads += 1
+                        loaded.hold(v, run, created_at)
+                        message = f"loaded {path}"
         except ValueError as err:  # nothing was swapped
             return JSONResponse({"success": False, "message": str(err)}, status_code=400)
-        current = str(loaded.version)
-        message = message or f"already at v{current}"
-        return JSONResponse({"success": True, "message": message, "weight_version": current})
+        message = message or f"already at v{loaded.version}"
+        return JSONResponse({"success": True, "message": message, **loaded.identity()})
 
     async def load_adapter(request: Request) -> JSONResponse:
         data = await json_object(request, max_request_bytes)
@@ -345,23 +415,25 @@ def build_app(
                     f"lora_name {short_repr(name)}: <name>-v<version> (the remote engine's), "
                     f"at most {MAX_ADAPTER_NAME} characters and a version of at most 18 digits"
                 )
-            if name in loaded.adapters:  # vLLM's refusal, word for word
-                raise ValueError(f"The lora adapter '{name}' has already been loaded.")
             v = int(m[1])
+            run, created_at = _whose(data)
+            # vLLM's refusal, word for word; a name a re-created run gives again loads.
+            if name in loaded.adapters and not loaded.superseded_by(run, created_at, v):
+                raise ValueError(f"The lora adapter '{name}' has already been loaded.")
             flat = await asyncio.to_thread(read_adapter, Path(path), spec, lora)  # checked
             async with one_load:
-                # Older names stay served, by the newest adapter: never back.
-                if v > loaded.version:
+                # Older names of the run stay served, by the newest adapter: never back.
+                if loaded.superseded_by(run, created_at, v):
                     update = partial(sampler.update_params, flat, version=v, only=nnx.LoRAParam)
                     await policy.between_steps(update)
-                    loaded.version = v
-                    loaded.loads += 1
+                    loaded.hold(v, run, created_at)
                 loaded.adapters[name] = v
                 for old in list(loaded.adapters)[:-KEEP_ADAPTERS]:  # bounded: forgotten
                     del loaded.adapters[old]
         except ValueError as err:  # nothing was swapped
             raise ApiError(400, str(err), param="lora_name") from None
-        return JSONResponse({"success": True, "message": f"Success: LoRA adapter '{name}' added"})
+        added = f"Success: LoRA adapter '{name}' added"
+        return JSONResponse({"success": True, "message": added, **loaded.identity()})
 
     async def unload_adapter(request: Request) -> JSONResponse:
         name = (await json_object(request, max_request_bytes)).get("lora_name")
@@ -382,7 +454,7 @@ def build_app(
 
     async def health(_request: Request) -> JSONResponse:
         # The compile count tells a benchmark (or an operator) nothing compiles in steady state.
-        body: dict[str, Any] = {"status": "ok", "weight_version": str(loaded.version)}
+        body: dict[str, Any] = {"status": "ok", **loaded.identity()}
         body["weights"] = {"pushes": loaded.pushes, "loads": loaded.loads}
         work = dataclasses.asdict(sampler.stats) | {"engine_steps": policy.calls}
         body |= {"compile_count": sampler.compile_count, "sampler": work}

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from tunix_tasks.actor.remote.wire import publish_time_problem
 from tunix_tasks.storage.snapshot_format import short_repr
 from tunix_tasks.untrusted import json_loads, read_regular
 
@@ -183,7 +184,6 @@ def _server_key(url: str) -> str:
 _RECORD_BYTES = 1 << 16  # a record is ~150 bytes
 DIGEST = re.compile(r"[0-9a-f]{64}")  # a manifest's sha256, as the engine writes it
 _MAX_VERSION = 2**53  # a JSON number's exact ints
-_FUTURE_S = 86400.0  # a snapshot published further ahead of this clock is no record
 
 
 def _version(value: Any) -> bool:
@@ -201,10 +201,7 @@ def _record_problem(held: Any) -> str | None:
         return f"version is not an int in [0, 2**53): {short_repr(held.get('version'))}"
     if not isinstance(held.get("digest"), str) or not DIGEST.fullmatch(held["digest"]):
         return f"digest is not 64 lowercase hex: {short_repr(held.get('digest'))}"
-    created = held.get("created_at")
-    if type(created) not in (int, float) or not 0 <= created <= time.time() + _FUTURE_S:
-        return f"created_at is not a time before tomorrow: {short_repr(created)}"
-    return None
+    return publish_time_problem(held.get("created_at"))
 
 
 class ServerRecord:

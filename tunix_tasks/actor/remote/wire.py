@@ -16,14 +16,22 @@ breaks the contract raises `RemoteError` naming what is wrong.
 New weights reach the server as a Hugging Face checkpoint folder it loads by path
 (SGLang's `POST /update_weights_from_disk`):
 
-    weights_request("/shared/w/v3", version=3)  # {"model_path": ..., "weight_version": "3"}
-    # the folder holds WEIGHTS_FILE (HF names and layouts) and the base's config.json
+    weights_request("/shared/w/v3", version=3, run="run-1a2b3c4d", created_at=1.7e9)
+    # {"model_path", "weight_version": "3", "weight_run", "created_at"}: the folder holds
+    # WEIGHTS_FILE (HF names and layouts) and the base's config.json
     # reply: {"success": true, "message": "..."}; success false or a 4xx: refused
+
+`weight_run` (the run's folder name) and `created_at` (its manifest's publish time) say
+whose snapshot it is. vLLM and SGLang ignore both; `tunix-tasks serve` loads by them
+(`supersedes`: the run that pushes last has the server) and says whose weights drew a
+reply (`weight_run` beside `weight_version`): an actor of another run then stops
+(`served_run`).
 
 A LoRA run's new adapters reach it as a PEFT folder it loads under a name (vLLM's
 `POST /v1/load_lora_adapter`), which the turns then give as their `model`:
 
-    adapter_request("run-1a2b3c4d-v3", "/shared/w/v3")  # {"lora_name", "lora_path"}
+    adapter_request("run-1a2b3c4d-v3", "/shared/w/v3", run="run-1a2b3c4d", created_at=1.7e9)
+    # {"lora_name", "lora_path", "weight_run", "created_at"}
     # the folder holds ADAPTER_FILE and ADAPTER_CONFIG (policy/hf_adapters.py)
     # reply: 200 (vLLM: text; SGLang: {"success": true}); a 400 "already ... loaded": the
     # name is loaded; another 4xx or success false: refused
@@ -35,8 +43,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
+
+from tunix_tasks.storage.snapshot_format import short_repr
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -47,7 +58,10 @@ __all__ = [
     "adapter_request",
     "completion_request",
     "parse_completion",
+    "publish_time_problem",
+    "served_run",
     "served_version",
+    "supersedes",
     "token_label",
     "weights_request",
 ]
@@ -59,6 +73,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 _PREFIX = "token_id:"
 # A sampled token's log-prob is <= 0; servers' float32 rounding may put it a hair above.
 _LOGPROB_SLACK = 1e-3
+FUTURE_S = 86400.0  # a snapshot "published" further ahead of the reader's clock is refused
 
 
 class RemoteError(RuntimeError):
@@ -176,6 +191,41 @@ def served_version(body: Any) -> int | None:
         return None
 
 
+def served_run(body: Any) -> str | None:
+    """The run whose weights a reply says drew it or are held (`weight_run`, its folder
+    name as the push named it), None when the server does not say (vLLM, SGLang, or
+    `tunix-tasks serve` before a push naming a run)."""
+    run = body.get("weight_run") if isinstance(body, dict) else None
+    return run if isinstance(run, str) else None
+
+
+def publish_time_problem(value: Any) -> str | None:
+    """What makes `value` no publish time (a manifest's `created_at`), or None: a JSON
+    number from 0 to a day ahead of this clock. One further ahead (or Infinity, which
+    Python's JSON reads) would be later than every snapshot a re-created run publishes."""
+    if type(value) not in (int, float) or not 0 <= value <= time.time() + FUTURE_S:
+        return f"created_at is not a time before tomorrow: {short_repr(value)}"
+    return None
+
+
+def supersedes(
+    run: str | None, created_at: float, version: int, *, held: tuple[str | None, float, int]
+) -> bool:
+    """Whether a server holding the snapshot `held` (its run, publish time and version)
+    loads a push of (`run`, `created_at`, `version`), so that a fleet's pushes, which
+    arrive in any order, never move it back:
+    - a push that names no run (vLLM's and SGLang's callers): a higher version;
+    - another run's: always (the run that pushes last has the server: the next run on a
+      server kept running, or a run resumed after another used it);
+    - the held run's: a higher version (a run publishes its versions in order, whatever
+      its learners' clocks say), or one published later: the run re-created under the
+      same URI, counting from 0 again (a lagging fleet mate's is published earlier)."""
+    held_run, held_at, held_version = held
+    if run is None:
+        return version > held_version
+    return run != held_run or version > held_version or created_at > held_at
+
+
 def _parse_label(label: Any) -> int:
     if not isinstance(label, str) or not label.startswith(_PREFIX):
         raise RemoteError(
@@ -188,12 +238,20 @@ def _parse_label(label: Any) -> int:
         raise RemoteError(f"logprobs.tokens entry {label[:40]!r} has no integer id") from None
 
 
-def weights_request(model_path: str, *, version: int) -> dict[str, Any]:
+def weights_request(
+    model_path: str, *, version: int, run: str, created_at: float
+) -> dict[str, Any]:
     """The body that asks the server to load the checkpoint folder `model_path` as
-    weights `version`."""
-    return {"model_path": model_path, "weight_version": str(version)}
+    weights `version` of `run`, published at `created_at`."""
+    return {
+        "model_path": model_path,
+        "weight_version": str(version),
+        "weight_run": run,
+        "created_at": created_at,
+    }
 
 
-def adapter_request(name: str, path: str) -> dict[str, Any]:
-    """The body that asks the server to load the PEFT folder `path` as adapter `name`."""
-    return {"lora_name": name, "lora_path": path}
+def adapter_request(name: str, path: str, *, run: str, created_at: float) -> dict[str, Any]:
+    """The body that asks the server to load the PEFT folder `path` as adapter `name` of
+    `run`, published at `created_at`."""
+    return {"lora_name": name, "lora_path": path, "weight_run": run, "created_at": created_at}
