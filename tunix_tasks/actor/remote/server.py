@@ -219,9 +219,9 @@ class Loaded:
         if run != self.run:
             if self.run is not None:
                 log.warning(
-                    "now serving run %s's v%d (it held run %s's v%d): that run's actors stop",
-                    run,
+                    "now serving v%d of %s (it held run %s's v%d): that run's actors stop",
                     version,
+                    "a push naming no run" if run is None else f"run {run}",
                     self.run,
                     self.version,
                 )
