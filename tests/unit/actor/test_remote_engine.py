@@ -322,7 +322,8 @@ def test_actor_samples_through_the_server_and_follows_new_weights(tmp_path):
 def test_a_restarted_server_gets_the_weights_again(tmp_path):
     """The server restarts (back to its base weights): the engine notices from the
     reply's weight version, pushes the weights it pushed before, and asks again, so no
-    turn is recorded from the wrong weights."""
+    turn is recorded from the wrong weights. Eight turns that notice at once push once
+    (vLLM and SGLang would load each push)."""
     cfg = _cfg(tmp_path)
     v1 = _peaky(456, cfg)
     context = [TOK.bos_id, *TOK.encode("q3")]
@@ -338,11 +339,17 @@ def test_a_restarted_server_gets_the_weights_again(tmp_path):
         )
         server.close()
         server = _Server(cfg, port=port)  # fresh: the base weights, version -1
-        tokens, logprobs, version = asyncio.run(_one_turn(engine, context))
-        assert version == 1
-        np.testing.assert_allclose(
-            logprobs, _turn_logprobs(cfg, v1, context, tokens), atol=LOGPROB_ATOL
-        )
+
+        async def turns() -> list:
+            async with engine:
+                return await asyncio.gather(*(engine(context, session=i) for i in range(8)))
+
+        for tokens, logprobs, version in asyncio.run(turns()):
+            assert version == 1
+            np.testing.assert_allclose(
+                logprobs, _turn_logprobs(cfg, v1, context, tokens), atol=LOGPROB_ATOL
+            )
+        assert _pushes(server) == 1
     finally:
         server.close()
 

@@ -19,7 +19,8 @@ A turn carries the weights version that was current when it was asked for: a pus
 it decodes makes that the oldest version that drew its tokens (what the learner's
 staleness bound needs), and the server's log-probs are those of the weights that drew
 each token (what importance weights need). A server that reports older weights than
-were pushed (it restarted) gets them pushed again, and the turn is asked again.
+were pushed (it restarted) gets them pushed again, once for all the turns that noticed,
+and the turn is asked again.
 Unreachable or busy (429, 5xx), the server is asked again with backoff for `timeout_s`;
 then, or on a refusal, `RemoteError` stops the actor with the server's message. A push
 the server refuses with a 400 (bad shapes) is a ValueError: the weights client refuses
@@ -170,6 +171,7 @@ class RemoteEngine:
         self._requests = itertools.count()
         self._in_flight = 0
         self._restoring = asyncio.Lock()
+        self._restores = 0  # pushes a turn made after a restart: one per restart, not per turn
         # (version, its folder, its adapter name or None) the server acknowledged, set at
         # once (the event loop reads it while a reload thread pushes); the folder is kept
         # to push it again, the name is what turns give as their model.
@@ -244,6 +246,7 @@ class RemoteEngine:
         t0 = time.perf_counter()
         try:
             for attempt in range(2):
+                restores = self._restores  # as the turn is asked
                 try:
                     reply = await self._call(self._client, "POST", "/v1/completions", body)
                 except RemoteError as err:
@@ -265,7 +268,7 @@ class RemoteEngine:
                     )
                 # The server lost the pushed weights (it restarted): this turn came from
                 # others. Push them again and ask again.
-                await self._restore(served)
+                await self._restore(served, restores)
         finally:
             self._in_flight -= 1
         self.latency_s.append(time.perf_counter() - t0)
@@ -285,12 +288,16 @@ class RemoteEngine:
                 "give each live run its own server (actor.remote.url)"
             )
 
-    async def _restore(self, served: int) -> None:
+    async def _restore(self, served: int, restores: int) -> None:
+        """Push the weights again: the server serves `served`, older than this actor
+        pushed (it restarted). Once for all the turns that noticed at once: a turn asked
+        before a restore (`restores`: the count when it was asked) is asked again (vLLM
+        and SGLang load every push, a 16-32 GB read for an 8B model)."""
         if self._pushed is not None and self._pushed[2] is not None:
             return await self._restore_adapter(self._pushed[2])  # adapters go by name
-        async with self._restoring:  # one push for all the turns that noticed at once
+        async with self._restoring:
             pushed = self._pushed
-            if pushed is None or pushed[0] <= served:
+            if pushed is None or pushed[0] <= served or self._restores != restores:
                 return
             version, folder, _ = pushed
             # An actor ahead of this one had it load a later snapshot: restore that one, not
@@ -312,6 +319,7 @@ class RemoteEngine:
             if not isinstance(reply, dict) or reply.get("success") is not True:
                 raise RemoteError(f"the server refused v{version} again: {str(reply)[:300]}")
             self._same_run(reply)
+            self._restores += 1
 
     def _weights_request(self, folder: Path, version: int, created_at: float) -> dict[str, Any]:
         return weights_request(
