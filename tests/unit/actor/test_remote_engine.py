@@ -1017,7 +1017,8 @@ def test_adapter_pushes_are_checked_and_the_names_kept_are_bounded(tmp_path):
     whose version is not ASCII digits below 10**18, an adapter_config.json that is a
     FIFO, over 1 MiB, nested too deeply or of a shape PEFT's parser would not make, or a
     NaN tensor. The server keeps the newest `KEEP_ADAPTERS` names it loaded: older ones
-    are a 404, as an unloaded adapter is."""
+    are a 404, as an unloaded adapter is. Once one is loaded, a turn naming the base model
+    is a 400: the sampler holds the adapter's weights, not the base's alone."""
     cfg = _lora_cfg(tmp_path)
     server = _Server(cfg)
     good = _peft_folder(tmp_path / "good", cfg)
@@ -1047,12 +1048,17 @@ def test_adapter_pushes_are_checked_and_the_names_kept_are_bounded(tmp_path):
                 assert "at most 18 digits" in _refused(load(name), "lora_name")
             for reason, path in bad.items():
                 assert reason in _refused(load("x-v1", path), "lora_name"), reason
+            turn = {"prompt": [TOK.bos_id], "max_tokens": 2}
+            assert http.post("/v1/completions", json=turn).status_code == 200  # the base
             names = [f"x-v{v}" for v in range(1, KEEP_ADAPTERS + 3)]
             for name in names:
                 assert load(name).status_code == 200
             models = {m["id"] for m in http.get("/v1/models").json()["data"]}
             assert models == {cfg.model.served_name, *names[-KEEP_ADAPTERS:]}
-            turn = {"prompt": [TOK.bos_id], "max_tokens": 2}
+            # The base alone is no longer what it samples: never served under its name.
+            for base in ({}, {"model": cfg.model.served_name}):
+                r = http.post("/v1/completions", json=turn | base)
+                assert "not the base model alone: name an adapter" in _refused(r, "model")
             assert http.post("/v1/completions", json=turn | {"model": names[0]}).status_code == 404
             r = http.post("/v1/completions", json=turn | {"model": names[-1]})
             assert r.status_code == 200 and r.json()["weight_version"] == str(len(names))

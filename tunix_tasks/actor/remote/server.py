@@ -33,9 +33,10 @@ later). Every reply names the run whose weights it holds (`weight_run`), so an a
 the run it replaced stops with a clear error instead of sampling another run's weights.
 A LoRA run's adapters (vLLM's routes) load as its sampler's LoRA params, their version
 from the name's `-v<N>`; the sampler holds one set, so a turn naming an older adapter of
-the run gets the newest (its reply says which version), and one naming an adapter it
-does not hold is a 404, as vLLM's (it holds the names of the `KEEP_ADAPTERS` loaded last,
-of the run it serves). Refusals are OpenAI error bodies (actor/endpoint/server.py); with
+the run gets the newest (its reply says which version), one naming an adapter it does
+not hold is a 404, as vLLM's (it holds the names of the `KEEP_ADAPTERS` loaded last, of
+the run it serves), and once one is loaded, one naming the base model is a 400 (vLLM
+would sample the base alone). Refusals are OpenAI error bodies (actor/endpoint/server.py); with
 an API key every route needs the bearer.
 
 What it is sent is checked before the engine thread sees it (an error there stops the
@@ -315,6 +316,15 @@ def build_app(
         if lora is not None and named and req.model not in loaded.adapters:
             # vLLM's answer for an adapter it does not hold (unloaded, or it restarted).
             raise ApiError(404, f"The model `{req.model}` does not exist.", param="model")
+        if lora is not None and not named and loaded.version >= 0:
+            # vLLM would sample the base alone; the sampler holds one set of weights, the
+            # adapter's: refused, not served under the base's name.
+            raise ApiError(
+                400,
+                f"this server samples with the adapter it loaded last (v{loaded.version}), "
+                f"not the base model alone: name an adapter ({', '.join(loaded.adapters)})",
+                param="model",
+            )
         if policy.failed is not None:  # every turn would raise its error: say what to do
             raise ApiError(
                 503,
