@@ -814,8 +814,12 @@ def test_a_record_the_engine_would_not_write_is_no_record(tmp_path, caplog, kind
     (the actor pushes), logged once; it never hangs, raises, or names a folder outside
     the run's."""
     record = shared_disk.ServerRecord(tmp_path, "http://inference:8000")
-    record.write(version=3, digest=_digest(3), created_at=100.0, writer="a")
-    assert record.read()["digest"] == _digest(3)
+    record.write(version=3, digest=_digest(3), created_at=100.0, writer="a", previous=(2, "f" * 64))
+    assert record.read()["digest"] == _digest(3) and record.read()["previous"] == (2, "f" * 64)
+    for previous in (2, {"version": 2, "digest": "/../evil00"}):  # older engines', poisoned
+        held = json.loads(record.path.read_text()) | {"previous": previous}
+        record.path.write_text(json.dumps(held))
+        assert record.read()["previous"] is None  # nothing to unload, still a record
     record.path.unlink()
     _bad_record(record.path, kind)
     assert record.read() is None and record.read() is None
@@ -906,7 +910,8 @@ def test_a_lora_run_loads_its_adapters_by_name(tmp_path):
 
         _all_at_once(fleet, lambda e: push(e, 1))
         assert _pushes(server) == 1 and sum(e.folders_written for e in fleet) == 1
-        assert {e._pushed[2] for e in fleet} == {"run-v1"}
+        named = {v: f"run-{_digest(v)[:8]}-v{v}" for v in (1, 2, 3)}  # apart from a re-created
+        assert {e._pushed[2] for e in fleet} == {named[1]}  # run's, which vLLM keeps serving
         assert sorted((tmp_path / "shared/run" / f"v1-{_digest(1)[:16]}").iterdir()) == [
             tmp_path / "shared/run" / f"v1-{_digest(1)[:16]}" / n
             for n in ("adapter_config.json", "adapter_model.safetensors")
@@ -921,18 +926,18 @@ def test_a_lora_run_loads_its_adapters_by_name(tmp_path):
         push(ahead, 3)
         assert _health(server)["weight_version"] == "3"
         models = {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
-        assert {"run-v2", "run-v3"} <= models and "run-v1" not in models  # v1 unloaded
+        assert {named[2], named[3]} <= models and named[1] not in models  # v1 unloaded
         # A mate still on v1: its adapter unloaded and its folder gone, its turn's 404 has
         # it name the newest adapter from now on (its tag stays v1).
         late = fleet[2]
         tokens, logprobs, version = asyncio.run(_one_turn(late, context))
-        assert version == 1 and late._pushed[2] == "run-v3"
+        assert version == 1 and late._pushed[2] == named[3]
         np.testing.assert_allclose(
             logprobs, _lora_turn_logprobs(cfg, ad[3], context, tokens), atol=LOGPROB_ATOL
         )
         push(behind, 2)  # a version behind: the later adapter, no write, no push
         # (4 pushes: v1, v2, v3, and the late mate's of v3, answered "already loaded")
-        assert behind._pushed[2] == "run-v3" and behind.version == 2 and _pushes(server) == 4
+        assert behind._pushed[2] == named[3] and behind.version == 2 and _pushes(server) == 4
         tokens, logprobs, version = asyncio.run(_one_turn(behind, context))
         assert version == 2
         np.testing.assert_allclose(

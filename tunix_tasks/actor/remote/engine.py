@@ -339,7 +339,7 @@ class RemoteEngine:
         """Write `flat` as a Hugging Face checkpoint folder, or (`only=nnx.LoRAParam`, a
         LoRA run's adapters) as a PEFT folder, or find it written by another actor of the
         run (same `digest`), and have the server load it: a checkpoint as the weights, an
-        adapter under its name `<run folder>-v<N>`, which turns then give as their model.
+        adapter under its name (`_adapter_name`), which turns then give as their model.
         Unless another actor of the run had it load this snapshot, or one the learner
         published later (`created_at`: this actor lags; it uses that one). From a thread
         without a running event loop: the runtime's reload. A `digest` that is not a
@@ -351,7 +351,7 @@ class RemoteEngine:
             folder = self._shared(version, digest)
         else:  # nothing names the content: a folder of this actor's, written afresh
             folder = self.weights_dir / f"v{version}-{self._actor_id}"
-        name = self._adapter_name(version) if adapter else None
+        name = self._adapter_name(version, digest) if adapter else None
 
         def fill(into: Path) -> None:  # the folder's files
             try:
@@ -401,8 +401,12 @@ class RemoteEngine:
         assert folder.parent == self.weights_dir, folder
         return folder
 
-    def _adapter_name(self, version: int) -> str:
-        return f"{self._run_folder}-v{version}"
+    def _adapter_name(self, version: int, digest: str) -> str:
+        """`<run folder>-<8 hex of the digest>-v<N>`: a run re-created under the same URI
+        names its snapshots apart from the old run's (vLLM keeps serving a name it holds);
+        `<run folder>-v<N>` without a digest."""
+        tag = f"-{digest[:8]}" if digest else ""
+        return f"{self._run_folder}{tag}-v{version}"
 
     def _load(self, folder: Path, name: str | None, version: int, created_at: float) -> None:
         """Have the server load `folder`: as weights `version`, or as adapter `name`;
@@ -444,7 +448,7 @@ class RemoteEngine:
                 if name is None:  # a restore pushes the record's, labelled as it is
                     return folder, None
                 later = self._shared(now["version"], now["digest"])
-                return later, self._adapter_name(now["version"])
+                return later, self._adapter_name(now["version"], now["digest"])
             same = (now["version"], now["digest"]) == (version, digest)
             return (folder, name) if same and now["written"] >= self._started else None
 
@@ -458,18 +462,19 @@ class RemoteEngine:
             if not mine or (found := held()) is not None:  # it may have landed meanwhile
                 self.loads_skipped += 1
                 return found or (folder, name)
-            before = record.read() or {"version": None, "previous": None}
-            again = before["version"] == version  # a restarted actor's push of the same
+            before = record.read() or {"version": None, "digest": None, "previous": None}
+            held_before = (before["version"], before["digest"])
+            again = held_before == (version, digest)  # a restarted actor's push of the same
             self._load(folder, name, version, created_at)
             record.write(
                 version=version,
                 digest=digest,
                 created_at=created_at,
                 writer=self._actor_id,
-                previous=before["previous"] if again else before["version"],
+                previous=before["previous"] if again or before["version"] is None else held_before,
             )
         if name is not None and not again and before["previous"] is not None:  # two back
-            asyncio.run(self._unload(self._adapter_name(before["previous"])))
+            asyncio.run(self._unload(self._adapter_name(*before["previous"])))
         return folder, name
 
     def _shared_folder(self, folder: Path, fill: Callable[[Path], None]) -> None:
@@ -571,7 +576,7 @@ class RemoteEngine:
             if held is not None and held["created_at"] >= created_at:
                 later = self._shared(held["version"], held["digest"])
                 if (later / ADAPTER_FILE).is_file():
-                    folder, name = later, self._adapter_name(held["version"])
+                    folder, name = later, self._adapter_name(held["version"], held["digest"])
                     created_at = held["created_at"]
             log.warning("the server does not hold this actor's adapter: loading %s", name)
             assert self._client is not None

@@ -195,13 +195,18 @@ def _record_problem(held: Any) -> str | None:
     digest names a folder (a path outside the run's folder would be pushed), and a
     `created_at` in the far future (or Infinity, which Python's JSON reads) would make
     every actor of the run lag behind it: no push again."""
+    return _snapshot_problem(held) or publish_time_problem(held.get("created_at"))
+
+
+def _snapshot_problem(held: Any) -> str | None:
+    """What makes `held` no {"version", "digest"} of a snapshot, or None."""
     if not isinstance(held, dict):
         return "not a JSON object"
     if not _version(held.get("version")):
         return f"version is not an int in [0, 2**53): {short_repr(held.get('version'))}"
     if not isinstance(held.get("digest"), str) or not DIGEST.fullmatch(held["digest"]):
         return f"digest is not 64 lowercase hex: {short_repr(held.get('digest'))}"
-    return publish_time_problem(held.get("created_at"))
+    return None
 
 
 class ServerRecord:
@@ -219,7 +224,8 @@ class ServerRecord:
     def read(self) -> dict[str, Any] | None:
         """{"version", "digest", "created_at", "previous"}, and "written" (the record's
         mtime); None when there is none or it is unreadable (a torn or foreign one, or one
-        with a field the engine would not write: then push)."""
+        with a field the engine would not write: then push). "previous": the (version,
+        digest) held before, or None."""
         try:
             held = json_loads(read_regular(self.path, _RECORD_BYTES))
             written = self.path.stat().st_mtime
@@ -231,7 +237,10 @@ class ServerRecord:
         if problem is not None:
             return self._unreadable(problem)
         previous = held.get("previous")
-        previous = previous if _version(previous) else None
+        if _snapshot_problem(previous) is None:
+            previous = (previous["version"], previous["digest"])
+        else:  # none, or a record of before digests named adapters
+            previous = None
         return {k: held[k] for k in self.FIELDS} | {"written": written, "previous": previous}
 
     def _unreadable(self, why: str) -> None:
@@ -246,14 +255,15 @@ class ServerRecord:
         digest: str,
         created_at: float,
         writer: str,
-        previous: int | None = None,
+        previous: tuple[int, str] | None = None,
     ) -> None:
         """Replace the record in one step (a reader sees the old one or the new one).
-        `previous`: the version it held before (a LoRA run's adapters: the one to unload
-        once the next is loaded)."""
+        `previous`: the (version, digest) it held before (a LoRA run's adapters: the one
+        to unload once the next is loaded)."""
         partial = self.path.with_name(f"{self.path.name}.{writer}.partial")
         body = {"version": version, "digest": digest, "created_at": created_at}
-        body["previous"] = previous
+        if previous is not None:
+            body["previous"] = {"version": previous[0], "digest": previous[1]}
         partial.write_text(json.dumps(body))
         try:
             partial.replace(self.path)

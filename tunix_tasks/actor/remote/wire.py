@@ -30,7 +30,8 @@ reply (`weight_run` beside `weight_version`): an actor of another run then stops
 A LoRA run's new adapters reach it as a PEFT folder it loads under a name (vLLM's
 `POST /v1/load_lora_adapter`), which the turns then give as their `model`:
 
-    adapter_request("run-1a2b3c4d-v3", "/shared/w/v3", run="run-1a2b3c4d", created_at=1.7e9)
+    adapter_request("run-1a2b3c4d-9f86d081-v3", "/shared/w/v3", run="run-1a2b3c4d",
+                    created_at=1.7e9)
     # {"lora_name", "lora_path", "weight_run", "created_at"}
     # the folder holds ADAPTER_FILE and ADAPTER_CONFIG (policy/hf_adapters.py)
     # reply: 200 (vLLM: text; SGLang: {"success": true}); a 400 "already ... loaded": the
