@@ -323,7 +323,7 @@ def test_a_restarted_server_gets_the_weights_again(tmp_path):
     """The server restarts (back to its base weights): the engine notices from the
     reply's weight version, pushes the weights it pushed before, and asks again, so no
     turn is recorded from the wrong weights. Eight turns that notice at once push once
-    (vLLM and SGLang would load each push)."""
+    (vLLM and SGLang would load each push), after each restart."""
     cfg = _cfg(tmp_path)
     v1 = _peaky(456, cfg)
     context = [TOK.bos_id, *TOK.encode("q3")]
@@ -344,12 +344,16 @@ def test_a_restarted_server_gets_the_weights_again(tmp_path):
             async with engine:
                 return await asyncio.gather(*(engine(context, session=i) for i in range(8)))
 
-        for tokens, logprobs, version in asyncio.run(turns()):
-            assert version == 1
-            np.testing.assert_allclose(
-                logprobs, _turn_logprobs(cfg, v1, context, tokens), atol=LOGPROB_ATOL
-            )
-        assert _pushes(server) == 1
+        for restart in range(2):  # each restart restored once
+            for tokens, logprobs, version in asyncio.run(turns()):
+                assert version == 1
+                np.testing.assert_allclose(
+                    logprobs, _turn_logprobs(cfg, v1, context, tokens), atol=LOGPROB_ATOL
+                )
+            assert _pushes(server) == 1
+            if restart == 0:
+                server.close()
+                server = _Server(cfg, port=port)
     finally:
         server.close()
 
@@ -472,6 +476,62 @@ def test_a_server_kept_across_runs_serves_the_run_that_published_last(tmp_path):
         assert _health(server)["weight_version"] == "4"
     finally:
         server.close()
+
+
+def test_a_turn_sampled_while_another_runs_weights_loaded_is_refused(tmp_path):
+    """A turn decoding while another run's push loads may hold tokens of both runs'
+    weights (and of a run switched away from and back, which no reply could name): a
+    409, never a reply its actor would record. A load of the same run's next version
+    mid-turn is a turn of the older version, as before."""
+    cfg = _cfg(tmp_path)
+    chat, sampler = build_actor_sampler(cfg)
+    gate, held, release = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_the_engine() -> None:  # before a step, on the engine thread
+        if gate.is_set():
+            gate.clear()
+            held.set()
+            assert release.wait(60)
+
+    async def main() -> list[int]:
+        # Segments of 16 tokens: a turn of 40 spans three steps, a load between them.
+        policy = BatchingPolicy(sampler, max_new_tokens=40, before_batch=hold_the_engine)
+        spec = sampler.model.spec
+        app = build_app(policy, loaded=Loaded(), chat=chat, spec=spec, model_name="m")
+        async with (
+            policy,
+            EndpointServer(app, host="127.0.0.1", port=0) as server,
+            httpx.AsyncClient(base_url=server.base_url, timeout=60) as http,
+        ):
+
+            async def push(run: str, version: int, created_at: float) -> None:
+                folder = _weights_folder(tmp_path / f"{run}-{version}", cfg)
+                body = {"model_path": folder, "weight_version": str(version)}
+                body |= {"weight_run": run, "created_at": created_at}
+                r = await http.post("/update_weights_from_disk", json=body)
+                assert r.json()["message"].startswith("loaded"), r.text
+
+            async def turn_across(load) -> httpx.Response:
+                gate.set()
+                body = {"prompt": [TOK.bos_id], "max_tokens": 40, "temperature": 0.0}
+                asked = asyncio.create_task(http.post("/v1/completions", json=body))
+                assert await asyncio.to_thread(held.wait, 60)  # admitted, not stepped
+                held.clear()
+                loading = asyncio.create_task(load)
+                while not policy._calls:  # the load waits for the engine thread
+                    await asyncio.sleep(0.01)
+                release.set()
+                await loading
+                release.clear()
+                return await asked
+
+            await push("run-a", 0, 100.0)
+            codes = [(await turn_across(push("run-a", 1, 101.0))).status_code]
+            r = await turn_across(push("run-b", 0, 200.0))
+            assert "another run's weights were loaded" in r.json()["error"]["message"], r.text
+            return [*codes, r.status_code]
+
+    assert asyncio.run(main()) == [200, 409]
 
 
 def test_requests_the_sampler_cannot_run_are_refused_and_it_keeps_serving(tmp_path):
@@ -886,7 +946,7 @@ def _lora_turn_logprobs(cfg: RunConfig, adapters, context, tokens) -> np.ndarray
 
 def test_a_lora_run_loads_its_adapters_by_name(tmp_path):
     """A LoRA run's snapshots are adapters: the engine writes each as a PEFT folder, has
-    the server load it as `<run>-v<N>` (vLLM's route) and names it in its turns, whose
+    the server load it as `<run>-<digest>-v<N>` (vLLM's route) and names it in its turns, whose
     log-probs are those of the base with that adapter. A fleet of three loads each once;
     an actor a version behind names the later adapter (tagged with its own version);
     adapters from before the one behind are unloaded, and a mate still naming one has the
@@ -967,7 +1027,7 @@ def test_a_lora_run_loads_its_adapters_by_name(tmp_path):
 
 def test_a_lora_server_kept_across_runs_serves_each_turn_its_own_runs_adapter(tmp_path):
     """A LoRA run re-created under the same URI names its adapters as the old run did
-    (`<run>-v0`, ...): the one published later loads (vLLM's "already loaded" would have
+    without digests (`<run>-v0`, ...): the one published later loads (vLLM's "already loaded" would have
     served the old run's). The next run's adapter drops the names of the run before, whose
     actor's next turn then finds its adapter gone (a 404) and loads it again: each turn is
     drawn by its own run's adapter."""

@@ -118,6 +118,7 @@ log = logging.getLogger(__name__)
 # Worth asking again: the server is starting, overloaded or restarting.
 _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _MAX_BACKOFF_S = 5.0
+_ASKS = 4  # a turn asked again after restores: a server that keeps restarting stops the actor
 # What the engine puts in a run's folder: `v<N>-<tag>`, and its leftovers `.v<N>-<tag>.*`;
 # and each server's record's (shared_disk.py).
 _VERSIONED = re.compile(r"(\.?)v(\d+)-[^/]*")
@@ -170,7 +171,7 @@ class RemoteEngine:
         self._client: aiohttp.ClientSession | None = None
         self._requests = itertools.count()
         self._in_flight = 0
-        self._restoring = asyncio.Lock()
+        self._restoring: asyncio.Lock | None = None  # the event loop's (`__aenter__`)
         self._restores = 0  # pushes a turn made after a restart: one per restart, not per turn
         # (version, its folder, its adapter name or None) the server acknowledged, set at
         # once (the event loop reads it while a reload thread pushes); the folder is kept
@@ -202,6 +203,7 @@ class RemoteEngine:
 
     async def __aenter__(self) -> RemoteEngine:
         self._client = self._http()
+        self._restoring = asyncio.Lock()
         if not self._model:
             models = await self._call(self._client, "GET", "/v1/models", None)
             try:
@@ -245,16 +247,18 @@ class RemoteEngine:
         self.batch_sizes.append(self._in_flight)
         t0 = time.perf_counter()
         try:
-            for attempt in range(2):
+            restored = False  # this turn had the weights pushed again
+            for _ in range(_ASKS):
                 restores = self._restores  # as the turn is asked
                 try:
                     reply = await self._call(self._client, "POST", "/v1/completions", body)
                 except RemoteError as err:
-                    if err.status != 404 or adapter is None or attempt:
+                    if err.status != 404 or adapter is None or restored:
                         raise
                     # The server does not hold this turn's adapter (it restarted, or a
                     # fleet mate unloaded it): load the newest, and ask again naming it.
                     await self._restore_adapter(adapter)
+                    restored = True
                     version, _, adapter = self._pushed or (-1, None, None)
                     body["model"] = body["lora_path"] = adapter
                     continue
@@ -262,13 +266,19 @@ class RemoteEngine:
                 served = served_version(reply)
                 if served is None or served >= version:
                     break
-                if attempt:
+                if restored:
                     raise RemoteError(
                         f"the server still serves v{served} after v{version} was pushed"
                     )
                 # The server lost the pushed weights (it restarted): this turn came from
-                # others. Push them again and ask again.
-                await self._restore(served, restores)
+                # others. Push them again (unless a restore since it was asked did) and ask
+                # again.
+                restored = await self._restore(served, restores)
+            else:
+                raise RemoteError(
+                    f"the server kept losing its weights: {_ASKS} asks for a turn, each "
+                    f"answered by weights older than v{version} (is it restarting?)"
+                )
         finally:
             self._in_flight -= 1
         self.latency_s.append(time.perf_counter() - t0)
@@ -288,17 +298,19 @@ class RemoteEngine:
                 "give each live run its own server (actor.remote.url)"
             )
 
-    async def _restore(self, served: int, restores: int) -> None:
+    async def _restore(self, served: int, restores: int) -> bool:
         """Push the weights again: the server serves `served`, older than this actor
         pushed (it restarted). Once for all the turns that noticed at once: a turn asked
-        before a restore (`restores`: the count when it was asked) is asked again (vLLM
-        and SGLang load every push, a 16-32 GB read for an 8B model)."""
+        before a restore (`restores`: the count when it was asked) is asked again, without
+        a push (vLLM and SGLang load every push, a 16-32 GB read for an 8B model). Whether
+        this call pushed."""
         if self._pushed is not None and self._pushed[2] is not None:
-            return await self._restore_adapter(self._pushed[2])  # adapters go by name
+            await self._restore_adapter(self._pushed[2])  # adapters go by name
+            return True
         async with self._restoring:
             pushed = self._pushed
             if pushed is None or pushed[0] <= served or self._restores != restores:
-                return
+                return False
             version, folder, _ = pushed
             # An actor ahead of this one had it load a later snapshot: restore that one, not
             # this actor's own (the server's weights must not go back).
@@ -314,12 +326,13 @@ class RemoteEngine:
                 reply = await self._call(self._client, "POST", self.cfg.weights_route, body)
             except RemoteError:
                 if self._pushed is not pushed:  # a newer push replaced (and removed) it
-                    return
+                    return False
                 raise
             if not isinstance(reply, dict) or reply.get("success") is not True:
                 raise RemoteError(f"the server refused v{version} again: {str(reply)[:300]}")
             self._same_run(reply)
             self._restores += 1
+            return True
 
     def _weights_request(self, folder: Path, version: int, created_at: float) -> dict[str, Any]:
         return weights_request(

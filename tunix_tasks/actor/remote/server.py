@@ -30,7 +30,9 @@ server's weights never go back. Another run's push loads: the run that pushes la
 the server (the next run on a server kept running, a run resumed after another used it),
 and so does a run re-created under the same URI (versions from 0 again, published
 later). Every reply names the run whose weights it holds (`weight_run`), so an actor of
-the run it replaced stops with a clear error instead of sampling another run's weights.
+the run it replaced stops with a clear error instead of sampling another run's weights;
+a turn sampled while another run's weights loaded is a 409 (its tokens may be of two
+runs' weights, even one switched away from and back), which stops its actor too.
 A LoRA run's adapters (vLLM's routes) load as its sampler's LoRA params, their version
 from the name's `-v<N>`; the sampler holds one set, so a turn naming an older adapter of
 the run gets the newest (its reply says which version), one naming an adapter it does
@@ -209,6 +211,7 @@ class Loaded:
     created_at: float = 0.0
     pushes: int = 0
     loads: int = 0
+    switches: int = 0  # loads that replaced one run's weights with another's
     adapters: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def superseded_by(self, run: str | None, created_at: float, version: int) -> bool:
@@ -219,6 +222,7 @@ class Loaded:
         """The snapshot just loaded; another run's replaces that run's adapter names."""
         if run != self.run:
             if self.run is not None:
+                self.switches += 1
                 log.warning(
                     "now serving v%d of %s (it held run %s's v%d): that run's actors stop",
                     version,
@@ -322,7 +326,8 @@ def build_app(
             raise ApiError(
                 400,
                 f"this server samples with the adapter it loaded last (v{loaded.version}), "
-                f"not the base model alone: name an adapter ({', '.join(loaded.adapters)})",
+                f"not the base model alone: name an adapter "
+                f"({', '.join(loaded.adapters) or 'none is held now'})",
                 param="model",
             )
         if policy.failed is not None:  # every turn would raise its error: say what to do
@@ -332,6 +337,7 @@ def build_app(
                 type="server_error",
             )
         greedy = req.temperature == 0.0
+        switches = loaded.switches
         try:
             s = await policy.sample(
                 req.prompt,
@@ -345,6 +351,15 @@ def build_app(
             )
         except ValueError as err:  # the sampler's bounds (context length, top_k, ...)
             raise ApiError(400, str(err)) from None
+        if loaded.switches != switches:
+            # Its tokens may be of two runs' weights, whichever run holds the server now
+            # (one switched away and back): no reply names that.
+            raise ApiError(
+                409,
+                f"another run's weights were loaded while this turn was sampled (the server "
+                f"now serves run {loaded.run}): one server serves one run at a time",
+                type="conflict",
+            )
 
         def label(t: int) -> str:
             return token_label(t) if req.return_tokens_as_token_ids else decode([t])
@@ -375,8 +390,7 @@ def build_app(
                     "completion_tokens": len(s.tokens),
                     "total_tokens": len(req.prompt) + len(s.tokens),
                 },
-                # The version that drew it; the run held now (a turn decoding across a
-                # switch of runs is of the run switched from: its actor stops).
+                # The version that drew it (the oldest), the run held throughout.
                 **loaded.identity(),
                 "weight_version": str(s.version),
             }
