@@ -481,8 +481,8 @@ def test_a_server_kept_across_runs_serves_the_run_that_published_last(tmp_path):
 def test_a_turn_sampled_while_another_runs_weights_loaded_is_refused(tmp_path):
     """A turn decoding while another run's push loads may hold tokens of both runs'
     weights (and of a run switched away from and back, which no reply could name): a
-    409, never a reply its actor would record. A load of the same run's next version
-    mid-turn is a turn of the older version, as before."""
+    409, never a reply its actor would record: the engine stops on it. A load of the
+    same run's next version mid-turn is a turn of the older version, as before."""
     cfg = _cfg(tmp_path)
     chat, sampler = build_actor_sampler(cfg)
     gate, held, release = threading.Event(), threading.Event(), threading.Event()
@@ -511,24 +511,39 @@ def test_a_turn_sampled_while_another_runs_weights_loaded_is_refused(tmp_path):
                 r = await http.post("/update_weights_from_disk", json=body)
                 assert r.json()["message"].startswith("loaded"), r.text
 
-            async def turn_across(load) -> httpx.Response:
+            async def turn_across(load, ask=None):  # `ask`: a turn other than by hand
                 gate.set()
                 body = {"prompt": [TOK.bos_id], "max_tokens": 40, "temperature": 0.0}
-                asked = asyncio.create_task(http.post("/v1/completions", json=body))
+                asked = asyncio.create_task(ask or http.post("/v1/completions", json=body))
                 assert await asyncio.to_thread(held.wait, 60)  # admitted, not stepped
                 held.clear()
                 loading = asyncio.create_task(load)
-                while not policy._calls:  # the load waits for the engine thread
+                for _ in range(6000):  # the load waits for the engine thread
+                    if policy._calls:
+                        break
                     await asyncio.sleep(0.01)
+                else:
+                    raise AssertionError("the push never reached the engine thread")
                 release.set()
                 await loading
                 release.clear()
                 return await asked
 
             await push("run-a", 0, 100.0)
-            codes = [(await turn_across(push("run-a", 1, 101.0))).status_code]
+            r = await turn_across(push("run-a", 1, 101.0))
+            codes = [r.status_code]
+            assert r.json()["weight_version"] == "0"  # the oldest that drew it
             r = await turn_across(push("run-b", 0, 200.0))
             assert "another run's weights were loaded" in r.json()["error"]["message"], r.text
+
+            # The engine of run b stops on it, saying why and what to do.
+            engine = _engine(cfg, server.base_url, run="run-b")
+            engine.max_new_tokens, engine.temperature = 40, 0.0
+            flat = _peaky(1, cfg)
+            await asyncio.to_thread(engine.update_params, flat, version=1, created_at=201.0)
+            async with engine:
+                with pytest.raises(RemoteError, match="loaded another run's weights while"):
+                    await turn_across(push("run-c", 0, 300.0), engine([TOK.bos_id]))
             return [*codes, r.status_code]
 
     assert asyncio.run(main()) == [200, 409]
@@ -1027,8 +1042,8 @@ def test_a_lora_run_loads_its_adapters_by_name(tmp_path):
 
 def test_a_lora_server_kept_across_runs_serves_each_turn_its_own_runs_adapter(tmp_path):
     """A LoRA run re-created under the same URI names its adapters as the old run did
-    without digests (`<run>-v0`, ...): the one published later loads (vLLM's "already loaded" would have
-    served the old run's). The next run's adapter drops the names of the run before, whose
+    without digests (`<run>-v0`, ...): the one published later loads (vLLM's "already
+    loaded" would have served the old run's). The next run's adapter drops the names of the run before, whose
     actor's next turn then finds its adapter gone (a 404) and loads it again: each turn is
     drawn by its own run's adapter."""
     cfg = _lora_cfg(tmp_path)

@@ -248,11 +248,16 @@ class RemoteEngine:
         t0 = time.perf_counter()
         try:
             restored = False  # this turn had the weights pushed again
-            for _ in range(_ASKS):
+            served: int | None = None
+            for ask in range(1, _ASKS + 1):
                 restores = self._restores  # as the turn is asked
                 try:
                     reply = await self._call(self._client, "POST", "/v1/completions", body)
                 except RemoteError as err:
+                    if err.status == 409:  # tunix-tasks serve: another run's load mid-turn
+                        raise self._other_run(
+                            "loaded another run's weights while this turn was sampled"
+                        ) from None
                     if err.status != 404 or adapter is None or restored:
                         raise
                     # The server does not hold this turn's adapter (it restarted, or a
@@ -270,11 +275,13 @@ class RemoteEngine:
                     raise RemoteError(
                         f"the server still serves v{served} after v{version} was pushed"
                     )
+                if ask == _ASKS:  # no ask left to use a push for
+                    break
                 # The server lost the pushed weights (it restarted): this turn came from
                 # others. Push them again (unless a restore since it was asked did) and ask
                 # again.
                 restored = await self._restore(served, restores)
-            else:
+            if served is not None and served < version:
                 raise RemoteError(
                     f"the server kept losing its weights: {_ASKS} asks for a turn, each "
                     f"answered by weights older than v{version} (is it restarting?)"
@@ -291,12 +298,17 @@ class RemoteEngine:
         docstring); a server that does not say (vLLM, SGLang) is taken at its word."""
         run = served_run(reply)
         if run is not None and run != self._run_folder:
-            where = urlsplit(self.url).netloc.rpartition("@")[2]  # never a URL's credentials
-            raise RemoteError(
-                f"the server at {where} now serves run {short_repr(run)}'s weights, not this "
-                f"run's ({self._run_folder!r}): it serves the run that pushed to it last; "
-                "give each live run its own server (actor.remote.url)"
+            raise self._other_run(
+                f"now serves run {short_repr(run)}'s weights, not this run's ({self._run_folder!r})"
             )
+
+    def _other_run(self, what: str) -> RemoteError:
+        """The error that stops an actor of a run whose server another run took over."""
+        where = urlsplit(self.url).netloc.rpartition("@")[2]  # never a URL's credentials
+        return RemoteError(
+            f"the server at {where} {what}: it serves the run that pushed to it last; give "
+            "each live run its own server (actor.remote.url)"
+        )
 
     async def _restore(self, served: int, restores: int) -> bool:
         """Push the weights again: the server serves `served`, older than this actor

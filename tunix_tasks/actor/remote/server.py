@@ -356,8 +356,8 @@ def build_app(
             # (one switched away and back): no reply names that.
             raise ApiError(
                 409,
-                f"another run's weights were loaded while this turn was sampled (the server "
-                f"now serves run {loaded.run}): one server serves one run at a time",
+                "another run's weights were loaded while this turn was sampled: its tokens "
+                "may be of two runs' weights; one server serves one run at a time",
                 type="conflict",
             )
 
