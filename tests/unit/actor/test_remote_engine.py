@@ -1261,6 +1261,9 @@ def test_an_unreachable_server_is_a_clear_error_after_the_deadline(tmp_path):
     with pytest.raises(RemoteError, match=r"no answer within actor.remote.timeout_s=1.5s"):
         engine.update_params(_peaky(1, cfg), version=0)
     assert time.monotonic() - t0 < 10
+    with pytest.raises(RemoteError, match=r"/v1/models: no answer within"):
+        asyncio.run(_one_turn(engine, [TOK.bos_id]))  # asks the server for its model first
+    assert engine._client is None  # its HTTP client closed, not left to the collector
 
 
 def test_the_bearer_token_is_required_and_sent(tmp_path, monkeypatch):

@@ -204,12 +204,16 @@ class RemoteEngine:
     async def __aenter__(self) -> RemoteEngine:
         self._client = self._http()
         self._restoring = asyncio.Lock()
-        if not self._model:
-            models = await self._call(self._client, "GET", "/v1/models", None)
-            try:
-                self._model = str(models["data"][0]["id"])
-            except (KeyError, IndexError, TypeError):
-                raise RemoteError(f"{self.url}/v1/models lists no model: {models}") from None
+        try:
+            if not self._model:
+                models = await self._call(self._client, "GET", "/v1/models", None)
+                try:
+                    self._model = str(models["data"][0]["id"])
+                except (KeyError, IndexError, TypeError):
+                    raise RemoteError(f"{self.url}/v1/models lists no model: {models}") from None
+        except BaseException:  # `async with` calls no __aexit__: close the client here
+            await self.__aexit__()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
