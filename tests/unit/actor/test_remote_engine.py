@@ -1254,13 +1254,14 @@ def test_a_folder_removed_before_the_server_read_it_is_written_again(tmp_path, m
 def test_an_unreachable_server_is_a_clear_error_after_the_deadline(tmp_path):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        url = f"http://user:secret@127.0.0.1:{s.getsockname()[1]}"
     cfg = _cfg(tmp_path)
     engine = _engine(cfg, url, timeout_s=1.5)
     t0 = time.monotonic()
-    with pytest.raises(RemoteError, match=r"no answer within actor.remote.timeout_s=1.5s"):
+    with pytest.raises(RemoteError, match=r"no answer within actor.remote.timeout_s=1.5s") as e:
         engine.update_params(_peaky(1, cfg), version=0)
     assert time.monotonic() - t0 < 10
+    assert "secret" not in str(e.value) and "http://127.0.0.1:" in str(e.value)  # no userinfo
     with pytest.raises(RemoteError, match=r"/v1/models: no answer within"):
         asyncio.run(_one_turn(engine, [TOK.bos_id]))  # asks the server for its model first
     assert engine._client is None  # its HTTP client closed, not left to the collector

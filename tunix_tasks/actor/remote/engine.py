@@ -146,6 +146,8 @@ class RemoteEngine:
     ) -> None:
         self.cfg = cfg
         self.url = cfg.url.rstrip("/")
+        parts = urlsplit(self.url)  # what messages name: never the URL's credentials
+        self._shown_url = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
         key = api_key_from_env(cfg.api_key_env, what="actor.remote.api_key_env")
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._spec = spec
@@ -210,7 +212,9 @@ class RemoteEngine:
                 try:
                     self._model = str(models["data"][0]["id"])
                 except (KeyError, IndexError, TypeError):
-                    raise RemoteError(f"{self.url}/v1/models lists no model: {models}") from None
+                    raise RemoteError(
+                        f"{self._shown_url}/v1/models lists no model: {models}"
+                    ) from None
         except BaseException:  # `async with` calls no __aexit__: close the client here
             await self.__aexit__()
             raise
@@ -308,9 +312,8 @@ class RemoteEngine:
 
     def _other_run(self, what: str) -> RemoteError:
         """The error that stops an actor of a run whose server another run took over."""
-        where = urlsplit(self.url).netloc.rpartition("@")[2]  # never a URL's credentials
         return RemoteError(
-            f"the server at {where} {what}: it serves the run that pushed to it last; give "
+            f"the server at {self._shown_url} {what}: it serves the run that pushed to it last; give "
             "each live run its own server (actor.remote.url)"
         )
 
@@ -629,6 +632,7 @@ class RemoteEngine:
         the server is unreachable or busy, for `timeout_s`; `RemoteError` on a refusal, a
         non-JSON reply or the deadline."""
         url, timeout_s = f"{self.url}{path}", self.cfg.timeout_s
+        shown = f"{self._shown_url}{path}"
         deadline = time.monotonic() + timeout_s
         delay, last = 0.25, ""
         while True:
@@ -644,14 +648,14 @@ class RemoteEngine:
                     except ValueError:
                         if not json_only:
                             return text
-                        raise RemoteError(f"{url}: the reply is not JSON: {text[:200]}") from None
+                        raise RemoteError(f"{shown}: the reply is not JSON: {text[:200]}") from None
                 last = f"HTTP {status}: {text[:300]}"
                 if status not in _RETRY_STATUS:
-                    raise RemoteError(f"{url}: {last}", status=status)
+                    raise RemoteError(f"{shown}: {last}", status=status)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RemoteError(
-                    f"{url}: no answer within actor.remote.timeout_s={timeout_s:g}s ({last})"
+                    f"{shown}: no answer within actor.remote.timeout_s={timeout_s:g}s ({last})"
                 )
             await asyncio.sleep(min(delay, left))
             delay = min(delay * 2, _MAX_BACKOFF_S)
