@@ -349,7 +349,6 @@ class RemoteEngine:
                 raise
             if not isinstance(reply, dict) or reply.get("success") is not True:
                 raise RemoteError(f"the server refused v{version} again: {str(reply)[:300]}")
-            self._same_run(reply)
             self._restores += 1
             return True
 
@@ -441,14 +440,12 @@ class RemoteEngine:
         return f"{self._run_folder}{tag}-v{version}"
 
     def _load(self, folder: Path, name: str | None, version: int, created_at: float) -> None:
-        """Have the server load `folder`: as weights `version`, or as adapter `name`;
-        RemoteError when it says it holds another run's."""
+        """Have the server load `folder`: as weights `version`, or as adapter `name`."""
         reply = asyncio.run(self._push(folder, name, version, created_at))
         if name is None and (not isinstance(reply, dict) or reply.get("success") is not True):
             raise ValueError(f"the server refused weights v{version}: {str(reply)[:300]}")
         if isinstance(reply, dict) and reply.get("success") is False:  # SGLang's refusal
             raise ValueError(f"the server refused adapter {name}: {str(reply)[:300]}")
-        self._same_run(reply)
 
     def _load_shared(
         self,
@@ -615,7 +612,6 @@ class RemoteEngine:
             reply = await self._push_adapter(self._client, folder, name, created_at)
             if isinstance(reply, dict) and reply.get("success") is False:
                 raise RemoteError(f"the server refused adapter {name} again: {str(reply)[:300]}")
-            self._same_run(reply)
             if self._pushed is pushed:  # a push from the reload thread meanwhile wins
                 self._pushed = (version, folder, name)
 
