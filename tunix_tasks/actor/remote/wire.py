@@ -74,7 +74,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 _PREFIX = "token_id:"
 # A sampled token's log-prob is <= 0; servers' float32 rounding may put it a hair above.
 _LOGPROB_SLACK = 1e-3
-FUTURE_S = 86400.0  # a snapshot "published" further ahead of the reader's clock is refused
+_FUTURE_S = 86400.0  # a snapshot "published" further ahead of the reader's clock is refused
 
 
 class RemoteError(RuntimeError):
@@ -204,7 +204,7 @@ def publish_time_problem(value: Any) -> str | None:
     """What makes `value` no publish time (a manifest's `created_at`), or None: a JSON
     number from 0 to a day ahead of this clock. One further ahead (or Infinity, which
     Python's JSON reads) would be later than every snapshot a re-created run publishes."""
-    if type(value) not in (int, float) or not 0 <= value <= time.time() + FUTURE_S:
+    if type(value) not in (int, float) or not 0 <= value <= time.time() + _FUTURE_S:
         return f"created_at is not a time before tomorrow: {short_repr(value)}"
     return None
 
