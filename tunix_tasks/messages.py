@@ -7,7 +7,7 @@ policy's chat format turns messages into tokens and sampled tokens back into an 
     tools = env.tools                                   # [{"type": "function", "function": {...}}]
     action = chat.parse(sampled_ids)                    # Action(content, tool_calls, error)
     action.message()                                    # {"role": "assistant", ...} for the template
-    reply = action.reply(result.observation)            # {"role": "tool"|"user", "content": ...}
+    replies = action.replies(result.observation)        # [{"role": "tool"|"user", "content": ...}]
 
 `Action.error` is set when the policy's text could not be parsed (a malformed tool call);
 the rollout then answers with the error instead of calling the environment.
@@ -85,13 +85,26 @@ class Action:
         )
         return dataclasses.replace(self, tool_calls=calls)
 
-    def reply(self, content: str) -> Message:
-        """The message that answers this action: its tool results (naming the first call,
-        the one message answering them all) or the user's next words."""
-        msg: Message = {"role": self.reply_role, "content": content}
-        if self.tool_calls and self.tool_calls[0].id:
-            msg["tool_call_id"] = self.tool_calls[0].id
-        return msg
+    def replies(self, observation: str | Sequence[str]) -> list[Message]:
+        """The messages that answer this action: the user's next words (a string); or its
+        tool results, one message per call (a sequence of strings, in the calls' order,
+        each naming its call) or one message answering them all (a string, naming the
+        first call). Raises ValueError for results that do not match the calls."""
+        if isinstance(observation, str):
+            msg: Message = {"role": self.reply_role, "content": observation}
+            if self.tool_calls and self.tool_calls[0].id:
+                msg["tool_call_id"] = self.tool_calls[0].id
+            return [msg]
+        results = list(observation)
+        if not self.tool_calls or len(results) != len(self.tool_calls):
+            raise ValueError(
+                f"{len(results)} tool results answer a turn of {len(self.tool_calls)} tool "
+                "calls: give one result per call, in the calls' order, or one string"
+            )
+        return [
+            {"role": "tool", "content": r, **({"tool_call_id": c.id} if c.id else {})}
+            for c, r in zip(self.tool_calls, results, strict=True)
+        ]
 
 
 def call_id(turn: int | None, k: int) -> str:

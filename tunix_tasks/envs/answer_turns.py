@@ -1,8 +1,8 @@
 """The turn loop of question-answer environments (``dataset``, ``reasoning_gym``).
 
-Owns one episode's turn state: a turn with tool calls runs the first call on the
-calculator (``envs/calculator.py``; without tools it answers "unknown tool") and the
-episode goes on; a turn without tool calls is the answer, scored, and ends the episode;
+Owns one episode's turn state: a turn with tool calls runs each call on the calculator
+(``envs/calculator.py``; without tools it answers "unknown tool"), answers each in its
+own message, and the episode goes on; a turn without tool calls is the answer, scored, and ends the episode;
 so does ``max_turns``. What an answer is worth is the environment's ``score``.
 
     turns = AnswerTurns(env.tools, env.max_turns)          # in reset()
@@ -47,7 +47,8 @@ class AnswerTurns:
         if action.tool_calls:
             info["kind"] = "tool"
             self.used_tool = True
-            obs = calculate(action.tool_calls[0], self.tools)  # no tools: "unknown tool"
+            # no tools: "unknown tool"
+            obs: str | tuple[str, ...] = tuple(calculate(c, self.tools) for c in action.tool_calls)
         else:
             info.update(kind="answer", used_tool=self.used_tool)
             reward = await score(action.content, info)

@@ -13,9 +13,9 @@ template's message. One episode:
         action = policy(obs, env.tools)         # Action(tool_calls=(ToolCall("calculate",
                                                 #   {"expression": "23+45"}),))
         result = await env.step(action)         # StepResult(observation, reward, done, info)
-        obs = result.observation                # sent as role "tool" after tool calls,
-        if result.done:                         # else as role "user" (action.reply_role)
-            break
+        obs = result.observation                # after tool calls: their results, one per
+        if result.done:                         # call (a tuple) or one for all (a string);
+            break                               # else the user's next words (a string)
 
 A final answer is an action without tool calls: its ``content`` is the answer. When the
 policy's text cannot be parsed (a malformed tool call) the rollout answers
@@ -47,12 +47,27 @@ __all__ = [
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one action did: the next observation, its reward, whether the episode ended."""
+    """What one action did: the next observation, its reward, whether the episode ended.
 
-    observation: str
+    The observation answers the action: after a turn with tool calls, one result per call
+    in the calls' order (a tuple of strings; each goes back as its call's tool message),
+    or one string answering them all; after a turn without calls, the user's next words.
+    """
+
+    observation: str | tuple[str, ...]
     reward: float
     done: bool
     info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        obs = self.observation
+        if not isinstance(obs, str):
+            if not isinstance(obs, Sequence) or not all(isinstance(o, str) for o in obs):
+                raise TypeError(
+                    "StepResult.observation must be a string, or one string per tool call, "
+                    f"got {obs!r:.200}"
+                )
+            object.__setattr__(self, "observation", tuple(obs))  # a list reads as a tuple
 
 
 @runtime_checkable

@@ -5,7 +5,7 @@ Tool: ``calculate(expression)``. Actions:
 
 * a tool call ``calculate({"expression": "23+45"})`` -> observation is the result
   (``68``) or ``error: ...`` (also for an unknown tool or a missing or non-string
-  ``expression``); the episode continues. Only the first call of a turn is evaluated.
+  ``expression``); the episode continues. A turn's calls are each evaluated and answered.
   Expressions are parsed with ``ast`` and only integer literals, unary +/-, and binary
   ``+ - * //`` are evaluated (never ``eval``).
 * no tool call: the content is the answer. An integer (``68``) -> reward 1.0 if it
@@ -137,7 +137,7 @@ class CalculatorEnv:
         if action.tool_calls:
             info["kind"] = "tool"
             self._used_tool = True
-            obs = calculate(action.tool_calls[0], self.tools)
+            obs: str | tuple[str, ...] = tuple(calculate(c, self.tools) for c in action.tool_calls)
         elif (value := parse_int(action.content)) is not None:
             info["kind"] = "answer"
             info["used_tool"] = self._used_tool  # lets evaluations tell copying from guessing

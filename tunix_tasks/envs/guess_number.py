@@ -51,8 +51,10 @@ class GuessNumberEnv:
         self._turns += 1
         guess = None if action.tool_calls else parse_int(action.content)
         reward, info = 0.0, {"turns": self._turns, "valid": guess is not None}
+        obs: str | tuple[str, ...]
         if action.tool_calls:
-            obs = f"invalid: there are no tools; reply with a number from 1 to {self.max_n}"
+            invalid = f"invalid: there are no tools; reply with a number from 1 to {self.max_n}"
+            obs = (invalid,) * len(action.tool_calls)
         elif guess is None:
             obs = f"invalid: reply with a number from 1 to {self.max_n}"
         elif guess < self._target:

@@ -5,7 +5,8 @@ Task (from the seed): ``print the sum of 3 and 4``, ``print the product of 3 and
 is the first tool call's ``code`` (a chat model calling the tool) or, without a tool call,
 the action's content with a surrounding markdown ``` fence removed (a plain-text policy),
 e.g. ``print(3+4)``; an unknown tool or a missing or non-string ``code`` is answered
-``error: ...``. A single bare expression is run REPL-style, so ``3+4`` prints ``7`` too.
+``error: ...``. One program runs a turn: a turn's further calls are answered
+``error: not run: ...``. A single bare expression is run REPL-style, so ``3+4`` prints ``7`` too.
 The program runs in :mod:`tunix_tasks.envs.sandbox` (off the event loop); text that does
 not parse is answered without starting a process. Reward 1.0 when the run succeeds and its stripped
 stdout equals the target, else 0. Observation: the (truncated) stdout, or the last line
@@ -44,6 +45,7 @@ _TEMPLATES: tuple[tuple[str, str], ...] = (
 )
 _MAX_SOURCE_CHARS = 1000
 _MAX_OBS_CHARS = 120
+_NOT_RUN = "error: not run: one program runs a turn (the first call's)"
 DEFAULT_LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1, max_output_bytes=4096)
 _FENCE = re.compile(r"```[\w+.-]*[ \t]*\n(.*?)\n?[ \t]*```", re.S)
 TOOLS = (
@@ -132,7 +134,10 @@ class PythonExecEnv:
             reward = 1.0 if result.status == "ok" and result.stdout.strip() == self._target else 0.0
         self._done = reward > 0 or self._turns >= self.max_turns
         info["correct"] = reward > 0
-        return StepResult(obs, reward, self._done, info)
+        if not action.tool_calls:
+            return StepResult(obs, reward, self._done, info)
+        further = [_NOT_RUN] * (len(action.tool_calls) - 1)  # each call gets its answer
+        return StepResult((obs, *further), reward, self._done, info)
 
     def demonstration(self, seed: int) -> list[Action]:
         call = ToolCall("run_python", {"code": self._task_for(seed)[2]})

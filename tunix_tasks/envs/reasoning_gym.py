@@ -32,7 +32,7 @@ to [0, 1]; a scorer that raises on a malformed answer gives 0.
 Without tools an episode is one turn: any action ends it (a tool call earns 0). With
 ``tools="calculator"`` (only for the integer-expression tasks in ``CALCULATOR_TASKS``) the
 env offers the project's ``calculate`` tool (``envs/calculator.py``'s schema and
-``safe_eval``), runs the first call of a tool turn and continues until an answer or
+``safe_eval``), answers each call of a tool turn and continues until an answer or
 ``max_turns``. ``demonstration(seed)``: the reference answer (after a ``calculate`` call of
 the item's expression in the tool variant); tasks without a reference answer (their scorer
 accepts several, e.g. ``graph_color``) raise ``ValueError``: run them with no warm start.

@@ -5,7 +5,7 @@ Task: ``3142`` (``length`` distinct digits, shuffled). Tool: ``swap(positions)``
 
 * a tool call ``swap({"positions": "03"})`` -> observation is the row after the swap
   (``2143``), or ``error: ...`` when the argument is not two different positions; the
-  episode continues. Only the first call of a turn counts.
+  episode continues. A turn's calls swap in order, each answered with the row after it.
 * no tool call: the episode ends; reward 1.0 if the row is sorted ascending, else 0.
 
 Done after an answer or ``max_turns`` (default 8). A shuffled row of 4 needs up to 3 swaps,
@@ -64,20 +64,10 @@ class SortingEnv:
             raise RuntimeError("step() called on a finished episode; call reset() first")
         self._turns += 1
         reward, answered, info = 0.0, False, {"turns": self._turns}
+        obs: str | tuple[str, ...]
         if action.tool_calls:
             info["kind"] = "tool"
-            try:
-                arg = string_argument(action.tool_calls[0], self.tools).strip()
-            except ValueError as e:
-                obs = f"error: {e}"
-            else:
-                m = _POSITIONS.fullmatch(arg)
-                i, j = (int(m[1]), int(m[2])) if m else (0, 0)
-                if m and i != j and max(i, j) < self.length:
-                    self._row[i], self._row[j] = self._row[j], self._row[i]
-                    obs = self._text()
-                else:
-                    obs = swap_error(self.length)
+            obs = tuple(self._swap(call) for call in action.tool_calls)
         else:
             info["kind"] = "answer"
             answered = True
@@ -85,6 +75,19 @@ class SortingEnv:
             obs = "sorted" if reward else "not sorted"
         self._done = answered or self._turns >= self.max_turns
         return StepResult(obs, reward, self._done, info)
+
+    def _swap(self, call: ToolCall) -> str:
+        """Apply one swap call; the row after it, or why it was not applied."""
+        try:
+            arg = string_argument(call, self.tools).strip()
+        except ValueError as e:
+            return f"error: {e}"
+        m = _POSITIONS.fullmatch(arg)
+        i, j = (int(m[1]), int(m[2])) if m else (0, 0)
+        if not (m and i != j and max(i, j) < self.length):
+            return swap_error(self.length)
+        self._row[i], self._row[j] = self._row[j], self._row[i]
+        return self._text()
 
     def demonstration(self, seed: int) -> list[Action]:
         row, actions = self.row_for(seed), []

@@ -13,9 +13,9 @@ own tokens for that message (never decode-and-re-tokenize):
         ids += sampled + chat.close_turn(sampled)                 # end-of-turn if it never stopped
         action = chat.parse(sampled, tools).with_call_ids(turn)   # Action(content, tool_calls, error)
         history += [action.message()]                             # calls named: Mistral checks
-        reply = action.reply(env_observation)
-        ids += chat.reply(history, [reply], tools)                # reply + next generation prompt
-        history += [reply]
+        replies = action.replies(env_observation)                 # a tool message per result
+        ids += chat.reply(history, replies, tools)                # replies + generation prompt
+        history += replies
     ids += chat.end_ids
 """
 

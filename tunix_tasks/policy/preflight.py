@@ -86,7 +86,7 @@ def tool_turn_error(chat: ChatFormat) -> str | None:
     if not isinstance(chat, TemplateChat):  # the char chat renders any turn
         return None
     # The call named and answered as the rollout does it (Mistral's template checks ids).
-    turns = [*PROBE_QUESTION, PROBE_CALL.message(), PROBE_CALL.reply("1")]
+    turns = [*PROBE_QUESTION, PROBE_CALL.message(), *PROBE_CALL.replies("1")]
     try:
         chat.render(turns, PROBE_TOOLS, add_generation_prompt=True)
         written, read = chat.write_probe_call()

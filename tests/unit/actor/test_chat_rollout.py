@@ -23,7 +23,7 @@ from tests.paths import HF_FIXTURES
 from tunix_tasks.actor.asynchronous.batching import BatchingPolicy
 from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, ScriptedPolicy, play_episode
 from tunix_tasks.config import ModelConfig
-from tunix_tasks.envs import make_env
+from tunix_tasks.envs import Action, StepResult, ToolCall, make_env
 from tunix_tasks.envs.calculator import safe_eval
 from tunix_tasks.policy.build import build_sampler
 from tunix_tasks.policy.distribution import token_logprobs
@@ -148,3 +148,80 @@ def test_a_turn_the_template_cannot_continue_ends_the_episode_not_the_actor(tmp_
         assert episode.loss_mask.sum() == 1  # the stop token, its log-prob kept
     warnings = [r.getMessage() for r in caplog.records if "does not render" in r.getMessage()]
     assert len(warnings) == 1 and "Assistant message must have content" in warnings[0]
+
+
+class _Answers:
+    """The calculator, answering a turn's calls with `results(calls)` when given."""
+
+    def __init__(self, results=None) -> None:
+        self.env, self.results = make_env("calculator", max_turns=3), results
+        self.name, self.tools = self.env.name, self.env.tools
+
+    async def reset(self, seed: int) -> str:
+        return await self.env.reset(seed)
+
+    async def step(self, action: Action) -> StepResult:
+        result = await self.env.step(action)
+        if self.results is None or not action.tool_calls:
+            return result
+        return StepResult(self.results(action.tool_calls), result.reward, result.done)
+
+    def demonstration(self, seed: int) -> list[Action]:
+        return self.env.demonstration(seed)
+
+
+def _two_calls_then_the_answer(env: _Answers) -> list[Action]:
+    question, answer = env.env.question_for(4)
+    calls = (
+        ToolCall("calculate", {"expression": question}),
+        ToolCall("calculate", {"expression": "9*9"}),
+    )
+    return [Action(content="", tool_calls=calls), Action(content=str(answer))]
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-mistral", "tiny-mistral-v11"])
+def test_each_tool_call_of_a_turn_gets_its_own_result_message(name, tmp_path):
+    """A turn of two calls is answered with two tool messages, each naming its call, and
+    the episode's ids are the template's rendering of that conversation."""
+    _, _, form = name.partition("-v")
+    ckpt = mistral_checkpoint(tmp_path / name, f"v{form}") if form else FIXTURES / name
+    chat, _ = build_sampler(ModelConfig(checkpoint=str(ckpt), max_seq_len=512), seed=0)
+    env = _Answers()
+    actions = _two_calls_then_the_answer(env)
+    # room for Mistral's two calls with their ids (about 120 ids in this vocabulary)
+    limits = EpisodeLimits(max_turns=3, max_episode_tokens=512, max_new_tokens=256)
+    episode = asyncio.run(
+        play_episode(env, ScriptedPolicy(actions, chat), seed=4, limits=limits, chat=chat)
+    )
+    assert (episode.status, episode.reward, episode.num_turns) == ("ok", 1.0, 2)
+    question = actions[0].tool_calls[0].arguments["expression"]
+    called = actions[0].with_call_ids(1)
+    history = [
+        {"role": "user", "content": f"{question}=?"},
+        called.message(),
+        *called.replies((str(safe_eval(question)), "81")),
+    ]
+    assert [m.get("tool_call_id") for m in history[2:]] == ["t0001c000", "t0001c001"]
+    prompt = chat.render(history, env.tools, add_generation_prompt=True)  # before the answer
+    rendered = chat.tokenizer.encode(prompt)
+    assert episode.tokens.tolist()[: len(rendered)] == rendered
+
+
+@pytest.mark.parametrize(
+    "results", [lambda calls: ("5",), lambda calls: ("5", "81", "1")], ids=["fewer", "more"]
+)
+def test_tool_results_that_do_not_match_the_calls_end_the_episode_as_env_error(
+    results, caplog
+) -> None:
+    chat, _ = build_sampler(
+        ModelConfig(checkpoint=str(FIXTURES / "tiny-qwen3"), max_seq_len=512), seed=0
+    )
+    env = _Answers(results)
+    limits = EpisodeLimits(max_turns=3, max_episode_tokens=512, max_new_tokens=96)
+    policy = ScriptedPolicy(_two_calls_then_the_answer(env), chat)
+    with caplog.at_level("WARNING"):
+        episode = asyncio.run(play_episode(env, policy, seed=4, limits=limits, chat=chat))
+    assert (episode.status, episode.num_turns) == ("env_error", 1)
+    assert any(
+        "tool results answer a turn of 2 tool calls" in r.getMessage() for r in caplog.records
+    )

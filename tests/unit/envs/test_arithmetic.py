@@ -24,7 +24,7 @@ def test_hand_checked_episode():
     actions = [call("calculate", expression=question), Action(content=f" {answer}\n")]
     first, res = asyncio.run(play(env, 0, actions))
     assert first == f"{question}=?" and 2 <= len(a) <= 4 and 2 <= len(b) <= 4
-    assert res[0].observation == str(answer) and res[0].reward == 0 and not res[0].done
+    assert res[0].observation == (str(answer),) and res[0].reward == 0 and not res[0].done
     assert res[0].info["kind"] == "tool"
     assert res[1].reward == 1.0 and res[1].done and res[1].observation == "correct"
     assert res[1].info == {"turns": 2, "kind": "answer", "used_tool": True}
@@ -82,14 +82,14 @@ def test_wrong_invalid_bad_calls_and_max_turns():
     assert res[0].info["used_tool"] is False
     actions = [call("calc", expression=question), Action(content="sixty"), call("calculate")]
     _, res = asyncio.run(play(env, 1, actions))
-    assert res[0].observation == "error: unknown tool calc; available: calculate"
+    assert res[0].observation == ("error: unknown tool calc; available: calculate",)
     assert res[1].observation.startswith("invalid") and res[1].info["kind"] == "invalid"
-    assert res[2].observation.startswith("error:") and "expression" in res[2].observation
+    assert res[2].observation[0].startswith("error:") and "expression" in res[2].observation[0]
     assert [r.done for r in res] == [False, False, True] and sum(r.reward for r in res) == 0
     with pytest.raises(RuntimeError):
         asyncio.run(env.step(Action(content="1")))  # after max_turns: finished
     _, res = asyncio.run(play(env, 1, [call("calculate", expression="__import__('os')")]))
-    assert res[0].observation.startswith("error:") and not res[0].done
+    assert res[0].observation[0].startswith("error:") and not res[0].done
 
 
 def test_the_tool_is_needed():

@@ -22,20 +22,22 @@ def test_hand_checked_episode():
     actions = [call("calculate", expression=question), Action(content=f" {answer}\n")]
     first, res = asyncio.run(play(env, 0, actions))
     assert first == f"{question}=?"
-    assert res[0].observation == str(answer) and res[0].reward == 0 and not res[0].done
+    assert res[0].observation == (str(answer),) and res[0].reward == 0 and not res[0].done
     assert res[0].info["kind"] == "tool"
     assert res[1].reward == 1.0 and res[1].done and res[1].observation == "correct"
     assert res[1].info == {"turns": 2, "kind": "answer", "used_tool": True}
 
 
-def test_only_the_first_tool_call_is_evaluated():
+def test_each_tool_call_of_a_turn_is_evaluated_and_answered():
     env = CalculatorEnv()
     calls = (
         ToolCall("calculate", {"expression": "2+3"}),
-        ToolCall("calculate", {"expression": "9"}),
+        ToolCall("calc", {"expression": "1"}),
+        ToolCall("calculate", {"expression": "9*9"}),
     )
     _, res = asyncio.run(play(env, 0, [Action(content="let me see", tool_calls=calls)]))
-    assert res[0].observation == "5" and not res[0].done
+    assert res[0].observation == ("5", "error: unknown tool calc; available: calculate", "81")
+    assert not res[0].done and res[0].info["kind"] == "tool"
 
 
 def test_bad_tool_calls_are_answered_with_errors():
@@ -47,10 +49,11 @@ def test_bad_tool_calls_are_answered_with_errors():
         call("calculate", expr="1+1"),  # wrong argument name
     ]
     _, res = asyncio.run(play(env, 2, actions))
-    assert res[0].observation == "error: unknown tool calc; available: calculate"
-    assert res[1].observation.startswith("error:") and "expression" in res[1].observation
-    assert res[2].observation.startswith("error:") and "string" in res[2].observation
-    assert res[3].observation.startswith("error:") and "expression" in res[3].observation
+    assert res[0].observation == ("error: unknown tool calc; available: calculate",)
+    (two,), (three,), (four,) = (r.observation for r in res[1:])
+    assert two.startswith("error:") and "expression" in two
+    assert three.startswith("error:") and "string" in three
+    assert four.startswith("error:") and "expression" in four
     assert [r.done for r in res] == [False, False, False, True]  # the last hits max_turns
     assert all(r.reward == 0.0 and r.info["kind"] == "tool" for r in res)
 
@@ -63,7 +66,7 @@ def test_wrong_malformed_and_max_turns():
     assert res[0].info["used_tool"] is False
     actions = [call("calculate", expression="os.system('x')"), Action(), Action(content="sixty")]
     _, res = asyncio.run(play(env, 1, actions))
-    assert res[0].observation.startswith("error:") and not res[0].done
+    assert res[0].observation[0].startswith("error:") and not res[0].done
     assert res[1].observation == "invalid: call calculate or answer with an integer"
     assert not res[1].done and res[1].info["kind"] == "invalid"
     assert res[2].observation.startswith("invalid") and res[2].done  # max_turns

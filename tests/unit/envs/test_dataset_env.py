@@ -170,16 +170,22 @@ def test_calculator_variant_computes_then_answers(jsonl, held):
     demo = e.demonstration(6)
     assert demo == [call("calculate", expression="6+6"), Action(content="12")]
     _, res = asyncio.run(play(e, 6, demo))
-    assert (res[0].observation, res[0].done, res[1].reward, res[1].done) == ("12", False, 1.0, True)
+    assert (res[0].observation, res[0].done, res[1].reward, res[1].done) == (
+        ("12",),
+        False,
+        1.0,
+        True,
+    )
     assert res[1].info == {"turns": 2, "kind": "answer", "used_tool": True}
     bad = [call("calculate", expression="2**8"), call("calc", expression="1"), call("calculate")]
     _, res = asyncio.run(play(e, 6, bad))
-    assert all(r.observation.startswith("error:") for r in res)
+    assert all(r.observation[0].startswith("error:") for r in res)
     assert [r.done for r in res] == [False, False, True]
     assert asyncio.run(rollout(e, demo_policy(e, 9), 9, 3))[0] == 1.0
     # Without the tool a call is answered with an error and ends the single turn.
     _, res = asyncio.run(play(env(jsonl), 0, [call("calculate", expression="1+1")]))
-    assert res[0].observation == "error: unknown tool calculate; available: none" and res[0].done
+    assert res[0].observation == ("error: unknown tool calculate; available: none",)
+    assert res[0].done
 
 
 def test_loads_the_file_once_for_many_instances(tmp_path, monkeypatch):

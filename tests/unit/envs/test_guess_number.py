@@ -34,7 +34,7 @@ def test_malformed_tool_calls_and_max_turns():
     assert res[0].observation.startswith("invalid") and not res[0].done
     assert res[0].info["valid"] is False
     assert res[1].observation.startswith("invalid")  # markers mean nothing to the env
-    assert res[2].observation.startswith("invalid: there are no tools")  # the turn is spent
+    assert res[2].observation[0].startswith("invalid: there are no tools")  # the turn is spent
     assert res[2].reward == 0.0 and res[2].info["valid"] is False
     assert res[3].reward == 0.0 and res[3].done  # max_turns reached
 

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from tests.unit.envs.conftest import demo_policy, rollout
-from tunix_tasks.envs import Action, Environment, check_tools, make_env
+from tunix_tasks.envs import Action, Environment, StepResult, ToolCall, check_tools, make_env
 
 BUILTINS = ["arithmetic", "calculator", "guess_number", "python_exec", "reasoning_gym"]
 
@@ -57,3 +57,43 @@ def test_demonstrations_earn_the_max_reward(name):
         return list(await asyncio.gather(*(one(s) for s in seeds)))
 
     assert asyncio.run(all_seeds()) == [1.0] * len(seeds)  # 1.0 is each env's max reward
+
+
+def test_a_turns_tool_results_answer_each_call_or_all_at_once():
+    calls = (ToolCall("f", {}, id="t0001c000"), ToolCall("g", {}, id="t0001c001"))
+    turn = Action(tool_calls=calls)
+    assert turn.replies(("1", "2")) == [
+        {"role": "tool", "content": "1", "tool_call_id": "t0001c000"},
+        {"role": "tool", "content": "2", "tool_call_id": "t0001c001"},
+    ]
+    # one string answers them all, naming the first call (environments before per-call results)
+    assert turn.replies("1 and 2") == [
+        {"role": "tool", "content": "1 and 2", "tool_call_id": "t0001c000"}
+    ]
+    assert Action(content="4").replies("right") == [{"role": "user", "content": "right"}]
+    for wrong, action in [(("1",), turn), (("1", "2", "3"), turn), (("1",), Action())]:
+        with pytest.raises(ValueError, match="one result per call"):
+            action.replies(wrong)
+
+
+def test_a_step_result_holds_a_string_or_one_string_per_call():
+    assert StepResult(["1", "2"], 0.0, False).observation == ("1", "2")  # a list reads as a tuple
+    assert StepResult("1", 0.0, False).observation == "1"
+    for bad in [b"1", ["1", 2], None, 7]:
+        with pytest.raises(TypeError, match="one string per tool call"):
+            StepResult(bad, 0.0, False)
+
+
+def test_sorting_swaps_a_turns_calls_in_order():
+    env = make_env("sorting", length=4)
+    row = asyncio.run(env.reset(3))
+    calls = tuple(ToolCall("swap", {"positions": p}) for p in ("01", "11", "12"))
+    result = asyncio.run(env.step(Action(tool_calls=calls)))
+    one = row[1] + row[0] + row[2:]
+    two = one[0] + one[2] + one[1] + one[3]
+    assert result.observation == (
+        one,
+        "error: give two different positions from 0 to 3, e.g. 01",
+        two,
+    )
+    assert not result.done

@@ -53,8 +53,8 @@ def test_hand_checked_episode():
     assert target == str(a + b)
     actions = [_run("print("), _run(f"print({a}-{b}-1)"), _run(f"{a}+{b}")]
     _, res = asyncio.run(play(env, seed, actions))
-    assert res[0].observation.startswith("SyntaxError") and res[0].info["ran"] is False
-    assert res[1].reward == 0.0 and res[1].observation == str(a - b - 1) and not res[1].done
+    assert res[0].observation[0].startswith("SyntaxError") and res[0].info["ran"] is False
+    assert res[1].reward == 0.0 and res[1].observation == (str(a - b - 1),) and not res[1].done
     assert res[2].reward == 1.0 and res[2].done  # a bare expression prints its value
 
 
@@ -75,10 +75,24 @@ def test_bad_tool_calls_do_not_run():
     env = PythonExecEnv(max_turns=2)
     seed, _ = _seed_with("sum of")
     _, res = asyncio.run(play(env, seed, [call("exec", code="1"), call("run_python", src="1")]))
-    assert res[0].observation == "error: unknown tool exec; available: run_python"
-    assert res[1].observation.startswith("error:") and "'code'" in res[1].observation
+    assert res[0].observation == ("error: unknown tool exec; available: run_python",)
+    assert res[1].observation[0].startswith("error:") and "'code'" in res[1].observation[0]
     assert [r.info["ran"] for r in res] == [False, False]
     assert [r.done for r in res] == [False, True] and all(r.reward == 0.0 for r in res)
+
+
+def test_one_program_runs_a_turn_and_each_call_is_answered():
+    env = PythonExecEnv(max_turns=2)
+    seed, target = _seed_with("sum of")
+    task = asyncio.run(env.reset(seed))
+    a, b = (int(w) for w in task.split() if w.isdigit())
+    calls = (*_run(f"print({a}+{b})").tool_calls, *_run("print(1/0)").tool_calls)
+    _, res = asyncio.run(play(env, seed, [Action(tool_calls=calls)]))
+    assert res[0].observation == (
+        target,
+        "error: not run: one program runs a turn (the first call's)",
+    )
+    assert res[0].reward == 1.0 and res[0].info["ran"]
 
 
 def test_errors_and_max_turns():
@@ -86,9 +100,10 @@ def test_errors_and_max_turns():
     seed, _ = _seed_with("*")
     actions = [_run("1//0"), _run("import socket; socket.socket()")]
     _, res = asyncio.run(play(env, seed, actions))
-    assert res[0].observation == "ZeroDivisionError: integer division or modulo by zero"
+    assert res[0].observation == ("ZeroDivisionError: integer division or modulo by zero",)
     assert res[0].info["status"] == "error" and not res[0].done
-    assert "PermissionError" in res[1].observation or "not allowed" in res[1].observation
+    (denied,) = res[1].observation
+    assert "PermissionError" in denied or "not allowed" in denied
     assert res[1].done and res[1].reward == 0.0
 
 
@@ -128,7 +143,7 @@ def test_model_code_cannot_read_the_project():
     seed, _ = _seed_with("sum of")
     code = f"print(open({str(REPO / 'pyproject.toml')!r}).read())"
     _, res = asyncio.run(play(env, seed, [_run(code)]))
-    assert res[0].observation.startswith("FileNotFoundError"), res[0].observation
+    assert res[0].observation[0].startswith("FileNotFoundError"), res[0].observation
     assert res[0].reward == 0.0
 
 

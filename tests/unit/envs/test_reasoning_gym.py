@@ -93,7 +93,7 @@ def test_a_scorer_that_raises_gives_zero():
 
 def test_a_tool_call_without_the_tool_ends_the_single_turn_with_nothing():
     _, res = asyncio.run(play(env(config=SMALL), 0, [call("calculate", expression="1+1")]))
-    assert res[0].observation == "error: unknown tool calculate; available: none"
+    assert res[0].observation == ("error: unknown tool calculate; available: none",)
     assert (res[0].reward, res[0].done) == (0.0, True)
 
 
@@ -104,14 +104,14 @@ def test_calculator_variant_computes_then_answers():
     expression, answer = item["metadata"]["expression"], item["answer"]
     actions = [call("calculate", expression=expression), Action(content=answer)]
     _, res = asyncio.run(play(e, 4, actions))
-    assert res[0].observation == answer and not res[0].done and res[0].reward == 0.0
+    assert res[0].observation == (answer,) and not res[0].done and res[0].reward == 0.0
     assert (res[1].reward, res[1].done) == (1.0, True)
     assert res[1].info == {"turns": 2, "kind": "answer", "used_tool": True}
     assert e.demonstration(4) == [call("calculate", expression=expression), Action(content=answer)]
     # Tool errors are observations; the episode ends at max_turns without an answer.
     bad = [call("calculate", expression="2**8"), call("calc", expression="1"), call("calculate")]
     _, res = asyncio.run(play(e, 4, bad))
-    assert all(r.observation.startswith("error:") and r.reward == 0.0 for r in res)
+    assert all(r.observation[0].startswith("error:") and r.reward == 0.0 for r in res)
     assert [r.done for r in res] == [False, False, True]
 
 

@@ -60,7 +60,9 @@ def _random_turn(rng: random.Random, alphabet: str, answer: int) -> str:
     )
 
 
-def _same_observation(python: str, ours: str) -> bool:
+def _same_observation(python: str | tuple[str, ...], ours: str) -> bool:
+    if isinstance(python, tuple):  # the one call a character-level turn can make
+        (python,) = python
     if python.startswith("error: unsupported syntax"):
         return ours == "error: cannot parse expression"
     if python.lstrip("-").isdigit() and abs(int(python)) > 10**9:

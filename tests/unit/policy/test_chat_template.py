@@ -349,8 +349,10 @@ def test_end_of_turn_missing_is_an_error(tokenizer_json: str) -> None:
 # --- token in / token out -----------------------------------------------------------------
 
 
-def conversation(chat: TemplateChat) -> tuple[list[Message], list[Action], list[Message]]:
-    """(first messages, assistant actions, the reply after each action)."""
+def conversation(
+    chat: TemplateChat,
+) -> tuple[list[Message], list[Action], list[list[Message]]]:
+    """(first messages, assistant actions, the replies after each action)."""
     first = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 12+7 then doubled?"},
@@ -361,23 +363,27 @@ def conversation(chat: TemplateChat) -> tuple[list[Message], list[Action], list[
         first = first[1:]
     probe = calc("12+7").with_call_ids(1)  # calls named as the rollout names them
     try:
-        chat.render([*first, probe.message(), probe.reply("19")])
+        chat.render([*first, probe.message(), *probe.replies("19")])
     except ChatTemplateError:  # Gemma 3: user and model turns alternate, no tool role
         actions = [Action(content="19, doubled: 38."), Action(content="It is 38.")]
         replies = [
-            {"role": "user", "content": "Sure?"},
-            {"role": "user", "content": "Thanks! And 1+1?"},
+            [{"role": "user", "content": "Sure?"}],
+            [{"role": "user", "content": "Thanks! And 1+1?"}],
         ]
         return first, actions, replies
+    # Two calls, each answered in its own message (Llama 3.1's template refuses two).
+    calls, r1 = (*calc("12+7").tool_calls, *calc("1+1").tool_calls), ("19", "2")
     if chat.tool_format == "hermes":
-        a1 = Action(content="Adding first.", tool_calls=calc("12+7").tool_calls)
+        a1 = Action(content="Adding first.", tool_calls=calls)
+    elif chat.tool_format == "mistral":
+        a1 = Action(tool_calls=calls)
     else:
-        a1 = calc("12+7")
+        a1, r1 = calc("12+7"), ("19",)
     actions = [a1.with_call_ids(1), calc("19*2").with_call_ids(2), Action(content="It is 38.")]
     replies = [
-        actions[0].reply("19"),
-        actions[1].reply("38"),
-        {"role": "user", "content": "Thanks! And 1+1?"},
+        actions[0].replies(r1),
+        actions[1].replies("38"),
+        [{"role": "user", "content": "Thanks! And 1+1?"}],
     ]
     if chat.tool_format == "mistral":  # a user turn moves the tools list: not a prefix
         return first, actions[:2], replies[:2]
@@ -401,8 +407,8 @@ def assert_token_in_token_out(chat: TemplateChat, *, stopped: bool = True) -> No
         assert chat.parse(sampled, TOOLS).with_call_ids(turn) == action  # as play_episode
         ids += sampled + chat.close_turn(sampled)
         history.append(action.message())
-        ids += chat.reply(history, [reply], TOOLS)
-        history.append(reply)
+        ids += chat.reply(history, reply, TOOLS)
+        history += reply
         full = chat.render(history, TOOLS, add_generation_prompt=True)
         assert ids == chat.tokenizer.encode(full)
 
@@ -629,7 +635,7 @@ def test_mistral_user_reply_after_tools_moves_the_tools_list() -> None:
     history = [
         {"role": "user", "content": "12+7?"},
         action.message(),
-        action.reply("19"),
+        *action.replies("19"),
         Action(content="It is 19.").message(),
     ]
     text = chat.tokenizer.decode(chat.reply(history, [{"role": "user", "content": "1+1?"}], TOOLS))

@@ -195,9 +195,14 @@ async def play_episode(
         rec.reward += float(result.reward)
         if result.done:
             break
-        reply = action.reply(result.observation)
         try:
-            prompt = chat.reply(history, [reply], tools)
+            replies = action.replies(result.observation)
+        except ValueError as err:
+            log.warning("env %s step answered wrong: %s", getattr(env, "name", "?"), err)
+            rec.status = EpisodeStatus.ENV_ERROR
+            break
+        try:
+            prompt = chat.reply(history, replies, tools)
         except ChatTemplateError as err:
             # The template refuses the conversation the policy's turn made (Mistral's v7+
             # refuse an assistant turn with neither content nor a call): the episode ends
@@ -205,7 +210,7 @@ async def play_episode(
             warn_once(log, f"episode ended: its next prompt does not render: {err}")
             rec.status = EpisodeStatus.TRUNCATED
             break
-        history.append(reply)
+        history.extend(replies)
     else:
         rec.status = EpisodeStatus.TRUNCATED  # ran out of turns without the env finishing
     return episode()
