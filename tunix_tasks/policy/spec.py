@@ -332,28 +332,34 @@ def _layer_windows(config: Mapping[str, Any], n_layers: int) -> tuple[int, ...]:
         raise UnsupportedCheckpoint(
             f"config.json: layer_types must list {n_layers} of {sorted(kinds)}"
         )
-    window = config.get("sliding_window")
-    if "sliding_attention" in types and (
-        isinstance(window, bool) or not isinstance(window, int) or not 0 < window <= 1 << 24
-    ):
+    window = _sliding_window(config)
+    if "sliding_attention" in types and window is None:
         raise UnsupportedCheckpoint(
-            f"config.json: sliding_window must be a positive integer at most {1 << 24}, "
-            f"got {window!r}"
+            "config.json: sliding_window must be a positive integer where layer_types "
+            "names sliding layers, got null"
         )
     return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def _sliding_window(config: Mapping[str, Any]) -> int | None:
+    """`sliding_window`: None when null or absent, else a positive integer (one bound for
+    every family: a window past 2**24 positions is a corrupt file, not a model)."""
+    window = config.get("sliding_window")
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or not 0 < window <= 1 << 24:
+        raise UnsupportedCheckpoint(
+            f"config.json: sliding_window must be a positive integer at most {1 << 24} or "
+            f"null, got {window!r}"
+        )
+    return window
 
 
 def _uniform_windows(config: Mapping[str, Any], n_layers: int, max_seq_len: int) -> tuple[int, ...]:
     """Mistral's windows: `sliding_window` on every layer, none when it is null or at least
     `max_seq_len` (it then drops no key, and full attention is the same and cheaper)."""
-    window = config.get("sliding_window")
-    if window is None:
-        return ()
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise UnsupportedCheckpoint(
-            f"config.json: sliding_window must be a positive integer or null, got {window!r}"
-        )
-    if window >= max_seq_len:
+    window = _sliding_window(config)
+    if window is None or window >= max_seq_len:
         return ()
     # transformers' MistralForCausalLM slides every layer and reads no `layer_types`; one
     # that names full layers (Ministral's interleaving) was trained otherwise.
@@ -379,8 +385,8 @@ def _check_sliding_window(config: Mapping[str, Any], max_seq_len: int) -> None:
     )
     if not on:
         return
-    window = config.get("sliding_window")
-    if isinstance(window, bool) or not isinstance(window, int) or window < max_seq_len:
+    window = _sliding_window(config)
+    if window is None or window < max_seq_len:
         raise UnsupportedCheckpoint(
             f"config.json: sliding-window attention (sliding_window {window!r}) is not "
             f"supported where it drops keys, at max_seq_len {max_seq_len}; it is exact with "

@@ -310,7 +310,7 @@ def test_mistral_config_defaults_are_mistralconfigs():
     assert spec.rope_theta == 10_000.0 and spec.n_kv_heads == 8
 
 
-@pytest.mark.parametrize("window", [0, -4, 4.0, "4", True])
+@pytest.mark.parametrize("window", [0, -4, 4.0, "4", True, 1 << 25])
 def test_a_bad_mistral_window_is_refused_in_one_line(window):
     cfg = json.loads((FIXTURES / "tiny-mistral" / "config.json").read_text())
     with pytest.raises(UnsupportedCheckpoint, match="sliding_window must be a positive integer"):
