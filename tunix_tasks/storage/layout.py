@@ -37,6 +37,7 @@ class RunLayout:
     """Keys relative to the run root. Pure: no I/O, no state."""
 
     CONFIG = "config.json"
+    RUN_ID = "run_id"  # this incarnation of the run: written when `prepare` creates it
     DONE = "control/DONE"
     FLEET = "control/fleet.json"  # the autopilot's active fleet: actors above it park
     SHARDS = "shards/"

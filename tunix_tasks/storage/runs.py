@@ -4,6 +4,9 @@ Layout under the run root (see docs/architecture.md for the full table):
 
     config.json                  the RunConfig, written by `prepare` (a resume may change
                                  only `config.RESUMABLE` fields)
+    run_id                       32 hex digits, written when `prepare` creates the run (a
+                                 resume keeps it): tells a run re-created under the same
+                                 URI from the one deleted there
     control/DONE                 {"reason": ..., "time": ...}: actors stop when it appears
     control/fleet.json           {"active": n, "reason": ..., "time": ...}: the autopilot's
                                  fleet; actor ids >= n park (admit no new episodes)
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
+import uuid
 from typing import Any
 
 from tunix_tasks.config import ConfigError, RunConfig, check_resume, config_from_dict
@@ -30,6 +35,7 @@ MAX_CONFIG_BYTES = 16 << 20
 #: A DONE marker is a few dozen bytes; a larger one is not read (it still means done).
 MAX_DONE_BYTES = 64 << 10
 MAX_EPOCH_S = 253_402_300_800  # 10000-01-01: `datetime` shows no later time
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def write_config(cfg: RunConfig) -> ObjectStore:
@@ -41,6 +47,8 @@ def write_config(cfg: RunConfig) -> ObjectStore:
     stored = stored_config(store)
     if stored is not None:
         check_resume(stored, cfg)
+    else:  # a new run, or one re-created where another was deleted: a new incarnation
+        store.write_bytes(RunLayout.RUN_ID, uuid.uuid4().hex.encode())
     store.write_bytes(RunLayout.CONFIG, cfg.to_json().encode())
     store.delete(RunLayout.DONE)
     store.delete(RunLayout.FLEET)  # a resumed run starts with actor.num_actors active
@@ -62,6 +70,22 @@ def stored_config(store: ObjectStore) -> RunConfig | None:
         where = join_uri(store.uri, RunLayout.CONFIG)
         raise ConfigError(f"{where} is corrupt: not valid JSON ({err})") from None
     return config_from_dict(raw)
+
+
+def run_id(store: ObjectStore) -> str:
+    """This incarnation of the run (`write_config`): 32 hex digits, or "" for a run created
+    before runs had one; `ConfigError` when the file is not such an id."""
+    try:
+        data = read_small(store, RunLayout.RUN_ID, 64, error=ConfigError)
+    except NotAFile as err:  # a FIFO, a device: "no id" would hide it
+        raise ConfigError(str(err)) from None
+    except NotFound:
+        return ""
+    text = data.decode("ascii", "replace").strip()
+    if not _RUN_ID.fullmatch(text):
+        where = join_uri(store.uri, RunLayout.RUN_ID)
+        raise ConfigError(f"{where} is corrupt: not 32 hex digits ({text[:40]!r})")
+    return text
 
 
 def read_config(run_uri: str) -> tuple[RunConfig, ObjectStore]:

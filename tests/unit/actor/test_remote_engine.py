@@ -59,7 +59,7 @@ from tunix_tasks.policy.distribution import token_logprobs
 from tunix_tasks.policy.hf_adapters import adapters_to_peft, peft_config
 from tunix_tasks.policy.hf_checkpoint import HFCheckpoint, params_from_hf, params_to_hf
 from tunix_tasks.policy.params import flat_params, load_flat_params
-from tunix_tasks.storage.runs import mark_done, write_config
+from tunix_tasks.storage.runs import mark_done, run_id, write_config
 from tunix_tasks.storage.store import open_store
 from tunix_tasks.storage.weights import read_manifest
 
@@ -291,8 +291,9 @@ def test_actor_samples_through_the_server_and_follows_new_weights(tmp_path):
         _publish(store, cfg, v0, version=0)
         actor = Actor(cfg, store, actor_id="actor-remote")
         assert isinstance(actor.engine, RemoteEngine)
-        run_folder = run_weights_folder(cfg.run_name, cfg.run_uri)
-        assert actor.engine.weights_dir.name == run_folder
+        # named for this incarnation of the run (a re-created one gets another id)
+        run_folder = run_weights_folder(cfg.run_name, cfg.run_uri, run_id(store))
+        assert run_id(store) and actor.engine.weights_dir.name == run_folder
         run = _Running(actor)
         run.episodes_at_least(8)
         _publish(store, cfg, v1, version=1)

@@ -104,12 +104,15 @@ from tunix_tasks.storage.snapshot_format import short_repr
 __all__ = ["RemoteEngine", "RemoteError", "run_weights_folder"]
 
 
-def run_weights_folder(run_name: str, run_uri: str) -> str:
-    """A run's folder under `weights_dir`: `<run_name>-<8 hex of the run's URI>`. A shared
-    `weights_dir` outlives a run and serves several, and two stores may hold runs of one
-    name: a bare run name would let one run's clean-up delete the folder another run's
-    server is loading."""
-    tag = hashlib.sha256(run_uri.encode()).hexdigest()[:8]
+def run_weights_folder(run_name: str, run_uri: str, run_id: str = "") -> str:
+    """A run's folder under `weights_dir`: `<run_name>-<8 hex of the run's URI and id>`.
+    A shared `weights_dir` outlives a run and serves several, and two stores may hold runs
+    of one name: a bare run name would let one run's clean-up delete the folder another
+    run's server is loading. The id (`storage.runs.run_id`; "" for a run created before
+    runs had one) tells a run re-created under the same URI from the deleted one, whose
+    actors may still run: the name is also whose weights a server holds (`weight_run`)."""
+    named = f"{run_uri}#{run_id}" if run_id else run_uri
+    tag = hashlib.sha256(named.encode()).hexdigest()[:8]
     return f"{run_name}-{tag}"
 
 
