@@ -45,7 +45,7 @@ class EpisodeStatus(StrEnum):
 
     OK = "ok"
     TRUNCATED = "truncated"  # out of turns or tokens before the env finished
-    ENV_ERROR = "env_error"  # the environment raised
+    ENV_ERROR = "env_error"  # the environment raised, or its results did not match the calls
     ENV_TIMEOUT = "env_timeout"  # the environment was too slow
 
 

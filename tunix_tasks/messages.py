@@ -96,7 +96,12 @@ class Action:
                 msg["tool_call_id"] = self.tool_calls[0].id
             return [msg]
         results = list(observation)
-        if not self.tool_calls or len(results) != len(self.tool_calls):
+        if not self.tool_calls:
+            raise ValueError(
+                f"{len(results)} tool results answer a turn without tool calls: answer it "
+                "with one string (the user's next words)"
+            )
+        if len(results) != len(self.tool_calls):
             raise ValueError(
                 f"{len(results)} tool results answer a turn of {len(self.tool_calls)} tool "
                 "calls: give one result per call, in the calls' order, or one string"

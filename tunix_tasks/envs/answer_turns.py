@@ -47,7 +47,7 @@ class AnswerTurns:
         if action.tool_calls:
             info["kind"] = "tool"
             self.used_tool = True
-            # no tools: "unknown tool"
+            # each call in order on the calculator (without tools: "unknown tool")
             obs: str | tuple[str, ...] = tuple(calculate(c, self.tools) for c in action.tool_calls)
         else:
             info.update(kind="answer", used_tool=self.used_tool)

@@ -28,6 +28,7 @@ policy's text cannot be parsed (a malformed tool call) the rollout answers
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -65,7 +66,7 @@ class StepResult:
             if not isinstance(obs, Sequence) or not all(isinstance(o, str) for o in obs):
                 raise TypeError(
                     "StepResult.observation must be a string, or one string per tool call, "
-                    f"got {obs!r:.200}"
+                    f"got {reprlib.repr(obs)}"
                 )
             object.__setattr__(self, "observation", tuple(obs))  # a list reads as a tuple
 

@@ -6,7 +6,7 @@ is the first tool call's ``code`` (a chat model calling the tool) or, without a 
 the action's content with a surrounding markdown ``` fence removed (a plain-text policy),
 e.g. ``print(3+4)``; an unknown tool or a missing or non-string ``code`` is answered
 ``error: ...``. One program runs a turn: a turn's further calls are answered
-``error: not run: ...``. A single bare expression is run REPL-style, so ``3+4`` prints ``7`` too.
+``error: not run: only a turn's first call runs``. A single bare expression is run REPL-style, so ``3+4`` prints ``7`` too.
 The program runs in :mod:`tunix_tasks.envs.sandbox` (off the event loop); text that does
 not parse is answered without starting a process. Reward 1.0 when the run succeeds and its stripped
 stdout equals the target, else 0. Observation: the (truncated) stdout, or the last line
@@ -45,7 +45,7 @@ _TEMPLATES: tuple[tuple[str, str], ...] = (
 )
 _MAX_SOURCE_CHARS = 1000
 _MAX_OBS_CHARS = 120
-_NOT_RUN = "error: not run: one program runs a turn (the first call's)"
+_NOT_RUN = "error: not run: only a turn's first call runs"
 DEFAULT_LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1, max_output_bytes=4096)
 _FENCE = re.compile(r"```[\w+.-]*[ \t]*\n(.*?)\n?[ \t]*```", re.S)
 TOOLS = (

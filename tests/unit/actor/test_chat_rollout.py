@@ -170,38 +170,49 @@ class _Answers:
         return self.env.demonstration(seed)
 
 
-def _two_calls_then_the_answer(env: _Answers) -> list[Action]:
+def _tool_turns_then_the_answer(env: _Answers) -> list[Action]:
+    """Two calls, one call, the answer."""
     question, answer = env.env.question_for(4)
     calls = (
         ToolCall("calculate", {"expression": question}),
         ToolCall("calculate", {"expression": "9*9"}),
     )
-    return [Action(content="", tool_calls=calls), Action(content=str(answer))]
+    again = ToolCall("calculate", {"expression": "2+2"})
+    return [Action(tool_calls=calls), Action(tool_calls=(again,)), Action(content=str(answer))]
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-mistral", "tiny-mistral-v11"])
 def test_each_tool_call_of_a_turn_gets_its_own_result_message(name, tmp_path):
     """A turn of two calls is answered with two tool messages, each naming its call, and
-    the episode's ids are the template's rendering of that conversation."""
+    the episode's ids are the template's rendering of that conversation and the tool turn
+    after it."""
     _, _, form = name.partition("-v")
     ckpt = mistral_checkpoint(tmp_path / name, f"v{form}") if form else FIXTURES / name
-    chat, _ = build_sampler(ModelConfig(checkpoint=str(ckpt), max_seq_len=512), seed=0)
+    chat, _ = build_sampler(ModelConfig(checkpoint=str(ckpt), max_seq_len=1024), seed=0)
     env = _Answers()
-    actions = _two_calls_then_the_answer(env)
+    actions = _tool_turns_then_the_answer(env)
     # room for Mistral's two calls with their ids (about 120 ids in this vocabulary)
-    limits = EpisodeLimits(max_turns=3, max_episode_tokens=512, max_new_tokens=256)
-    episode = asyncio.run(
-        play_episode(env, ScriptedPolicy(actions, chat), seed=4, limits=limits, chat=chat)
-    )
-    assert (episode.status, episode.reward, episode.num_turns) == ("ok", 1.0, 2)
+    limits = EpisodeLimits(max_turns=3, max_episode_tokens=1024, max_new_tokens=256)
+    scripted, asked = ScriptedPolicy(actions, chat), []
+
+    async def policy(context, **conversation):  # the scripted turns; what each was shown
+        asked.append(list(conversation["messages"]))
+        return await scripted(context, **conversation)
+
+    episode = asyncio.run(play_episode(env, policy, seed=4, limits=limits, chat=chat))
+    assert (episode.status, episode.reward, episode.num_turns) == ("ok", 1.0, 3)
     question = actions[0].tool_calls[0].arguments["expression"]
-    called = actions[0].with_call_ids(1)
+    two, one = actions[0].with_call_ids(1), actions[1].with_call_ids(2)
     history = [
         {"role": "user", "content": f"{question}=?"},
-        called.message(),
-        *called.replies((str(safe_eval(question)), "81")),
+        two.message(),
+        *two.replies((str(safe_eval(question)), "81")),
+        one.message(),
+        *one.replies(("4",)),
     ]
-    assert [m.get("tool_call_id") for m in history[2:]] == ["t0001c000", "t0001c001"]
+    ids = [m.get("tool_call_id") for m in history if m["role"] == "tool"]
+    assert ids == ["t0001c000", "t0001c001", "t0002c000"]
+    assert asked[-1] == history  # the conversation the answer turn was asked after
     prompt = chat.render(history, env.tools, add_generation_prompt=True)  # before the answer
     rendered = chat.tokenizer.encode(prompt)
     assert episode.tokens.tolist()[: len(rendered)] == rendered
@@ -218,7 +229,7 @@ def test_tool_results_that_do_not_match_the_calls_end_the_episode_as_env_error(
     )
     env = _Answers(results)
     limits = EpisodeLimits(max_turns=3, max_episode_tokens=512, max_new_tokens=96)
-    policy = ScriptedPolicy(_two_calls_then_the_answer(env), chat)
+    policy = ScriptedPolicy(_tool_turns_then_the_answer(env), chat)
     with caplog.at_level("WARNING"):
         episode = asyncio.run(play_episode(env, policy, seed=4, limits=limits, chat=chat))
     assert (episode.status, episode.num_turns) == ("env_error", 1)

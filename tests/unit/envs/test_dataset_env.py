@@ -170,18 +170,19 @@ def test_calculator_variant_computes_then_answers(jsonl, held):
     demo = e.demonstration(6)
     assert demo == [call("calculate", expression="6+6"), Action(content="12")]
     _, res = asyncio.run(play(e, 6, demo))
-    assert (res[0].observation, res[0].done, res[1].reward, res[1].done) == (
-        ("12",),
-        False,
-        1.0,
-        True,
-    )
+    assert (res[0].observation, res[0].done) == (("12",), False)
+    assert (res[1].reward, res[1].done) == (1.0, True)
     assert res[1].info == {"turns": 2, "kind": "answer", "used_tool": True}
     bad = [call("calculate", expression="2**8"), call("calc", expression="1"), call("calculate")]
     _, res = asyncio.run(play(e, 6, bad))
     assert all(r.observation[0].startswith("error:") for r in res)
     assert [r.done for r in res] == [False, False, True]
     assert asyncio.run(rollout(e, demo_policy(e, 9), 9, 3))[0] == 1.0
+    # A turn's calls are each evaluated and answered, in order.
+    calls = [call("calculate", expression="6+6"), call("calc"), call("calculate", expression="9*9")]
+    turn = Action(tool_calls=tuple(c.tool_calls[0] for c in calls))
+    _, res = asyncio.run(play(e, 6, [turn]))
+    assert res[0].observation == ("12", "error: unknown tool calc; available: calculate", "81")
     # Without the tool a call is answered with an error and ends the single turn.
     _, res = asyncio.run(play(env(jsonl), 0, [call("calculate", expression="1+1")]))
     assert res[0].observation == ("error: unknown tool calculate; available: none",)

@@ -90,7 +90,7 @@ def test_one_program_runs_a_turn_and_each_call_is_answered():
     _, res = asyncio.run(play(env, seed, [Action(tool_calls=calls)]))
     assert res[0].observation == (
         target,
-        "error: not run: one program runs a turn (the first call's)",
+        "error: not run: only a turn's first call runs",
     )
     assert res[0].reward == 1.0 and res[0].info["ran"]
 

@@ -14,8 +14,10 @@ mask, behaviour log-probs, reward, turns, status and the oldest weights version 
 
     ep = await play_episode(env, policy, seed=7, limits=EpisodeLimits(...), chat=chat)
 
-A turn whose tool call cannot be parsed is answered with `error: <why>` (role tool) without
-calling the environment; it still counts as a turn.
+A turn whose tool call cannot be parsed is answered with `error: <why>` (role user: no call
+was read for a tool message to name) without calling the environment; it still counts as
+a turn. A turn's tool calls are answered one message each when the environment gives one
+result per call (`Action.replies`).
 """
 
 from __future__ import annotations
@@ -198,7 +200,9 @@ async def play_episode(
         try:
             replies = action.replies(result.observation)
         except ValueError as err:
-            log.warning("env %s step answered wrong: %s", getattr(env, "name", "?"), err)
+            log.warning(
+                "env %s step: %s; episode ended as env_error", getattr(env, "name", "?"), err
+            )
             rec.status = EpisodeStatus.ENV_ERROR
             break
         try:
