@@ -2,8 +2,7 @@
 
 An actor process waits for the first weights, then serves (the kind's own loop) until the
 run's DONE marker, its deadline or a signal, and always flushes its last shard and
-metrics; or until its run is deleted or created again under its URI (another `run_id`),
-when it writes nothing more there. This class owns that lifecycle, the weights reload, the shard writer, the
+metrics. This class owns that lifecycle, the weights reload, the shard writer, the
 metrics and the `EpisodeBuilder` that stamps every episode (`self.episodes`);
 `asynchronous.actor.Actor` (asyncio environments, the batched sampler) and
 `vectorized.actor.VectorizedActor` (JAX environments and the policy on the device) own
@@ -55,7 +54,7 @@ from tunix_tasks.seeds import HELD_OUT_SEED_BASE  # the seed ranges: tunix_tasks
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsWriter
 from tunix_tasks.storage.outage import StoreOutage
-from tunix_tasks.storage.runs import is_done, run_id
+from tunix_tasks.storage.runs import is_done
 from tunix_tasks.storage.shards import ShardWriter
 from tunix_tasks.storage.store import ObjectStore, StoreError
 from tunix_tasks.storage.weights import Manifest, WeightsClient
@@ -71,7 +70,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FINAL_FLUSH_S = 30.0  # how long the last shard is retried in an outage when stopping
-_RUN_ID_CHECK_S = 30.0  # how often an actor checks that its run was not deleted or re-created
 
 
 def episode_seed(run_seed: int, actor_id: str, group: int) -> int:
@@ -164,12 +162,6 @@ class ActorRuntime:
             if cfg.actor.flow_control and cfg.mode == "async"
             else None
         )
-        # This incarnation of the run (storage/runs.py), checked every _RUN_ID_CHECK_S: an
-        # actor of a run deleted (and maybe re-created) under its URI stops rather than
-        # write its episodes into another run.
-        self.run_id = run_id(store)
-        self._run_id_checked = time.monotonic()
-        self._replaced = False
         self.engine: RolloutEngine = self._build_engine()
 
     @functools.cached_property
@@ -213,11 +205,10 @@ class ActorRuntime:
                 self._outage.tolerate("metrics", self._log_metrics, None)  # phase: compiling
                 self._serve()
         finally:  # the last shard, even in an outage (bounded: the launcher's grace is 60 s)
-            if not self._replaced:  # else the folder is another run's: nothing written there
-                until = time.monotonic() + FINAL_FLUSH_S
-                self._outage.call("final shard", self._locked, self.writer.close, deadline=until)
-                self._outage.tolerate("metrics", self._log_metrics, time.monotonic() - t0)
-                self._outage.tolerate("metrics", self.metrics.close)
+            until = time.monotonic() + FINAL_FLUSH_S
+            self._outage.call("final shard", self._locked, self.writer.close, deadline=until)
+            self._outage.tolerate("metrics", self._log_metrics, time.monotonic() - t0)
+            self._outage.tolerate("metrics", self.metrics.close)
         return {
             "actor_id": self.actor_id,
             "episodes": self.stats.episodes,
@@ -240,31 +231,10 @@ class ActorRuntime:
         if done:
             self.request_stop(f"run done: {done.get('reason', '')}")
             return True
-        if self._run_replaced():
-            return True
         tolerate = self._outage.tolerate  # a store outage: try again next round
         tolerate("shard commit", self._locked, self.writer.maybe_flush)
         tolerate("metrics", self._log_metrics_periodic)
         return False
-
-    def _run_replaced(self) -> bool:
-        """True once the run's id is no longer the one this actor started with (the run
-        was deleted, or deleted and created again under its URI): the actor is stopping.
-        Checked every _RUN_ID_CHECK_S; a run from before ids (no id) is never replaced."""
-        now = time.monotonic()
-        if not self.run_id or now - self._run_id_checked < _RUN_ID_CHECK_S:
-            return False
-        self._run_id_checked = now
-        current = self._outage.tolerate("run id check", run_id, self.store)
-        if current is None or current == self.run_id:  # None: the store did not answer
-            return False
-        what = f"created again (run_id {current})" if current else "deleted"
-        self._replaced = True
-        self.request_stop(
-            f"run {self.store.uri} was {what} after this actor started (run_id "
-            f"{self.run_id}): it stops rather than write into another run"
-        )
-        return True
 
     # -- weights -------------------------------------------------------------------
     def _wait_for_weights(self):

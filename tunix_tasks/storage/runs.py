@@ -6,7 +6,7 @@ Layout under the run root (see docs/architecture.md for the full table):
                                  only `config.RESUMABLE` fields)
     run_id                       32 hex digits, written when `prepare` creates the run (a
                                  resume keeps it): tells a run re-created under the same
-                                 URI from the one deleted there (its actors stop on it)
+                                 URI from the one deleted there
     control/DONE                 {"reason": ..., "time": ...}: actors stop when it appears
     control/fleet.json           {"active": n, "reason": ..., "time": ...}: the autopilot's
                                  fleet; actor ids >= n park (admit no new episodes)

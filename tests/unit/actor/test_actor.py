@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,7 +32,6 @@ from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
 from tests.paths import REPO
-from tunix_tasks.actor import runtime
 from tunix_tasks.actor.asynchronous.actor import Actor
 from tunix_tasks.config import RunConfig, config_from_dict
 from tunix_tasks.envs import Action, StepResult, function_tool, register_env
@@ -46,7 +44,7 @@ from tunix_tasks.policy.params import flat_params, load_flat_params
 from tunix_tasks.policy.tokenizer import Tokenizer
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import read_metrics
-from tunix_tasks.storage.runs import mark_done, run_id, write_config
+from tunix_tasks.storage.runs import mark_done, write_config
 from tunix_tasks.storage.store import ObjectStore
 from tunix_tasks.storage.weights import (
     MANIFEST_FILE,
@@ -496,31 +494,6 @@ def test_deadline_stops_the_actor_and_flushes(tmp_path):
     episodes = _read_episodes(store)
     assert len(episodes) == summary["episodes"]
     assert summary["shards"] == len(store.list("shards/")) >= 1
-
-
-@pytest.mark.parametrize("again", [True, False], ids=["re-created", "deleted"])
-def test_an_actor_of_a_deleted_run_stops_and_writes_nothing_into_its_folder(
-    tmp_path, monkeypatch, again
-):
-    """The run's folder deleted (and a run created again under its URI, with another
-    run_id) while its actor runs: the actor stops at its next check rather than write its
-    episodes, buffered or to come, into the other run."""
-    monkeypatch.setattr(runtime, "_RUN_ID_CHECK_S", 0.0)
-    cfg = _config(f"file://{tmp_path}", episodes_per_shard=10_000, shard_interval_s=3600.0)
-    store = write_config(cfg)
-    _publish(store, cfg, _peaky(1, cfg), version=0)
-    actor = Actor(cfg, store, actor_id="actor-old")
-    assert actor.run_id == run_id(store)
-    run = _Running(actor)
-    run.episodes_at_least(4)  # buffered: no shard is due before the run ends
-    shutil.rmtree(tmp_path / cfg.run_name)
-    if again:
-        write_config(cfg)
-    summary = run.join()
-    what = "created again" if again else "deleted"
-    assert what in summary["stop_reason"] and actor.run_id in summary["stop_reason"]
-    assert summary["episodes"] >= 4 and summary["shards"] == 0
-    assert not (tmp_path / cfg.run_name / "shards").exists()
 
 
 def test_stop_while_waiting_for_first_weights(tmp_path):
