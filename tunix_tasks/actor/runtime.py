@@ -54,8 +54,8 @@ from tunix_tasks.seeds import HELD_OUT_SEED_BASE  # the seed ranges: tunix_tasks
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsWriter
 from tunix_tasks.storage.outage import StoreOutage
-from tunix_tasks.storage.runs import is_done
-from tunix_tasks.storage.shards import ShardWriter
+from tunix_tasks.storage.runs import is_done, run_id
+from tunix_tasks.storage.shards import RUN_ID_KEY, ShardWriter
 from tunix_tasks.storage.store import ObjectStore, StoreError
 from tunix_tasks.storage.weights import Manifest, WeightsClient
 
@@ -131,11 +131,16 @@ class ActorRuntime:
         self._last_poll = 0.0
         self._behind_poll_at = float("-inf")  # when a paused actor behind last polled at once
         self._reloading = threading.Lock()  # one weights poll at a time (`_maybe_reload`)
+        # This incarnation of the run (storage/runs.py), named in every shard: should the
+        # run be deleted and created again while this actor runs, the new run's learner
+        # quarantines its shards (`other_run`) instead of training on another run's.
+        self.run_id = run_id(store)
         self.writer = ShardWriter(
             store,
             actor_id=actor_id,
             max_episodes=cfg.actor.episodes_per_shard,
             max_interval_s=cfg.actor.shard_interval_s,
+            metadata={RUN_ID_KEY: self.run_id} if self.run_id else None,
         )
         # Commits and the time-based flush may run on different threads: serialise them
         # so no episode is lost or duplicated.

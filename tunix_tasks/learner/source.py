@@ -89,9 +89,10 @@ class _Decoded(NamedTuple):
 class EpisodeSource:
     """Complete shards under `shards/` -> validated `EpisodeBlock`s with advantages.
 
-    Limits: `max_length` (quarantine `too_long`) and `newest_version`, which the learner
-    sets to the newest version it has published (quarantine `future_version`: no actor
-    can hold weights newer than that). Replays: an episode whose id is in flight or was
+    Limits: `max_length` (quarantine `too_long`), `run_id` (quarantine `other_run`: an
+    actor of the run deleted and created again under its URI wrote it) and
+    `newest_version`, which the learner sets to the newest version it has published
+    (quarantine `future_version`: no actor can hold weights newer than that). Replays: an episode whose id is in flight or was
     accounted within the last `dedup_window` ids is handed out flagged `duplicate`; the
     learner drops it as `duplicate`. Advantages are computed over the episodes the learner
     keeps (not `DROPPED_STATUSES`); with `filter_zero_variance` the kept episodes of a
@@ -110,6 +111,7 @@ class EpisodeSource:
         read_threads: int = 4,
         grace_ms: int = 10_000,
         max_length: int | None = None,
+        run_id: str = "",
         dedup_window: int = 65_536,
         delete_consumed: bool = False,
         filter_zero_variance: bool = False,
@@ -121,6 +123,7 @@ class EpisodeSource:
         self.vocab_size = vocab_size
         self.advantage = advantage
         self.max_length = max_length
+        self.run_id = run_id  # the run's (storage.runs.run_id): another's shards, quarantined
         self.newest_version: int | None = None  # None: no future-version check
         self.delete_consumed = delete_consumed
         self.position = ShardPosition(grace_ms=grace_ms)
@@ -312,7 +315,9 @@ class EpisodeSource:
     def _read(self, key: str) -> pa.Table | ShardValidationError:
         """A reader thread's part of a round (it touches none of the source's state)."""
         try:
-            return read_shard_table(self._store, key, max_length=self.max_length)
+            return read_shard_table(
+                self._store, key, max_length=self.max_length, run_id=self.run_id
+            )
         except ShardValidationError as err:
             return err
         except NotFound as err:

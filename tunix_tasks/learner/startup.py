@@ -34,6 +34,7 @@ from tunix_tasks.policy.build import base_fingerprint, model_meta
 from tunix_tasks.storage.lease import Lease
 from tunix_tasks.storage.metrics import MetricsWriter
 from tunix_tasks.storage.retention import SnapshotRetention
+from tunix_tasks.storage.runs import run_id
 from tunix_tasks.storage.store import ObjectStore
 from tunix_tasks.storage.trackers import open_tracker
 
@@ -109,6 +110,7 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
             cfg.learner,
             vocab_size=model.vocab_size,
             max_length=cfg.actor.max_episode_tokens,  # <= model.max_seq_len (validated)
+            run_id=run_id(store),
         )
     )
     tracker = None

@@ -26,7 +26,14 @@ from typing import Any
 from tunix_tasks.config import ConfigError, RunConfig, check_resume, config_from_dict
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import read_metrics
-from tunix_tasks.storage.store import NotAFile, NotFound, ObjectStore, open_store, read_small
+from tunix_tasks.storage.store import (
+    NotAFile,
+    NotFound,
+    ObjectStore,
+    PreconditionFailed,
+    open_store,
+    read_small,
+)
 from tunix_tasks.storage.uri import join_uri
 from tunix_tasks.untrusted import json_loads
 
@@ -47,8 +54,9 @@ def write_config(cfg: RunConfig) -> ObjectStore:
     stored = stored_config(store)
     if stored is not None:
         check_resume(stored, cfg)
-    else:  # a new run, or one re-created where another was deleted: a new incarnation
-        store.write_bytes(RunLayout.RUN_ID, uuid.uuid4().hex.encode())
+    else:  # a new run, or one created again where another was deleted: a new incarnation
+        with contextlib.suppress(PreconditionFailed):  # a concurrent prepare's came first
+            store.write_if_generation(RunLayout.RUN_ID, uuid.uuid4().hex.encode(), 0)
     store.write_bytes(RunLayout.CONFIG, cfg.to_json().encode())
     store.delete(RunLayout.DONE)
     store.delete(RunLayout.FLEET)  # a resumed run starts with actor.num_actors active
@@ -74,17 +82,21 @@ def stored_config(store: ObjectStore) -> RunConfig | None:
 
 def run_id(store: ObjectStore) -> str:
     """This incarnation of the run (`write_config`): 32 hex digits, or "" for a run created
-    before runs had one; `ConfigError` when the file is not such an id."""
+    before runs had one; `ConfigError` when the file is not such an id. Written once, by
+    compare-and-swap, so concurrent prepares of a new run agree on it."""
     try:
-        data = read_small(store, RunLayout.RUN_ID, 64, error=ConfigError)
+        got = store.read_versioned(RunLayout.RUN_ID)
     except NotAFile as err:  # a FIFO, a device: "no id" would hide it
         raise ConfigError(str(err)) from None
-    except NotFound:
+    if got is None:
         return ""
-    text = data.decode("ascii", "replace").strip()
-    if not _RUN_ID.fullmatch(text):
+    text = got[0][:64].decode("ascii", "replace").strip()
+    if len(got[0]) > 64 or not _RUN_ID.fullmatch(text):
         where = join_uri(store.uri, RunLayout.RUN_ID)
-        raise ConfigError(f"{where} is corrupt: not 32 hex digits ({text[:40]!r})")
+        raise ConfigError(
+            f"{where} is corrupt: not 32 hex digits ({text[:40]!r}); it names the run's "
+            "incarnation: restore it, or delete it to run on without one"
+        )
     return text
 
 

@@ -34,6 +34,9 @@ from tunix_tasks.storage.store import ObjectStore
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+# The id of the run whose actor wrote the shard (`storage.runs.run_id`), when it has one:
+# the learner quarantines another incarnation's shards (`validation.py`, `other_run`).
+RUN_ID_KEY = "tunix.run_id"
 HISTOGRAM_EDGES = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 ROW_GROUP_ROWS = 256
 

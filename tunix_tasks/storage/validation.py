@@ -14,7 +14,10 @@ small fraction of decoding.
 `max_length` (the longest episode the run allows, `actor.max_episode_tokens`) rejects a
 shard as `too_long`; `max_version` (the newest weights version the learner has
 published) rejects one whose `policy_version` is from the future as `future_version`; a
-reward outside [-1e6, 1e6] (`episode.MAX_ABS_REWARD`) is `reward_out_of_range`.
+reward outside [-1e6, 1e6] (`episode.MAX_ABS_REWARD`) is `reward_out_of_range`; `run_id`
+(the run's, `storage.runs.run_id`) rejects a shard an actor of another incarnation of the
+run wrote (its `tunix.run_id` metadata: the run was deleted and created again under its
+URI while that actor ran) as `other_run`.
 
 Size bounds come before decoding: the Parquet footer's declared sizes (each row group's
 uncompressed bytes, the `tokens` values each row group declares, the `length` column's
@@ -36,7 +39,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tunix_tasks.episode import MAX_ABS_REWARD, EpisodeStatus
-from tunix_tasks.storage.shards import SCHEMA_VERSION, SHARD_SCHEMA, ShardColumns, row_columns
+from tunix_tasks.storage.shards import (
+    RUN_ID_KEY,
+    SCHEMA_VERSION,
+    SHARD_SCHEMA,
+    ShardColumns,
+    row_columns,
+)
 from tunix_tasks.storage.store import NotFound, ObjectStore
 from tunix_tasks.storage.uri import join_uri
 
@@ -61,11 +70,13 @@ class ShardValidationError(ValueError):
 
 class ShardLimits(TypedDict, total=False):
     """The learner's bounds on a shard (module docstring): `max_length` tokens per
-    episode, `max_version` the newest published version, `max_bytes` decoded."""
+    episode, `max_version` the newest published version, `max_bytes` decoded, `run_id`
+    the run's id ("" or absent: any writer's shards)."""
 
     max_length: int | None
     max_version: int | None
     max_bytes: int
+    run_id: str
 
 
 def read_shard(
@@ -88,6 +99,7 @@ def read_shard_table(
     *,
     max_length: int | None = None,
     max_bytes: int = MAX_SHARD_BYTES,
+    run_id: str = "",
 ) -> pa.Table:
     """A shard's rows decoded within the size bounds (module docstring), not yet validated
     (`validate_table` / `validate_tables`), strings still dictionary-encoded: the part of
@@ -98,6 +110,7 @@ def read_shard_table(
         source = store.open_input(key)
         # ParquetFile skips the dataset layer of read_table: same result, less overhead.
         file = pq.ParquetFile(source, read_dictionary=_STRINGS)
+        _check_writer(file, where, run_id)
         _check_declared(file, where, max_length, max_bytes)
         return _decode(file, where, max_bytes)
     except (NotFound, ShardValidationError):
@@ -115,8 +128,9 @@ def _read(
     max_length: int | None = None,
     max_version: int | None = None,
     max_bytes: int = MAX_SHARD_BYTES,
+    run_id: str = "",
 ) -> tuple[pa.Table, ShardColumns]:
-    table = read_shard_table(store, key, max_length=max_length, max_bytes=max_bytes)
+    table = read_shard_table(store, key, max_length=max_length, max_bytes=max_bytes, run_id=run_id)
     table = _plain_strings(table)
     columns = validate_table(
         table,
@@ -195,6 +209,20 @@ def _too_large(where: str, size: int, max_bytes: int, what: str) -> ShardValidat
     return ShardValidationError(
         where, "too_large", f"{what} {size} bytes, over the limit of {max_bytes} bytes per shard"
     )
+
+
+def _check_writer(file: pq.ParquetFile, where: str, run_id: str) -> None:
+    """Refuse a shard written by an actor of another incarnation of the run (module
+    docstring); one that names none (older actors, other writers) is any run's."""
+    written = (file.schema_arrow.metadata or {}).get(RUN_ID_KEY.encode())
+    if run_id and written is not None and written != run_id.encode():
+        raise ShardValidationError(
+            where,
+            "other_run",
+            f"written by an actor of run_id {written[:40].decode('ascii', 'replace')!r}, "
+            f"not of this run's ({run_id}): the run was deleted and created again under "
+            "its URI while that actor ran",
+        )
 
 
 def _check_declared(

@@ -27,6 +27,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
@@ -44,7 +45,8 @@ from tunix_tasks.policy.params import flat_params, load_flat_params
 from tunix_tasks.policy.tokenizer import Tokenizer
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import read_metrics
-from tunix_tasks.storage.runs import mark_done, write_config
+from tunix_tasks.storage.runs import mark_done, run_id, write_config
+from tunix_tasks.storage.shards import RUN_ID_KEY
 from tunix_tasks.storage.store import ObjectStore
 from tunix_tasks.storage.weights import (
     MANIFEST_FILE,
@@ -494,6 +496,9 @@ def test_deadline_stops_the_actor_and_flushes(tmp_path):
     episodes = _read_episodes(store)
     assert len(episodes) == summary["episodes"]
     assert summary["shards"] == len(store.list("shards/")) >= 1
+    for shard in store.list("shards/"):  # named for this run: the learner checks it
+        written = pq.ParquetFile(store.open_input(shard.key)).schema_arrow.metadata
+        assert written[RUN_ID_KEY.encode()] == run_id(store).encode() != b""
 
 
 def test_stop_while_waiting_for_first_weights(tmp_path):

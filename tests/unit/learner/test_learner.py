@@ -39,11 +39,8 @@ from tunix_tasks.policy.distribution import token_logprobs
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.lease import LeaseHeldError, LeaseLost
 from tunix_tasks.storage.metrics import read_metrics
-from tunix_tasks.storage.runs import read_config
-from tunix_tasks.storage.shards import (
-    episodes_to_table,
-    table_to_parquet_bytes,
-)
+from tunix_tasks.storage.runs import read_config, run_id
+from tunix_tasks.storage.shards import RUN_ID_KEY, episodes_to_table, table_to_parquet_bytes
 from tunix_tasks.storage.store import ObjectStore, PreconditionFailed, open_store
 from tunix_tasks.storage.weights import PublishConflict, WeightsPublisher, read_latest
 from tunix_tasks.testing.shard_factory import make_episode
@@ -267,7 +264,8 @@ def test_future_replayed_and_too_long_shards_never_trained(tmp_path):
     (staleness -999996 in metrics); #11.5: a shard copied under a new name was accounted
     twice; #11.6: an episode over actor.max_episode_tokens (192) was truncated and
     trained. Now: quarantined as `future_version` / `too_long`, the replay dropped as
-    `duplicate`. #11.11: old snapshots are pruned (keep the newest 2) and, with
+    `duplicate`; a shard an actor of another incarnation of the run wrote (the run deleted
+    and created again under its URI while it ran) as `other_run`. #11.11: old snapshots are pruned (keep the newest 2) and, with
     `delete_consumed_shards`, the consumed shards are deleted after the final checkpoint."""
     uri = prepare_tiny_run(
         str(tmp_path),
@@ -289,9 +287,16 @@ def test_future_replayed_and_too_long_shards_never_trained(tmp_path):
             "too_long",
             make_episodes(rng, 4, length=193, version=4),
         ),
+        # an actor of the run deleted and created again under this URI while it ran
+        "shards/actor-9/0000000000003-other.parquet": (
+            "other_run",
+            make_episodes(rng, 4, version=4),
+        ),
     }
-    for key, (_, eps) in bad.items():
-        store.write_bytes(key, table_to_parquet_bytes(episodes_to_table(eps)))
+    for key, (reason, eps) in bad.items():
+        writer = "f" * 32 if reason == "other_run" else run_id(store)  # else: this run's
+        table = episodes_to_table(eps)
+        store.write_bytes(key, table_to_parquet_bytes(table, extra_metadata={RUN_ID_KEY: writer}))
     good = [make_episodes(rng, PER_STEP, version=4) for _ in range(2)]
     keys = write_shards(store, good)
     replay = "shards/actor-0/9999999999999-replay.parquet"

@@ -63,6 +63,9 @@ def test_a_run_keeps_its_id_across_resumes_and_a_re_created_run_gets_another(tmp
     first = run_id(write_config(cfg))
     assert len(first) == 32 and int(first, 16) >= 0
     assert run_id(write_config(cfg)) == first  # a resume keeps it
+    # A second prepare that saw no config.json (two at once) keeps the first one's id.
+    (tmp_path / "r" / RunLayout.CONFIG).unlink()
+    assert run_id(write_config(cfg)) == first
     shutil.rmtree(tmp_path / "r")
     again = run_id(write_config(cfg))
     assert again not in ("", first)
@@ -84,16 +87,17 @@ def test_a_run_from_before_ids_keeps_its_weights_folder(tmp_path):
         (b"ABCDEF" * 6, "not 32 hex digits"),
         (b"0" * 31, "not 32 hex digits"),
         (b"\xff" * 32, "not 32 hex digits"),
-        (b"0" * 65, "more than the 64 it may"),
+        (b"0" * 32 + b"0" * (1 << 20), "not 32 hex digits"),
         (None, "not a regular file"),
     ],
 )
 def test_a_poisoned_run_id_is_a_clear_error(tmp_path, body, message):
     store = open_store(f"file://{tmp_path}/run")
     if body is None:  # a FIFO would block a reader forever
-        (tmp_path / "run").mkdir()
-        os.mkfifo(tmp_path / "run" / RunLayout.RUN_ID)
+        generations = tmp_path / "run" / f".{RunLayout.RUN_ID}.gens"
+        generations.mkdir(parents=True)
+        os.mkfifo(generations / f"{1:020d}")
     else:
-        store.write_bytes(RunLayout.RUN_ID, body)
+        store.write_if_generation(RunLayout.RUN_ID, body, 0)
     with pytest.raises(ConfigError, match=message):
         run_id(store)

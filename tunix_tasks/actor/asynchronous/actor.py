@@ -40,7 +40,7 @@ from tunix_tasks.policy.build import build_actor_sampler, lora_spec, policy_spec
 from tunix_tasks.policy.packaged_models import resolve_checkpoint
 from tunix_tasks.policy.replicas import SamplerReplicas
 from tunix_tasks.policy.sampling import Sampler
-from tunix_tasks.storage.runs import prepared_at, run_id
+from tunix_tasks.storage.runs import prepared_at
 from tunix_tasks.storage.store import ObjectStore
 
 __all__ = ["Actor"]
@@ -90,7 +90,7 @@ class Actor(ActorRuntime):
             top_k=actor.top_k,
             seed=episode_seed(self.cfg.seed, self._seed_key, -1),
             connections=actor.remote.max_connections or actor.envs_per_actor,
-            run_folder=run_weights_folder(self.cfg.run_name, self.cfg.run_uri, run_id(self.store)),
+            run_folder=run_weights_folder(self.cfg.run_name, self.cfg.run_uri, self.run_id),
             actor_id=self.actor_id,
             config_json=_base_config_json(self.cfg.model),
             lora=lora_spec(self.cfg.model),
