@@ -83,19 +83,21 @@ def stored_config(store: ObjectStore) -> RunConfig | None:
 def run_id(store: ObjectStore) -> str:
     """This incarnation of the run (`write_config`): 32 hex digits, or "" for a run created
     before runs had one; `ConfigError` when the file is not such an id. Written once, by
-    compare-and-swap, so concurrent prepares of a new run agree on it."""
+    compare-and-swap, so concurrent prepares of a new run agree on it; readers start once
+    `config.json`, written after it, is there."""
     try:
-        got = store.read_versioned(RunLayout.RUN_ID)
+        data = read_small(store, RunLayout.RUN_ID, 64, error=ConfigError)
     except NotAFile as err:  # a FIFO, a device: "no id" would hide it
         raise ConfigError(str(err)) from None
-    if got is None:
+    except NotFound:
         return ""
-    text = got[0][:64].decode("ascii", "replace").strip()
-    if len(got[0]) > 64 or not _RUN_ID.fullmatch(text):
+    text = data.decode("ascii", "replace").strip()
+    if not _RUN_ID.fullmatch(text):
         where = join_uri(store.uri, RunLayout.RUN_ID)
         raise ConfigError(
             f"{where} is corrupt: not 32 hex digits ({text[:40]!r}); it names the run's "
-            "incarnation: restore it, or delete it to run on without one"
+            "incarnation: delete it (in a local folder with its .run_id.gens/) to run on "
+            "without one"
         )
     return text
 
