@@ -391,7 +391,12 @@ def test_a_dest_inside_the_run_or_a_negative_version_is_refused_up_front(tmp_pat
         _one_line(capsys, 2, ["export", cfg.run_uri, str(dest)], "is inside the run .*outside it")
     out = str(tmp_path / "out")
     _one_line(capsys, 2, ["export", cfg.run_uri, out, "--version", "-1"], "version must be >= 0")
-    assert sorted(p.name for p in root.iterdir()) == ["config.json", "run_id", "weights"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".run_id.gens",
+        "config.json",
+        "run_id",
+        "weights",
+    ]
     assert sorted(p.name for p in (root / "weights").iterdir()) == [
         ".LATEST.gens",
         "LATEST",
