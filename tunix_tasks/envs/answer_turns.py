@@ -2,8 +2,8 @@
 
 Owns one episode's turn state: a turn with tool calls runs each call on the calculator
 (``envs/calculator.py``; without tools it answers "unknown tool"), answers each in its
-own message, and the episode goes on; a turn without tool calls is the answer, scored, and ends the episode;
-so does ``max_turns``. What an answer is worth is the environment's ``score``.
+own message, and the episode goes on; a turn without tool calls is the answer, scored,
+and ends the episode; so does ``max_turns``. What an answer is worth is the environment's ``score``.
 
     turns = AnswerTurns(env.tools, env.max_turns)          # in reset()
     result = await turns.step(action, score)               # in step(): score(content, info)

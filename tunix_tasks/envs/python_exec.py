@@ -6,7 +6,8 @@ is the first tool call's ``code`` (a chat model calling the tool) or, without a 
 the action's content with a surrounding markdown ``` fence removed (a plain-text policy),
 e.g. ``print(3+4)``; an unknown tool or a missing or non-string ``code`` is answered
 ``error: ...``. One program runs a turn: a turn's further calls are answered
-``error: not run: only a turn's first call runs``. A single bare expression is run REPL-style, so ``3+4`` prints ``7`` too.
+``error: not run: only a turn's first call runs``. A single bare expression is run
+REPL-style, so ``3+4`` prints ``7`` too.
 The program runs in :mod:`tunix_tasks.envs.sandbox` (off the event loop); text that does
 not parse is answered without starting a process. Reward 1.0 when the run succeeds and its stripped
 stdout equals the target, else 0. Observation: the (truncated) stdout, or the last line

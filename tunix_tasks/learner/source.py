@@ -92,8 +92,9 @@ class EpisodeSource:
     Limits: `max_length` (quarantine `too_long`), `run_id` (quarantine `other_run`: an
     actor of the run deleted and created again under its URI wrote it) and
     `newest_version`, which the learner sets to the newest version it has published
-    (quarantine `future_version`: no actor can hold weights newer than that). Replays: an episode whose id is in flight or was
-    accounted within the last `dedup_window` ids is handed out flagged `duplicate`; the
+    (quarantine `future_version`: no actor can hold weights newer than that). Replays:
+    an episode whose id is in flight or was accounted within the last `dedup_window` ids
+    is handed out flagged `duplicate`; the
     learner drops it as `duplicate`. Advantages are computed over the episodes the learner
     keeps (not `DROPPED_STATUSES`); with `filter_zero_variance` the kept episodes of a
     group without signal (`advantages.zero_variance_mask`) are flagged

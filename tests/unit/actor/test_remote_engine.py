@@ -1044,9 +1044,9 @@ def test_a_lora_run_loads_its_adapters_by_name(tmp_path):
 def test_a_lora_server_kept_across_runs_serves_each_turn_its_own_runs_adapter(tmp_path):
     """A LoRA run re-created under the same URI names its adapters as the old run did
     without digests (`<run>-v0`, ...): the one published later loads (vLLM's "already
-    loaded" would have served the old run's). The next run's adapter drops the names of the run before, whose
-    actor's next turn then finds its adapter gone (a 404) and loads it again: each turn is
-    drawn by its own run's adapter."""
+    loaded" would have served the old run's). The next run's adapter drops the names of
+    the run before, whose actor's next turn then finds its adapter gone (a 404) and loads
+    it again: each turn is drawn by its own run's adapter."""
     cfg = _lora_cfg(tmp_path)
     lora = lora_spec(cfg.model)
     context = [TOK.bos_id, *TOK.encode("q3")]

@@ -265,8 +265,9 @@ def test_future_replayed_and_too_long_shards_never_trained(tmp_path):
     twice; #11.6: an episode over actor.max_episode_tokens (192) was truncated and
     trained. Now: quarantined as `future_version` / `too_long`, the replay dropped as
     `duplicate`; a shard an actor of another incarnation of the run wrote (the run deleted
-    and created again under its URI while it ran) as `other_run`. #11.11: old snapshots are pruned (keep the newest 2) and, with
-    `delete_consumed_shards`, the consumed shards are deleted after the final checkpoint."""
+    and created again under its URI while it ran) as `other_run`. #11.11: old snapshots
+    are pruned (keep the newest 2) and, with `delete_consumed_shards`, the consumed
+    shards are deleted after the final checkpoint."""
     uri = prepare_tiny_run(
         str(tmp_path),
         max_steps=2,
