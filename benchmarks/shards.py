@@ -12,7 +12,9 @@ ShardWriter, then reads them back in the same run, interleaved, best of `--repea
   episodes: the same, then every block entry built as an `Episode` (what the reader
             cost when it handed out one Python object per episode)
 and prints trajectories/s, MB/s and reader/baseline throughput ratio (goal >= 0.8 of the
-baseline with the same threads).
+baseline with the same threads). The actor's side: the same episodes written as shards
+through a `RunFence` (which reads the run's `run_id` before each write) against a plain
+store, interleaved, best of 3 each: the fence's cost per shard.
 
     python benchmarks/shards.py [--shards 20] [--per-shard 64] [--repeats 10]
 """
@@ -24,6 +26,7 @@ import os
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,14 +36,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import pyarrow.parquet as pq
 
+from tunix_tasks.episode import Episode
 from tunix_tasks.learner.blocks import EpisodeBlock
 from tunix_tasks.learner.source import EpisodeSource
+from tunix_tasks.storage.layout import RunLayout
+from tunix_tasks.storage.runs import RunFence
 from tunix_tasks.storage.shards import ShardWriter
-from tunix_tasks.storage.store import open_store
+from tunix_tasks.storage.store import ObjectStore, open_store
 from tunix_tasks.testing.gcs_server import FakeGcs
 from tunix_tasks.testing.shard_factory import block_episodes, make_episode, realistic_lengths
 
 READ_THREADS = 4
+
+
+def _write(store: ObjectStore, actor_id: str, episodes: list[Episode], per_shard: int) -> float:
+    """Seconds to write `episodes` as shards of `per_shard`; the shard keys are in
+    `store`'s `shards/<actor_id>/`."""
+    writer = ShardWriter(store, actor_id=actor_id, max_episodes=per_shard)
+    t0 = time.perf_counter()
+    for e in episodes:
+        writer.add(e)
+    writer.close()
+    return time.perf_counter() - t0
+
+
+def fenced_writes(uri: str, episodes: list[Episode], per_shard: int) -> tuple[float, float]:
+    """(plain, fenced) seconds, best of 3 interleaved, to write `episodes` under a run
+    root at `uri` that has a `run_id`, as an actor does."""
+    store = open_store(uri)
+    run = uuid.uuid4().hex
+    store.write_if_generation(RunLayout.RUN_ID, run.encode(), 0)
+    fence = RunFence(store, run, on_replaced=print)
+    best = {"plain": float("inf"), "fenced": float("inf")}
+    for i in range(3):
+        for name, where in (("plain", store), ("fenced", fence)):
+            best[name] = min(best[name], _write(where, f"{name}-{i}", episodes, per_shard))
+    return best["plain"], best["fenced"]
 
 
 def run(uri: str, shards: int, per_shard: int, repeats: int) -> dict[str, float]:
@@ -48,14 +79,11 @@ def run(uri: str, shards: int, per_shard: int, repeats: int) -> dict[str, float]
     rng = np.random.default_rng(0)
     n = shards * per_shard
     episodes = [make_episode(rng, length=int(L)) for L in realistic_lengths(rng, n)]
-    writer = ShardWriter(store, actor_id="bench", max_episodes=per_shard)
-    t0 = time.perf_counter()
-    for e in episodes:
-        writer.add(e)
-    writer.close()
-    write_s = time.perf_counter() - t0
-    keys = writer.shards_written
-    nbytes = sum(i.size for i in store.list("shards/"))
+    write_s = _write(store, "bench", episodes, per_shard)
+    plain_s, fenced_s = fenced_writes(f"{uri}-writes", episodes[: 8 * per_shard], per_shard)
+    infos = store.list("shards/")
+    keys = [i.key for i in infos]
+    nbytes = sum(i.size for i in infos)
     fs, base = store.arrow_filesystem()
     pool = ThreadPoolExecutor(READ_THREADS)
 
@@ -93,6 +121,8 @@ def run(uri: str, shards: int, per_shard: int, repeats: int) -> dict[str, float]
     return {
         "write traj/s": n / write_s,
         "write MB/s": mb / write_s,
+        "fenced/plain write": fenced_s / plain_s,
+        "fence ms/shard": (fenced_s - plain_s) / 8 * 1e3,
         "pyarrow 1 thread traj/s": n / best["baseline_1"],
         "pyarrow traj/s": n / best["baseline"],
         "reader traj/s": n / best["reader"],
@@ -123,7 +153,7 @@ def main() -> None:
         print(f"{name:<26}" + "".join(f"{r[c]:>24.2f}" for c in cols))
     print(
         f"(cpu count {os.cpu_count()}; pyarrow and the reader on {READ_THREADS} threads; "
-        "ratio goal >= 0.8)"
+        "ratio goal >= 0.8; fenced/plain write: 8 shards, best of 3 each)"
     )
 
 

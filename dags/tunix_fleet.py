@@ -9,12 +9,20 @@ setup ─┬─> actor [0..N) (mapped, pool cpu) ──────────�
 
 Used by `tunix_train` and `tunix_recurring`. The tasks call the library only through
 `tunix_launchers` (in the task process or a pod) at run time.
+
+Every task joins the run as the setup task prepared it (its `run_id`, passed on as
+`run_incarnation`: Airflow's own `run_id` names the DAG run). Should the run be deleted,
+or deleted and created again by another DAG run, while this one is active, its actors
+and learner stop (or refuse to start, on a retry) and fail without another retry, and its
+`stop_fleet` leaves the other run's actors running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -107,6 +115,19 @@ def quiet_library_loggers() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+@contextlib.contextmanager
+def failing_when_fenced() -> Iterator[None]:
+    """A process fenced off its run (`entrypoints.Fenced`: another learner has the run, or
+    the run was deleted or created again) fails its task without a retry: a retry would
+    be fenced again, or join another run."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    try:
+        yield
+    except entrypoints().Fenced as err:
+        raise AirflowFailException(str(err)) from None
+
+
 def _label_map_index(label: str) -> None:
     from airflow.sdk import get_current_context
 
@@ -121,10 +142,21 @@ def _label_map_index(label: str) -> None:
     execution_timeout=ACTOR_TIMEOUT,
     map_index_template="{{ tunix_label }}",
 )
-def actor(run_uri: str, actor_id: int, deadline_s: float | None = None) -> dict:
+def actor(
+    run_uri: str,
+    actor_id: int,
+    deadline_s: float | None = None,
+    run_incarnation: str | None = None,
+) -> dict:
     """One CPU actor: steps its envs and writes shards until the run is DONE."""
     _label_map_index(f"actor {actor_id}")
-    return launch_actor(run_uri, int(actor_id), deadline_s=optional_deadline(deadline_s))
+    with failing_when_fenced():
+        return launch_actor(
+            run_uri,
+            int(actor_id),
+            deadline_s=optional_deadline(deadline_s),
+            run_id=run_incarnation,
+        )
 
 
 @task(
@@ -141,6 +173,7 @@ def learner(
     max_steps: int | None = None,
     deadline_s: float | None = None,
     num_actors: int | None = None,
+    run_incarnation: str | None = None,
 ) -> dict:
     """The learner: trains from the shards, publishes snapshots (+ asset events).
 
@@ -153,12 +186,13 @@ def learner(
     quiet_library_loggers()
     publisher = WeightsEventPublisher(run_uri)
     progress = LearnerProgressLog(run_uri)
-    with WeightsWatcher(run_uri, publisher, on_poll=progress):
+    with failing_when_fenced(), WeightsWatcher(run_uri, publisher, on_poll=progress):
         summary = launch_learner(
             run_uri,
             max_steps=int(max_steps) if max_steps else None,
             deadline_s=optional_deadline(deadline_s),
             actors=int(num_actors) if num_actors else None,
+            run_id=run_incarnation,
         )
     progress.flush()
     summary = dict(summary or {})
@@ -168,11 +202,13 @@ def learner(
 
 
 @task(pool=CPU_POOL, queue=CPU_POOL, retries=3, retry_delay=timedelta(seconds=5))
-def stop_fleet(run_uri: str) -> str:
+def stop_fleet(run_uri: str, run_incarnation: str | None = None) -> str:
     """Mark the run DONE once the learner has finished, whatever its outcome.
 
     Actors stop when they see the marker, so no actor outlives its learner. This is a
     teardown: it runs even when the learner failed, and does not change the run's state.
+    A run created again under the URI since the setup task is another DAG run's: left
+    running.
     """
     from airflow.sdk import get_current_context
 
@@ -184,7 +220,8 @@ def stop_fleet(run_uri: str) -> str:
     except Exception:
         learner_state = "finished"
     reason = f"airflow {dag_id}/{run_id}: learner {learner_state}"
-    entrypoints().mark_done(run_uri, reason)
+    if not entrypoints().mark_done(run_uri, reason, run_id=run_incarnation):
+        return f"not marked DONE: {run_uri} is another run now"
     log.info("marked %s DONE: %s", run_uri, reason)
     return reason
 
@@ -200,23 +237,32 @@ def report(run_uri: str) -> str:
 def publish_run_info(
     run_uri: str, num_actors: int, *, max_steps: int | None = None, deadline_s: float = 0.0
 ) -> list[dict]:
-    """Called by the setup task: push the run's facts as XComs, return the actor kwargs.
+    """Called by the setup task once it prepared the run: push the run's facts as
+    XComs, return the actor kwargs.
 
     Airflow maps only over a task's `return_value`, so the setup task returns one kwargs
-    dict per actor (`actor.expand_kwargs`) and pushes `run_uri`, `max_steps`,
-    `deadline_s` and `num_actors` under their own keys for the learner and the teardowns.
+    dict per actor (`actor.expand_kwargs`) and pushes `run_uri`, `run_incarnation` (the
+    run's id now), `max_steps`, `deadline_s` and `num_actors` under their own keys for
+    the learner and the teardowns.
     """
     from airflow.sdk import get_current_context
 
     ti = get_current_context()["ti"]
+    incarnation = entrypoints().prepared_run_id(run_uri)
     ti.xcom_push(key="run_uri", value=run_uri)
+    ti.xcom_push(key="run_incarnation", value=incarnation)
     # 0 = "the config's max_steps": an XCom whose value is None reads back as missing
     # (XComNotFound when the learner's arguments are resolved).
     ti.xcom_push(key="max_steps", value=int(max_steps or 0))
     ti.xcom_push(key="deadline_s", value=float(deadline_s or 0))
     ti.xcom_push(key="num_actors", value=int(num_actors))  # the autopilot's ceiling
     return [
-        {"run_uri": run_uri, "actor_id": i, "deadline_s": float(deadline_s or 0)}
+        {
+            "run_uri": run_uri,
+            "actor_id": i,
+            "deadline_s": float(deadline_s or 0),
+            "run_incarnation": incarnation,
+        }
         for i in range(int(num_actors))
     ]
 
@@ -232,14 +278,16 @@ def fleet(setup: Any):
 
     setup_op = setup.operator
     run_uri = XComArg(setup_op, key="run_uri")
+    incarnation = XComArg(setup_op, key="run_incarnation")
     actors = actor.expand_kwargs(setup)
     learn = learner(
         run_uri=run_uri,
         max_steps=XComArg(setup_op, key="max_steps"),
         deadline_s=XComArg(setup_op, key="deadline_s"),
         num_actors=XComArg(setup_op, key="num_actors"),
+        run_incarnation=incarnation,
     )
-    stop = stop_fleet(run_uri)
+    stop = stop_fleet(run_uri, incarnation)
     rep = report(run_uri)
     learn >> stop
     [actors, stop] >> rep

@@ -162,16 +162,18 @@ def _pod(name: str, run_uri: str, role: str, spec: dict[str, Any], s: K8sSetting
 
 
 def actor_pod(
-    run_uri: str, actor_id: int, *, deadline_s: float | None = None, s: K8sSettings
+    run_uri: str,
+    actor_id: int,
+    *,
+    deadline_s: float | None = None,
+    run_id: str | None = None,
+    s: K8sSettings,
 ) -> dict[str, Any]:
     """One actor's shift: a Pod on the CPU node pool. It leaves once the autopilot parks
     it (`leave_when_parked`); its task starts a new pod when it is unparked
-    (`entrypoints.run_actor_shifts`)."""
-    command = entrypoint_command(
-        "run_actor",
-        [run_uri, int(actor_id)],
-        {"deadline_s": deadline_s, "leave_when_parked": True},
-    )
+    (`entrypoints.run_actor_shifts`). `run_id`: the run's id when the DAG run prepared it."""
+    kwargs = {"deadline_s": deadline_s, "leave_when_parked": True, "run_id": run_id}
+    command = entrypoint_command("run_actor", [run_uri, int(actor_id)], kwargs)
     spec = _pod_spec(
         s,
         command,
@@ -189,12 +191,12 @@ def learner_manifests(
     *,
     max_steps: int | None = None,
     deadline_s: float | None = None,
+    run_id: str | None = None,
     s: K8sSettings,
 ) -> list[dict[str, Any]]:
     """The learner: `[Pod]` on one TPU host, `[Service, Job]` on a multi-host slice."""
-    command = entrypoint_command(
-        "run_learner", [run_uri], {"max_steps": max_steps, "deadline_s": deadline_s}
-    )
+    kwargs = {"max_steps": max_steps, "deadline_s": deadline_s, "run_id": run_id}
+    command = entrypoint_command("run_learner", [run_uri], kwargs)
     if s.tpu_hosts == 1:
         name = resource_name(run_uri, "learner")
         return [_pod(name, run_uri, "learner", _tpu_pod_spec(s, command), s)]

@@ -54,19 +54,24 @@ def entrypoints():
 # --------------------------------------------------------------------------- launch
 
 
-def launch_actor(run_uri: str, actor_id: int, *, deadline_s: float | None = None) -> dict:
+def launch_actor(
+    run_uri: str, actor_id: int, *, deadline_s: float | None = None, run_id: str | None = None
+) -> dict:
     """Run actor `actor_id` of the run until the run is DONE (or its deadline). On
     Kubernetes in shifts: a pod while the autopilot's fleet holds the actor, none while
-    it is parked (`entrypoints.run_actor_shifts`); the local launcher parks it in place."""
+    it is parked (`entrypoints.run_actor_shifts`); the local launcher parks it in place.
+    `run_id`: the run's id when the DAG run prepared it (`entrypoints.run_actor`)."""
     if launcher_kind() == KUBERNETES:
         settings = tunix_k8s.K8sSettings.from_env()
 
         def shift(seconds_left: float | None) -> dict:
-            pod = tunix_k8s.actor_pod(run_uri, actor_id, deadline_s=seconds_left, s=settings)
+            pod = tunix_k8s.actor_pod(
+                run_uri, actor_id, deadline_s=seconds_left, run_id=run_id, s=settings
+            )
             return run_manifests([pod], task_suffix=f"actor-{actor_id}")
 
         return entrypoints().run_actor_shifts(run_uri, actor_id, shift, deadline_s=deadline_s)
-    return entrypoints().run_actor(run_uri, actor_id, deadline_s=deadline_s)
+    return entrypoints().run_actor(run_uri, actor_id, deadline_s=deadline_s, run_id=run_id)
 
 
 def launch_learner(
@@ -75,6 +80,7 @@ def launch_learner(
     max_steps: int | None = None,
     deadline_s: float | None = None,
     actors: int | None = None,
+    run_id: str | None = None,
 ) -> dict:
     """Run the learner (resuming from its latest checkpoint) until `max_steps` / deadline.
     With `actor.autopilot` on, the fleet's autopilot runs beside it in this process
@@ -84,10 +90,12 @@ def launch_learner(
         if launcher_kind() == KUBERNETES:
             settings = tunix_k8s.K8sSettings.from_env()
             manifests = tunix_k8s.learner_manifests(
-                run_uri, max_steps=max_steps, deadline_s=deadline_s, s=settings
+                run_uri, max_steps=max_steps, deadline_s=deadline_s, run_id=run_id, s=settings
             )
             return run_manifests(manifests, task_suffix="learner")
-        return entrypoints().run_learner(run_uri, max_steps=max_steps, deadline_s=deadline_s)
+        return entrypoints().run_learner(
+            run_uri, max_steps=max_steps, deadline_s=deadline_s, run_id=run_id
+        )
 
 
 # --------------------------------------------------------------------------- kubernetes

@@ -321,12 +321,51 @@ def test_learner_task_announces_weights_locally(fake_api, tmp_path, monkeypatch)
     monkeypatch.delenv("TUNIX_LAUNCHER", raising=False)
     monkeypatch.setenv("TUNIX_WEIGHTS_POLL_S", "0.05")
     monkeypatch.setattr(tunix_launchers, "entrypoints", lambda: fake)
-    summary = tunix_fleet.learner.function(run_uri, max_steps=4, deadline_s=0)
-    assert fake.calls == [(run_uri, {"max_steps": 4, "deadline_s": None})]
+    summary = tunix_fleet.learner.function(
+        run_uri, max_steps=4, deadline_s=0, run_incarnation="ab" * 16
+    )
+    assert fake.calls == [(run_uri, {"max_steps": 4, "deadline_s": None, "run_id": "ab" * 16})]
     assert summary["steps"] == 4 and summary["asset_events_failed"] == []
     assert summary["asset_events_posted"][-1] == 2
     posted = [c[3]["extra"]["version"] for c in _events(api.calls)]
     assert posted == summary["asset_events_posted"]
+
+
+def test_a_dag_run_whose_run_was_created_again_fails_without_touching_it(
+    fake_api, tmp_path, monkeypatch
+):
+    """Run `r` deleted and created again by another DAG run while this one is active:
+    this one's actor and learner tasks (a retry, here) fail without another retry, and
+    its `stop_fleet` teardown leaves the other run's actors running (no DONE)."""
+    import shutil
+    from types import SimpleNamespace
+
+    import airflow.sdk
+    import tunix_fleet
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from tunix_tasks.frontdoor.entrypoints import prepare_run, prepared_run_id
+    from tunix_tasks.storage.runs import is_done
+    from tunix_tasks.storage.store import open_store
+
+    monkeypatch.delenv("TUNIX_LAUNCHER", raising=False)
+    uri = prepare_run({"store": str(tmp_path)}, run_name="r")
+    ours = prepared_run_id(uri)
+    shutil.rmtree(tmp_path / "r")
+    uri = prepare_run({"store": str(tmp_path)}, run_name="r")
+    monkeypatch.setattr(tunix_fleet, "_label_map_index", lambda label: None)
+    with pytest.raises(AirflowFailException, match=f"created again .*{ours}"):
+        tunix_fleet.actor.function(uri, 0, 0, run_incarnation=ours)
+    with pytest.raises(AirflowFailException, match=f"created again .*{ours}"):
+        tunix_fleet.learner.function(uri, run_incarnation=ours)
+    ctx = {"dag": SimpleNamespace(dag_id="tunix_train"), "run_id": "manual__1", "ti": None}
+    monkeypatch.setattr(airflow.sdk, "get_current_context", lambda: ctx)
+    assert (
+        tunix_fleet.stop_fleet.function(uri, ours) == f"not marked DONE: {uri} is another run now"
+    )
+    assert is_done(open_store(uri)) is None
+    assert tunix_fleet.stop_fleet.function(uri, prepared_run_id(uri)).startswith("airflow")
+    assert is_done(open_store(uri)) is not None
 
 
 # --------------------------------------------------------------------------- launchers
@@ -339,8 +378,8 @@ def test_launcher_selection(monkeypatch, tmp_path):
     assert L.launcher_kind() == "local"
     fake = _FakeEntrypoints("x")
     monkeypatch.setattr(L, "entrypoints", lambda: fake)
-    L.launch_actor("file:///tmp/x", 1, deadline_s=5.0)
-    assert fake.calls == [("file:///tmp/x", 1, {"deadline_s": 5.0})]
+    L.launch_actor("file:///tmp/x", 1, deadline_s=5.0, run_id="")
+    assert fake.calls == [("file:///tmp/x", 1, {"deadline_s": 5.0, "run_id": ""})]
     monkeypatch.setenv("TUNIX_LAUNCHER", "slurm")
     with pytest.raises(ValueError, match="TUNIX_LAUNCHER"):
         L.launcher_kind()

@@ -151,7 +151,7 @@ def test_operators_build_what_the_manifests_say(settings, context):
     from airflow.providers.cncf.kubernetes.operators.job import KubernetesJobOperator
     from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 
-    actor = tunix_k8s.actor_pod(RUN, 3, s=settings)
+    actor = tunix_k8s.actor_pod(RUN, 3, run_id="ab" * 16, s=settings)
     op = tunix_k8s.build_operator(actor, "actor-3")
     assert isinstance(op, KubernetesPodOperator) and op.namespace == "tunix"
     built = ApiClient().sanitize_for_serialization(op.build_pod_request_obj(context))
@@ -159,7 +159,11 @@ def test_operators_build_what_the_manifests_say(settings, context):
     base = next(c for c in built["spec"]["containers"] if c["name"] == "base")
     assert base["image"] == actor["spec"]["containers"][0]["image"]
     assert base["command"] == actor["spec"]["containers"][0]["command"]
-    assert entry_kwargs(base["command"][2]) == {"deadline_s": None, "leave_when_parked": True}
+    assert entry_kwargs(base["command"][2]) == {
+        "deadline_s": None,
+        "leave_when_parked": True,
+        "run_id": "ab" * 16,  # a pod of a deleted run's DAG run never joins the next
+    }
     # Each shift is a new pod: the operator names it afresh, so a parked actor's next pod
     # does not collide with the last one while that one is still being deleted.
     again = op.build_pod_request_obj(context).metadata.name

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,10 +25,11 @@ import pytest
 from tests.e2e.test_train_e2e import _cmd
 from tests.paths import REPO
 from tunix_tasks.config import config_from_dict
+from tunix_tasks.frontdoor.launcher import FINAL_EXITS
 from tunix_tasks.frontdoor.supervision import ActorPool, close_logs, spawn
 from tunix_tasks.learner.checkpoint import read_ledger
 from tunix_tasks.storage.metrics import read_metrics
-from tunix_tasks.storage.runs import is_done, write_config
+from tunix_tasks.storage.runs import is_done, run_id, write_config
 from tunix_tasks.storage.store import open_store
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
@@ -89,14 +91,28 @@ def _steps(run_uri: str) -> list[int]:
 def test_failed_actors_are_reported_and_restarted_a_bounded_number_of_times(tmp_path):
     """Issue #12.1: each death is reported at once with the end of the actor's log; a
     failed actor is restarted `max_restarts` times, then given up; an actor that exits 0
-    (its run is done) is not restarted; `failed_for_good` only once none is left."""
+    (its run is done) is not restarted, nor one fenced off a run created again since it
+    was started (exit 3); `failed_for_good` only once none is left."""
     missing = f"file://{tmp_path}/no-such-run"
+    cfg = config_from_dict({"store": f"file://{tmp_path}", "run_name": "again"})
+    gone = run_id(write_config(cfg))
+    shutil.rmtree(tmp_path / "again")
+    write_config(cfg)
+    replaced = ["actor", "--run", cfg.run_uri, f"--run-id={gone}", "--actor-id", "2"]
     actors = [
         spawn("actor-0000", ["actor", "--run", missing, "--actor-id", "0"], str(tmp_path), ENV),
         spawn("actor-0001", ["--help"], str(tmp_path), ENV),  # exits 0
+        spawn("actor-0002", replaced, str(tmp_path), ENV),
     ]
     reports: list[str] = []
-    pool = ActorPool(actors, env=ENV, report=reports.append, max_restarts=2, restart_delay_s=0.2)
+    pool = ActorPool(
+        actors,
+        env=ENV,
+        report=reports.append,
+        max_restarts=2,
+        restart_delay_s=0.2,
+        final=FINAL_EXITS,
+    )
     try:
         t0 = time.monotonic()
         while not pool.failed_for_good():
@@ -105,8 +121,13 @@ def test_failed_actors_are_reported_and_restarted_a_bounded_number_of_times(tmp_
             time.sleep(0.05)
     finally:
         close_logs(actors)
-    failed, done = actors
-    assert failed.restarts == 2 and done.restarts == 0
+    failed, done, fenced = actors
+    assert failed.restarts == 2 and done.restarts == 0 and fenced.restarts == 0
+    assert fenced.proc.returncode == 3
+    assert [r.split(". Last")[0] for r in reports if r.startswith("actor-0002")] == [
+        "actor-0002 exited with code 3; not restarting it: its run was deleted or created "
+        "again (fenced off)"
+    ]
     assert failed.exit_codes == [2, 2] and failed.proc.returncode == 2  # no config.json
     deaths = [r for r in reports if r.startswith("actor-0000 exited with code 2")]
     assert len(deaths) == 3, reports

@@ -54,7 +54,8 @@ from tunix_tasks.seeds import HELD_OUT_SEED_BASE  # the seed ranges: tunix_tasks
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsWriter
 from tunix_tasks.storage.outage import StoreOutage
-from tunix_tasks.storage.runs import is_done, run_id
+from tunix_tasks.storage.runs import RunFence, RunReplaced, is_done
+from tunix_tasks.storage.runs import run_id as read_run_id
 from tunix_tasks.storage.shards import RUN_ID_KEY, ShardWriter
 from tunix_tasks.storage.store import ObjectStore, StoreError
 from tunix_tasks.storage.weights import Manifest, WeightsClient
@@ -109,6 +110,7 @@ class ActorRuntime:
         incarnation: str | None = None,
         store_outage_s: float | None = None,
         leave_when_parked: bool = False,
+        run_id: str | None = None,
     ) -> None:
         self.cfg = cfg
         # Exit once parked with nothing in flight (stop_reason LEFT_PARKED), for a
@@ -116,6 +118,13 @@ class ActorRuntime:
         self._leave_when_parked = leave_when_parked
         self._outage = StoreOutage(should_stop=self._should_stop, limit_s=store_outage_s)
         store = self._outage.observe(store)  # every store call that works ends an outage
+        # This incarnation of the run (storage/runs.py; `join_run` reads it before the
+        # config), named in every shard. Every write checks it first: a deleted run's
+        # leftover actor stops at its next write, and writes nothing into the run created
+        # again there (whose learner would quarantine it, `other_run`, anyway).
+        self.run_id = read_run_id(store) if run_id is None else run_id
+        self.fence = RunFence(store, self.run_id, on_replaced=self.request_stop)
+        store = self.fence
         self.store = store
         self.actor_id = actor_id
         # A fresh random incarnation per process start: env seeds, group ids and the
@@ -131,10 +140,6 @@ class ActorRuntime:
         self._last_poll = 0.0
         self._behind_poll_at = float("-inf")  # when a paused actor behind last polled at once
         self._reloading = threading.Lock()  # one weights poll at a time (`_maybe_reload`)
-        # This incarnation of the run (storage/runs.py), named in every shard: should the
-        # run be deleted and created again while this actor runs, the new run's learner
-        # quarantines its shards (`other_run`) instead of training on another run's.
-        self.run_id = run_id(store)
         self.writer = ShardWriter(
             store,
             actor_id=actor_id,
@@ -210,10 +215,13 @@ class ActorRuntime:
                 self._outage.tolerate("metrics", self._log_metrics, None)  # phase: compiling
                 self._serve()
         finally:  # the last shard, even in an outage (bounded: the launcher's grace is 60 s)
-            until = time.monotonic() + FINAL_FLUSH_S
-            self._outage.call("final shard", self._locked, self.writer.close, deadline=until)
-            self._outage.tolerate("metrics", self._log_metrics, time.monotonic() - t0)
-            self._outage.tolerate("metrics", self.metrics.close)
+            if not self.fence.replaced:  # else nothing more is written there (RunFence)
+                until = time.monotonic() + FINAL_FLUSH_S
+                self._outage.call("final shard", self._locked, self.writer.close, deadline=until)
+                self._outage.tolerate("metrics", self._log_metrics, time.monotonic() - t0)
+                self._outage.tolerate("metrics", self.metrics.close)
+        if self.fence.replaced:  # a background write (a watch task's flush) found it
+            raise RunReplaced(self.fence.replaced)
         return {
             "actor_id": self.actor_id,
             "episodes": self.stats.episodes,

@@ -24,8 +24,9 @@ its traceback (a bug). Exit codes:
     2    bad input: arguments, the configuration (a missing, unreadable or invalid file, an
          invalid value or URI), a path or run that does not exist, a corrupt config.json, a
          GGUF file that cannot be imported, a packaged model that cannot be fetched
-    3    the learner was fenced off: another learner published over `weights/LATEST`
-         or took over its lease
+    3    fenced off the run: another learner published over `weights/LATEST` or took
+         over the learner's lease; or the run an actor or learner joined (`--run-id`)
+         was deleted or created again under its URI
     4    another learner holds the run's lease (retry once it has stopped or expired)
     5    storage failed: unreachable after retries (each retry is logged), permission
          denied, or no usable credentials for a gs:// store
@@ -47,7 +48,7 @@ from tunix_tasks.config import ConfigError, RunConfig, load_config
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-EXIT_FENCED = 3  # = entrypoints.LEARNER_FENCED_EXIT_CODE (a SystemExit from run_learner)
+EXIT_FENCED = 3  # = entrypoints.FENCED_EXIT_CODE (a SystemExit from run_learner, run_actor)
 EXIT_LEASE_HELD = 4
 EXIT_STORAGE = 5
 EXIT_INTERRUPTED = 130
@@ -210,6 +211,7 @@ def _actor(args: argparse.Namespace) -> int:
         deadline_s=args.deadline,
         kind=args.kind,
         leave_when_parked=args.leave_when_parked,
+        run_id=args.run_id,
     )
     _print_json(summary)
     return 0
@@ -220,7 +222,9 @@ def _learner(args: argparse.Namespace) -> int:
 
     _check_run_config(args.run)
 
-    summary = run_learner(args.run, max_steps=args.max_steps, deadline_s=args.deadline)
+    summary = run_learner(
+        args.run, max_steps=args.max_steps, deadline_s=args.deadline, run_id=args.run_id
+    )
     print(json.dumps(summary, default=str), file=sys.stderr)
     return 0
 
@@ -356,6 +360,17 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="end with the summary as JSON (scripts)")
 
 
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """The run an actor or the learner joins."""
+    p.add_argument("--run", required=True, help="run URI (holds config.json)")
+    p.add_argument(
+        "--run-id",
+        default=None,
+        help="the run's id (<run>/run_id, empty for a run without one) when it was "
+        "prepared: exit 3 instead of joining a run deleted or created again since",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tunix-tasks", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -407,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
 
     p = command("actor", _actor, "run one actor of a prepared run")
-    p.add_argument("--run", required=True, help="run URI (holds config.json)")
+    _add_run_args(p)
     p.add_argument("--actor-id", type=int, required=True)
     p.add_argument("--deadline", type=float, default=None, help="stop after this many seconds")
     p.add_argument(
@@ -424,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = command("learner", _learner, "run the learner of a prepared run (resumes)")
-    p.add_argument("--run", required=True, help="run URI (holds config.json)")
+    _add_run_args(p)
     p.add_argument("--max-steps", type=int, default=None, help="total steps (overrides config)")
     p.add_argument("--deadline", type=float, default=None, help="stop after this many seconds")
 

@@ -20,9 +20,18 @@ from tunix_tasks.config import ConfigError, RunConfig, check_resume, config_from
 from tunix_tasks.frontdoor.compile_cache import enable_compile_cache
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.outage import first_contact
-from tunix_tasks.storage.runs import finished_step, read_config, stored_config, write_config
+from tunix_tasks.storage.runs import (
+    RunReplaced,
+    finished_step,
+    join_run,
+    read_config,
+    replaced_since,
+    stored_config,
+    write_config,
+)
 from tunix_tasks.storage.runs import mark_done as _mark_done
-from tunix_tasks.storage.store import open_store
+from tunix_tasks.storage.runs import run_id as read_run_id
+from tunix_tasks.storage.store import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
 
@@ -124,13 +133,16 @@ def run_actor(
     handle_signals: bool = True,
     kind: str | None = None,
     leave_when_parked: bool = False,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
     """Run actor `actor_id` of a prepared run until DONE, the deadline or a signal.
     `kind` (async / vectorized) overrides the run's `actor.kind` for this actor: one
     run's fleet can mix both, the learner reads their shards alike. `leave_when_parked`:
-    also return once the autopilot parks it (`run_actor_shifts` starts it again)."""
+    also return once the autopilot parks it (`run_actor_shifts` starts it again).
+    `run_id`: the run's id when the caller prepared it (`prepared_run_id`). An actor whose
+    run is deleted or created again, before it starts or while it runs, raises `Fenced`."""
     enable_compile_cache()
-    cfg, store = read_config(run_uri)
+    cfg, store, joined = _join(run_uri, run_id)
     if kind is not None and kind != cfg.actor.kind:
         cfg = config_from_dict(
             {**cfg.model_dump(), "actor": {**cfg.actor.model_dump(), "kind": kind}}
@@ -143,10 +155,23 @@ def run_actor(
         actor_id=actor_name(actor_id),
         deadline_s=deadline_s or cfg.deadline_s or None,
         leave_when_parked=leave_when_parked,
+        run_id=joined,
     )
     if handle_signals:
         actor.install_signal_handlers()
-    return actor.run()
+    try:
+        return actor.run()
+    except RunReplaced as err:  # logged by the fence: a leftover of a deleted run
+        raise Fenced(str(err)) from None
+
+
+def _join(run_uri: str, run_id: str | None) -> tuple[RunConfig, ObjectStore, str]:
+    """`storage.runs.join_run`, a run replaced since `run_id` as `Fenced`."""
+    try:
+        return join_run(run_uri, run_id)
+    except RunReplaced as err:
+        log.error("%s: not joining it", err)
+        raise Fenced(str(err)) from None
 
 
 def launched_actors(cfg: RunConfig, requested: int | None = None) -> int:
@@ -184,20 +209,23 @@ def run_actor_shifts(
     return shifts(run_uri, int(actor_id), launch, deadline_s=deadline_s)
 
 
-LEARNER_FENCED_EXIT_CODE = 3
-"""Exit status of `tunix-tasks learner` when another learner published over this one's
-`weights/LATEST` or took its lease over: it is fenced off and stops (no traceback, one
-logged line). Retrying does not help; the run belongs to the other learner."""
+FENCED_EXIT_CODE = 3
+"""Exit status of a process fenced off its run (no traceback, one logged line): a
+learner when another learner published over its `weights/LATEST` or took its lease over;
+an actor or learner whose run was deleted, or created again under its URI, since it (or
+the DAG run, or `train`, that started it) joined (`storage.runs.RunReplaced`). Retrying
+does not help: the run belongs to another learner, or is another run. Launchers do not
+restart it; the DAGs fail its task without a retry."""
 
 
-class LearnerFenced(SystemExit):
-    """Raised by `run_learner` instead of `PublishConflict` or `LeaseLost`: a SystemExit
-    whose `code` is `LEARNER_FENCED_EXIT_CODE`, so the learner process exits with that
-    status and the one line logged before (`str()` of this exception), whatever command
-    called it."""
+class Fenced(SystemExit):
+    """Raised by `run_learner` and `run_actor` instead of `PublishConflict`, `LeaseLost`
+    or `RunReplaced`: a SystemExit whose `code` is `FENCED_EXIT_CODE`, so the process
+    exits with that status and the one line logged before (`str()` of this exception),
+    whatever command called it."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(LEARNER_FENCED_EXIT_CODE)
+        super().__init__(FENCED_EXIT_CODE)
         self.message = message
 
     def __str__(self) -> str:
@@ -210,6 +238,7 @@ def run_learner(
     max_steps: int | None = None,
     deadline_s: float | None = None,
     handle_signals: bool = True,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
     """Train until `max_steps` (total steps of the run) or the deadline; resumes from the
     latest checkpoint; marks the run DONE when finished. Progress is in the run's metrics
@@ -217,7 +246,8 @@ def run_learner(
 
     A learner that lost the `weights/LATEST` race (another learner published over it)
     or its lease (another learner took the run over) logs one line and raises
-    `LearnerFenced` (SystemExit, status 3).
+    `Fenced` (SystemExit, status 3), as does one whose run was replaced since `run_id`
+    (the id the caller prepared it with, `prepared_run_id`).
 
     Multi-host (`TUNIX_NUM_PROCESSES` > 1, with `TUNIX_COORDINATOR_ADDRESS` and
     `TUNIX_PROCESS_ID`): every process calls this; process 0 is the learner above and
@@ -235,7 +265,7 @@ def run_learner(
     from tunix_tasks.storage.lease import LeaseLost
     from tunix_tasks.storage.weights import PublishConflict
 
-    cfg, store = read_config(run_uri)
+    cfg, store, _ = _join(run_uri, run_id)
     if group is not None and not group.leader:
         if handle_signals:  # the leader stops the group (at a checkpoint); keep following
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -254,7 +284,7 @@ def run_learner(
         return summary
     except (PublishConflict, LeaseLost) as err:  # another learner has the run: fenced off
         log.error("%s", err)
-        raise LearnerFenced(str(err)) from None
+        raise Fenced(str(err)) from None
 
 
 def learner_progress(run_uri: str) -> dict[str, Any]:
@@ -272,8 +302,24 @@ def learner_progress(run_uri: str) -> dict[str, Any]:
     return {"step": int(step), "version": latest[0] if latest else -1}
 
 
-def mark_done(run_uri: str, reason: str) -> None:
-    _mark_done(open_store(run_uri), reason)
+def mark_done(run_uri: str, reason: str, *, run_id: str | None = None) -> bool:
+    """Mark the run DONE (its actors stop). With `run_id` (the id it was prepared with,
+    `prepared_run_id`), only while the run is still that one: the teardown of a DAG run
+    whose run was deleted and created again must not stop the other run's actors.
+    Returns whether it marked the run."""
+    store = open_store(run_uri)
+    if run_id is not None and (why := replaced_since(store, run_id)):
+        log.warning("%s: not marking it DONE", why)
+        return False
+    _mark_done(store, reason)
+    return True
+
+
+def prepared_run_id(run_uri: str) -> str:
+    """The id of the run just prepared at `run_uri` ("" for a run from before ids), for
+    the processes a DAG run or `train` starts on it: `run_actor`, `run_learner` and
+    `mark_done` given it never act on another run created there later."""
+    return read_run_id(open_store(run_uri))
 
 
 def write_report(run_uri: str) -> str:
@@ -314,13 +360,14 @@ def report_after_eval(run_uri: str, version: int) -> str | None:
 
 
 __all__ = [
-    "LEARNER_FENCED_EXIT_CODE",
+    "FENCED_EXIT_CODE",
     "ConfigError",
-    "LearnerFenced",
+    "Fenced",
     "evaluate_snapshot",
     "learner_progress",
     "mark_done",
     "prepare_run",
+    "prepared_run_id",
     "report_after_eval",
     "resume_note",
     "run_actor",

@@ -2,8 +2,9 @@
 what the model wrote, episode by episode, as conversations.
 
 Reads through the same store and validation as the learner, so an invalid shard is
-reported with the reason the learner would quarantine it for. A URI with nothing there
-raises `NotFound` (the CLI exits 2); an existing empty folder is zero shards.
+reported with the reason the learner would quarantine it for (`other_run` too, for
+shards under a run's `shards/`: checked against the run's `run_id`). A URI with nothing
+there raises `NotFound` (the CLI exits 2); an existing empty folder is zero shards.
 
     summary = inspect_uri("file:///tmp/runs/demo/shards")
     print(format_summary(summary))
@@ -26,19 +27,24 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
 
+from tunix_tasks.config import ConfigError
 from tunix_tasks.episode import Episode
 from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.storage.layout import RunLayout
+from tunix_tasks.storage.runs import run_id
 from tunix_tasks.storage.shards import length_histogram, table_episodes
 from tunix_tasks.storage.store import NotFound, open_store
 from tunix_tasks.storage.uri import join_uri, normalize_uri
 from tunix_tasks.storage.validation import ShardValidationError, read_shard, read_shard_columns
+
+log = logging.getLogger(__name__)
 
 
 def _split(uri: str) -> tuple[str, list[str]]:
@@ -62,15 +68,26 @@ def _split(uri: str) -> tuple[str, list[str]]:
     return uri, [i.key for i in infos if i.key.endswith(".parquet")]
 
 
+def _run_id_of(uri: str) -> str:
+    """The `run_id` of the run holding `uri` ("" outside a run, or for a run without one,
+    or one whose id is corrupt: then the shards are shown unchecked, with a warning)."""
+    try:
+        return run_id(open_store(run_of(uri)))
+    except ConfigError as err:
+        log.warning("not checking which run wrote each shard: %s", err)
+        return ""
+
+
 def inspect_uri(uri: str, *, vocab_size: int = 1 << 31) -> dict[str, Any]:
     root, keys = _split(uri)
     store = open_store(root)
+    owner = _run_id_of(uri)
     tables: list[pa.Table] = []
     invalid: list[dict[str, str]] = []
     schema = None
     for key in keys:
         try:
-            table = read_shard(store, key, vocab_size=vocab_size)
+            table = read_shard(store, key, vocab_size=vocab_size, run_id=owner)
         except ShardValidationError as err:
             invalid.append(
                 {"shard": join_uri(root, key), "reason": err.reason, "detail": err.detail}
@@ -203,10 +220,12 @@ def read_episodes(uri: str, *, max_shards: int | None = None) -> list[Episode]:
     if max_shards is not None and len(keys) > max_shards:
         keys = [keys[i] for i in np.linspace(0, len(keys) - 1, max_shards).round().astype(int)]
     store = open_store(root)
+    owner = _run_id_of(uri)
     episodes: list[Episode] = []
     for key in dict.fromkeys(keys):  # once each (rounded positions may repeat)
         try:
-            episodes += table_episodes(read_shard_columns(store, key, vocab_size=1 << 31))
+            columns = read_shard_columns(store, key, vocab_size=1 << 31, run_id=owner)
+            episodes += table_episodes(columns)
         except ShardValidationError:
             continue
     return episodes

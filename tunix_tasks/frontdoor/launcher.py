@@ -41,9 +41,11 @@ from tunix_tasks.frontdoor.audit import (
     utc,
 )
 from tunix_tasks.frontdoor.entrypoints import (
-    LEARNER_FENCED_EXIT_CODE,
+    FENCED_EXIT_CODE,
     actor_name,
+    mark_done,
     prepare_run,
+    prepared_run_id,
     resume_note,
 )
 from tunix_tasks.frontdoor.fleet import LocalFleet
@@ -59,10 +61,13 @@ from tunix_tasks.frontdoor.supervision import (
 )
 from tunix_tasks.learner import drop_bias
 from tunix_tasks.storage.metrics import MetricsTail, Stopwatch
-from tunix_tasks.storage.runs import is_done, mark_done
+from tunix_tasks.storage.runs import is_done
 from tunix_tasks.storage.store import ObjectStore, StoreError, open_store
 
 log = logging.getLogger(__name__)
+
+#: Actor exits a restart would not mend (`ActorPool`'s `final`): fenced off the run.
+FINAL_EXITS = {FENCED_EXIT_CODE: "its run was deleted or created again (fenced off)"}
 
 GRACE_S = 60.0
 POLL_S = 1.0  # metrics poll; with the learner's 1 s flush the display lags ~1-2 s
@@ -362,6 +367,9 @@ def train_local(
         return {"run_uri": cfg.run_uri, "mode": cfg.mode, "finished": note, "learner_exit_code": 0}
     run_uri = prepare_run(cfg)
     store = open_store(run_uri)
+    # Every process this run starts (restarts too) joins this incarnation or none.
+    run_id = prepared_run_id(run_uri)
+    joins = ["--run", run_uri, f"--run-id={run_id}"]
     if log_dir is None:  # with the run (docs/configuration.md, "Process logs")
         log_dir = str(process_log_dir(store.local_path(), cfg.run_name))
     os.makedirs(log_dir, exist_ok=True)
@@ -400,9 +408,9 @@ def train_local(
     old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
 
     def start_actor(i: int) -> Child:
-        return spawn(actor_name(i), ["actor", "--run", run_uri, "--actor-id", str(i)], log_dir, env)
+        return spawn(actor_name(i), ["actor", *joins, "--actor-id", str(i)], log_dir, env)
 
-    learner = spawn("learner", ["learner", "--run", run_uri], log_dir, env)
+    learner = spawn("learner", ["learner", *joins], log_dir, env)
     actors = [start_actor(i) for i in range(cfg.actor.num_actors)]  # every one started
     children = [learner, *actors]
     fleet: LocalFleet | None = None
@@ -417,6 +425,7 @@ def train_local(
                 report=display.alert,
                 max_restarts=max_restarts,
                 restart_delay_s=restart_delay_s,
+                final=FINAL_EXITS,
             )
             if cfg.autopilot_on:
 
@@ -458,9 +467,9 @@ def train_local(
                 # The learner marks DONE when it finishes; make sure actors see it even if
                 # it crashed (and stop them directly if the store cannot say so). A fenced
                 # learner lost the run to another one: DONE would stop that one's actors.
-                fenced = code == LEARNER_FENCED_EXIT_CODE
+                fenced = code == FENCED_EXIT_CODE
                 if code == 0 or (
-                    not fenced and _mark_done(store, f"learner exited with code {code}")
+                    not fenced and _mark_done(run_uri, run_id, f"learner exited with code {code}")
                 ):
                     stop_after(actors, GRACE_S)
                 stop(actors, signal.SIGTERM, GRACE_S)
@@ -527,10 +536,11 @@ def _done(store: ObjectStore) -> bool:
         return False
 
 
-def _mark_done(store: ObjectStore, reason: str) -> bool:
+def _mark_done(run_uri: str, run_id: str, reason: str) -> bool:
+    """Mark this run DONE; False (the caller stops the actors itself) when the store
+    fails or the run was deleted or created again since (not ours to stop)."""
     try:
-        mark_done(store, reason)
-        return True
+        return mark_done(run_uri, reason, run_id=run_id)
     except StoreError as err:
         log.error("could not mark the run done (%s); stopping the actors directly", err)
         return False

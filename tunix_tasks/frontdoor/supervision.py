@@ -31,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -158,8 +158,12 @@ class ActorPool:
         report: Callable[[str], None],
         max_restarts: int = 3,
         restart_delay_s: float = 5.0,
+        final: Mapping[int, str] | None = None,
     ) -> None:
+        """`final`: exit statuses after which a restart would not help, each with why
+        (the launcher's: `FENCED_EXIT_CODE`, the actor's run is gone)."""
         self.actors = actors
+        self._final = dict(final or {})
         self._env = env
         self._report = report
         self.max_restarts = max_restarts
@@ -204,7 +208,9 @@ class ActorPool:
         if code == 0:
             return  # finished: the run is done, or its deadline passed
         what = f"killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
-        if a.restarts < self.max_restarts:
+        if code in self._final:
+            then = f"not restarting it: {self._final[code]}"
+        elif a.restarts < self.max_restarts:
             delay = self.restart_delay_s * 2**a.restarts
             self._due[a.name] = now + delay
             then = f"restarting it in {delay:.0f}s ({a.restarts + 1}/{self.max_restarts})"

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from tunix_tasks.config import ConfigError, RunConfig, check_resume, config_from_dict
@@ -36,6 +39,8 @@ from tunix_tasks.storage.store import (
 )
 from tunix_tasks.storage.uri import join_uri
 from tunix_tasks.untrusted import json_loads
+
+log = logging.getLogger(__name__)
 
 #: A run's config.json is a few KB; far more is not a config (and is not read into memory).
 MAX_CONFIG_BYTES = 16 << 20
@@ -102,15 +107,112 @@ def run_id(store: ObjectStore) -> str:
     return text
 
 
+class RunReplaced(RuntimeError):
+    """The run a process joined is gone from its URI: deleted, or deleted and created
+    again (another `run_id`). The process writes nothing more there and stops; a retry
+    would only join the other run."""
+
+
+def replaced_since(store: ObjectStore, joined: str) -> str | None:
+    """Why the run at `store` is no longer the incarnation whose `run_id` was `joined`
+    ("" for a run from before ids), or None while it still is. A `run_id` that is gone
+    while `config.json` is there (a partial delete, a bucket's age rule: `run_id` is the
+    run's oldest object) is still the run. `StoreError` when the store cannot say."""
+    try:
+        now = run_id(store)
+    except ConfigError as err:  # written over by hand or by something broken
+        return f"the run's id is no longer readable: {err}"
+    if now == joined:
+        return None
+    if not now:
+        if store.exists(RunLayout.CONFIG):
+            return None
+        return f"{store.uri} was deleted (no {RunLayout.RUN_ID}, no {RunLayout.CONFIG})"
+    was = f"run_id {joined}" if joined else "a run from before run ids"
+    return f"{store.uri} was created again (run_id {now}) after this process joined {was}"
+
+
+def join_run(run_uri: str, expected: str | None = None) -> tuple[RunConfig, ObjectStore, str]:
+    """The config, store and `run_id` of an existing run, for a process that joins it.
+    `expected`: the id the caller's run was prepared with (a DAG run's, `train`'s), so a
+    retry of its task never joins a run created again there (`RunReplaced`). The id is
+    read before the config: should the run be created again between the two reads, the
+    process is fenced at its first write (`RunFence`), never trained on another config."""
+    store = open_store(run_uri)
+    joined = run_id(store)
+    if expected is not None and (why := replaced_since(store, expected)):
+        raise RunReplaced(why)
+    return _existing_config(store), store, joined if expected is None else expected
+
+
+class RunFence:
+    """An `ObjectStore` that writes only while its run is the incarnation it joined.
+
+    Every write (`write_bytes`, `write_if_generation`, `delete`) first reads the run's
+    `run_id` (64 bytes: on gs:// one small read per shard or metrics flush) and raises
+    `RunReplaced` once it names another run, or the run is gone; from then on every write
+    raises without looking, and `on_replaced(reason)` (an actor's `request_stop`) is
+    called once. Reads pass through. A deleted run's leftover actors thus stop at their
+    next write, whatever path it takes, instead of filling the folder of the run created
+    again there (whose learner would quarantine each shard, `other_run`).
+
+        fence = RunFence(store, run_id(store), on_replaced=actor.request_stop)
+        ShardWriter(fence, ...).flush()     # RunReplaced once the run is replaced
+        fence.replaced                      # the reason, "" while the run is the same
+    """
+
+    def __init__(
+        self, store: ObjectStore, joined: str, *, on_replaced: Callable[[str], None]
+    ) -> None:
+        self._store, self.joined, self._on_replaced = store, joined, on_replaced
+        self.uri = store.uri
+        self.replaced = ""
+        self._lock = threading.Lock()  # writers on several threads find it at once
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def check(self) -> None:
+        """Raise `RunReplaced` if the run is no longer the one joined."""
+        if self.replaced:
+            raise RunReplaced(self.replaced)
+        why = replaced_since(self._store, self.joined)
+        if why is None:
+            return
+        with self._lock:
+            first, self.replaced = not self.replaced, self.replaced or why
+        if first:
+            log.error("%s: writing nothing more there", why)
+            self._on_replaced(why)
+        raise RunReplaced(self.replaced)
+
+    def write_bytes(self, key: str, data: Any) -> None:
+        self.check()
+        self._store.write_bytes(key, data)
+
+    def write_if_generation(self, key: str, data: bytes, generation: int) -> int:
+        self.check()
+        return self._store.write_if_generation(key, data, generation)
+
+    def delete(self, key: str) -> None:
+        self.check()
+        self._store.delete(key)
+
+
 def read_config(run_uri: str) -> tuple[RunConfig, ObjectStore]:
     """The config of an existing run and its store; `ConfigError` if missing or corrupt."""
     store = open_store(run_uri)
+    return _existing_config(store), store
+
+
+def _existing_config(store: ObjectStore) -> RunConfig:
     cfg = stored_config(store)
     if cfg is None:
         raise ConfigError(
-            f"{run_uri} has no {RunLayout.CONFIG}; create the run first (tunix-tasks train / prepare)"
+            f"{store.uri} has no {RunLayout.CONFIG}; create the run first "
+            "(tunix-tasks train / prepare)"
         )
-    return cfg, store
+    return cfg
 
 
 def prepared_at(store: ObjectStore) -> float | None:

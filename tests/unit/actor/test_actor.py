@@ -34,6 +34,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from tests.paths import REPO
 from tunix_tasks.actor.asynchronous.actor import Actor
+from tunix_tasks.actor.runtime import ActorRuntime
 from tunix_tasks.config import RunConfig, config_from_dict
 from tunix_tasks.envs import Action, StepResult, function_tool, register_env
 from tunix_tasks.episode import Episode
@@ -45,7 +46,7 @@ from tunix_tasks.policy.params import flat_params, load_flat_params
 from tunix_tasks.policy.tokenizer import Tokenizer
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import read_metrics
-from tunix_tasks.storage.runs import mark_done, run_id, write_config
+from tunix_tasks.storage.runs import RunReplaced, mark_done, run_id, write_config
 from tunix_tasks.storage.shards import RUN_ID_KEY
 from tunix_tasks.storage.store import ObjectStore
 from tunix_tasks.storage.weights import (
@@ -499,6 +500,64 @@ def test_deadline_stops_the_actor_and_flushes(tmp_path):
     for shard in store.list("shards/"):  # named for this run: the learner checks it
         written = pq.ParquetFile(store.open_input(shard.key)).schema_arrow.metadata
         assert written[RUN_ID_KEY.encode()] == run_id(store).encode() != b""
+
+
+@pytest.mark.parametrize("how", ["async commits", "sync batches", "stopped for another reason"])
+def test_an_actor_whose_run_is_created_again_stops_and_writes_nothing_there(tmp_path, how):
+    """A deleted run's leftover actor (a pod, a Celery worker) meets the run created
+    again under its URI at its next write, whatever the path: a commit (2 episodes a
+    shard), sync mode's batch flush and metrics, or the final flush of a stop for
+    another reason. It writes nothing there (no shard, no metrics record) and raises
+    `RunReplaced` (the CLI's exit 3: not restarted)."""
+    sync = how == "sync batches"
+    cfg = config_from_dict(
+        {
+            **_config(f"file://{tmp_path}", episodes_per_shard=2).model_dump(),
+            **(
+                {"mode": "sync", "learner": {"advantage": "group", "max_staleness": 0}}
+                if sync
+                else {}
+            ),
+        }
+    )
+    store = write_config(cfg)
+    _publish(store, cfg, _peaky(1, cfg), version=0)
+    actor = Actor(cfg, store, actor_id="actor-old")
+    _created_again_under(actor, cfg, stop=how == "stopped for another reason")
+
+
+def _created_again_under(actor: ActorRuntime, cfg: RunConfig, *, stop: bool) -> None:
+    """Run `actor` until its first shard, delete its run and create it again (then stop
+    the actor, with `stop`); it must raise `RunReplaced` and write nothing there."""
+    run = _Running(actor)
+    run.until(lambda: len(actor.writer.shards_written) >= 1, "a shard of the first run")
+    folder = Path(actor.store.local_path())
+    os.rename(folder, f"{folder}-deleted")  # `rm -r`, without racing the actor's writes
+    store = write_config(cfg)
+    if stop:
+        actor.request_stop("SIGTERM")
+    again = run_id(store)
+    with pytest.raises(RunReplaced, match=f"deleted|created again \\(run_id {again}\\)"):
+        run.join()
+    assert sorted(i.key for i in store.list("")) == [RunLayout.CONFIG, RunLayout.RUN_ID]
+    assert list(Path(f"{folder}-deleted", "shards").rglob("*.parquet"))  # the old run's
+
+
+def test_a_failed_watch_stops_the_actor_with_its_error(tmp_path, monkeypatch):
+    """The DONE check and the timed flushes run in a task nothing awaits while the actor
+    samples: its error used to vanish, leaving an actor deaf to DONE until its deadline."""
+    cfg = _config(f"file://{tmp_path}")
+    store = write_config(cfg)
+    _publish(store, cfg, _peaky(1, cfg), version=0)
+    actor = Actor(cfg, store, actor_id="actor-w")
+
+    def broken() -> bool:
+        raise RuntimeError("the watch broke")
+
+    monkeypatch.setattr(actor, "_watch_once", broken)
+    with pytest.raises(RuntimeError, match="the watch broke"):
+        _Running(actor).join()
+    assert actor._stop_reason == "failed: RuntimeError('the watch broke')"
 
 
 def test_stop_while_waiting_for_first_weights(tmp_path):

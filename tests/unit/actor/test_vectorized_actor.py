@@ -17,6 +17,7 @@ import numpy as np
 from tests.runs import read_ledger_ids
 from tests.unit.actor.test_actor import (
     LOGPROB_ATOL,
+    _created_again_under,
     _peaky,
     _publish,
     _read_episodes,
@@ -115,6 +116,15 @@ def test_vectorized_actor_writes_valid_shards_with_exact_logprobs(tmp_path):
     np.testing.assert_allclose(recorded, fresh, atol=LOGPROB_ATOL, rtol=0)
     # one segment program and the start for the whole run (no reload happened)
     assert summary["compile_count"] == 2
+
+
+def test_a_vectorized_actor_whose_run_is_created_again_writes_nothing_there(tmp_path):
+    """The rows still on the device when it stops are committed in its `finally`: the
+    fence refuses them too (test_actor.py has the asynchronous kinds' paths)."""
+    cfg = _config(f"file://{tmp_path}/runs", per_shard=4)
+    store = write_config(cfg)
+    _publish(store, cfg, _peaky(123, cfg), version=0)
+    _created_again_under(VectorizedActor(cfg, store, actor_id="actor-vec"), cfg, stop=False)
 
 
 class _ReloadsMidEpisode(VectorizedActor):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.paths import HF_FIXTURES, REPO
 from tunix_tasks.storage.shards import ShardWriter
@@ -449,6 +450,29 @@ def test_second_learner_is_refused_in_one_line(tmp_path):
     open_store(uri).write_if_generation(RunLayout.LEASE, json.dumps(holder).encode(), 0)
     out = _cli("learner", "--run", uri)
     _assert_one_line_error(out, 4, "'first-learner'", "refusing to start a second learner")
+
+
+@pytest.mark.parametrize("command", ["actor", "learner"])
+def test_a_process_started_for_a_run_created_again_since_exits_3_without_joining(tmp_path, command):
+    """What `train` restarts and a retried DAG task meet: `--run-id` names the run they
+    were started for; the run at the URI now is another one. Exit 3 (fenced, not
+    restarted), one logged line, and nothing of the other run touched."""
+    import shutil
+
+    from tunix_tasks.frontdoor.entrypoints import prepare_run, prepared_run_id
+
+    uri = prepare_run({"store": str(tmp_path)}, run_name="again")
+    first = prepared_run_id(uri)
+    shutil.rmtree(tmp_path / "again")
+    uri = prepare_run({"store": str(tmp_path)}, run_name="again")
+    before = sorted(p.name for p in (tmp_path / "again").iterdir())
+    extra = ["--actor-id", "0"] if command == "actor" else []
+    out = _cli(command, "--run", uri, f"--run-id={first}", *extra)
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert f"created again (run_id {prepared_run_id(uri)})" in last and first in last, last
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == before
 
 
 def test_permission_denied_is_one_line(tmp_path):

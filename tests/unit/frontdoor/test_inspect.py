@@ -17,13 +17,14 @@ from tunix_tasks.episode import Episode
 from tunix_tasks.frontdoor.inspect import (
     answer_phases,
     conversation,
+    inspect_uri,
     pick_episodes,
     read_episodes,
     run_of,
 )
 from tunix_tasks.policy.tokenizer import CharChat
-from tunix_tasks.storage.runs import write_config
-from tunix_tasks.storage.shards import ShardWriter
+from tunix_tasks.storage.runs import run_id, write_config
+from tunix_tasks.storage.shards import RUN_ID_KEY, ShardWriter
 from tunix_tasks.testing.shard_factory import make_episode
 
 CHAT = CharChat()
@@ -115,6 +116,24 @@ def test_inspect_conversations_errors_are_one_line(run, tmp_path):
     no_run = cli(str(tmp_path / "loose"), "--conversations", "1")
     assert no_run.returncode == 2 and "has no config.json" in no_run.stderr
     assert "Traceback" not in zero.stderr + no_run.stderr
+
+
+def test_inspect_shows_another_incarnations_shards_as_the_learner_sees_them(tmp_path):
+    """A shard an actor of a deleted run wrote under the run created again there is
+    `other_run` in `inspect` as in the learner (quarantined, never trained); one naming
+    no run, or this one, is valid. Its episodes are not shown as conversations."""
+    cfg = config_from_dict({"store": str(tmp_path), "run_name": "r"})
+    store = write_config(cfg)
+    rng = np.random.default_rng(0)
+    for name, writer in (("old", "f" * 32), ("ours", run_id(store)), ("plain", "")):
+        w = ShardWriter(store, actor_id=name, metadata={RUN_ID_KEY: writer} if writer else None)
+        w.add(make_episode(rng, length=20, policy_version=0))
+        w.close()
+    summary = inspect_uri(f"{cfg.run_uri}/shards")
+    assert (summary["shards"], summary["valid_shards"]) == (3, 2)
+    [bad] = summary["invalid"]
+    assert bad["reason"] == "other_run" and "/shards/old/" in bad["shard"]
+    assert len(read_episodes(f"{cfg.run_uri}/shards")) == 2
 
 
 def test_run_of_a_shard_uri():

@@ -12,7 +12,17 @@ import pytest
 from tunix_tasks.actor.remote.engine import run_weights_folder
 from tunix_tasks.config import ConfigError, config_from_dict
 from tunix_tasks.storage.layout import RunLayout
-from tunix_tasks.storage.runs import MAX_DONE_BYTES, is_done, mark_done, run_id, write_config
+from tunix_tasks.storage.runs import (
+    MAX_DONE_BYTES,
+    RunFence,
+    RunReplaced,
+    is_done,
+    join_run,
+    mark_done,
+    replaced_since,
+    run_id,
+    write_config,
+)
 from tunix_tasks.storage.store import open_store
 
 
@@ -108,3 +118,93 @@ def test_a_poisoned_run_id_is_a_clear_error(tmp_path, body, message):
         store.write_if_generation(RunLayout.RUN_ID, body, 0)
     with pytest.raises(ConfigError, match=message):
         run_id(store)
+
+
+def _delete_run(store) -> None:
+    """The run's objects deleted, as `gsutil rm -r` (or `rm -r` of its folder) does."""
+    for info in store.list(""):
+        store.delete(info.key)
+
+
+def _fenced(uri: str):
+    stops: list[str] = []
+    store = open_store(uri)
+    return RunFence(store, run_id(store), on_replaced=stops.append), stops
+
+
+def test_a_fence_writes_while_the_run_is_the_one_it_joined_and_never_after(store_uri):
+    """A deleted run's leftover actor writes through its fence: nothing reaches the run
+    created again there, each write path alike, and the actor is asked to stop once."""
+    root, _, name = store_uri.rstrip("/").rpartition("/")
+    cfg = config_from_dict({"store": root, "run_name": name})
+    write_config(cfg)
+    fence, stops = _fenced(cfg.run_uri)
+    fence.write_bytes("shards/a.parquet", b"1")
+    assert fence.write_if_generation("control/x", b"1", 0) > 0
+    fence.delete("control/x")
+    store = open_store(cfg.run_uri)
+    _delete_run(store)
+    again = run_id(write_config(cfg))
+    for write in (
+        lambda: fence.write_bytes("shards/b.parquet", b"2"),
+        lambda: fence.write_if_generation("control/y", b"2", 0),
+        lambda: fence.delete(RunLayout.CONFIG),
+    ):
+        with pytest.raises(RunReplaced, match=f"created again \\(run_id {again}\\)"):
+            write()
+    assert len(stops) == 1 and again in stops[0]
+    assert sorted(i.key for i in store.list("")) == [RunLayout.CONFIG, RunLayout.RUN_ID]
+    assert fence.read_bytes(RunLayout.RUN_ID) == again.encode()  # reads pass through
+
+
+def test_a_fence_stops_writes_into_a_deleted_run_but_not_one_missing_only_its_id(tmp_path):
+    """`run_id` gone while `config.json` is there (a partial delete, a bucket's age rule)
+    is still the run; both gone is a deleted run, whose folder a write would re-create."""
+    cfg = config_from_dict({"store": str(tmp_path), "run_name": "r"})
+    store = write_config(cfg)
+    fence, stops = _fenced(cfg.run_uri)
+    store.delete(RunLayout.RUN_ID)
+    fence.write_bytes("metrics/a.jsonl", b"{}\n")
+    assert stops == []
+    _delete_run(store)
+    with pytest.raises(RunReplaced, match="was deleted"):
+        fence.write_bytes("metrics/b.jsonl", b"{}\n")
+    assert stops and store.list("") == []
+
+
+def test_a_fence_of_a_run_from_before_ids_stops_once_an_id_appears(tmp_path):
+    store = open_store(f"file://{tmp_path}/run")
+    store.write_bytes(RunLayout.CONFIG, b"{}")
+    fence, stops = _fenced(store.uri)
+    assert fence.joined == ""
+    fence.write_bytes("a", b"1")  # still the run from before ids
+    store.write_if_generation(RunLayout.RUN_ID, b"0" * 32, 0)  # only a new run gets one
+    with pytest.raises(RunReplaced, match="after this process joined a run from before run"):
+        fence.write_bytes("b", b"1")
+    assert len(stops) == 1
+
+
+def test_a_corrupt_run_id_mid_run_fences_instead_of_failing_every_write(tmp_path):
+    cfg = config_from_dict({"store": str(tmp_path), "run_name": "r"})
+    store = write_config(cfg)
+    fence, stops = _fenced(cfg.run_uri)
+    store.delete(RunLayout.RUN_ID)
+    store.write_bytes(RunLayout.RUN_ID, b"garbage")
+    with pytest.raises(RunReplaced, match=r"no longer readable: .*not 32 hex digits"):
+        fence.write_bytes("a", b"1")
+    assert len(stops) == 1
+
+
+def test_joining_a_run_created_again_since_it_was_prepared_is_refused(tmp_path):
+    """What a retried DAG task (or a restarted `train` child) meets: it was started for
+    the run as its setup prepared it, and a run created again there is another one."""
+    cfg = config_from_dict({"store": str(tmp_path), "run_name": "r"})
+    first = run_id(write_config(cfg))
+    got, _, joined = join_run(cfg.run_uri, first)
+    assert got.run_name == "r" and joined == first
+    assert join_run(cfg.run_uri)[2] == first  # no expectation: the run as it is now
+    shutil.rmtree(tmp_path / "r")
+    again = run_id(write_config(cfg))
+    with pytest.raises(RunReplaced, match=f"created again \\(run_id {again}\\).*{first}"):
+        join_run(cfg.run_uri, first)
+    assert replaced_since(open_store(cfg.run_uri), again) is None

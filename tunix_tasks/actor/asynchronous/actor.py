@@ -53,7 +53,7 @@ class Actor(ActorRuntime):
 
     def __init__(self, cfg: RunConfig, store: ObjectStore, **kwargs: Any) -> None:
         super().__init__(cfg, store, **kwargs)
-        self._reload_error: BaseException | None = None
+        self._background_error: BaseException | None = None  # of `_watch`, `_reload_loop`
         self.policy: BatchingPolicy | RemoteEngine
         if isinstance(self.engine, RemoteEngine):
             self.policy = self.engine  # a turn is a request; `_reload_loop` pushes weights
@@ -103,6 +103,8 @@ class Actor(ActorRuntime):
         tasks = [asyncio.create_task(self._watch())]
         if isinstance(self.engine, RemoteEngine):  # no engine thread to reload between steps
             tasks.append(asyncio.create_task(self._reload_loop()))
+        for task in tasks:  # nothing awaits them while the actor runs: their error stops it
+            task.add_done_callback(self._background_ended)
         try:
             async with self.policy:
                 if self.cfg.mode == "sync":
@@ -113,8 +115,15 @@ class Actor(ActorRuntime):
         finally:
             for task in tasks:
                 task.cancel()
-        if self._reload_error is not None:
-            raise self._reload_error
+        if self._background_error is not None:
+            raise self._background_error
+
+    def _background_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        err = task.exception()
+        self._background_error = self._background_error or err
+        self.request_stop(f"failed: {err!r}")
 
     async def _group_loops(self, slots: int) -> None:
         """`slots` group loops until the actor stops; the first error (a store outage past
@@ -137,9 +146,8 @@ class Actor(ActorRuntime):
             try:
                 await asyncio.to_thread(self._maybe_reload)
             except Exception as err:
-                self._reload_error = err
                 self.request_stop(f"weights push failed: {err}")
-                return
+                raise
             await asyncio.sleep(min(0.25, self.cfg.actor.weight_poll_s))
 
     async def _watch(self) -> None:
