@@ -64,6 +64,44 @@ def _env_calls_tools(cfg: RunConfig) -> bool:
         return False
 
 
+def _check_chat_template(cfg: RunConfig) -> None:
+    """A checkpoint's template must carry the tool turns the run will have: `ConfigError`
+    when an env with tools meets one that cannot render a call and its result; a warning
+    when an agent program (tools unknown) does, or when a run with tools meets one that
+    takes a single call a turn."""
+    from tunix_tasks.policy.preflight import (
+        PolicyError,
+        check_policy,
+        several_calls_error,
+        tool_turn_error,
+    )
+
+    try:
+        chat = check_policy(cfg.model)
+    except PolicyError as err:
+        raise ConfigError(f"model.checkpoint: {err}") from None
+    cannot = tool_turn_error(chat)
+    why = f"its chat template cannot carry a tool call and its result ({cannot})"
+    tools = _env_calls_tools(cfg)
+    if cannot is not None and tools:
+        raise ConfigError(
+            f"model.checkpoint: {why}; env {cfg.env.name} calls tools: choose an "
+            "environment without tools, a checkpoint whose template writes tool calls "
+            "and results, or the model.tool_format its calls are written in"
+        )
+    agent = cfg.actor.kind == "agent"  # its program's tools: unknown until it runs
+    if cannot is not None and agent:
+        log.warning(
+            "model.checkpoint: %s: an agent program that passes tools gets none called", why
+        )
+    elif (tools or agent) and (one := several_calls_error(chat)):
+        log.warning(
+            "model.checkpoint: its chat template takes one tool call a turn (%s): an "
+            "episode whose model writes several calls in one turn ends 'truncated'",
+            one,
+        )
+
+
 def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None = None) -> str:
     """Validate the config, write `<run_uri>/config.json` (idempotent), clear DONE, and
     (with `warm_start_steps`) write the demonstration shards the learner imitates first.
@@ -77,23 +115,7 @@ def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None =
             data["run_name"] = run_name
         cfg = config_from_dict(data)
     if cfg.model.checkpoint:  # a bad checkpoint fails here, not in every process
-        from tunix_tasks.policy.preflight import PolicyError, check_policy, tool_turn_error
-
-        try:
-            cannot = tool_turn_error(check_policy(cfg.model))
-        except PolicyError as err:
-            raise ConfigError(f"model.checkpoint: {err}") from None
-        why = f"its chat template cannot carry a tool call and its result ({cannot})"
-        if cannot is not None and _env_calls_tools(cfg):
-            raise ConfigError(
-                f"model.checkpoint: {why}; env {cfg.env.name} calls tools: choose an "
-                "environment without tools, a checkpoint whose template writes tool calls "
-                "and results, or the model.tool_format its calls are written in"
-            )
-        if cannot is not None and cfg.actor.kind == "agent":  # its program's tools: unknown
-            log.warning(
-                "model.checkpoint: %s: an agent program that passes tools gets none called", why
-            )
+        _check_chat_template(cfg)
     store = write_config(cfg)
     if cfg.warm_start_steps:
         from tunix_tasks.actor.demonstrations import write_demonstrations

@@ -34,6 +34,7 @@ from tunix_tasks.policy.toolcalls import parse_hermes, parse_llama3_json, parse_
 
 __all__ = [
     "PROBE_CALL",
+    "PROBE_CALLS",
     "PROBE_QUESTION",
     "PROBE_TOOLS",
     "TOOL_PARSERS",
@@ -60,6 +61,10 @@ _PROBE = [{"role": "user", "content": "PROBE_U"}, {"role": "assistant", "content
 #: A tool call as the rollout makes one (named, 9-character id) after a question: what a
 #: template must write so that its parser reads it back (`TemplateChat.write_probe_call`).
 PROBE_CALL = Action(tool_calls=(ToolCall("probe", {"x": "1"}, id=call_id(1, 0)),))
+#: Two calls in one turn, as Qwen and Mistral write them (`preflight.several_calls_error`).
+PROBE_CALLS = Action(
+    tool_calls=(*PROBE_CALL.tool_calls, ToolCall("probe", {"x": "2"}, id=call_id(1, 1)))
+)
 PROBE_TOOLS = (function_tool("probe", "A tool call the template renders.", {"x": "any"}),)
 PROBE_QUESTION = ({"role": "user", "content": "?"},)
 

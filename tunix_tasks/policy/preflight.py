@@ -11,6 +11,7 @@ built, here and in `build_policy` / `build_sampler` (policy/build.py).
     chat = check_policy(cfg.model)   # PolicyError naming the directory and the file
     chat = build_chat(cfg.model)     # the chat format alone
     tool_turn_error(chat)            # why its template cannot render a tool turn, or None
+    several_calls_error(chat)        # why it cannot render a turn of two calls, or None
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tunix_tasks.config import ModelConfig
 from tunix_tasks.policy.chat import ChatFormat
 from tunix_tasks.policy.chat_template import (
     PROBE_CALL,
+    PROBE_CALLS,
     PROBE_QUESTION,
     PROBE_TOOLS,
     TOOL_PARSERS,
@@ -31,7 +33,14 @@ from tunix_tasks.policy.hf_headers import CheckpointError, CheckpointFiles
 from tunix_tasks.policy.packaged_models import ModelFetchError, resolve_checkpoint
 from tunix_tasks.policy.tokenizer import CharChat, CharTokenizer
 
-__all__ = ["PolicyError", "build_chat", "check_policy", "checkpoint_files", "tool_turn_error"]
+__all__ = [
+    "PolicyError",
+    "build_chat",
+    "check_policy",
+    "checkpoint_files",
+    "several_calls_error",
+    "tool_turn_error",
+]
 
 
 class PolicyError(ValueError):
@@ -100,4 +109,18 @@ def tool_turn_error(chat: ChatFormat) -> str | None:
             f"it writes a call as {text[:200]!r}, which the {chat.tool_format!r} tool-call "
             f"parser reads as {got} (model.tool_format: one of {sorted(TOOL_PARSERS)})"
         )
+    return None
+
+
+def several_calls_error(chat: ChatFormat) -> str | None:
+    """Why `chat` cannot render a turn of two tool calls and their two results (Llama
+    3.1's template takes one call a turn), or None when it can. Not a reason to refuse a
+    run (its model may never write two): an episode whose model does ends `truncated`."""
+    if not isinstance(chat, TemplateChat):
+        return None
+    turns = [*PROBE_QUESTION, PROBE_CALLS.message(), *PROBE_CALLS.replies(("1", "2"))]
+    try:
+        chat.render(turns, PROBE_TOOLS, add_generation_prompt=True)
+    except ChatTemplateError as err:
+        return str(err)
     return None

@@ -509,6 +509,26 @@ def test_prepare_refuses_a_template_without_a_tool_role_for_a_tool_env(tmp_path)
     assert prepare_run({**mistral, "env": {"name": "calculator"}}, run_name="mistral")
 
 
+def test_prepare_warns_when_a_template_takes_one_tool_call_a_turn(tmp_path, caplog):
+    """Llama 3.1's template raises on a turn of two calls (as transformers' does: the
+    `two_tool_calls` fixture): a run with tools prepares, warned that such an episode
+    ends `truncated`; Qwen3's takes both, and a run without tools is not warned."""
+    from tunix_tasks.frontdoor.entrypoints import prepare_run
+
+    def warned(checkpoint: str, env: str) -> list[str]:
+        caplog.clear()
+        model = {"checkpoint": str(FIXTURES / checkpoint), "max_seq_len": 256}
+        params = {"store": str(tmp_path / "runs"), "model": model, "env": {"name": env}}
+        assert prepare_run(params, run_name=f"{checkpoint}-{env}")
+        return [r.getMessage() for r in caplog.records if "tool call a turn" in r.getMessage()]
+
+    with caplog.at_level("WARNING", logger="tunix_tasks.frontdoor.entrypoints"):
+        [line] = warned("tiny-llama3", "calculator")
+        assert "only supports single tool-calls at once" in line and "'truncated'" in line
+        assert warned("tiny-qwen3", "calculator") == []
+        assert warned("tiny-llama3", "guess_number") == []
+
+
 @pytest.mark.parametrize("form", ["v7", "v11", "v13"])
 def test_prepare_accepts_tool_calls_in_mistrals_other_forms(tmp_path, form):
     """mistral-common's v7 template (its list right only with JSON-string arguments), and
