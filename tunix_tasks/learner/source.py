@@ -50,7 +50,7 @@ from tunix_tasks.learner.blocks import EpisodeBlock
 from tunix_tasks.learner.flow import DROPPED_STATUSES
 from tunix_tasks.learner.position import STATE_VERSION, ShardPosition
 from tunix_tasks.storage.layout import RunLayout
-from tunix_tasks.storage.runs import quarantine
+from tunix_tasks.storage.runs import quarantine, replaced_since
 from tunix_tasks.storage.shards import ShardColumns
 from tunix_tasks.storage.store import NotFound, ObjectStore, StoreError
 from tunix_tasks.storage.uri import join_uri
@@ -90,7 +90,8 @@ class EpisodeSource:
     """Complete shards under `shards/` -> validated `EpisodeBlock`s with advantages.
 
     Limits: `max_length` (quarantine `too_long`), `run_id` (quarantine `other_run`: an
-    actor of the run deleted and created again under its URI wrote it) and
+    actor of the run deleted and created again under its URI wrote it; unless this
+    learner's run is the deleted one, when the shard is left for the new run) and
     `newest_version`, which the learner sets to the newest version it has published
     (quarantine `future_version`: no actor can hold weights newer than that). Replays:
     an episode whose id is in flight or was accounted within the last `dedup_window` ids
@@ -125,6 +126,7 @@ class EpisodeSource:
         self.advantage = advantage
         self.max_length = max_length
         self.run_id = run_id  # the run's (storage.runs.run_id): another's shards, quarantined
+        self._replaced = ""  # why this run is gone from its URI, once an other_run shows it
         self.newest_version: int | None = None  # None: no future-version check
         self.delete_consumed = delete_consumed
         self.position = ShardPosition(grace_ms=grace_ms)
@@ -328,6 +330,13 @@ class EpisodeSource:
             return ShardValidationError(where, "not_found", f"listed, then gone: {err}")
 
     def _quarantine(self, key: str, err: ShardValidationError) -> None:
+        if err.reason == "other_run" and (why := replaced_since(self._store, self.run_id)):
+            # This learner is the leftover of a deleted run: the shard is the run's now
+            # there. Left for that run's learner; this one's lease soon ends it (fenced).
+            if not self._replaced:
+                log.error("%s: quarantining none of that run's shards", why)
+            self._replaced = why
+            return
         log.warning("invalid shard %s: %s", key, err.reason)
         quarantine(self._store, key, reason=err.reason, detail=err.detail)
         self.quarantined.append({"shard": key, "reason": err.reason})

@@ -13,7 +13,12 @@ from tunix_tasks.learner import source as source_mod
 from tunix_tasks.learner.advantages import batch_advantages, group_advantages
 from tunix_tasks.learner.source import EpisodeSource, PrefetchingSource, ShardPosition
 from tunix_tasks.storage.layout import SHARD_FOLDER_DIGITS, RunLayout
-from tunix_tasks.storage.shards import ShardWriter, episodes_to_table, table_to_parquet_bytes
+from tunix_tasks.storage.shards import (
+    RUN_ID_KEY,
+    ShardWriter,
+    episodes_to_table,
+    table_to_parquet_bytes,
+)
 from tunix_tasks.storage.store import StoreError, open_store
 from tunix_tasks.testing.shard_factory import block_episodes, make_episode
 
@@ -88,6 +93,33 @@ def test_invalid_shard_is_quarantined_with_its_reason(tmp_path):
     reason = json.loads(store.read_bytes(RunLayout.quarantine_reason(bad)))
     assert reason["reason"] == "corrupt"
     assert _poll(source) == []
+
+
+def test_a_leftover_learner_of_a_deleted_run_quarantines_none_of_the_new_runs_shards(
+    tmp_path, caplog
+):
+    """The run was deleted and created again while its learner still ran (its lease ends
+    it within seconds): an `other_run` shard is then the new run's, left where its own
+    learner reads it; the leftover learner says so once. A shard of another incarnation
+    in a run that is still this learner's is quarantined (test_learner.py)."""
+    store = open_store(str(tmp_path))
+    store.write_if_generation(RunLayout.RUN_ID, b"a" * 32, 0)
+    source = EpisodeSource(store, vocab_size=103, run_id="a" * 32)
+    store.delete(RunLayout.RUN_ID)  # deleted, then created again
+    store.write_if_generation(RunLayout.RUN_ID, b"b" * 32, 0)
+    store.write_bytes(RunLayout.CONFIG, b"{}")
+    writer = ShardWriter(store, actor_id="new", max_episodes=4, metadata={RUN_ID_KEY: "b" * 32})
+    for e in _write(open_store(str(tmp_path / "scratch")), 4)[0]:
+        writer.add(e)
+    writer.close()
+    with caplog.at_level("ERROR", logger=source_mod.__name__):
+        assert _poll(source) == [] and _poll(source) == []
+    assert source.quarantined == [] and store.list("quarantine/") == []
+    assert [i.key for i in store.list("shards/")] == writer.shards_written
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{store.uri} was created again (run_id {'b' * 32}) after this process joined run_id "
+        f"{'a' * 32}: quarantining none of that run's shards"
+    ]
 
 
 def test_a_fifo_named_like_a_shard_is_no_shard_and_blocks_nothing(tmp_path):
