@@ -19,15 +19,19 @@ and learner stop (or refuse to start, on a retry) and fail without another retry
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import task
-from tunix_launchers import entrypoints, launch_actor, launch_learner
+from tunix_launchers import (
+    entrypoints,
+    failing_when_fenced,
+    launch_actor,
+    launch_learner,
+    prepared_incarnation,
+)
 from tunix_params import check_conf_keys
 from tunix_weights import LearnerProgressLog, WeightsEventPublisher, WeightsWatcher
 
@@ -115,19 +119,6 @@ def quiet_library_loggers() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-@contextlib.contextmanager
-def failing_when_fenced() -> Iterator[None]:
-    """A process fenced off its run (`entrypoints.Fenced`: another learner has the run, or
-    the run was deleted or created again) fails its task without a retry: a retry would
-    be fenced again, or join another run."""
-    from airflow.sdk.exceptions import AirflowFailException
-
-    try:
-        yield
-    except entrypoints().Fenced as err:
-        raise AirflowFailException(str(err)) from None
-
-
 def _label_map_index(label: str) -> None:
     from airflow.sdk import get_current_context
 
@@ -173,7 +164,7 @@ def learner(
     max_steps: int | None = None,
     deadline_s: float | None = None,
     num_actors: int | None = None,
-    run_incarnation: str | None = None,
+    setup_task: str | None = None,
 ) -> dict:
     """The learner: trains from the shards, publishes snapshots (+ asset events).
 
@@ -192,7 +183,7 @@ def learner(
             max_steps=int(max_steps) if max_steps else None,
             deadline_s=optional_deadline(deadline_s),
             actors=int(num_actors) if num_actors else None,
-            run_id=run_incarnation,
+            run_id=prepared_incarnation(setup_task),
         )
     progress.flush()
     summary = dict(summary or {})
@@ -202,7 +193,7 @@ def learner(
 
 
 @task(pool=CPU_POOL, queue=CPU_POOL, retries=3, retry_delay=timedelta(seconds=5))
-def stop_fleet(run_uri: str, run_incarnation: str | None = None) -> str:
+def stop_fleet(run_uri: str, setup_task: str | None = None) -> str:
     """Mark the run DONE once the learner has finished, whatever its outcome.
 
     Actors stop when they see the marker, so no actor outlives its learner. This is a
@@ -220,8 +211,9 @@ def stop_fleet(run_uri: str, run_incarnation: str | None = None) -> str:
     except Exception:
         learner_state = "finished"
     reason = f"airflow {dag_id}/{run_id}: learner {learner_state}"
-    if not entrypoints().mark_done(run_uri, reason, run_id=run_incarnation):
-        return f"not marked DONE: {run_uri} is another run now"
+    why_not = entrypoints().mark_done(run_uri, reason, run_id=prepared_incarnation(setup_task))
+    if why_not:
+        return f"not marked DONE: {why_not}"
     log.info("marked %s DONE: %s", run_uri, reason)
     return reason
 
@@ -278,16 +270,15 @@ def fleet(setup: Any):
 
     setup_op = setup.operator
     run_uri = XComArg(setup_op, key="run_uri")
-    incarnation = XComArg(setup_op, key="run_incarnation")
     actors = actor.expand_kwargs(setup)
     learn = learner(
         run_uri=run_uri,
         max_steps=XComArg(setup_op, key="max_steps"),
         deadline_s=XComArg(setup_op, key="deadline_s"),
         num_actors=XComArg(setup_op, key="num_actors"),
-        run_incarnation=incarnation,
+        setup_task=setup_op.task_id,  # pulled in the task: absent from an older setup
     )
-    stop = stop_fleet(run_uri, incarnation)
+    stop = stop_fleet(run_uri, setup_op.task_id)
     rep = report(run_uri)
     learn >> stop
     [actors, stop] >> rep

@@ -13,7 +13,10 @@ The DAG tasks call `launch_actor` / `launch_learner`; this module decides how:
   parked by the autopilot gives its pod back; its task starts a new one when unparked.
 
 Either way the learner's weight snapshots are announced by the learner task's
-`tunix_weights.WeightsWatcher`, which watches the run's `weights/LATEST`.
+`tunix_weights.WeightsWatcher`, which watches the run's `weights/LATEST`, and a task
+acts on the run as its DAG run's setup task prepared it (`prepared_incarnation`): one
+fenced off that run (deleted or created again since, or another learner's) fails without
+a retry (`failing_when_fenced`).
 
 Environment knobs of the kubernetes launcher (all optional except the image):
 `TUNIX_IMAGE`, `TUNIX_K8S_NAMESPACE` (default `tunix`), `TUNIX_K8S_SERVICE_ACCOUNT`
@@ -25,9 +28,11 @@ Environment knobs of the kubernetes launcher (all optional except the image):
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
+from collections.abc import Iterator
 
 import tunix_k8s
 from tunix_params import ensure_library_importable
@@ -54,6 +59,31 @@ def entrypoints():
 # --------------------------------------------------------------------------- launch
 
 
+@contextlib.contextmanager
+def failing_when_fenced() -> Iterator[None]:
+    """A process fenced off its run (`entrypoints.Fenced`: another learner has the run, or
+    the run was deleted or created again) fails its task without a retry: a retry would
+    be fenced again, or join another run."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    try:
+        yield
+    except entrypoints().Fenced as err:
+        raise AirflowFailException(str(err)) from None
+
+
+def prepared_incarnation(setup_task: str | None) -> str | None:
+    """The run's id as `setup_task` prepared it (its `run_incarnation` XCom); None when
+    there is none (a setup task that ran the DAG code of before run ids, in a DAG run
+    across an upgrade: its tasks then act on the run as it is, as that code did)."""
+    from airflow.sdk import get_current_context
+
+    if setup_task is None:
+        return None
+    ti = get_current_context()["ti"]
+    return ti.xcom_pull(task_ids=setup_task, key="run_incarnation", default=None)
+
+
 def launch_actor(
     run_uri: str, actor_id: int, *, deadline_s: float | None = None, run_id: str | None = None
 ) -> dict:
@@ -70,7 +100,9 @@ def launch_actor(
             )
             return run_manifests([pod], task_suffix=f"actor-{actor_id}")
 
-        return entrypoints().run_actor_shifts(run_uri, actor_id, shift, deadline_s=deadline_s)
+        return entrypoints().run_actor_shifts(
+            run_uri, actor_id, shift, deadline_s=deadline_s, run_id=run_id
+        )
     return entrypoints().run_actor(run_uri, actor_id, deadline_s=deadline_s, run_id=run_id)
 
 
@@ -86,7 +118,7 @@ def launch_learner(
     With `actor.autopilot` on, the fleet's autopilot runs beside it in this process
     (`entrypoints.fleet_autopilot`), parking those of the `actors` mapped actors it does
     not need."""
-    with entrypoints().fleet_autopilot(run_uri, launched=actors):
+    with entrypoints().fleet_autopilot(run_uri, launched=actors, run_id=run_id):
         if launcher_kind() == KUBERNETES:
             settings = tunix_k8s.K8sSettings.from_env()
             manifests = tunix_k8s.learner_manifests(

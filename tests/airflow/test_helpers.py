@@ -306,7 +306,7 @@ class _FakeEntrypoints:
         self.calls.append((run_uri, actor_id, kwargs))
         return {"episodes": 0}
 
-    def fleet_autopilot(self, run_uri, *, launched=None):
+    def fleet_autopilot(self, run_uri, *, launched=None, run_id=None):
         return contextlib.nullcontext()  # the autopilot off, as in the run's config
 
 
@@ -321,10 +321,8 @@ def test_learner_task_announces_weights_locally(fake_api, tmp_path, monkeypatch)
     monkeypatch.delenv("TUNIX_LAUNCHER", raising=False)
     monkeypatch.setenv("TUNIX_WEIGHTS_POLL_S", "0.05")
     monkeypatch.setattr(tunix_launchers, "entrypoints", lambda: fake)
-    summary = tunix_fleet.learner.function(
-        run_uri, max_steps=4, deadline_s=0, run_incarnation="ab" * 16
-    )
-    assert fake.calls == [(run_uri, {"max_steps": 4, "deadline_s": None, "run_id": "ab" * 16})]
+    summary = tunix_fleet.learner.function(run_uri, max_steps=4, deadline_s=0)
+    assert fake.calls == [(run_uri, {"max_steps": 4, "deadline_s": None, "run_id": None})]
     assert summary["steps"] == 4 and summary["asset_events_failed"] == []
     assert summary["asset_events_posted"][-1] == 2
     posted = [c[3]["extra"]["version"] for c in _events(api.calls)]
@@ -352,20 +350,31 @@ def test_a_dag_run_whose_run_was_created_again_fails_without_touching_it(
     uri = prepare_run({"store": str(tmp_path)}, run_name="r")
     ours = prepared_run_id(uri)
     shutil.rmtree(tmp_path / "r")
-    uri = prepare_run({"store": str(tmp_path)}, run_name="r")
+    uri = prepare_run({"store": str(tmp_path)}, run_name="r")  # the autopilot on (default)
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "r").rglob("*"))
+    pushed = {"prepare": ours}  # the setup task's `run_incarnation` XCom
+
+    def xcom_pull(task_ids, key, default):
+        assert key == "run_incarnation"
+        return pushed.get(task_ids, default)
+
+    ti = SimpleNamespace(xcom_pull=xcom_pull)
+    ctx = {"dag": SimpleNamespace(dag_id="tunix_train"), "run_id": "manual__1", "ti": ti}
+    monkeypatch.setattr(airflow.sdk, "get_current_context", lambda: ctx)
     monkeypatch.setattr(tunix_fleet, "_label_map_index", lambda label: None)
     with pytest.raises(AirflowFailException, match=f"created again .*{ours}"):
         tunix_fleet.actor.function(uri, 0, 0, run_incarnation=ours)
     with pytest.raises(AirflowFailException, match=f"created again .*{ours}"):
-        tunix_fleet.learner.function(uri, run_incarnation=ours)
-    ctx = {"dag": SimpleNamespace(dag_id="tunix_train"), "run_id": "manual__1", "ti": None}
-    monkeypatch.setattr(airflow.sdk, "get_current_context", lambda: ctx)
-    assert (
-        tunix_fleet.stop_fleet.function(uri, ours) == f"not marked DONE: {uri} is another run now"
-    )
+        tunix_fleet.learner.function(uri, setup_task="prepare")
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "r").rglob("*")) == before
+    not_marked = tunix_fleet.stop_fleet.function(uri, "prepare")
+    assert not_marked.startswith(f"not marked DONE: {uri} was created again")
     assert is_done(open_store(uri)) is None
-    assert tunix_fleet.stop_fleet.function(uri, prepared_run_id(uri)).startswith("airflow")
+    pushed["prepare"] = prepared_run_id(uri)  # the new run's own DAG run
+    assert tunix_fleet.stop_fleet.function(uri, "prepare").startswith("airflow")
     assert is_done(open_store(uri)) is not None
+    # A setup task of the code before run ids pushed none: the run as it is (as before).
+    assert tunix_fleet.stop_fleet.function(uri, "resume").startswith("airflow")
 
 
 # --------------------------------------------------------------------------- launchers

@@ -28,6 +28,7 @@ from tunix_tasks.config import config_from_dict
 from tunix_tasks.frontdoor.launcher import FINAL_EXITS
 from tunix_tasks.frontdoor.supervision import ActorPool, close_logs, spawn
 from tunix_tasks.learner.checkpoint import read_ledger
+from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import read_metrics
 from tunix_tasks.storage.runs import is_done, run_id, write_config
 from tunix_tasks.storage.store import open_store
@@ -220,6 +221,33 @@ def test_dead_actors_stop_the_run(tmp_path):
     assert "TypeError" in err and "no_such_option" in err  # the tail of the actor's log
     assert "all 2 actors died" in err and "stopping learner (checkpoint)" in err
     assert is_done(open_store(summary["run_uri"])) is None  # resumable, not finished
+
+
+def test_a_run_created_again_under_train_stops_it_with_exit_3(tmp_path):
+    """The run `train` prepared is deleted and created again (another `train`, a DAG run)
+    while it trains: its actors stop at their next write and write nothing into the new
+    run, none is restarted, its learner is fenced off by its lease, and `train` exits 3
+    naming what happened (not "run it again to resume", which would join the new run)."""
+    cmd = _cmd(str(tmp_path / "runs"), "again", "learner.max_steps=100000")
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    run = tmp_path / "runs" / "again"
+    try:
+        _until(lambda: any(run.rglob("shards/**/*.parquet")), "a shard of the first run", 240)
+        os.rename(run, tmp_path / "runs" / "again-deleted")
+        new = write_config(config_from_dict({"store": str(tmp_path / "runs"), "run_name": "again"}))
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 3, err[-3000:]
+    assert f"created again (run_id {run_id(new)})" in err.strip().splitlines()[-1], err[-3000:]
+    summary = json.loads(out[out.index("\n{") + 1 :])
+    assert summary["actor_restarts"] == {} and set(summary["actor_exit_codes"]) == {3}
+    assert summary["learner_exit_code"] == 3 and "report" not in summary
+    assert [i.key for i in new.list("shards/")] == [] and not new.exists(RunLayout.DONE)
 
 
 def _overrides(tmp_path: Path) -> list[str]:

@@ -2,7 +2,8 @@
 
 An actor process waits for the first weights, then serves (the kind's own loop) until the
 run's DONE marker, its deadline or a signal, and always flushes its last shard and
-metrics. This class owns that lifecycle, the weights reload, the shard writer, the
+metrics, unless its run was deleted or created again (`storage.runs.RunFence`: then it
+writes nothing more and raises `RunReplaced`). This class owns that lifecycle, the weights reload, the shard writer, the
 metrics and the `EpisodeBuilder` that stamps every episode (`self.episodes`);
 `asynchronous.actor.Actor` (asyncio environments, the batched sampler) and
 `vectorized.actor.VectorizedActor` (JAX environments and the policy on the device) own
@@ -116,15 +117,16 @@ class ActorRuntime:
         # Exit once parked with nothing in flight (stop_reason LEFT_PARKED), for a
         # launcher that frees the actor's resources and starts it again when unparked.
         self._leave_when_parked = leave_when_parked
-        self._outage = StoreOutage(should_stop=self._should_stop, limit_s=store_outage_s)
-        store = self._outage.observe(store)  # every store call that works ends an outage
         # This incarnation of the run (storage/runs.py; `join_run` reads it before the
         # config), named in every shard. Every write checks it first: a deleted run's
         # leftover actor stops at its next write, and writes nothing into the run created
         # again there (whose learner would quarantine it, `other_run`, anyway).
         self.run_id = read_run_id(store) if run_id is None else run_id
         self.fence = RunFence(store, self.run_id, on_replaced=self.request_stop)
-        store = self.fence
+        self._outage = StoreOutage(should_stop=self._should_stop, limit_s=store_outage_s)
+        # Every store call that works ends an outage: a write with its fence's check as
+        # one call (the check's read working says nothing of the write).
+        store = self._outage.observe(self.fence)
         self.store = store
         self.actor_id = actor_id
         # A fresh random incarnation per process start: env seeds, group ids and the
@@ -204,7 +206,8 @@ class ActorRuntime:
         return False
 
     def run(self) -> dict[str, Any]:
-        """Run until stopped; flushes the last shard and metrics. Returns a summary."""
+        """Run until stopped; flushes the last shard and metrics (none once its run is
+        deleted or created again: `RunReplaced` then). Returns a summary."""
         t0 = time.monotonic()
         self._outage.tolerate("metrics", self._log_metrics, None)  # phase: waiting for weights
         got = self._wait_for_weights()

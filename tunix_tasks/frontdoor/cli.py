@@ -5,8 +5,9 @@
     tunix-tasks train   [--config run.yaml] [--set k=v ...] [--store URI] [--run-name N]
                         [--mode async|sync] [--quiet] [--json]
     tunix-tasks prepare [--config run.yaml] [--set k=v ...]   # write <run>/config.json
-    tunix-tasks actor   --run URI --actor-id N [--deadline S] [--kind async|vectorized|agent]
-    tunix-tasks learner --run URI [--max-steps N] [--deadline S]
+    tunix-tasks actor   --run URI [--run-id ID] --actor-id N [--deadline S]
+                        [--kind async|vectorized|agent] [--leave-when-parked]
+    tunix-tasks learner --run URI [--run-id ID] [--max-steps N] [--deadline S]
     tunix-tasks report  RUN_URI [--baseline RUN_URI]
     tunix-tasks eval    RUN_URI [--version N] [--episodes N]
     tunix-tasks import-gguf SRC.gguf DEST_DIR              # a llama.cpp GGUF -> checkpoint dir
@@ -25,8 +26,8 @@ its traceback (a bug). Exit codes:
          invalid value or URI), a path or run that does not exist, a corrupt config.json, a
          GGUF file that cannot be imported, a packaged model that cannot be fetched
     3    fenced off the run: another learner published over `weights/LATEST` or took
-         over the learner's lease; or the run an actor or learner joined (`--run-id`)
-         was deleted or created again under its URI
+         over the learner's lease; or the run an actor or learner joined (`--run-id`),
+         or that `train` prepared, was deleted or created again under its URI
     4    another learner holds the run's lease (retry once it has stopped or expired)
     5    storage failed: unreachable after retries (each retry is logged), permission
          denied, or no usable credentials for a gs:// store
@@ -170,6 +171,9 @@ def _train(args: argparse.Namespace) -> int:
         _print_json(summary)
     else:
         print(format_train_summary(summary))
+    if summary.get("fenced"):  # a resume would not be of this command's run
+        print(f"tunix-tasks: {summary['fenced']}: this run's processes stopped", file=sys.stderr)
+        return EXIT_FENCED
     if summary.get("failed"):
         print(
             f"tunix-tasks: {summary['failed']}; fix it, then run the same command again "
@@ -203,7 +207,8 @@ def _prepare(args: argparse.Namespace) -> int:
 def _actor(args: argparse.Namespace) -> int:
     from tunix_tasks.frontdoor.entrypoints import run_actor
 
-    _check_run_config(args.run)
+    if args.run_id is None:  # else joining says what became of the run (exit 3)
+        _check_run_config(args.run)
 
     summary = run_actor(
         args.run,
@@ -220,7 +225,8 @@ def _actor(args: argparse.Namespace) -> int:
 def _learner(args: argparse.Namespace) -> int:
     from tunix_tasks.frontdoor.entrypoints import run_learner
 
-    _check_run_config(args.run)
+    if args.run_id is None:  # else joining says what became of the run (exit 3)
+        _check_run_config(args.run)
 
     summary = run_learner(
         args.run, max_steps=args.max_steps, deadline_s=args.deadline, run_id=args.run_id
@@ -366,9 +372,20 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--run-id",
         default=None,
+        type=_run_id_arg,
         help="the run's id (<run>/run_id, empty for a run without one) when it was "
         "prepared: exit 3 instead of joining a run deleted or created again since",
     )
+
+
+def _run_id_arg(value: str) -> str:
+    from tunix_tasks.storage.runs import RUN_ID_FORM
+
+    if value and not RUN_ID_FORM.fullmatch(value):
+        raise argparse.ArgumentTypeError(
+            f"{value[:40]!r} is not a run id: 32 hex digits, as in <run>/run_id (or empty)"
+        )
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -545,11 +562,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _known_error(err: Exception) -> tuple[int, str] | None:
     """(exit code, one-line message) of an expected failure; None for anything else."""
     from tunix_tasks.storage.lease import LeaseHeldError
+    from tunix_tasks.storage.runs import RunReplaced
     from tunix_tasks.storage.store import NotFound, StoreError
     from tunix_tasks.storage.uri import InvalidURI
 
     if isinstance(err, (ConfigError, InvalidURI, NotFound)):
         return EXIT_USAGE, str(err)
+    if isinstance(err, RunReplaced):
+        return EXIT_FENCED, str(err)
     if isinstance(err, LeaseHeldError):
         return EXIT_LEASE_HELD, str(err)
     if isinstance(err, StoreError):

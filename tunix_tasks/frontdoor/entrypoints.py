@@ -11,9 +11,10 @@ it in a fresh process; nothing here imports Airflow.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from tunix_tasks.config import ConfigError, RunConfig, check_resume, config_from_dict
@@ -121,7 +122,7 @@ def prepare_run(params: Mapping[str, Any] | RunConfig, *, run_name: str | None =
         from tunix_tasks.actor.demonstrations import write_demonstrations
 
         write_demonstrations(cfg, store)
-    log.info("prepared run %s", cfg.run_uri)
+    log.info("prepared run %s (run_id %s)", cfg.run_uri, read_run_id(store) or "none")
     return cfg.run_uri
 
 
@@ -181,19 +182,24 @@ def run_actor(
     )
     if handle_signals:
         actor.install_signal_handlers()
-    try:
+    with _fenced_if_replaced():  # a leftover of a deleted run
         return actor.run()
-    except RunReplaced as err:  # logged by the fence: a leftover of a deleted run
+
+
+@contextlib.contextmanager
+def _fenced_if_replaced() -> Iterator[None]:
+    """`storage.runs.RunReplaced` as `Fenced` (exit 3), logged once."""
+    try:
+        yield
+    except RunReplaced as err:
+        log.error("%s: stopping", err)
         raise Fenced(str(err)) from None
 
 
 def _join(run_uri: str, run_id: str | None) -> tuple[RunConfig, ObjectStore, str]:
     """`storage.runs.join_run`, a run replaced since `run_id` as `Fenced`."""
-    try:
+    with _fenced_if_replaced():
         return join_run(run_uri, run_id)
-    except RunReplaced as err:
-        log.error("%s: not joining it", err)
-        raise Fenced(str(err)) from None
 
 
 def launched_actors(cfg: RunConfig, requested: int | None = None) -> int:
@@ -207,13 +213,15 @@ def launched_actors(cfg: RunConfig, requested: int | None = None) -> int:
     return fleet
 
 
-def fleet_autopilot(run_uri: str, *, launched: int | None = None):
+def fleet_autopilot(run_uri: str, *, launched: int | None = None, run_id: str | None = None):
     """The run's `FleetAutopilot` over the `launched` actors (default: what
     `launched_actors` gives the run's config); a context manager: a thread while the
-    learner runs, nothing when the autopilot is off."""
+    learner runs, nothing when the autopilot is off. `Fenced` (nothing written) when the
+    run was deleted or created again since it was prepared (`run_id`)."""
     from tunix_tasks.frontdoor.fleet import FleetAutopilot
 
-    return FleetAutopilot(run_uri, launched=launched)
+    with _fenced_if_replaced():
+        return FleetAutopilot(run_uri, launched=launched, run_id=run_id)
 
 
 def run_actor_shifts(
@@ -222,13 +230,16 @@ def run_actor_shifts(
     launch: Callable[[float | None], dict[str, Any]],
     *,
     deadline_s: float | None = None,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
     """Actor `actor_id`'s slot in a fleet whose parked actors give their resources back:
     `launch(seconds_left)` runs the actor (with `leave_when_parked`) while the
-    autopilot's fleet holds it, nothing while it is parked (`frontdoor/fleet.py`)."""
+    autopilot's fleet holds it, nothing while it is parked (`frontdoor/fleet.py`).
+    `Fenced` when the run is deleted or created again since it was prepared (`run_id`)."""
     from tunix_tasks.frontdoor.fleet import run_actor_shifts as shifts
 
-    return shifts(run_uri, int(actor_id), launch, deadline_s=deadline_s)
+    with _fenced_if_replaced():
+        return shifts(run_uri, int(actor_id), launch, deadline_s=deadline_s, run_id=run_id)
 
 
 FENCED_EXIT_CODE = 3
@@ -324,17 +335,17 @@ def learner_progress(run_uri: str) -> dict[str, Any]:
     return {"step": int(step), "version": latest[0] if latest else -1}
 
 
-def mark_done(run_uri: str, reason: str, *, run_id: str | None = None) -> bool:
+def mark_done(run_uri: str, reason: str, *, run_id: str | None = None) -> str | None:
     """Mark the run DONE (its actors stop). With `run_id` (the id it was prepared with,
     `prepared_run_id`), only while the run is still that one: the teardown of a DAG run
     whose run was deleted and created again must not stop the other run's actors.
-    Returns whether it marked the run."""
+    Returns why it did not mark the run (None: marked)."""
     store = open_store(run_uri)
     if run_id is not None and (why := replaced_since(store, run_id)):
         log.warning("%s: not marking it DONE", why)
-        return False
+        return why
     _mark_done(store, reason)
-    return True
+    return None
 
 
 def prepared_run_id(run_uri: str) -> str:

@@ -43,7 +43,16 @@ from tunix_tasks.frontdoor.autopilot import PROCESS, Autopilot, FleetDecision, F
 from tunix_tasks.frontdoor.supervision import ActorPool, Child
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsTail, MetricsWriter
-from tunix_tasks.storage.runs import is_done, parse_fleet, read_config, read_fleet, write_fleet
+from tunix_tasks.storage.runs import (
+    RunFence,
+    RunReplaced,
+    is_done,
+    join_run,
+    parse_fleet,
+    read_fleet,
+    replaced_since,
+    write_fleet,
+)
 from tunix_tasks.storage.store import NotFound, ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -136,7 +145,7 @@ class Fleet:
     def close(self) -> None:
         try:
             self.metrics.close()
-        except StoreError as err:  # the decisions' records are a view: never fatal
+        except (StoreError, RunReplaced) as err:  # the decisions' records: a view, not fatal
             log.warning("autopilot: its last records were not written: %r", err)
 
 
@@ -186,9 +195,17 @@ class FleetAutopilot:
     POLL_S = 5.0  # actors write a metrics record every ~5 s
 
     def __init__(
-        self, run_uri: str, *, launched: int | None = None, poll_s: float = POLL_S
+        self,
+        run_uri: str,
+        *,
+        launched: int | None = None,
+        run_id: str | None = None,
+        poll_s: float = POLL_S,
     ) -> None:
-        self.cfg, self.store = read_config(run_uri)
+        # The run as the caller prepared it (`run_id`; `RunReplaced` if it is another
+        # now); its fleet file written only while it still is (`RunFence`).
+        self.cfg, store, joined = join_run(run_uri, run_id)
+        self.store = RunFence(store, joined, on_replaced=lambda _why: self._stop.set())
         # The ceiling: the actors the DAG mapped (a recurring run's fleet may differ from
         # the stored config's), else what it maps for this config (`launched_actors`).
         pilot = self.cfg.actor.autopilot
@@ -212,7 +229,11 @@ class FleetAutopilot:
                 log.warning("autopilot: %s; starting from %d actors", err, first)
                 active = first
             active = min(max(active, autopilot.min_actors), autopilot.max_actors)
-            self.fleet = ParkedFleet(autopilot, self.store, actors=active, report=log.info)
+            try:
+                self.fleet = ParkedFleet(autopilot, self.store, actors=active, report=log.info)
+            except RunReplaced as err:  # since it was joined: the learner's join fences it
+                log.error("autopilot: %s: not starting", err)
+                return self
             self._thread = threading.Thread(target=self._run, name="autopilot", daemon=True)
             self._thread.start()
         return self
@@ -236,6 +257,9 @@ class FleetAutopilot:
                 self.fleet.tick(audit, now=time.monotonic())
             except StoreError as err:  # an outage: the fleet stays as it is, try again
                 log.warning("autopilot: the store did not answer (%r); fleet unchanged", err)
+            except RunReplaced as err:  # the learner is fenced off too
+                log.error("autopilot: %s: stopping", err)
+                return
 
 
 SHIFT_POLL_S = 5.0  # how often a parked actor's slot reads the fleet file
@@ -248,6 +272,7 @@ def run_actor_shifts(
     *,
     deadline_s: float | None = None,
     poll_s: float = SHIFT_POLL_S,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
     """One slot of a fleet whose parked actors give their resources back (the mapped
     Airflow fleet on Kubernetes). While the autopilot's fleet holds actor `actor_id`,
@@ -256,12 +281,13 @@ def run_actor_shifts(
     actor is parked the slot holds nothing and reads `control/fleet.json` every `poll_s`.
     Returns when the run is DONE, at the deadline, or when a shift ended for another
     reason than parking (a launch that raises fails the slot as it would the actor);
-    the summary adds its shifts up.
+    the summary adds its shifts up. `run_id`: the run as the caller prepared it; a run
+    deleted or created again since raises `RunReplaced`, before any shift.
 
         launch = lambda left: run_pod(actor_pod(run_uri, i, deadline_s=left))
         summary = run_actor_shifts(run_uri, i, launch, deadline_s=deadline_s)
     """
-    cfg, store = read_config(run_uri)
+    cfg, store, joined = join_run(run_uri, run_id)
     t0 = time.monotonic()
     deadline_s = deadline_s or cfg.deadline_s  # from the slot's start, not each shift's
     end = t0 + deadline_s if deadline_s else None
@@ -285,6 +311,8 @@ def run_actor_shifts(
         if (active is not None and actor_id >= active) or (left_on and file == left_on):
             time.sleep(poll_s if left is None else min(poll_s, left))
             continue
+        if why := replaced_since(store, joined):  # a pod would only be refused (exit 3)
+            raise RunReplaced(why)
         log.info("actor %d: starting shift %d (%s active)", actor_id, len(shifts) + 1, active)
         shifts.append(launch(left))
         reason = str(shifts[-1].get("stop_reason", ""))

@@ -61,7 +61,7 @@ from tunix_tasks.frontdoor.supervision import (
 )
 from tunix_tasks.learner import drop_bias
 from tunix_tasks.storage.metrics import MetricsTail, Stopwatch
-from tunix_tasks.storage.runs import is_done
+from tunix_tasks.storage.runs import RunFence, RunReplaced, is_done, replaced_since
 from tunix_tasks.storage.store import ObjectStore, StoreError, open_store
 
 log = logging.getLogger(__name__)
@@ -434,7 +434,8 @@ def train_local(
                     return actors[-1]
 
                 bounds = cfg.actor.autopilot.with_ceiling(cfg.actor.num_actors)
-                fleet = LocalFleet(bounds, store, pool, start_more, report=display.message)
+                ours = RunFence(store, run_id)  # the fleet file is written to this run only
+                fleet = LocalFleet(bounds, ours, pool, start_more, report=display.message)
             next_poll = 0.0
             while learner.running and not interrupted:
                 pool.check()
@@ -448,7 +449,11 @@ def train_local(
                     polls += 1
                     next_poll = time.monotonic() + POLL_S
                 if fleet is not None:
-                    fleet.tick(status.audit(running=fleet.names()), now=time.monotonic())
+                    try:
+                        fleet.tick(status.audit(running=fleet.names()), now=time.monotonic())
+                    except RunReplaced:  # the children are fenced off too: stop them all
+                        interrupted.append("run replaced")
+                        break
                     status.actors_total = len(pool.actors)
                 display.refresh()
                 time.sleep(0.25)
@@ -500,6 +505,7 @@ def train_local(
         "autopilot": fleet.summary() if fleet is not None else None,
         "interrupted": interrupted[0] if interrupted else None,
         "failed": failed,
+        "fenced": _fenced(store, run_id, learner.proc.returncode),
         "logs": log_dir,
         "last_step": {**status.record, "time": utc(status.record.get("time"))},
         # The report's utilization of the whole run; the recent window's if unreadable.
@@ -518,7 +524,7 @@ def train_local(
             "poll_s": watch.totals.get("metrics_poll", 0.0),
         },
     }
-    if report:
+    if report and not summary["fenced"]:  # a run that is not this command's: left alone
         from tunix_tasks.frontdoor.report import latest_version, write_report
 
         try:
@@ -527,6 +533,18 @@ def train_local(
         except StoreError as err:  # an outage at the very end: the run itself is fine
             summary["report_error"] = str(err)
     return rounded(summary)
+
+
+def _fenced(store: ObjectStore, run_id: str, learner_code: int | None) -> str | None:
+    """Why the run is no longer this command's (deleted or created again since it was
+    prepared, or taken over by another learner), or None."""
+    try:
+        why = replaced_since(store, run_id)
+    except StoreError:
+        why = None
+    if why is None and learner_code == FENCED_EXIT_CODE:
+        why = "another learner took the run over (the learner's log names it)"
+    return why
 
 
 def _done(store: ObjectStore) -> bool:
@@ -540,7 +558,7 @@ def _mark_done(run_uri: str, run_id: str, reason: str) -> bool:
     """Mark this run DONE; False (the caller stops the actors itself) when the store
     fails or the run was deleted or created again since (not ours to stop)."""
     try:
-        return mark_done(run_uri, reason, run_id=run_id)
+        return mark_done(run_uri, reason, run_id=run_id) is None
     except StoreError as err:
         log.error("could not mark the run done (%s); stopping the actors directly", err)
         return False

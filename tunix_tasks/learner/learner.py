@@ -260,7 +260,9 @@ class Learner:
         self.parts.ckpt.wait()  # the save in flight is durable before the next get_state
         if self.step == self._last_checkpoint:
             return
-        self.parts.lease.ensure()  # LeaseLost: a learner without the lease never checkpoints
+        # LeaseLost: a learner without the lease (its run deleted, or another learner's
+        # now) never checkpoints, so no later learner resumes from this one's state.
+        self.parts.lease.confirm()
         meta = {
             "step": self.step,
             "version": self.version,

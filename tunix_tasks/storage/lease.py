@@ -9,7 +9,8 @@ is marked lost: the learner must then stop publishing (`ensure()` raises `LeaseL
     lease.acquire()            # or LeaseHeldError
     lease.start_renewing()
     ...
-    lease.ensure()             # before every publish / checkpoint
+    lease.ensure()             # before every publish (the flag the renewals keep)
+    lease.confirm()            # before every checkpoint: also reads the lease
     lease.release()
 
 A lease left by a crashed process on the same host is taken over at once (its pid is
@@ -147,6 +148,29 @@ class Lease:
             )
         if not self._held:
             raise LeaseLost(f"this learner ({self.owner}) does not hold {self.where}")
+
+    def confirm(self) -> None:
+        """`ensure`, then read the lease: it must still be the generation this learner
+        wrote. Catches, before a write a later learner would build on (a checkpoint it
+        resumes from), what the next renewal (every ttl/3) would: the run deleted (the
+        lease gone), or created again, or taken over. A store that does not answer
+        leaves it to the renewals."""
+        self.ensure()
+        with self._lock:
+            try:
+                got = self._store.read_versioned(RunLayout.LEASE)
+            except StoreError as err:
+                log.warning("lease check before a checkpoint failed: %s", err)
+                return
+            if got is not None and got[1] == self._generation:
+                return
+            self._lost = True
+        if got is None:
+            raise LeaseLost(
+                f"{self.where} is gone: the run was deleted; this learner ({self.owner}) is "
+                "fenced off and stops; it publishes and checkpoints nothing more"
+            )
+        self.ensure()  # another learner's generation: the takeover message
 
     def release(self) -> None:
         self._stop.set()

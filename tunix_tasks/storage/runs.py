@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import re
 import threading
 import time
@@ -40,14 +39,13 @@ from tunix_tasks.storage.store import (
 from tunix_tasks.storage.uri import join_uri
 from tunix_tasks.untrusted import json_loads
 
-log = logging.getLogger(__name__)
-
 #: A run's config.json is a few KB; far more is not a config (and is not read into memory).
 MAX_CONFIG_BYTES = 16 << 20
 #: A DONE marker is a few dozen bytes; a larger one is not read (it still means done).
 MAX_DONE_BYTES = 64 << 10
 MAX_EPOCH_S = 253_402_300_800  # 10000-01-01: `datetime` shows no later time
-_RUN_ID = re.compile(r"[0-9a-f]{32}")
+#: What `<run>/run_id` holds (and `--run-id` takes: "" for a run from before ids).
+RUN_ID_FORM = re.compile(r"[0-9a-f]{32}")
 
 
 def write_config(cfg: RunConfig) -> ObjectStore:
@@ -60,6 +58,10 @@ def write_config(cfg: RunConfig) -> ObjectStore:
     if stored is not None:
         check_resume(stored, cfg)
     else:  # a new run, or one created again where another was deleted: a new incarnation
+        if not run_id(store) and store.read_versioned(RunLayout.RUN_ID) is not None:
+            # A local run deleted as its contents (`rm -r runs/NAME/*`) leaves the hidden
+            # generations of its id (`.run_id.gens/`): the deleted run's, not this one's.
+            store.delete(RunLayout.RUN_ID)
         with contextlib.suppress(PreconditionFailed):  # a concurrent prepare's came first
             store.write_if_generation(RunLayout.RUN_ID, uuid.uuid4().hex.encode(), 0)
     store.write_bytes(RunLayout.CONFIG, cfg.to_json().encode())
@@ -97,7 +99,7 @@ def run_id(store: ObjectStore) -> str:
     except NotFound:
         return ""
     text = data.decode("ascii", "replace").strip()
-    if not _RUN_ID.fullmatch(text):
+    if not RUN_ID_FORM.fullmatch(text):
         where = join_uri(store.uri, RunLayout.RUN_ID)
         raise ConfigError(
             f"{where} is corrupt: not 32 hex digits ({text[:40]!r}); it names the run's "
@@ -116,18 +118,16 @@ class RunReplaced(RuntimeError):
 def replaced_since(store: ObjectStore, joined: str) -> str | None:
     """Why the run at `store` is no longer the incarnation whose `run_id` was `joined`
     ("" for a run from before ids), or None while it still is. A `run_id` that is gone
-    while `config.json` is there (a partial delete, a bucket's age rule: `run_id` is the
-    run's oldest object) is still the run. `StoreError` when the store cannot say."""
+    while `config.json` is there (a delete cut short) is still the run. `StoreError`
+    when the store cannot say."""
     try:
         now = run_id(store)
     except ConfigError as err:  # written over by hand or by something broken
         return f"the run's id is no longer readable: {err}"
-    if now == joined:
-        return None
-    if not now:
-        if store.exists(RunLayout.CONFIG):
-            return None
+    if not now and not store.exists(RunLayout.CONFIG):
         return f"{store.uri} was deleted (no {RunLayout.RUN_ID}, no {RunLayout.CONFIG})"
+    if now in (joined, ""):
+        return None
     was = f"run_id {joined}" if joined else "a run from before run ids"
     return f"{store.uri} was created again (run_id {now}) after this process joined {was}"
 
@@ -139,22 +139,32 @@ def join_run(run_uri: str, expected: str | None = None) -> tuple[RunConfig, Obje
     read before the config: should the run be created again between the two reads, the
     process is fenced at its first write (`RunFence`), never trained on another config."""
     store = open_store(run_uri)
-    joined = run_id(store)
-    if expected is not None and (why := replaced_since(store, expected)):
+    if expected is None:
+        expected = run_id(store)
+    elif why := replaced_since(store, expected):
         raise RunReplaced(why)
-    return _existing_config(store), store, joined if expected is None else expected
+    return _existing_config(store), store, expected
+
+
+#: The `ObjectStore` reads a `RunFence` passes through (`local_path` for messages).
+_FENCE_READS = frozenset(
+    {"read_bytes", "size", "read_versioned", "list", "list_folders", "exists"}
+    | {"open_input", "read_to", "local_path"}
+)
 
 
 class RunFence:
     """An `ObjectStore` that writes only while its run is the incarnation it joined.
 
     Every write (`write_bytes`, `write_if_generation`, `delete`) first reads the run's
-    `run_id` (64 bytes: on gs:// one small read per shard or metrics flush) and raises
-    `RunReplaced` once it names another run, or the run is gone; from then on every write
-    raises without looking, and `on_replaced(reason)` (an actor's `request_stop`) is
-    called once. Reads pass through. A deleted run's leftover actors thus stop at their
-    next write, whatever path it takes, instead of filling the folder of the run created
-    again there (whose learner would quarantine each shard, `other_run`).
+    `run_id` (64 bytes: on gs:// two small requests, its size then its bytes, per shard or
+    metrics flush) and raises `RunReplaced` once it names another run, or the run is
+    gone; from then on every write raises without looking, and `on_replaced(reason)` (an
+    actor's `request_stop`) is called once. Reads pass through; handles that could write
+    around the check (`arrow_filesystem`, `orbax_path`) are not there. A deleted run's
+    leftover actors stop at their next write, whatever path it takes, instead of filling
+    the folder of the run created again there (whose learner would quarantine each shard,
+    `other_run`).
 
         fence = RunFence(store, run_id(store), on_replaced=actor.request_stop)
         ShardWriter(fence, ...).flush()     # RunReplaced once the run is replaced
@@ -162,7 +172,11 @@ class RunFence:
     """
 
     def __init__(
-        self, store: ObjectStore, joined: str, *, on_replaced: Callable[[str], None]
+        self,
+        store: ObjectStore,
+        joined: str,
+        *,
+        on_replaced: Callable[[str], None] = lambda _why: None,
     ) -> None:
         self._store, self.joined, self._on_replaced = store, joined, on_replaced
         self.uri = store.uri
@@ -170,6 +184,11 @@ class RunFence:
         self._lock = threading.Lock()  # writers on several threads find it at once
 
     def __getattr__(self, name: str) -> Any:
+        if name not in _FENCE_READS:  # a handle that could write around the check
+            raise AttributeError(
+                f"RunFence passes reads through ({', '.join(sorted(_FENCE_READS))}) and "
+                f"checks writes; not {name!r}"
+            )
         return getattr(self._store, name)
 
     def check(self) -> None:
@@ -179,10 +198,11 @@ class RunFence:
         why = replaced_since(self._store, self.joined)
         if why is None:
             return
-        with self._lock:
-            first, self.replaced = not self.replaced, self.replaced or why
+        with self._lock:  # another writer's thread may have found it meanwhile
+            first = not self.replaced
+            if first:
+                self.replaced = why
         if first:
-            log.error("%s: writing nothing more there", why)
             self._on_replaced(why)
         raise RunReplaced(self.replaced)
 

@@ -532,8 +532,11 @@ def _created_again_under(actor: ActorRuntime, cfg: RunConfig, *, stop: bool) -> 
     run = _Running(actor)
     run.until(lambda: len(actor.writer.shards_written) >= 1, "a shard of the first run")
     folder = Path(actor.store.local_path())
-    os.rename(folder, f"{folder}-deleted")  # `rm -r`, without racing the actor's writes
-    store = write_config(cfg)
+    # No commit between a fence's check and its write meanwhile: that window, a write
+    # landing in the new run, is what the learner's `other_run` quarantine is for.
+    with actor._writer_lock:
+        os.rename(folder, f"{folder}-deleted")  # `rm -r`, without racing the actor's writes
+        store = write_config(cfg)
     if stop:
         actor.request_stop("SIGTERM")
     again = run_id(store)
@@ -817,6 +820,34 @@ def test_store_outage_retries_with_backoff_then_gives_up(tmp_path):
     deadline = time.monotonic() + 0.2  # a final flush: bounded even if the limit is far
     with pytest.raises(StoreUnavailable):
         StoreOutage(limit_s=3600.0, backoff_s=(0.01, 0.05)).call("final", down, deadline=deadline)
+
+
+class _WritesDenied:
+    """A store whose reads work and whose writes fail (a 403 after an IAM change)."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self._store, self.uri = store, store.uri
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def write_bytes(self, key: str, data) -> None:
+        from tunix_tasks.storage.store import StoreError
+
+        raise StoreError("403: write denied")
+
+
+def test_an_outage_of_writes_alone_reaches_the_actors_limit(tmp_path):
+    """The run fence reads `run_id` before each write: that read working must not end the
+    outage, or an actor whose writes fail retries its commit forever."""
+    from tunix_tasks.storage.outage import StoreUnavailable
+
+    cfg = _config(f"file://{tmp_path}")
+    actor = Actor(cfg, _WritesDenied(write_config(cfg)), actor_id="a", store_outage_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="write denied"):
+        actor._outage.call("shard commit", actor.store.write_bytes, "shards/x.parquet", b"1")
+    assert time.monotonic() - t0 < 10 and actor._outage.outages == 1
 
 
 @pytest.mark.gcs

@@ -387,6 +387,25 @@ def test_a_parked_actors_slot_holds_no_actor_and_starts_it_again_when_the_fleet_
     assert run_actor_shifts(timed, 1, launch, poll_s=0.01)["stop_reason"] == "deadline"
 
 
+def test_a_slot_of_a_run_created_again_since_it_was_prepared_starts_no_pod(tmp_path):
+    """A retried actor task on the Kubernetes launcher: its slot joins the run its DAG run
+    prepared, or none; no pod is started to be refused."""
+    import shutil
+
+    from tunix_tasks.config import config_from_dict
+    from tunix_tasks.frontdoor.fleet import run_actor_shifts
+    from tunix_tasks.storage.runs import RunReplaced, run_id, write_config
+
+    cfg = config_from_dict({"store": str(tmp_path), "run_name": "r"})
+    ours = run_id(write_config(cfg))
+    shutil.rmtree(tmp_path / "r")
+    write_config(cfg)
+    pods: list[float | None] = []
+    with pytest.raises(RunReplaced, match="created again"):
+        run_actor_shifts(cfg.run_uri, 0, lambda left: pods.append(left) or {}, run_id=ours)
+    assert pods == []
+
+
 def test_the_autopilot_rides_out_a_store_outage(tmp_path, caplog):
     """A store that fails every write: the fleet starts anyway (its first fleet file owed),
     its decisions neither raise nor change the fleet; once the store answers, the owed

@@ -473,6 +473,12 @@ def test_a_process_started_for_a_run_created_again_since_exits_3_without_joining
     last = out.stderr.strip().splitlines()[-1]
     assert f"created again (run_id {prepared_run_id(uri)})" in last and first in last, last
     assert sorted(p.name for p in (tmp_path / "again").iterdir()) == before
+    shutil.rmtree(tmp_path / "again")  # deleted, not created again: the same exit
+    out = _cli(command, "--run", uri, f"--run-id={first}", *extra)
+    assert out.returncode == 3 and "was deleted" in out.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "again").exists()
+    out = _cli(command, "--run", uri, "--run-id= " + first, *extra)  # not an id: usage
+    assert out.returncode == 2 and "is not a run id: 32 hex digits" in out.stderr
 
 
 def test_permission_denied_is_one_line(tmp_path):

@@ -158,8 +158,8 @@ def test_a_fence_writes_while_the_run_is_the_one_it_joined_and_never_after(store
 
 
 def test_a_fence_stops_writes_into_a_deleted_run_but_not_one_missing_only_its_id(tmp_path):
-    """`run_id` gone while `config.json` is there (a partial delete, a bucket's age rule)
-    is still the run; both gone is a deleted run, whose folder a write would re-create."""
+    """`run_id` gone while `config.json` is there (a delete cut short) is still the run;
+    both gone is a deleted run, whose folder a write would create again."""
     cfg = config_from_dict({"store": str(tmp_path), "run_name": "r"})
     store = write_config(cfg)
     fence, stops = _fenced(cfg.run_uri)
@@ -182,6 +182,42 @@ def test_a_fence_of_a_run_from_before_ids_stops_once_an_id_appears(tmp_path):
     with pytest.raises(RunReplaced, match="after this process joined a run from before run"):
         fence.write_bytes("b", b"1")
     assert len(stops) == 1
+    store.delete(RunLayout.RUN_ID)
+    fence, stops = _fenced(store.uri)
+    store.delete(RunLayout.CONFIG)  # deleted, and not created again
+    with pytest.raises(RunReplaced, match="was deleted"):
+        fence.write_bytes("c", b"1")
+    assert not store.exists("c")
+
+
+def test_a_local_run_deleted_as_its_contents_gets_a_new_id(tmp_path):
+    """`rm -r runs/NAME/*` leaves the hidden generations of the old id: the run created
+    again there must still get its own, or neither the fence nor the learner's
+    `other_run` could tell the deleted run's leftover actors from its own."""
+    cfg = config_from_dict({"store": str(tmp_path), "run_name": "r"})
+    first = run_id(write_config(cfg))
+    fence, _ = _fenced(cfg.run_uri)
+    for path in (tmp_path / "r").iterdir():
+        if path.name.startswith("."):  # the shell's * leaves them
+            continue
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    assert (tmp_path / "r" / f".{RunLayout.RUN_ID}.gens").is_dir()
+    again = run_id(write_config(cfg))
+    assert again not in ("", first)
+    with pytest.raises(RunReplaced, match=f"created again \\(run_id {again}\\)"):
+        fence.write_bytes("shards/a.parquet", b"1")
+    assert run_id(write_config(cfg)) == again  # a resume keeps it
+
+
+def test_a_fence_hands_out_no_handle_that_writes_around_it(tmp_path):
+    fence, _ = _fenced(f"file://{tmp_path}/run")
+    assert fence.exists("x") is False
+    for name in ("arrow_filesystem", "orbax_path"):
+        with pytest.raises(AttributeError, match=f"not '{name}'"):
+            getattr(fence, name)
 
 
 def test_a_corrupt_run_id_mid_run_fences_instead_of_failing_every_write(tmp_path):

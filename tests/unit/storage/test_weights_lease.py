@@ -149,6 +149,28 @@ def test_lease_lost_when_taken_over(store_uri):
         lease.ensure()
 
 
+def test_a_lease_confirmed_before_a_checkpoint_catches_what_renewals_have_not_seen(store_uri):
+    """Between renewals (every ttl/3) the run may be deleted, or its lease taken over: a
+    checkpoint would then land in a run that is not this learner's, and the next learner
+    would resume from it. `confirm` reads the lease first."""
+    store = open_store(store_uri)
+    lease = Lease(store, ttl_s=300)
+    lease.acquire()
+    lease.confirm()
+    lease.renew()
+    lease.confirm()  # its own renewal is still its lease
+    store.delete("learner/LEASE")  # the run deleted
+    with pytest.raises(LeaseLost, match="is gone: the run was deleted"):
+        lease.confirm()
+    assert lease.lost
+    taken = Lease(store, ttl_s=300)
+    taken.acquire()
+    generation = store.read_versioned("learner/LEASE")[1]
+    store.write_if_generation("learner/LEASE", b'{"owner": "thief"}', generation)
+    with pytest.raises(LeaseLost, match="another learner took over"):
+        taken.confirm()
+
+
 # ------------------------------------------------------------- poisoned pointers (#11)
 
 BAD_POINTERS = {

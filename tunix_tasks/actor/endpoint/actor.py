@@ -120,6 +120,7 @@ class AgentActor(Actor):
         task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._commit, episodes))
         self._commits.add(task)
         task.add_done_callback(self._commits.discard)
+        task.add_done_callback(self._background_ended)  # its error stops the actor
 
     def _engine_metrics(self) -> dict[str, Any]:
         over = sorted(self.service.overhead_s[-2000:]) or [0.0]
