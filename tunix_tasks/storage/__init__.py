@@ -6,7 +6,7 @@ store.py            the `ObjectStore` contract (atomic writes, compare-and-swap)
 backends/           one module per scheme: `LocalStore` (file://), `GcsStore` (gs://)
 outage.py           `StoreOutage`: an actor riding out a store outage without losing data
 layout.py           `RunLayout`: every key of a run
-runs.py             config.json, the DONE marker, quarantine moves
+runs.py             config.json, run_id and the run fence, the DONE marker, quarantine moves
 shards.py           shard format v1 and `ShardWriter`
 validation.py       why a shard is refused (`read_shard`)
 weights.py          storing and reading snapshots, moving the `LATEST` pointer

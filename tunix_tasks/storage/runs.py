@@ -12,6 +12,10 @@ Layout under the run root (see docs/architecture.md for the full table):
                                  fleet; actor ids >= n park (admit no new episodes)
     quarantine/<shard key>       a shard that failed validation (moved here) ...
     quarantine/<shard key>.reason.json   ... and why
+
+A process joins one incarnation of the run (`join_run`: its `run_id`, or the one its
+caller prepared); an actor writes through a `RunFence`, which stops every write once the
+run at the URI is another incarnation or gone (`RunReplaced`).
 """
 
 from __future__ import annotations
