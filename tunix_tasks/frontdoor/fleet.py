@@ -297,6 +297,8 @@ def run_actor_shifts(
     reason = ""
     while True:
         try:
+            if why := replaced_since(store, joined):  # its DONE and fleet are another run's
+                raise RunReplaced(why)
             done = is_done(store)
             active, file = _read_active(store, active)
         except StoreError as err:  # an outage: wait as we are, try again
@@ -311,8 +313,6 @@ def run_actor_shifts(
         if (active is not None and actor_id >= active) or (left_on and file == left_on):
             time.sleep(poll_s if left is None else min(poll_s, left))
             continue
-        if why := replaced_since(store, joined):  # a pod would only be refused (exit 3)
-            raise RunReplaced(why)
         log.info("actor %d: starting shift %d (%s active)", actor_id, len(shifts) + 1, active)
         shifts.append(launch(left))
         reason = str(shifts[-1].get("stop_reason", ""))

@@ -264,6 +264,7 @@ class Learner:
         # now) never checkpoints, so no later learner resumes from this one's state.
         self.parts.lease.confirm()
         meta = {
+            "run_id": self.parts.run_id,  # no learner of another incarnation resumes from it
             "step": self.step,
             "version": self.version,
             "counters": self.acct.counters,

@@ -336,6 +336,7 @@ class EpisodeSource:
             if not self._replaced:
                 log.error("%s: quarantining none of that run's shards", why)
             self._replaced = why
+            self.position.mark_done(key)  # this learner's own position: not read again
             return
         log.warning("invalid shard %s: %s", key, err.reason)
         quarantine(self._store, key, reason=err.reason, detail=err.detail)

@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from tunix_tasks.config import RunConfig
+from tunix_tasks.config import ConfigError, RunConfig
 from tunix_tasks.config.params import flat_fields
 from tunix_tasks.learner.checkpoint import Checkpointer
 from tunix_tasks.learner.multihost import Channel, LeaderCheckpointer, Op, make_trainer
@@ -31,12 +31,14 @@ from tunix_tasks.learner.source import EpisodeSource, PrefetchingSource
 from tunix_tasks.learner.train_step import Trainer
 from tunix_tasks.learner.warm_start import warm_start
 from tunix_tasks.policy.build import base_fingerprint, model_meta
+from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.lease import Lease
 from tunix_tasks.storage.metrics import MetricsWriter
 from tunix_tasks.storage.retention import SnapshotRetention
 from tunix_tasks.storage.runs import run_id
 from tunix_tasks.storage.store import ObjectStore
 from tunix_tasks.storage.trackers import open_tracker
+from tunix_tasks.storage.uri import join_uri
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class LearnerParts:
     version: int = 0
     counters: dict[str, Any] | None = None
     last_checkpoint: int = -1  # step of the checkpoint resumed from
+    run_id: str = ""  # this incarnation of the run (storage/runs.py), in every checkpoint
     # version -> the step after which it was published (checkpointed): the mismatch
     # metrics' buckets count the steps since an episode's behaviour weights.
     published_at: dict[int, int] = field(default_factory=dict)
@@ -92,9 +95,23 @@ def start_learner(cfg: RunConfig, store: ObjectStore) -> LearnerParts:
     return parts
 
 
+def _check_incarnation(meta: dict[str, Any], run: str, where: str) -> None:
+    """A checkpoint another incarnation of the run wrote (a deleted run's learner whose
+    save was in flight as the run was created again) is never resumed from: a clear
+    error naming it. Checkpoints from before run ids, or of a run without one, name none."""
+    written = meta.get("run_id") or ""
+    if written and run and written != run:
+        raise ConfigError(
+            f"checkpoint step {meta.get('step')} under {where} was written by run_id "
+            f"{str(written)[:40]!r}, not this run's ({run}): a learner of the run deleted "
+            "there saved it late; delete that step's folder and start again"
+        )
+
+
 def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
     for warning in cfg.warnings:
         log.warning("config: %s", warning)
+    p.run_id = run_id(store)
     p.lease = Lease(store, ttl_s=cfg.learner.lease_ttl_s)
     p.lease.acquire()  # LeaseHeldError if another learner runs on this run
     p.lease.start_renewing()
@@ -110,7 +127,7 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
             cfg.learner,
             vocab_size=model.vocab_size,
             max_length=cfg.actor.max_episode_tokens,  # <= model.max_seq_len (validated)
-            run_id=run_id(store),
+            run_id=p.run_id,
         )
     )
     tracker = None
@@ -145,6 +162,7 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
     restored = p.ckpt.restore(p.trainer.checkpoint_template())
     if restored is not None:
         state, meta = restored
+        _check_incarnation(meta, p.run_id, join_uri(store.uri, RunLayout.CHECKPOINTS))
         p.trainer.load_state(state)
         p.step, p.version, p.counters = int(meta["step"]), int(meta["version"]), meta["counters"]
         p.source.set_state(meta["stream"])

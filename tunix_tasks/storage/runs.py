@@ -62,12 +62,13 @@ def write_config(cfg: RunConfig) -> ObjectStore:
     if stored is not None:
         check_resume(stored, cfg)
     else:  # a new run, or one created again where another was deleted: a new incarnation
-        if not run_id(store) and store.read_versioned(RunLayout.RUN_ID) is not None:
-            # A local run deleted as its contents (`rm -r runs/NAME/*`) leaves the hidden
-            # generations of its id (`.run_id.gens/`): the deleted run's, not this one's.
-            store.delete(RunLayout.RUN_ID)
+        # A local run deleted as its contents (`rm -r runs/NAME/*`) leaves the hidden
+        # generations of its id (`.run_id.gens/`) without the id itself: written over.
+        # Read before the id: a concurrent prepare's id, once seen here, is seen there too.
+        versioned = store.read_versioned(RunLayout.RUN_ID)
+        stale = versioned[1] if versioned is not None and not run_id(store) else 0
         with contextlib.suppress(PreconditionFailed):  # a concurrent prepare's came first
-            store.write_if_generation(RunLayout.RUN_ID, uuid.uuid4().hex.encode(), 0)
+            store.write_if_generation(RunLayout.RUN_ID, uuid.uuid4().hex.encode(), stale)
     store.write_bytes(RunLayout.CONFIG, cfg.to_json().encode())
     store.delete(RunLayout.DONE)
     store.delete(RunLayout.FLEET)  # a resumed run starts with actor.num_actors active
@@ -129,7 +130,10 @@ def replaced_since(store: ObjectStore, joined: str) -> str | None:
     except ConfigError as err:  # written over by hand or by something broken
         return f"the run's id is no longer readable: {err}"
     if not now and not store.exists(RunLayout.CONFIG):
-        return f"{store.uri} was deleted (no {RunLayout.RUN_ID}, no {RunLayout.CONFIG})"
+        return (
+            f"{store.uri} holds no run: deleted (or never created there: no "
+            f"{RunLayout.RUN_ID}, no {RunLayout.CONFIG})"
+        )
     if now in (joined, ""):
         return None
     was = f"run_id {joined}" if joined else "a run from before run ids"

@@ -394,7 +394,7 @@ def test_a_slot_of_a_run_created_again_since_it_was_prepared_starts_no_pod(tmp_p
 
     from tunix_tasks.config import config_from_dict
     from tunix_tasks.frontdoor.fleet import run_actor_shifts
-    from tunix_tasks.storage.runs import RunReplaced, run_id, write_config
+    from tunix_tasks.storage.runs import RunReplaced, mark_done, run_id, write_config
 
     cfg = config_from_dict({"store": str(tmp_path), "run_name": "r"})
     ours = run_id(write_config(cfg))
@@ -403,6 +403,18 @@ def test_a_slot_of_a_run_created_again_since_it_was_prepared_starts_no_pod(tmp_p
     pods: list[float | None] = []
     with pytest.raises(RunReplaced, match="created again"):
         run_actor_shifts(cfg.run_uri, 0, lambda left: pods.append(left) or {}, run_id=ours)
+    assert pods == []
+    # Parked (actor 1 of a fleet of 1) when its run is created again and finishes: the
+    # other run's DONE is not its success.
+    fleet = config_from_dict(
+        {"store": str(tmp_path), "run_name": "p"},
+        ["actor.num_actors=1", "actor.autopilot.max_actors=2"],
+    )
+    ours = run_id(write_config(fleet))
+    shutil.rmtree(tmp_path / "p")
+    mark_done(write_config(fleet), "the other run finished")
+    with pytest.raises(RunReplaced, match="created again"):
+        run_actor_shifts(fleet.run_uri, 1, lambda left: pods.append(left) or {}, run_id=ours)
     assert pods == []
 
 

@@ -475,7 +475,7 @@ def test_a_process_started_for_a_run_created_again_since_exits_3_without_joining
     assert sorted(p.name for p in (tmp_path / "again").iterdir()) == before
     shutil.rmtree(tmp_path / "again")  # deleted, not created again: the same exit
     out = _cli(command, "--run", uri, f"--run-id={first}", *extra)
-    assert out.returncode == 3 and "was deleted" in out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 3 and "holds no run: deleted" in out.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "again").exists()
     out = _cli(command, "--run", uri, "--run-id= " + first, *extra)  # not an id: usage
     assert out.returncode == 2 and "is not a run id: 32 hex digits" in out.stderr

@@ -112,6 +112,30 @@ def test_resume_matches_an_uninterrupted_run(tmp_path):
     assert not dropped
 
 
+def test_a_checkpoint_of_another_incarnation_of_the_run_is_never_resumed_from(tmp_path):
+    """Each checkpoint names the run's id. A deleted run's learner whose save was in
+    flight as the run was created again leaves a checkpoint there: the new run's learner
+    refuses it, naming it, instead of resuming the deleted run's training."""
+    from tunix_tasks.config import ConfigError
+    from tunix_tasks.storage.runs import run_id
+
+    uri = prepare_tiny_run(str(tmp_path), checkpoint_every=2, max_staleness=10_000)
+    store = open_store(uri)
+    write_shards(store, _shards()[:2])
+    _run(uri, 2)
+    ours = run_id(store)
+    ckpt = Checkpointer(store)
+    try:
+        assert ckpt.read_meta()["run_id"] == ours != ""
+    finally:
+        ckpt.close()
+    store.delete(RunLayout.RUN_ID)  # as if created again around the late checkpoint
+    store.write_if_generation(RunLayout.RUN_ID, b"f" * 32, 0)
+    cfg, store = read_config(uri)
+    with pytest.raises(ConfigError, match=f"step 2 .* written by run_id '{ours}', not this"):
+        start_learner(cfg, store).close()
+
+
 @pytest.mark.parametrize(("saved_kl", "resumed_kl"), [(0.0, 0.01), (0.01, 0.0)])
 def test_resume_under_another_kl_coef(tmp_path, saved_kl, resumed_kl):
     """The KL reference is checkpointed only with kl_coef > 0. A resume that turns it on

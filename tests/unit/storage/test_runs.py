@@ -167,7 +167,7 @@ def test_a_fence_stops_writes_into_a_deleted_run_but_not_one_missing_only_its_id
     fence.write_bytes("metrics/a.jsonl", b"{}\n")
     assert stops == []
     _delete_run(store)
-    with pytest.raises(RunReplaced, match="was deleted"):
+    with pytest.raises(RunReplaced, match="holds no run: deleted"):
         fence.write_bytes("metrics/b.jsonl", b"{}\n")
     assert stops and store.list("") == []
 
@@ -185,7 +185,7 @@ def test_a_fence_of_a_run_from_before_ids_stops_once_an_id_appears(tmp_path):
     store.delete(RunLayout.RUN_ID)
     fence, stops = _fenced(store.uri)
     store.delete(RunLayout.CONFIG)  # deleted, and not created again
-    with pytest.raises(RunReplaced, match="was deleted"):
+    with pytest.raises(RunReplaced, match="holds no run: deleted"):
         fence.write_bytes("c", b"1")
     assert not store.exists("c")
 
