@@ -246,7 +246,9 @@ def test_a_run_created_again_under_train_stops_it_with_exit_3(tmp_path):
     assert f"created again (run_id {run_id(new)})" in err.strip().splitlines()[-1], err[-3000:]
     summary = json.loads(out[out.index("\n{") + 1 :])
     assert summary["actor_restarts"] == {} and set(summary["actor_exit_codes"]) == {3}
-    assert summary["learner_exit_code"] == 3 and "report" not in summary
+    # 3: its lease (or a save cut off by the deletion) fenced it; 0: stopped by `train`
+    # before it had a step to checkpoint. Never a storage failure (5, seen in CI).
+    assert summary["learner_exit_code"] in (0, 3) and "report" not in summary
     assert [i.key for i in new.list("shards/")] == [] and not new.exists(RunLayout.DONE)
 
 

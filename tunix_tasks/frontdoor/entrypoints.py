@@ -32,7 +32,7 @@ from tunix_tasks.storage.runs import (
 )
 from tunix_tasks.storage.runs import mark_done as _mark_done
 from tunix_tasks.storage.runs import run_id as read_run_id
-from tunix_tasks.storage.store import ObjectStore, open_store
+from tunix_tasks.storage.store import ObjectStore, StoreError, open_store
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ def run_learner(
     from tunix_tasks.storage.lease import LeaseLost
     from tunix_tasks.storage.weights import PublishConflict
 
-    cfg, store, _ = _join(run_uri, run_id)
+    cfg, store, joined = _join(run_uri, run_id)
     if group is not None and not group.leader:
         if handle_signals:  # the leader stops the group (at a checkpoint); keep following
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -318,6 +318,12 @@ def run_learner(
     except (PublishConflict, LeaseLost) as err:  # another learner has the run: fenced off
         log.error("%s", err)
         raise Fenced(str(err)) from None
+    except StoreError as err:  # a save cut off as the run's folder was deleted under it
+        with contextlib.suppress(StoreError):
+            if why := replaced_since(store, joined):
+                log.error("%s (the learner's last error: %s)", why, err)
+                raise Fenced(why) from None
+        raise
 
 
 def learner_progress(run_uri: str) -> dict[str, Any]:

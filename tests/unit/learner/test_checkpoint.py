@@ -136,6 +136,34 @@ def test_a_checkpoint_of_another_incarnation_of_the_run_is_never_resumed_from(tm
         start_learner(cfg, store).close()
 
 
+def test_a_learner_whose_save_fails_as_its_run_is_created_again_is_fenced(tmp_path, monkeypatch):
+    """A background save cut off because the run's folder was deleted under it is a
+    storage error; with the run gone or created again the learner is fenced (exit 3),
+    not a storage failure (exit 5: what CI saw). The same error on its own run stays."""
+    import shutil
+
+    from tunix_tasks.frontdoor.entrypoints import Fenced, run_learner
+    from tunix_tasks.learner.checkpoint import CheckpointError
+    from tunix_tasks.storage.runs import write_config
+
+    uri = prepare_tiny_run(str(tmp_path / "runs"))
+    cfg, _ = read_config(uri)
+
+    def cut_off(self, *, again: bool) -> None:
+        if again:
+            shutil.rmtree(tmp_path / "runs" / cfg.run_name)
+            write_config(cfg)
+        raise CheckpointError("checkpoint 2 could not be saved: the folder is gone")
+
+    monkeypatch.setattr(Learner, "run", lambda self: cut_off(self, again=False))
+    with pytest.raises(CheckpointError):
+        run_learner(uri, handle_signals=False)
+    monkeypatch.setattr(Learner, "run", lambda self: cut_off(self, again=True))
+    with pytest.raises(Fenced, match="created again") as fenced:
+        run_learner(uri, handle_signals=False)
+    assert fenced.value.code == 3
+
+
 @pytest.mark.parametrize(("saved_kl", "resumed_kl"), [(0.0, 0.01), (0.01, 0.0)])
 def test_resume_under_another_kl_coef(tmp_path, saved_kl, resumed_kl):
     """The KL reference is checkpointed only with kl_coef > 0. A resume that turns it on
