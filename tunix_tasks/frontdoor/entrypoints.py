@@ -26,6 +26,7 @@ from tunix_tasks.storage.runs import (
     finished_step,
     join_run,
     read_config,
+    replaced_if_known,
     replaced_since,
     stored_config,
     write_config,
@@ -319,10 +320,9 @@ def run_learner(
         log.error("%s", err)
         raise Fenced(str(err)) from None
     except StoreError as err:  # a save cut off as the run's folder was deleted under it
-        with contextlib.suppress(StoreError):
-            if why := replaced_since(store, joined):
-                log.error("%s (the learner's last error: %s)", why, err)
-                raise Fenced(why) from None
+        if why := replaced_if_known(store, joined):
+            log.error("%s (the learner's last error: %s)", why, err)
+            raise Fenced(why) from None
         raise
 
 

@@ -61,7 +61,7 @@ from tunix_tasks.frontdoor.supervision import (
 )
 from tunix_tasks.learner import drop_bias
 from tunix_tasks.storage.metrics import MetricsTail, Stopwatch
-from tunix_tasks.storage.runs import RunFence, RunReplaced, is_done, replaced_since
+from tunix_tasks.storage.runs import RunFence, RunReplaced, is_done, replaced_if_known
 from tunix_tasks.storage.store import ObjectStore, StoreError, open_store
 
 log = logging.getLogger(__name__)
@@ -538,10 +538,7 @@ def train_local(
 def _fenced(store: ObjectStore, run_id: str, learner_code: int | None) -> str | None:
     """Why the run is no longer this command's (deleted or created again since it was
     prepared, or taken over by another learner), or None."""
-    try:
-        why = replaced_since(store, run_id)
-    except StoreError:
-        why = None
+    why = replaced_if_known(store, run_id)
     if why is None and learner_code == FENCED_EXIT_CODE:
         why = "another learner took the run over (the learner's log names it)"
     return why

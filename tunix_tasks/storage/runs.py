@@ -37,6 +37,7 @@ from tunix_tasks.storage.store import (
     NotFound,
     ObjectStore,
     PreconditionFailed,
+    StoreError,
     open_store,
     read_small,
 )
@@ -138,6 +139,15 @@ def replaced_since(store: ObjectStore, joined: str) -> str | None:
         return None
     was = f"run_id {joined}" if joined else "a run from before run ids"
     return f"{store.uri} was created again (run_id {now}) after this process joined {was}"
+
+
+def replaced_if_known(store: ObjectStore, joined: str) -> str | None:
+    """`replaced_since`, with None also when the store cannot say: for a caller that is
+    already ending on another failure and only asks whether the run is the reason."""
+    try:
+        return replaced_since(store, joined)
+    except StoreError:
+        return None
 
 
 def join_run(run_uri: str, expected: str | None = None) -> tuple[RunConfig, ObjectStore, str]:
