@@ -13,7 +13,7 @@ ShardWriter, then reads them back in the same run, interleaved, best of `--repea
             cost when it handed out one Python object per episode)
 and prints trajectories/s, MB/s and reader/baseline throughput ratio (goal >= 0.8 of the
 baseline with the same threads). The actor's side: the same episodes written as shards
-through a `RunFence` (which reads the run's `run_id` before each write) against a plain
+through a `RunFence` (which reads the run's `run_id` before and after each write) against a plain
 store, interleaved, best of 3 each: the fence's cost per shard.
 
     python benchmarks/shards.py [--shards 20] [--per-shard 64] [--repeats 10]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import threading
 import time
@@ -51,6 +52,8 @@ MAX_DONE_BYTES = 64 << 10
 MAX_EPOCH_S = 253_402_300_800  # 10000-01-01: `datetime` shows no later time
 #: What `<run>/run_id` holds (and `--run-id` takes: "" for a run from before ids).
 RUN_ID_FORM = re.compile(r"[0-9a-f]{32}")
+
+log = logging.getLogger(__name__)
 
 
 def write_config(cfg: RunConfig) -> ObjectStore:
@@ -175,10 +178,12 @@ class RunFence:
     """An `ObjectStore` that writes only while its run is the incarnation it joined.
 
     Every write (`write_bytes`, `write_if_generation`, `delete`) first reads the run's
-    `run_id` (64 bytes: on gs:// two small requests, its size then its bytes, per shard or
-    metrics flush) and raises `RunReplaced` once it names another run, or the run is
-    gone; from then on every write raises without looking, and `on_replaced(reason)` (an
-    actor's `request_stop`) is called once. Reads pass through; handles that could write
+    `run_id` (64 bytes: on gs:// two small requests, its size then its bytes) and raises
+    `RunReplaced` once it names another run, or the run is gone; from then on every write
+    raises without looking, and `on_replaced(reason)` (an actor's `request_stop`) is
+    called once. A write that creates or replaces an object reads the id again after it,
+    and takes itself back should the run have been replaced in between (so a shard or
+    metrics flush costs four small requests on gs://). Reads pass through; handles that could write
     around the check (`arrow_filesystem`, `orbax_path`) are not there. A deleted run's
     leftover actors stop at their next write, whatever path it takes, instead of filling
     the folder of the run created again there (whose learner would quarantine each shard,
@@ -227,10 +232,34 @@ class RunFence:
     def write_bytes(self, key: str, data: Any) -> None:
         self.check()
         self._store.write_bytes(key, data)
+        self._look_again(key, lambda: self._store.read_bytes(key) == memoryview(data).tobytes())
 
     def write_if_generation(self, key: str, data: bytes, generation: int) -> int:
         self.check()
-        return self._store.write_if_generation(key, data, generation)
+        written = self._store.write_if_generation(key, data, generation)
+        # Only a write that created the object can be taken back exactly; one over an
+        # existing generation found, at best, the deleted run's (on gs:// a new run's
+        # objects have other generations, so its precondition fails there).
+        self._look_again(key, lambda: generation == 0 and self._generation(key) == written)
+        return written
+
+    def _generation(self, key: str) -> int:
+        versioned = self._store.read_versioned(key)
+        return versioned[1] if versioned is not None else 0
+
+    def _look_again(self, key: str, ours: Callable[[], bool]) -> None:
+        """After a write that passed `check`: the check and the write are two requests,
+        so the run may have been replaced between them and the write landed in the run
+        created again. Look once more, and on `RunReplaced` take the write back if the
+        key still holds what it wrote (a shard's key is unique: nobody else's)."""
+        try:
+            self.check()
+        except RunReplaced:
+            with contextlib.suppress(NotFound):
+                if ours():
+                    self._store.delete(key)
+                    log.warning("%s: written as the run was replaced; taken back", key)
+            raise
 
     def delete(self, key: str) -> None:
         self.check()

@@ -157,6 +157,48 @@ def test_a_fence_writes_while_the_run_is_the_one_it_joined_and_never_after(store
     assert fence.read_bytes(RunLayout.RUN_ID) == again.encode()  # reads pass through
 
 
+class _ReplacedMidWrite:
+    """A store whose run is deleted and created again between a fence's check and the
+    write it lets through (two requests: another process may come between them)."""
+
+    def __init__(self, cfg) -> None:
+        self.cfg, self.store = cfg, open_store(cfg.run_uri)
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+    def _replace(self) -> None:
+        _delete_run(self.store)
+        write_config(self.cfg)
+
+    def write_bytes(self, key, data) -> None:
+        self._replace()
+        self.store.write_bytes(key, data)
+
+    def write_if_generation(self, key, data, generation) -> int:
+        self._replace()
+        return self.store.write_if_generation(key, data, generation)
+
+
+@pytest.mark.parametrize("how", ["write_bytes", "write_if_generation"])
+def test_a_write_let_through_as_the_run_is_replaced_is_taken_back(tmp_path, how):
+    """The check before a write cannot stop a write racing the replacement: the fence
+    looks again after it, and takes back what it wrote into the run created again."""
+    cfg = config_from_dict({"store": str(tmp_path), "run_name": "r"})
+    first = run_id(write_config(cfg))
+    stops: list[str] = []
+    fence = RunFence(_ReplacedMidWrite(cfg), first, on_replaced=stops.append)
+    write = {
+        "write_bytes": lambda: fence.write_bytes("shards/a.parquet", b"shard"),
+        "write_if_generation": lambda: fence.write_if_generation("control/x", b"1", 0),
+    }[how]
+    with pytest.raises(RunReplaced, match="created again"):
+        write()
+    store = open_store(cfg.run_uri)
+    assert run_id(store) != first and len(stops) == 1
+    assert sorted(i.key for i in store.list("")) == [RunLayout.CONFIG, RunLayout.RUN_ID]
+
+
 def test_a_fence_stops_writes_into_a_deleted_run_but_not_one_missing_only_its_id(tmp_path):
     """`run_id` gone while `config.json` is there (a delete cut short) is still the run;
     both gone is a deleted run, whose folder a write would create again."""
