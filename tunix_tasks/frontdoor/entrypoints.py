@@ -281,7 +281,8 @@ def run_learner(
     A learner that lost the `weights/LATEST` race (another learner published over it)
     or its lease (another learner took the run over) logs one line and raises
     `Fenced` (SystemExit, status 3), as does one whose run was replaced since `run_id`
-    (the id the caller prepared it with, `prepared_run_id`).
+    (the id the caller prepared it with, `prepared_run_id`), at its start or at its
+    first write after (its metrics, snapshots, flow report and checkpoints check it).
 
     Multi-host (`TUNIX_NUM_PROCESSES` > 1, with `TUNIX_COORDINATOR_ADDRESS` and
     `TUNIX_PROCESS_ID`): every process calls this; process 0 is the learner above and
@@ -306,7 +307,11 @@ def run_learner(
                 signal.signal(sig, lambda s, _f: log.info("%s: left to the leader", s))
         return follow(cfg, store)
     learner = Learner(
-        cfg, store, max_steps=max_steps, deadline_s=deadline_s or cfg.deadline_s or None
+        cfg,
+        store,
+        max_steps=max_steps,
+        deadline_s=deadline_s or cfg.deadline_s or None,
+        run_id=joined,
     )
     if handle_signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -316,10 +321,10 @@ def run_learner(
         if summary["stop_reason"] == "lease lost":  # taken over while it had nothing to save
             learner.parts.lease.ensure()  # raises the LeaseLost that names the new owner's lease
         return summary
-    except (PublishConflict, LeaseLost) as err:  # another learner has the run: fenced off
+    except (PublishConflict, LeaseLost, RunReplaced) as err:  # the run is not ours: fenced off
         log.error("%s", err)
         raise Fenced(str(err)) from None
-    except StoreError as err:  # a save cut off as the run's folder was deleted under it
+    except (StoreError, OSError) as err:  # a save cut off as the run's folder went
         if why := replaced_if_known(store, joined):
             log.error("%s (the learner's last error: %s)", why, err)
             raise Fenced(why) from None

@@ -23,6 +23,7 @@ restart, so the launcher can stop the run instead of idling until the learner's
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import os
@@ -243,10 +244,20 @@ def _signal_name(num: int) -> str:
         return f"signal {num}"
 
 
+def _ignore_stop_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _child_main(argv: list[str]) -> None:
     """`python -m tunix_tasks.frontdoor.supervision LAUNCHER_PID COMMAND...`: arm the
     parent-death signal, then run `python -m tunix_tasks.frontdoor.cli COMMAND...`."""
     die_with_parent(int(argv[0]))
+    # Python puts its signal handlers back to the default late in its exit, after the
+    # last atexit callback: a stop signal then (the launcher stopping the run as this
+    # process ends on its own, fenced say) would make its status "killed by SIGTERM"
+    # (-15), hiding its own. Registered first, this callback runs last.
+    atexit.register(_ignore_stop_signals)
     sys.argv = [sys.argv[0], *argv[1:]]
     runpy.run_module("tunix_tasks.frontdoor.cli", run_name="__main__", alter_sys=True)
 

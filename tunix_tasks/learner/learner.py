@@ -70,16 +70,20 @@ class Learner:
         *,
         max_steps: int | None = None,
         deadline_s: float | None = None,
+        run_id: str | None = None,
     ) -> None:
+        """`run_id`: the incarnation the process joined (`storage.runs.join_run`); read
+        from the run at the start if None."""
         self.cfg = cfg
         self.store = store
+        self._joined = run_id
         self.max_steps = max_steps or cfg.learner.max_steps
         self._deadline = time.monotonic() + deadline_s if deadline_s else None
         self.stop_reason = ""
         self.flow = flow_from_config(cfg)
         # The actors' flow control reads it (actor/admission.py); sync mode waits anyway.
-        on = cfg.actor.flow_control and cfg.mode == "async"
-        self.flow_report = FlowReport(store) if on else None
+        self._flow_report_on = cfg.actor.flow_control and cfg.mode == "async"
+        self.flow_report: FlowReport | None = None  # once started: through the run's fence
         self.watch = Stopwatch()
 
     def request_stop(self, reason: str) -> None:
@@ -94,8 +98,15 @@ class Learner:
 
     def run(self) -> dict[str, Any]:
         t_start = time.monotonic()
-        self.parts = p = start_learner(self.cfg, self.store)
+        self.parts = p = start_learner(
+            self.cfg,
+            self.store,
+            self._joined,
+            on_replaced=lambda _why: self.request_stop("run replaced"),
+        )
         try:
+            if self._flow_report_on:
+                self.flow_report = FlowReport(p.writes)
             self.step, self.version, self._last_checkpoint = p.step, p.version, p.last_checkpoint
             self.acct = Accounting(p.source, counters=p.counters)
             self.batcher = Batcher(p.source, self.flow, self.acct, self.cfg.learner)
@@ -113,7 +124,7 @@ class Learner:
                 self._publish()
             p.publisher.wait()
             if reached or self.stop_reason == "deadline":
-                mark_done(self.store, f"learner {self.stop_reason} at step {self.step}")
+                mark_done(p.writes, f"learner {self.stop_reason} at step {self.step}")
         finally:
             p.close()
         return {
@@ -260,8 +271,10 @@ class Learner:
         self.parts.ckpt.wait()  # the save in flight is durable before the next get_state
         if self.step == self._last_checkpoint:
             return
-        # LeaseLost: a learner without the lease (its run deleted, or another learner's
-        # now) never checkpoints, so no later learner resumes from this one's state.
+        # RunReplaced, LeaseLost: a learner whose run was deleted (and perhaps created
+        # again), or whose lease is another learner's now, never checkpoints, so no later
+        # learner resumes from this one's state.
+        self.parts.writes.check()
         self.parts.lease.confirm()
         meta = {
             "run_id": self.parts.run_id,  # no learner of another incarnation resumes from it

@@ -1,6 +1,6 @@
 """Starting and stopping a learner: lease, model, trainer, checkpoint or warm start, source.
 
-    parts = start_learner(cfg, store)   # holds the lease; version `parts.version` is published
+    parts = start_learner(cfg, store, joined)   # holds the lease; `parts.version` is published
     try: ...train...
     finally: parts.close()
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.lease import Lease
 from tunix_tasks.storage.metrics import MetricsWriter
 from tunix_tasks.storage.retention import SnapshotRetention
-from tunix_tasks.storage.runs import run_id
+from tunix_tasks.storage.runs import RunFence, run_id
 from tunix_tasks.storage.store import ObjectStore
 from tunix_tasks.storage.trackers import open_tracker
 from tunix_tasks.storage.uri import join_uri
@@ -57,6 +58,9 @@ class LearnerParts:
     counters: dict[str, Any] | None = None
     last_checkpoint: int = -1  # step of the checkpoint resumed from
     run_id: str = ""  # this incarnation of the run (storage/runs.py), in every checkpoint
+    # What the learner writes besides its lease and checkpoints (metrics, snapshots, the
+    # flow report, quarantine moves, DONE) goes through the run's fence.
+    writes: RunFence | None = None
     # version -> the step after which it was published (checkpointed): the mismatch
     # metrics' buckets count the steps since an episode's behaviour weights.
     published_at: dict[int, int] = field(default_factory=dict)
@@ -85,10 +89,18 @@ class LearnerParts:
                     log.warning("learner teardown: %s.%s failed: %r", name, close, err)
 
 
-def start_learner(cfg: RunConfig, store: ObjectStore) -> LearnerParts:
+def start_learner(
+    cfg: RunConfig,
+    store: ObjectStore,
+    joined: str | None = None,
+    on_replaced: Callable[[str], None] = lambda _why: None,
+) -> LearnerParts:
+    """The learner's parts, started. `joined`: the `run_id` its process joined (read here
+    if None); its writes stop with `RunReplaced` once the run at the URI is another
+    incarnation, and `on_replaced(why)` is called once."""
     parts = LearnerParts()
     try:
-        _start(parts, cfg, store)
+        _start(parts, cfg, store, joined, on_replaced)
     except BaseException:
         parts.close()
         raise
@@ -108,10 +120,22 @@ def _check_incarnation(meta: dict[str, Any], run: str, where: str) -> None:
         )
 
 
-def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
+def _start(
+    p: LearnerParts,
+    cfg: RunConfig,
+    store: ObjectStore,
+    joined: str | None,
+    on_replaced: Callable[[str], None],
+) -> None:
     for warning in cfg.warnings:
         log.warning("config: %s", warning)
-    p.run_id = run_id(store)
+    p.run_id = run_id(store) if joined is None else joined
+    # The lease fences a running learner only at its renewals (every ttl/3): between them
+    # a learner whose run was deleted and created again would log, publish and
+    # quarantine into the other run. The fence stops it at its first such write. The
+    # lease (compare-and-swap on its own generation) and orbax's checkpoints keep the
+    # plain store; `Learner._checkpoint` checks the fence before each save.
+    writes = p.writes = RunFence(store, p.run_id, on_replaced=on_replaced)
     p.lease = Lease(store, ttl_s=cfg.learner.lease_ttl_s)
     p.lease.acquire()  # LeaseHeldError if another learner runs on this run
     p.lease.start_renewing()
@@ -123,7 +147,7 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
     p.channel = channel  # only now are the followers waiting for announcements (STOP)
     p.source = PrefetchingSource(
         EpisodeSource.from_config(
-            store,
+            writes,
             cfg.learner,
             vocab_size=model.vocab_size,
             max_length=cfg.actor.max_episode_tokens,  # <= model.max_seq_len (validated)
@@ -139,19 +163,19 @@ def _start(p: LearnerParts, cfg: RunConfig, store: ObjectStore) -> None:
             )
         except Exception as err:  # a view of the metrics: training goes on without it
             log.warning("tracker %s not opened, metrics not sent to it: %r", cfg.tracker, err)
-    p.metrics = MetricsWriter(store, "learner", tracker=tracker)
+    p.metrics = MetricsWriter(writes, "learner", tracker=tracker)
     # Reads weights/LATEST. One that is missing or not a valid pointer (a poisoned
     # `{"version": "../../etc"}`) does not stop the start: the publisher then counts from
     # the newest snapshot folder under weights/, and its first publish CASes over it.
     retention = SnapshotRetention(
-        store, keep_last=cfg.learner.keep_snapshots, keep_every=cfg.learner.keep_every
+        writes, keep_last=cfg.learner.keep_snapshots, keep_every=cfg.learner.keep_every
     )
     adapter_base = None
     if model.lora is not None:
         uri = cfg.model.checkpoint or f"preset {cfg.model.preset}, seed {cfg.seed}"
         adapter_base = {"fingerprint": base_fingerprint(cfg.model, cfg.seed), "uri": uri}
     p.publisher = SnapshotPublisher(
-        store,
+        writes,
         p.lease,
         model=model_meta(cfg.model, model),
         retention=retention,

@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from tunix_tasks.config import ConfigError, RunConfig, check_resume, config_from_dict
 from tunix_tasks.storage.layout import RunLayout
@@ -54,6 +54,7 @@ MAX_EPOCH_S = 253_402_300_800  # 10000-01-01: `datetime` shows no later time
 RUN_ID_FORM = re.compile(r"[0-9a-f]{32}")
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def write_config(cfg: RunConfig) -> ObjectStore:
@@ -181,9 +182,10 @@ class RunFence:
     `run_id` (64 bytes: on gs:// two small requests, its size then its bytes) and raises
     `RunReplaced` once it names another run, or the run is gone; from then on every write
     raises without looking, and `on_replaced(reason)` (an actor's `request_stop`) is
-    called once. A write that creates or replaces an object reads the id again after it,
-    and takes itself back should the run have been replaced in between (so a shard or
-    metrics flush costs four small requests on gs://). Reads pass through; handles that could write
+    called once. A write that creates or replaces an object reads the id again after it:
+    it takes itself back should the run have been replaced in between, and one that
+    failed as the run's folder went is `RunReplaced` too (so a shard or metrics flush
+    costs four small requests on gs://). Reads pass through; handles that could write
     around the check (`arrow_filesystem`, `orbax_path`) are not there. A deleted run's
     leftover actors stop at their next write, whatever path it takes, instead of filling
     the folder of the run created again there (whose learner would quarantine each shard,
@@ -230,36 +232,48 @@ class RunFence:
         raise RunReplaced(self.replaced)
 
     def write_bytes(self, key: str, data: Any) -> None:
-        self.check()
-        self._store.write_bytes(key, data)
-        self._look_again(key, lambda: self._store.read_bytes(key) == memoryview(data).tobytes())
+        self._between_looks(
+            key,
+            lambda: self._store.write_bytes(key, data),
+            lambda _: self._store.read_bytes(key) == memoryview(data).tobytes(),
+        )
 
     def write_if_generation(self, key: str, data: bytes, generation: int) -> int:
-        self.check()
-        written = self._store.write_if_generation(key, data, generation)
         # Only a write that created the object can be taken back exactly; one over an
         # existing generation found, at best, the deleted run's (on gs:// a new run's
         # objects have other generations, so its precondition fails there).
-        self._look_again(key, lambda: generation == 0 and self._generation(key) == written)
-        return written
+        return self._between_looks(
+            key,
+            lambda: self._store.write_if_generation(key, data, generation),
+            lambda written: generation == 0 and self._generation(key) == written,
+        )
 
     def _generation(self, key: str) -> int:
         versioned = self._store.read_versioned(key)
         return versioned[1] if versioned is not None else 0
 
-    def _look_again(self, key: str, ours: Callable[[], bool]) -> None:
-        """After a write that passed `check`: the check and the write are two requests,
-        so the run may have been replaced between them and the write landed in the run
-        created again. Look once more, and on `RunReplaced` take the write back if the
-        key still holds what it wrote (a shard's key is unique: nobody else's)."""
+    def _between_looks(self, key: str, write: Callable[[], T], ours: Callable[[T], bool]) -> T:
+        """`write()`, with a look at the run before and after it. The look and the write
+        are two requests, so the run may be replaced between them: the write then landed
+        in the run created again (or was cut off as the run's folder went). A write that
+        failed is `RunReplaced` if that is why; one that worked is taken back if the key
+        still holds what it wrote (a shard's key is unique: nobody else's)."""
+        self.check()
+        try:
+            result = write()
+        except (OSError, StoreError):
+            with contextlib.suppress(StoreError):  # the store cannot say: its own error
+                self.check()
+            raise
         try:
             self.check()
         except RunReplaced:
             with contextlib.suppress(NotFound):
-                if ours():
+                if ours(result):
                     self._store.delete(key)
                     log.warning("%s: written as the run was replaced; taken back", key)
             raise
+        return result
 
     def delete(self, key: str) -> None:
         self.check()

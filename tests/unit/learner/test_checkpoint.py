@@ -164,6 +164,35 @@ def test_a_learner_whose_save_fails_as_its_run_is_created_again_is_fenced(tmp_pa
     assert fenced.value.code == 3
 
 
+def test_a_learner_whose_run_is_created_again_mid_run_writes_nothing_there(tmp_path, monkeypatch):
+    """The run deleted and created again between two steps, well inside the lease's
+    renewal period: the learner's next write (that step's metrics, its snapshot, the
+    flow report, whichever comes first) fences it (exit 3), and the new run holds only
+    what its own prepare wrote: no metrics, weights, checkpoint or DONE of the old one."""
+    import shutil
+
+    from tunix_tasks.frontdoor.entrypoints import Fenced, run_learner
+    from tunix_tasks.storage.runs import write_config
+
+    uri = prepare_tiny_run(str(tmp_path / "runs"), max_staleness=10_000)
+    cfg, store = read_config(uri)
+    write_shards(store, _shards())
+    record = Learner._record
+
+    def created_again_after_step_1(self, m, batch, episodes):
+        if self.step == 1:
+            shutil.rmtree(tmp_path / "runs" / cfg.run_name)
+            write_config(cfg)
+        return record(self, m, batch, episodes)
+
+    monkeypatch.setattr(Learner, "_record", created_again_after_step_1)
+    with pytest.raises(Fenced, match="created again") as fenced:
+        run_learner(uri, max_steps=STEPS, handle_signals=False)
+    assert fenced.value.code == 3
+    keys = sorted(i.key for i in open_store(uri).list(""))
+    assert keys == [RunLayout.CONFIG, RunLayout.RUN_ID]
+
+
 @pytest.mark.parametrize(("saved_kl", "resumed_kl"), [(0.0, 0.01), (0.01, 0.0)])
 def test_resume_under_another_kl_coef(tmp_path, saved_kl, resumed_kl):
     """The KL reference is checkpointed only with kl_coef > 0. A resume that turns it on

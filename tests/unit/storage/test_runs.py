@@ -199,6 +199,30 @@ def test_a_write_let_through_as_the_run_is_replaced_is_taken_back(tmp_path, how)
     assert sorted(i.key for i in store.list("")) == [RunLayout.CONFIG, RunLayout.RUN_ID]
 
 
+def test_a_write_cut_off_as_the_run_goes_is_the_fences_stop_other_failures_stay(tmp_path):
+    """A local write's temp file renamed away with the run's folder fails the write with
+    the OS's error: with the run gone that is `RunReplaced` (a fenced process, exit 3),
+    not a storage failure (exit 5: what CI saw); on the same run the error is its own."""
+    cfg = config_from_dict({"store": str(tmp_path), "run_name": "r"})
+    store = write_config(cfg)
+
+    class CutOff(_ReplacedMidWrite):
+        replace = False
+
+        def write_bytes(self, key, data) -> None:
+            if self.replace:
+                _delete_run(self.store)
+            raise FileNotFoundError(2, "No such file or directory", f"{key}.tmp")
+
+    cut = CutOff(cfg)
+    fence = RunFence(cut, run_id(store))
+    with pytest.raises(FileNotFoundError):
+        fence.write_bytes("learner/flow.json", b"{}")
+    cut.replace = True
+    with pytest.raises(RunReplaced, match="holds no run: deleted"):
+        fence.write_bytes("learner/flow.json", b"{}")
+
+
 def test_a_fence_stops_writes_into_a_deleted_run_but_not_one_missing_only_its_id(tmp_path):
     """`run_id` gone while `config.json` is there (a delete cut short) is still the run;
     both gone is a deleted run, whose folder a write would create again."""
