@@ -244,20 +244,25 @@ def _signal_name(num: int) -> str:
         return f"signal {num}"
 
 
-def _ignore_stop_signals() -> None:
+def _exiting(parent: int) -> None:
+    """Ignore stop signals for the rest of the exit; a launcher that dies meanwhile still
+    takes this process with it (SIGKILL, which nothing ignores)."""
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    with contextlib.suppress(SystemExit):  # the launcher is gone already: exiting anyway
+        die_with_parent(parent, signal.SIGKILL)
 
 
 def _child_main(argv: list[str]) -> None:
     """`python -m tunix_tasks.frontdoor.supervision LAUNCHER_PID COMMAND...`: arm the
     parent-death signal, then run `python -m tunix_tasks.frontdoor.cli COMMAND...`."""
-    die_with_parent(int(argv[0]))
+    parent = int(argv[0])
+    die_with_parent(parent)
     # Python puts its signal handlers back to the default late in its exit, after the
     # last atexit callback: a stop signal then (the launcher stopping the run as this
     # process ends on its own, fenced say) would make its status "killed by SIGTERM"
     # (-15), hiding its own. Registered first, this callback runs last.
-    atexit.register(_ignore_stop_signals)
+    atexit.register(_exiting, parent)
     sys.argv = [sys.argv[0], *argv[1:]]
     runpy.run_module("tunix_tasks.frontdoor.cli", run_name="__main__", alter_sys=True)
 

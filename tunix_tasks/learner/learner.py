@@ -266,15 +266,17 @@ class Learner:
             del published[old]
 
     def _checkpoint(self, *, final: bool = False) -> None:
+        # RunReplaced: a learner whose run was deleted (and perhaps created again) never
+        # checkpoints, and ends fenced even when a background thread (a metrics flush,
+        # the shard reader) found it first and only asked it to stop.
+        self.parts.writes.check()
         # Every version asked for is out (the newest wins), so `version` below is published.
         self.parts.publisher.wait()
         self.parts.ckpt.wait()  # the save in flight is durable before the next get_state
         if self.step == self._last_checkpoint:
             return
-        # RunReplaced, LeaseLost: a learner whose run was deleted (and perhaps created
-        # again), or whose lease is another learner's now, never checkpoints, so no later
+        # LeaseLost: nor does one whose lease is another learner's now, so no later
         # learner resumes from this one's state.
-        self.parts.writes.check()
         self.parts.lease.confirm()
         meta = {
             "run_id": self.parts.run_id,  # no learner of another incarnation resumes from it

@@ -50,7 +50,7 @@ from tunix_tasks.learner.blocks import EpisodeBlock
 from tunix_tasks.learner.flow import DROPPED_STATUSES
 from tunix_tasks.learner.position import STATE_VERSION, ShardPosition
 from tunix_tasks.storage.layout import RunLayout
-from tunix_tasks.storage.runs import quarantine, replaced_since
+from tunix_tasks.storage.runs import RunReplaced, quarantine, replaced_since
 from tunix_tasks.storage.shards import ShardColumns
 from tunix_tasks.storage.store import NotFound, ObjectStore, StoreError
 from tunix_tasks.storage.uri import join_uri
@@ -412,6 +412,8 @@ class PrefetchingSource:
                     self.errors += 1
                     log.warning("shard polling failed: %s", err)
                     added = 0
+                except RunReplaced:  # a quarantine move found it: the learner stops
+                    return
                 if not added or self._queued > self._max_queued:
                     self._stop.wait(self._poll_s)
 

@@ -43,6 +43,11 @@ from tunix_tasks.storage.uri import join_uri
 
 log = logging.getLogger(__name__)
 
+#: How often the learner's writes look at the run's id before writing (`RunFence`): its
+#: metrics and flow report are written on the train loop, a second or less apart; a
+#: shard or metrics chunk is still looked at after each write.
+WRITES_LOOK_EVERY_S = 1.0
+
 
 @dataclass
 class LearnerParts:
@@ -74,12 +79,15 @@ class LearnerParts:
                 self.channel.send(Op.STOP, int(failed))
             except Exception as err:  # a dead peer: the coordination service ends us
                 log.warning("learner teardown: could not stop the followers: %r", err)
+        # A replaced run's lease is not released: in a local folder, which counts
+        # generations from 1, the release's compare-and-swap could match the new run's.
+        replaced = self.writes is not None and self.writes.replaced
         for name, close in (
             ("publisher", "close"),
             ("source", "stop"),
             ("metrics", "close"),
             ("ckpt", "close"),
-            ("lease", "release"),
+            ("lease", "abandon" if replaced else "release"),
         ):
             obj = getattr(self, name)
             if obj is not None:
@@ -135,7 +143,9 @@ def _start(
     # quarantine into the other run. The fence stops it at its first such write. The
     # lease (compare-and-swap on its own generation) and orbax's checkpoints keep the
     # plain store; `Learner._checkpoint` checks the fence before each save.
-    writes = p.writes = RunFence(store, p.run_id, on_replaced=on_replaced)
+    writes = p.writes = RunFence(
+        store, p.run_id, on_replaced=on_replaced, fresh_s=WRITES_LOOK_EVERY_S
+    )
     p.lease = Lease(store, ttl_s=cfg.learner.lease_ttl_s)
     p.lease.acquire()  # LeaseHeldError if another learner runs on this run
     p.lease.start_renewing()

@@ -116,5 +116,12 @@ class RunLayout:
         return f"{RunLayout.METRICS}{process}/{_stamp()}.jsonl"
 
     @staticmethod
+    def written_once(key: str) -> bool:
+        """Whether `key` is one only its writer ever writes (a shard, a metrics chunk:
+        named by a time stamp and a random part, `_stamp`), so the same key in another
+        incarnation of the run is never that run's own (`storage.runs.RunFence`)."""
+        return key.startswith((RunLayout.SHARDS, RunLayout.METRICS))
+
+    @staticmethod
     def eval_result(version: int) -> str:
         return f"{RunLayout.EVAL}v{version:08d}.json"

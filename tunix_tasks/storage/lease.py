@@ -172,11 +172,22 @@ class Lease:
             )
         self.ensure()  # another learner's generation: the takeover message
 
-    def release(self) -> None:
+    def abandon(self) -> None:
+        """Stop renewing and let the lease go without writing to it: its run was deleted
+        or created again, where a release's compare-and-swap could match another
+        learner's generation (a local folder counts them from 1 again)."""
+        self._stop_renewing()
+        with self._lock:
+            self._held = False
+
+    def _stop_renewing(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+    def release(self) -> None:
+        self._stop_renewing()
         with self._lock:
             if self._held and not self._lost:
                 record = json.loads(self._record())

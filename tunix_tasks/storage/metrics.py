@@ -159,13 +159,15 @@ class MetricsWriter:
             timer, self._timer = self._timer, None
         if timer is not None:
             timer.cancel()
-        self.flush()
-        self._commit_events(force=True)
-        if self._tracker is not None:
-            try:
-                self._tracker.close()
-            except Exception as err:
-                log.warning("tracker of %s not closed: %r", self.process, err)
+        try:
+            self.flush()
+            self._commit_events(force=True)
+        finally:  # the tracker is closed even when the store refuses the last records
+            if self._tracker is not None:
+                try:
+                    self._tracker.close()
+                except Exception as err:
+                    log.warning("tracker of %s not closed: %r", self.process, err)
 
 
 def read_metrics(store: ObjectStore, process: str | None = None) -> list[dict[str, Any]]:

@@ -14,8 +14,8 @@ Layout under the run root (see docs/architecture.md for the full table):
     quarantine/<shard key>.reason.json   ... and why
 
 A process joins one incarnation of the run (`join_run`: its `run_id`, or the one its
-caller prepared); an actor writes through a `RunFence`, which stops every write once the
-run at the URI is another incarnation or gone (`RunReplaced`).
+caller prepared); actors and the learner write through a `RunFence`, which stops every
+write once the run at the URI is another incarnation or gone (`RunReplaced`).
 """
 
 from __future__ import annotations
@@ -178,18 +178,26 @@ _FENCE_READS = frozenset(
 class RunFence:
     """An `ObjectStore` that writes only while its run is the incarnation it joined.
 
-    Every write (`write_bytes`, `write_if_generation`, `delete`) first reads the run's
-    `run_id` (64 bytes: on gs:// two small requests, its size then its bytes) and raises
-    `RunReplaced` once it names another run, or the run is gone; from then on every write
-    raises without looking, and `on_replaced(reason)` (an actor's `request_stop`) is
-    called once. A write that creates or replaces an object reads the id again after it:
-    it takes itself back should the run have been replaced in between, and one that
-    failed as the run's folder went is `RunReplaced` too (so a shard or metrics flush
-    costs four small requests on gs://). Reads pass through; handles that could write
-    around the check (`arrow_filesystem`, `orbax_path`) are not there. A deleted run's
-    leftover actors stop at their next write, whatever path it takes, instead of filling
-    the folder of the run created again there (whose learner would quarantine each shard,
-    `other_run`).
+    A write looks at the run's `run_id` (64 bytes: on gs:// two small requests, its size
+    then its bytes) first and raises `RunReplaced` once it names another run, or the run
+    is gone; from then on every write raises without looking, and `on_replaced(reason)`
+    (an actor's or the learner's `request_stop`) is called once. The look and the write
+    are two requests, so the run may be replaced between them:
+
+    - a key only its writer writes (`RunLayout.written_once`: a shard, a metrics chunk),
+      or an object a compare-and-swap created, gets a second look after the write, which
+      takes the write back (deletes it, if it still holds what was written) when the run
+      was replaced meanwhile: such a key in the new run can only be this writer's;
+    - another key (a snapshot file, the flow report, DONE) cannot be taken back without
+      perhaps deleting the new run's own: its write may land there, once;
+    - a write that failed as the run's folder went (a local temp file renamed away with
+      it) is `RunReplaced`, not a storage failure;
+    - deleting a written-once key is not looked at: it cannot be another run's.
+
+    `fresh_s` > 0 lets a write skip the look before it when the last look is younger
+    (the learner's writes on its train loop: one look a second, not one a write); the
+    second look and `check()` always read the id. Reads pass through; handles that could
+    write around the looks (`arrow_filesystem`, `orbax_path`) are not there.
 
         fence = RunFence(store, run_id(store), on_replaced=actor.request_stop)
         ShardWriter(fence, ...).flush()     # RunReplaced once the run is replaced
@@ -202,10 +210,13 @@ class RunFence:
         joined: str,
         *,
         on_replaced: Callable[[str], None] = lambda _why: None,
+        fresh_s: float = 0.0,
     ) -> None:
         self._store, self.joined, self._on_replaced = store, joined, on_replaced
         self.uri = store.uri
         self.replaced = ""
+        self._fresh_s = fresh_s
+        self._looked = -float("inf")  # monotonic time of the last look that found the run
         self._lock = threading.Lock()  # writers on several threads find it at once
 
     def __getattr__(self, name: str) -> Any:
@@ -217,11 +228,13 @@ class RunFence:
         return getattr(self._store, name)
 
     def check(self) -> None:
-        """Raise `RunReplaced` if the run is no longer the one joined."""
+        """Raise `RunReplaced` if the run is no longer the one joined (reads the id)."""
         if self.replaced:
             raise RunReplaced(self.replaced)
+        looked = time.monotonic()
         why = replaced_since(self._store, self.joined)
         if why is None:
+            self._looked = max(self._looked, looked)
             return
         with self._lock:  # another writer's thread may have found it meanwhile
             first = not self.replaced
@@ -231,11 +244,16 @@ class RunFence:
             self._on_replaced(why)
         raise RunReplaced(self.replaced)
 
+    def _check_before(self) -> None:
+        if self.replaced or time.monotonic() - self._looked >= self._fresh_s:
+            self.check()
+
     def write_bytes(self, key: str, data: Any) -> None:
         self._between_looks(
             key,
             lambda: self._store.write_bytes(key, data),
             lambda _: self._store.read_bytes(key) == memoryview(data).tobytes(),
+            once=RunLayout.written_once(key),
         )
 
     def write_if_generation(self, key: str, data: bytes, generation: int) -> int:
@@ -245,26 +263,28 @@ class RunFence:
         return self._between_looks(
             key,
             lambda: self._store.write_if_generation(key, data, generation),
-            lambda written: generation == 0 and self._generation(key) == written,
+            lambda written: self._generation(key) == written,
+            once=generation == 0,
         )
 
     def _generation(self, key: str) -> int:
         versioned = self._store.read_versioned(key)
         return versioned[1] if versioned is not None else 0
 
-    def _between_looks(self, key: str, write: Callable[[], T], ours: Callable[[T], bool]) -> T:
-        """`write()`, with a look at the run before and after it. The look and the write
-        are two requests, so the run may be replaced between them: the write then landed
-        in the run created again (or was cut off as the run's folder went). A write that
-        failed is `RunReplaced` if that is why; one that worked is taken back if the key
-        still holds what it wrote (a shard's key is unique: nobody else's)."""
-        self.check()
+    def _between_looks(
+        self, key: str, write: Callable[[], T], ours: Callable[[T], bool], *, once: bool
+    ) -> T:
+        """`write()` between the look before it and, for a key that can be taken back
+        (`once`), the look after it."""
+        self._check_before()
         try:
             result = write()
         except (OSError, StoreError):
             with contextlib.suppress(StoreError):  # the store cannot say: its own error
                 self.check()
             raise
+        if not once:
+            return result
         try:
             self.check()
         except RunReplaced:
@@ -273,10 +293,16 @@ class RunFence:
                     self._store.delete(key)
                     log.warning("%s: written as the run was replaced; taken back", key)
             raise
+        except StoreError:  # written; the next write looks again (no second copy now)
+            pass
         return result
 
     def delete(self, key: str) -> None:
-        self.check()
+        if RunLayout.written_once(key):  # cannot be another run's (a consumed shard)
+            if self.replaced:
+                raise RunReplaced(self.replaced)
+        else:
+            self._check_before()
         self._store.delete(key)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -164,11 +165,12 @@ def test_a_learner_whose_save_fails_as_its_run_is_created_again_is_fenced(tmp_pa
     assert fenced.value.code == 3
 
 
-def test_a_learner_whose_run_is_created_again_mid_run_writes_nothing_there(tmp_path, monkeypatch):
+def test_a_learner_whose_run_is_created_again_mid_run_stops_at_its_next_look(tmp_path, monkeypatch):
     """The run deleted and created again between two steps, well inside the lease's
-    renewal period: the learner's next write (that step's metrics, its snapshot, the
-    flow report, whichever comes first) fences it (exit 3), and the new run holds only
-    what its own prepare wrote: no metrics, weights, checkpoint or DONE of the old one."""
+    renewal period: the learner's next look (at most a second apart, before a write, or
+    before its checkpoint) fences it (exit 3). The new run holds no metrics, DONE,
+    checkpoint, lease or `LATEST` of the old one; at most the files of a snapshot or a
+    flow report written within that second (names the new run writes too)."""
     import shutil
 
     from tunix_tasks.frontdoor.entrypoints import Fenced, run_learner
@@ -186,6 +188,41 @@ def test_a_learner_whose_run_is_created_again_mid_run_writes_nothing_there(tmp_p
         return record(self, m, batch, episodes)
 
     monkeypatch.setattr(Learner, "_record", created_again_after_step_1)
+    with pytest.raises(Fenced, match="created again") as fenced:
+        run_learner(uri, max_steps=STEPS, handle_signals=False)
+    assert fenced.value.code == 3
+    left = {i.key for i in open_store(uri).list("")} - {RunLayout.CONFIG, RunLayout.RUN_ID}
+    snapshot = re.compile(r"weights/v\d{8}/[^/]+")
+    assert all(k == RunLayout.FLOW or snapshot.fullmatch(k) for k in left), left
+
+
+def test_a_learner_whose_replaced_run_a_background_write_found_still_ends_fenced(
+    tmp_path, monkeypatch
+):
+    """A resumed learner waiting for data (no step since its checkpoint, no flow report
+    in sync mode) whose run is deleted and created again: the metrics timer's flush is
+    the first write to find it, and only asks the learner to stop. It still ends fenced
+    (exit 3), not as a learner that finished (exit 0: an Airflow task that succeeded)."""
+    import shutil
+
+    from tunix_tasks.frontdoor.entrypoints import Fenced, run_learner
+    from tunix_tasks.storage.runs import write_config
+
+    uri = prepare_tiny_run(str(tmp_path / "runs"), checkpoint_every=2, max_staleness=10_000)
+    cfg, store = read_config(uri)
+    write_shards(store, _shards()[:2])
+    assert run_learner(uri, max_steps=2, handle_signals=False)["steps"] == 2
+    phase = Learner._phase
+
+    def created_again_while_waiting(self, text):
+        phase(self, text)
+        if (tmp_path / "runs" / cfg.run_name / "metrics").exists():
+            shutil.rmtree(tmp_path / "runs" / cfg.run_name)
+            write_config(cfg)
+            self.parts.metrics.log(phase="a record the timer flushes")
+
+    monkeypatch.setattr(Learner, "_phase", created_again_while_waiting)
+    monkeypatch.setattr(Learner, "_report_flow", lambda self: None)  # as in sync mode
     with pytest.raises(Fenced, match="created again") as fenced:
         run_learner(uri, max_steps=STEPS, handle_signals=False)
     assert fenced.value.code == 3

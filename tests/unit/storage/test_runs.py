@@ -199,6 +199,19 @@ def test_a_write_let_through_as_the_run_is_replaced_is_taken_back(tmp_path, how)
     assert sorted(i.key for i in store.list("")) == [RunLayout.CONFIG, RunLayout.RUN_ID]
 
 
+def test_a_fence_takes_back_only_keys_no_other_run_writes(tmp_path):
+    """A snapshot file is named by its version, which the run created again also
+    publishes (v0 from the same seed: the same bytes): a write of it that landed there is
+    left, never deleted as if it were the leftover's; the next write is fenced."""
+    cfg = config_from_dict({"store": str(tmp_path), "run_name": "r"})
+    fence = RunFence(_ReplacedMidWrite(cfg), run_id(write_config(cfg)))
+    fence.write_bytes("weights/v00000000/params.safetensors", b"same")
+    store = open_store(cfg.run_uri)
+    assert store.read_bytes("weights/v00000000/params.safetensors") == b"same"
+    with pytest.raises(RunReplaced, match="created again"):
+        fence.delete("learner/flow.json")
+
+
 def test_a_write_cut_off_as_the_run_goes_is_the_fences_stop_other_failures_stay(tmp_path):
     """A local write's temp file renamed away with the run's folder fails the write with
     the OS's error: with the run gone that is `RunReplaced` (a fenced process, exit 3),
