@@ -251,6 +251,14 @@ class Learner:
         except StoreError as err:
             log.warning("flow report not written: %s", err)
 
+    def _look_at_run(self) -> None:
+        """`RunReplaced` if the run is another incarnation now; a store that cannot say
+        leaves it to the next look (a checkpoint in an outage goes on as before)."""
+        try:
+            self.parts.writes.check()
+        except StoreError as err:
+            log.warning("run id not read before a checkpoint: %s", err)
+
     def _publish(self) -> None:
         self.version += 1
         self.parts.source.set_newest_version(self.version)  # before any actor can have it
@@ -266,17 +274,19 @@ class Learner:
             del published[old]
 
     def _checkpoint(self, *, final: bool = False) -> None:
-        # RunReplaced: a learner whose run was deleted (and perhaps created again) never
-        # checkpoints, and ends fenced even when a background thread (a metrics flush,
-        # the shard reader) found it first and only asked it to stop.
-        self.parts.writes.check()
+        # A learner whose run was deleted (and perhaps created again) ends fenced, also
+        # when a background write (a metrics flush) found it first and only asked it to
+        # stop, and with no step to save.
+        self._look_at_run()
         # Every version asked for is out (the newest wins), so `version` below is published.
         self.parts.publisher.wait()
         self.parts.ckpt.wait()  # the save in flight is durable before the next get_state
         if self.step == self._last_checkpoint:
             return
-        # LeaseLost: nor does one whose lease is another learner's now, so no later
-        # learner resumes from this one's state.
+        # RunReplaced, LeaseLost: nor does it checkpoint (the waits above can take
+        # seconds), or one whose lease is another learner's now, so no later learner
+        # resumes from this one's state.
+        self._look_at_run()
         self.parts.lease.confirm()
         meta = {
             "run_id": self.parts.run_id,  # no learner of another incarnation resumes from it

@@ -43,9 +43,9 @@ from tunix_tasks.storage.uri import join_uri
 
 log = logging.getLogger(__name__)
 
-#: How often the learner's writes look at the run's id before writing (`RunFence`): its
-#: metrics and flow report are written on the train loop, a second or less apart; a
-#: shard or metrics chunk is still looked at after each write.
+#: How often the learner's metrics and flow report, written on its train loop a second
+#: or less apart, look at the run's id before writing (`RunFence`); a metrics chunk is
+#: still looked at after each write, and every other write looks before it.
 WRITES_LOOK_EVERY_S = 1.0
 
 
@@ -79,15 +79,14 @@ class LearnerParts:
                 self.channel.send(Op.STOP, int(failed))
             except Exception as err:  # a dead peer: the coordination service ends us
                 log.warning("learner teardown: could not stop the followers: %r", err)
-        # A replaced run's lease is not released: in a local folder, which counts
-        # generations from 1, the release's compare-and-swap could match the new run's.
-        replaced = self.writes is not None and self.writes.replaced
+        # A replaced run's lease is abandoned as the fence finds it (`_start`): its
+        # `release` is then a no-op.
         for name, close in (
             ("publisher", "close"),
             ("source", "stop"),
             ("metrics", "close"),
             ("ckpt", "close"),
-            ("lease", "abandon" if replaced else "release"),
+            ("lease", "release"),
         ):
             obj = getattr(self, name)
             if obj is not None:
@@ -143,8 +142,20 @@ def _start(
     # quarantine into the other run. The fence stops it at its first such write. The
     # lease (compare-and-swap on its own generation) and orbax's checkpoints keep the
     # plain store; `Learner._checkpoint` checks the fence before each save.
+
+    def replaced(why: str) -> None:
+        # No renewal or release writes to the lease at that path again: in a local
+        # folder, which counts generations from 1, one could match the new run's.
+        if p.lease is not None:
+            p.lease.abandon()
+        on_replaced(why)
+
     writes = p.writes = RunFence(
-        store, p.run_id, on_replaced=on_replaced, fresh_s=WRITES_LOOK_EVERY_S
+        store,
+        p.run_id,
+        on_replaced=replaced,
+        fresh_s=WRITES_LOOK_EVERY_S,
+        fresh_for=(RunLayout.METRICS, RunLayout.FLOW),
     )
     p.lease = Lease(store, ttl_s=cfg.learner.lease_ttl_s)
     p.lease.acquire()  # LeaseHeldError if another learner runs on this run

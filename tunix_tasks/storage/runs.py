@@ -194,9 +194,10 @@ class RunFence:
       it) is `RunReplaced`, not a storage failure;
     - deleting a written-once key is not looked at: it cannot be another run's.
 
-    `fresh_s` > 0 lets a write skip the look before it when the last look is younger
-    (the learner's writes on its train loop: one look a second, not one a write); the
-    second look and `check()` always read the id. Reads pass through; handles that could
+    `fresh_s` > 0 lets a write of a key under `fresh_for` skip the look before it when
+    the last look is younger (the learner's metrics and flow report, written on its
+    train loop: one look a second, not one a write); every other write, the second look
+    and `check()` always read the id. Reads pass through; handles that could
     write around the looks (`arrow_filesystem`, `orbax_path`) are not there.
 
         fence = RunFence(store, run_id(store), on_replaced=actor.request_stop)
@@ -211,11 +212,12 @@ class RunFence:
         *,
         on_replaced: Callable[[str], None] = lambda _why: None,
         fresh_s: float = 0.0,
+        fresh_for: tuple[str, ...] = (),
     ) -> None:
         self._store, self.joined, self._on_replaced = store, joined, on_replaced
         self.uri = store.uri
         self.replaced = ""
-        self._fresh_s = fresh_s
+        self._fresh_s, self._fresh_for = fresh_s, fresh_for
         self._looked = -float("inf")  # monotonic time of the last look that found the run
         self._lock = threading.Lock()  # writers on several threads find it at once
 
@@ -244,8 +246,9 @@ class RunFence:
             self._on_replaced(why)
         raise RunReplaced(self.replaced)
 
-    def _check_before(self) -> None:
-        if self.replaced or time.monotonic() - self._looked >= self._fresh_s:
+    def _check_before(self, key: str) -> None:
+        fresh = time.monotonic() - self._looked < self._fresh_s and key.startswith(self._fresh_for)
+        if self.replaced or not fresh:
             self.check()
 
     def write_bytes(self, key: str, data: Any) -> None:
@@ -276,7 +279,7 @@ class RunFence:
     ) -> T:
         """`write()` between the look before it and, for a key that can be taken back
         (`once`), the look after it."""
-        self._check_before()
+        self._check_before(key)
         try:
             result = write()
         except (OSError, StoreError):
@@ -302,7 +305,7 @@ class RunFence:
             if self.replaced:
                 raise RunReplaced(self.replaced)
         else:
-            self._check_before()
+            self._check_before(key)
         self._store.delete(key)
 
 
