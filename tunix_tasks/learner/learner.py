@@ -81,8 +81,6 @@ class Learner:
         self._deadline = time.monotonic() + deadline_s if deadline_s else None
         self.stop_reason = ""
         self.flow = flow_from_config(cfg)
-        # The actors' flow control reads it (actor/admission.py); sync mode waits anyway.
-        self._flow_report_on = cfg.actor.flow_control and cfg.mode == "async"
         self.flow_report: FlowReport | None = None  # once started: through the run's fence
         self.watch = Stopwatch()
 
@@ -105,7 +103,8 @@ class Learner:
             on_replaced=lambda _why: self.request_stop("run replaced"),
         )
         try:
-            if self._flow_report_on:
+            # The actors' flow control reads it (actor/admission.py); sync mode waits anyway.
+            if self.cfg.actor.flow_control and self.cfg.mode == "async":
                 self.flow_report = FlowReport(p.writes)
             self.step, self.version, self._last_checkpoint = p.step, p.version, p.last_checkpoint
             self.acct = Accounting(p.source, counters=p.counters)
@@ -274,19 +273,18 @@ class Learner:
             del published[old]
 
     def _checkpoint(self, *, final: bool = False) -> None:
-        # A learner whose run was deleted (and perhaps created again) ends fenced, also
-        # when a background write (a metrics flush) found it first and only asked it to
-        # stop, and with no step to save.
-        self._look_at_run()
         # Every version asked for is out (the newest wins), so `version` below is published.
         self.parts.publisher.wait()
         self.parts.ckpt.wait()  # the save in flight is durable before the next get_state
+        # RunReplaced: a learner whose run was deleted (and perhaps created again) never
+        # checkpoints, and ends fenced also with no step to save, when a background write
+        # (a metrics flush) found it first and only asked it to stop. Looked at after the
+        # waits, which can take seconds.
+        self._look_at_run()
         if self.step == self._last_checkpoint:
             return
-        # RunReplaced, LeaseLost: nor does it checkpoint (the waits above can take
-        # seconds), or one whose lease is another learner's now, so no later learner
-        # resumes from this one's state.
-        self._look_at_run()
+        # LeaseLost: nor does one whose lease is another learner's now, so no later
+        # learner resumes from this one's state.
         self.parts.lease.confirm()
         meta = {
             "run_id": self.parts.run_id,  # no learner of another incarnation resumes from it
