@@ -170,7 +170,7 @@ def join_run(run_uri: str, expected: str | None = None) -> tuple[RunConfig, Obje
 
 #: The `ObjectStore` reads a `RunFence` passes through (`local_path` for messages).
 _FENCE_READS = frozenset(
-    {"read_bytes", "size", "read_versioned", "list", "list_folders", "exists"}
+    {"read_bytes", "read_head", "size", "read_versioned", "list", "list_folders", "exists"}
     | {"open_input", "read_to", "local_path"}
 )
 
@@ -178,8 +178,7 @@ _FENCE_READS = frozenset(
 class RunFence:
     """An `ObjectStore` that writes only while its run is the incarnation it joined.
 
-    A write looks at the run's `run_id` (64 bytes: on gs:// two small requests, its size
-    then its bytes) first and raises `RunReplaced` once it names another run, or the run
+    A write looks at the run's `run_id` (32 bytes: one small request on gs://) first and raises `RunReplaced` once it names another run, or the run
     is gone; from then on every write raises without looking, and `on_replaced(reason)`
     (an actor's or the learner's `request_stop`) is called once. The look and the write
     are two requests, so the run may be replaced between them:

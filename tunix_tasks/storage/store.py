@@ -15,8 +15,10 @@ backend (`backends/`):
 - Only regular files are objects: locally a key naming a FIFO, a socket or a device
   raises `NotAFile` (a `NotFound`) on `size` and every read, before a byte is read (a
   FIFO blocked its reader forever); a folder does not exist, as a bucket's prefix.
-  `read_small` reads an object its reader knows to be small (a manifest, a run's
-  config) after `size` says it is.
+- `read_head` reads at most the first N bytes of an object in one request: `read_small`
+  reads an object its reader knows to be small (a manifest, a run's config, the id a
+  `RunFence` reads before and after a write) that way, never more than one byte past
+  its bound.
 - `read_to` streams an object into the reader's own memory, a chunk at a time:
   `read_bytes` and `open_input` (random access, for Parquet) may hold the whole object,
   which for a weight snapshot doubled a reload's peak on gs://.
@@ -114,6 +116,11 @@ class ObjectStore(Protocol):
     uri: str
 
     def read_bytes(self, key: str) -> bytes: ...
+    def read_head(self, key: str, max_bytes: int) -> bytes:
+        """The first `max_bytes` (> 0) bytes of `key`, all of it when smaller, in one
+        request; NotFound if none."""
+        ...
+
     def size(self, key: str) -> int:
         """The object's size in bytes, from its metadata (nothing read); NotFound if none."""
         ...
@@ -151,17 +158,18 @@ def check_key(key: str) -> str:
 
 def read_small(store: ObjectStore, key: str, max_bytes: int, *, error: type[Exception]) -> bytes:
     """The bytes of `key`, an object its reader knows to be small (a manifest, a run's
-    config): `error` unread when the store's metadata says it holds more than `max_bytes`
-    (a sparse 100 GB file would be read whole otherwise), and `error` too when what was
-    read is larger (the object grew between the two calls); NotFound if none."""
-    size = store.size(key)
-    if size <= max_bytes:
-        data = store.read_bytes(key)
-        if len(data) <= max_bytes:
-            return data
-        size = len(data)
+    config), in one request (`read_head`); `error` when it holds more than `max_bytes`,
+    having read one byte more (a sparse 100 GB file would be read whole otherwise);
+    NotFound if none."""
+    data = store.read_head(key, max_bytes + 1)
+    if len(data) <= max_bytes:
+        return data
+    try:  # for the message only: the object may be gone or rewritten meanwhile
+        held = f"{store.size(key)} bytes"
+    except StoreError:
+        held = f"over {max_bytes} bytes"
     raise error(
-        f"{join_uri(store.uri, key)} holds {size} bytes, more than the {max_bytes} it may: not read"
+        f"{join_uri(store.uri, key)} holds {held}, more than the {max_bytes} it may: refused"
     )
 
 

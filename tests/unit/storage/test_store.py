@@ -497,7 +497,7 @@ def test_symlinks_out_of_the_run_are_refused_by_the_local_store(tmp_path):
 
 def test_read_small_refuses_an_object_over_its_bound_unread(store_uri):
     """A reader that knows an object is small (a manifest, a run's config) is refused one
-    that is larger, from its size alone, the same on both backends."""
+    that is larger, with its size, the same on both backends."""
     store = open_store(store_uri)
     store.write_bytes("m.json", b"x" * 100)
     assert read_small(store, "m.json", 100, error=ValueError) == b"x" * 100
@@ -507,25 +507,62 @@ def test_read_small_refuses_an_object_over_its_bound_unread(store_uri):
         read_small(store, "nope.json", 99, error=ValueError)
 
 
-def test_read_small_refuses_an_object_that_grew_after_its_size_was_read(tmp_path):
-    """The size and the read are two calls: an object rewritten larger between them is
-    refused too, never handed on."""
+def test_read_head_reads_at_most_what_it_is_asked(store_uri):
+    """`read_head` hands back the first N bytes, the whole object when smaller (also an
+    empty one: on GCS any range of it is a 416), the newest generation of a
+    compare-and-swap key, NotFound for none."""
+    store = open_store(store_uri)
+    store.write_bytes("a.bin", b"0123456789")
+    store.write_bytes("empty.bin", b"")
+    store.write_if_generation("ptr", b"second", store.write_if_generation("ptr", b"first", 0))
+    assert store.read_head("a.bin", 4) == b"0123"
+    assert store.read_head("a.bin", 10) == store.read_head("a.bin", 11) == b"0123456789"
+    assert store.read_head("empty.bin", 5) == b""
+    assert store.read_head("ptr", 3) == b"sec"
+    with pytest.raises(NotFound, match=r"nope\.bin does not exist"):
+        store.read_head("nope.bin", 5)
+    with pytest.raises(ValueError, match="at least 1 byte, not 0"):
+        store.read_head("a.bin", 0)
+
+
+def test_read_small_is_one_request_on_gcs(gcs_server, monkeypatch):
+    """A small read is one ranged GET (it was the size, then the bytes): what each look
+    of a `RunFence` at the run's id costs, twice a shard on gs://."""
+    import requests
+
+    store = open_store(gcs_server.new_bucket_uri())
+    store.write_bytes("run_id", b"f" * 32)
+    store.write_bytes("big.json", b"x" * 1000)
+    calls: list[str] = []
+    send = requests.Session.request
+
+    def counted(self, method, url, *args, **kwargs):
+        calls.append(f"{method} {url}")
+        return send(self, method, url, *args, **kwargs)
+
+    monkeypatch.setattr(requests.Session, "request", counted)
+    assert read_small(store, "run_id", 64, error=ValueError) == b"f" * 32
+    assert len(calls) == 1, calls
+    with pytest.raises(ValueError, match=r"big\.json holds 1000 bytes, more than the 64"):
+        read_small(store, "big.json", 64, error=ValueError)  # + its size, for the message
+
+
+def test_read_small_reads_one_byte_past_its_bound_of_a_huge_file(tmp_path):
+    """A 1 GiB (sparse) file where a small object should be is refused having read 65
+    bytes of it: no memory for it, however it grew since anything looked at it."""
+    import tracemalloc
+
     store = open_store(f"file://{tmp_path}/run")
-    store.write_bytes("m.json", b"x" * 10)
-
-    class Growing:  # the store as the rewrite lands between size() and read_bytes()
-        uri = store.uri
-
-        def size(self, key: str) -> int:
-            size = store.size(key)
-            store.write_bytes(key, b"x" * 1000)
-            return size
-
-        def read_bytes(self, key: str) -> bytes:
-            return store.read_bytes(key)
-
-    with pytest.raises(ValueError, match=r"m\.json holds 1000 bytes, more than the 99"):
-        read_small(Growing(), "m.json", 99, error=ValueError)
+    store.write_bytes("m.json", b"{}")
+    os.truncate(store.local_path("m.json"), 1 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"holds 1073741824 bytes, more than the 64"):
+            read_small(store, "m.json", 64, error=ValueError)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
 
 
 @pytest.mark.timeout(30)  # the FIFO reads waited for a writer forever

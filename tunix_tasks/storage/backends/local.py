@@ -99,10 +99,24 @@ class LocalStore:
         return p.parent / f".{p.name}.gens"
 
     def read_bytes(self, key: str) -> bytes:
-        versioned = self.read_versioned(key) if self._gens_dir(key).is_dir() else None
-        if versioned is not None:
-            return versioned[0]
-        return self._read_file(key)
+        return self._read(key, -1)
+
+    def read_head(self, key: str, max_bytes: int) -> bytes:
+        if max_bytes < 1:
+            raise ValueError(f"read_head reads at least 1 byte, not {max_bytes}")
+        return self._read(key, max_bytes)
+
+    def _read(self, key: str, limit: int) -> bytes:
+        """Up to `limit` bytes of `key` (-1: all). A compare-and-swap key is read from its
+        newest generation file while its mirror is there: a mirror deleted by hand (`rm -r
+        runs/NAME/*` leaves the hidden generations) is an object deleted, as `size` says."""
+        if self._gens_dir(key).is_dir():
+            if not os.path.lexists(self._path(key)):
+                raise NotFound(f"{join_uri(self.uri, key)} does not exist")
+            versioned = self._read_versioned(key, limit)
+            if versioned is not None:
+                return versioned[0]
+        return self._read_file(key, limit=limit)
 
     def size(self, key: str) -> int:
         path = self._path(key)
@@ -127,12 +141,15 @@ class LocalStore:
         return max((int(n) for n in names), default=0)
 
     def read_versioned(self, key: str) -> tuple[bytes, int] | None:
+        return self._read_versioned(key, -1)
+
+    def _read_versioned(self, key: str, limit: int) -> tuple[bytes, int] | None:
         for _ in range(16):  # a concurrent prune can remove the file we just listed
             gen = self._latest_generation(key)
             if gen == 0:
                 return None
             try:
-                return self._read_file(key, self._gens_dir(key) / f"{gen:020d}"), gen
+                return self._read_file(key, self._gens_dir(key) / f"{gen:020d}", limit), gen
             except (NotAFile, OutsideRoot):
                 raise
             except NotFound:  # pruned since listed
@@ -210,10 +227,10 @@ class LocalStore:
         finally:
             os.close(fd)
 
-    def _read_file(self, key: str, path: Path | None = None) -> bytes:
+    def _read_file(self, key: str, path: Path | None = None, limit: int = -1) -> bytes:
         fd, _ = self._open_file(key, path)
         with os.fdopen(fd, "rb") as f:
-            return f.read()
+            return f.read(limit)
 
     def _open_file(self, key: str, path: Path | None = None) -> tuple[int, str]:
         """(a descriptor open on the regular file of `key`, a path naming that very file);
