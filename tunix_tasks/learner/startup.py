@@ -144,8 +144,8 @@ def _start(
     # plain store; `Learner._checkpoint` checks the fence before each save.
 
     def replaced(why: str) -> None:
-        # No renewal or release writes to the lease at that path again: in a local
-        # folder, which counts generations from 1, one could match the new run's.
+        # No renewal or release writes to the lease at that path again: it would only
+        # fail there (another run's generation) after the fence has said why.
         if p.lease is not None:
             p.lease.abandon()
         on_replaced(why)

@@ -174,8 +174,7 @@ class Lease:
 
     def abandon(self) -> None:
         """Stop renewing and let the lease go without writing to it: its run was deleted
-        or created again, where a release's compare-and-swap could match another
-        learner's generation (a local folder counts them from 1 again)."""
+        or created again, and nothing of this learner's belongs there."""
         self._stop_renewing()
         with self._lock:
             self._held = False

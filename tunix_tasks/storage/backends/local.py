@@ -16,6 +16,7 @@ import contextlib
 import errno
 import os
 import stat
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -67,6 +68,19 @@ def _check_regular(mode: int, where: str) -> None:
         raise NotAFile(f"{where} is {kind}, not a regular file: refused unread")
 
 
+#: A generation is its file's number (link(2) makes each number one writer's) shifted
+#: above the low 32 bits of its file's mtime in microseconds.
+_SEQ_SHIFT = 32
+
+
+def _generation(seq: int, st: os.stat_result) -> int:
+    """The generation of file number `seq`: numbers start at 1 again when a key is deleted
+    and written anew (a run created again in the same folder), its time does not, so a
+    leftover writer's compare-and-swap (a deleted run's learner renewing its lease) never
+    matches the new key's by chance, as on GCS, whose generations are times."""
+    return seq << _SEQ_SHIFT | (st.st_mtime_ns // 1000) & 0xFFFFFFFF
+
+
 class LocalStore:
     """A directory. CAS pointers keep numbered generation files created with link(2),
     which fails if the target exists, so two writers can never both win."""
@@ -116,7 +130,7 @@ class LocalStore:
             versioned = self._read_versioned(key, limit)
             if versioned is not None:
                 return versioned[0]
-        return self._read_file(key, limit=limit)
+        return self._read_file(key, limit)
 
     def size(self, key: str) -> int:
         path = self._path(key)
@@ -132,28 +146,39 @@ class LocalStore:
         tmp = write_temp(path.parent, data)
         os.replace(tmp, path)
 
-    def _latest_generation(self, key: str) -> int:
-        gens = self._gens_dir(key)
+    def _latest_seq(self, key: str) -> int:
+        """The number of `key`'s newest generation file (0: none)."""
         try:
-            names = [n for n in os.listdir(gens) if n.isdigit()]
+            names = [n for n in os.listdir(self._gens_dir(key)) if n.isdigit()]
         except FileNotFoundError:
             return 0
         return max((int(n) for n in names), default=0)
+
+    def _latest_generation(self, key: str) -> int:
+        for _ in range(16):  # a concurrent prune can remove the file just listed
+            seq = self._latest_seq(key)
+            if seq == 0:
+                return 0
+            with contextlib.suppress(FileNotFoundError):
+                return _generation(seq, (self._gens_dir(key) / f"{seq:020d}").stat())
+        raise StoreError(f"{join_uri(self.uri, key)}: generation files keep changing")
 
     def read_versioned(self, key: str) -> tuple[bytes, int] | None:
         return self._read_versioned(key, -1)
 
     def _read_versioned(self, key: str, limit: int) -> tuple[bytes, int] | None:
-        for _ in range(16):  # a concurrent prune can remove the file we just listed
-            gen = self._latest_generation(key)
-            if gen == 0:
+        for _ in range(16):  # a concurrent prune can remove the file just listed
+            seq = self._latest_seq(key)
+            if seq == 0:
                 return None
             try:
-                return self._read_file(key, self._gens_dir(key) / f"{gen:020d}", limit), gen
+                fd, _ = self._open_file(key, self._gens_dir(key) / f"{seq:020d}")
             except (NotAFile, OutsideRoot):
                 raise
             except NotFound:  # pruned since listed
                 continue
+            with os.fdopen(fd, "rb") as f:
+                return f.read(limit), _generation(seq, os.fstat(fd))
         raise StoreError(f"{join_uri(self.uri, key)}: generation files keep changing")
 
     def write_if_generation(self, key: str, data: bytes, generation: int) -> int:
@@ -164,9 +189,12 @@ class LocalStore:
             )
         gens = self._gens_dir(key)
         tmp = write_temp(gens, data)
-        new = generation + 1
+        now = time.time_ns()  # the clock's, finer than the coarse time the kernel stamps
+        os.utime(tmp, ns=(now, now))
+        seq = (generation >> _SEQ_SHIFT) + 1
         try:
-            os.link(tmp, gens / f"{new:020d}")
+            os.link(tmp, gens / f"{seq:020d}")
+            new = _generation(seq, tmp.stat())  # the same file: its mtime
         except FileExistsError:
             raise PreconditionFailed(
                 f"{join_uri(self.uri, key)}: generation {generation} was replaced concurrently"
@@ -176,7 +204,7 @@ class LocalStore:
         # Mirror for humans (`cat LATEST`); readers of this key use the generation files.
         mirror = write_temp(self._path(key).parent, data)
         os.replace(mirror, self._path(key))
-        for old in range(new - self._KEEP_GENERATIONS - 8, new - self._KEEP_GENERATIONS):
+        for old in range(seq - self._KEEP_GENERATIONS - 8, seq - self._KEEP_GENERATIONS):
             if old > 0:
                 (gens / f"{old:020d}").unlink(missing_ok=True)
         return new
@@ -227,8 +255,8 @@ class LocalStore:
         finally:
             os.close(fd)
 
-    def _read_file(self, key: str, path: Path | None = None, limit: int = -1) -> bytes:
-        fd, _ = self._open_file(key, path)
+    def _read_file(self, key: str, limit: int) -> bytes:
+        fd, _ = self._open_file(key)
         with os.fdopen(fd, "rb") as f:
             return f.read(limit)
 
