@@ -71,13 +71,23 @@ def write_config(cfg: RunConfig) -> ObjectStore:
         # generations of its id (`.run_id.gens/`) without the id itself: written over.
         # Read before the id: a concurrent prepare's id, once seen here, is seen there too.
         versioned = store.read_versioned(RunLayout.RUN_ID)
-        stale = versioned[1] if versioned is not None and not run_id(store) else 0
+        stale = versioned[1] if versioned is not None and _no_id_after_a_wait(store) else 0
         with contextlib.suppress(PreconditionFailed):  # a concurrent prepare's came first
             store.write_if_generation(RunLayout.RUN_ID, uuid.uuid4().hex.encode(), stale)
     store.write_bytes(RunLayout.CONFIG, cfg.to_json().encode())
     store.delete(RunLayout.DONE)
     store.delete(RunLayout.FLEET)  # a resumed run starts with actor.num_actors active
     return store
+
+
+def _no_id_after_a_wait(store: ObjectStore) -> bool:
+    """No `run_id` now nor a second later: a concurrent prepare's id is briefly in its
+    generation files before its plain file (locally), and must not be taken for one
+    left by a run deleted as its contents."""
+    if run_id(store):
+        return False
+    time.sleep(1.0)
+    return not run_id(store)
 
 
 def stored_config(store: ObjectStore) -> RunConfig | None:
@@ -178,10 +188,11 @@ _FENCE_READS = frozenset(
 class RunFence:
     """An `ObjectStore` that writes only while its run is the incarnation it joined.
 
-    A write looks at the run's `run_id` (32 bytes: one small request on gs://) first and raises `RunReplaced` once it names another run, or the run
-    is gone; from then on every write raises without looking, and `on_replaced(reason)`
-    (an actor's or the learner's `request_stop`) is called once. The look and the write
-    are two requests, so the run may be replaced between them:
+    A write looks at the run's `run_id` (32 bytes: one small request on gs://) first and
+    raises `RunReplaced` once it names another run, or the run is gone; from then on
+    every write raises without looking, and `on_replaced(reason)` (an actor's or the
+    learner's `request_stop`) is called once. The look and the write are two requests,
+    so the run may be replaced between them:
 
     - a key only its writer writes (`RunLayout.written_once`: a shard, a metrics chunk),
       or an object a compare-and-swap created, gets a second look after the write, which

@@ -165,9 +165,10 @@ def read_small(store: ObjectStore, key: str, max_bytes: int, *, error: type[Exce
     if len(data) <= max_bytes:
         return data
     try:  # for the message only: the object may be gone or rewritten meanwhile
-        held = f"{store.size(key)} bytes"
+        size = store.size(key)
     except StoreError:
-        held = f"over {max_bytes} bytes"
+        size = 0
+    held = f"{size} bytes" if size > max_bytes else f"over {max_bytes} bytes"
     raise error(
         f"{join_uri(store.uri, key)} holds {held}, more than the {max_bytes} it may: refused"
     )
@@ -179,7 +180,20 @@ def retry_deadline_s(explicit: float | None = None) -> float:
     return explicit or float(os.environ.get(RETRY_DEADLINE_ENV) or 120.0)
 
 
+#: What a backend must implement (the Protocol's methods).
+_METHODS = tuple(name for name, v in vars(ObjectStore).items() if callable(v) and name[0] != "_")
+
+
 def open_store(uri: str) -> ObjectStore:
-    """Open the store rooted at `uri` with the backend registered for its scheme."""
+    """Open the store rooted at `uri` with the backend registered for its scheme; a
+    `TypeError` naming what a registered backend lacks of the contract (one written
+    before a method was added), not an `AttributeError` at its first use."""
     uri = normalize_uri(uri)
-    return backend_for(uri)(uri)
+    store = backend_for(uri)(uri)
+    missing = [name for name in _METHODS if not callable(getattr(store, name, None))]
+    if missing:
+        raise TypeError(
+            f"the store backend {type(store).__qualname__} for {uri} lacks "
+            f"{', '.join(missing)} of the ObjectStore contract (tunix_tasks/storage/store.py)"
+        )
+    return store

@@ -54,6 +54,18 @@ def test_a_registered_scheme_is_what_open_store_returns(backends, tmp_path):
         normalize_uri("memtest:///runs")
 
 
+def test_a_backend_missing_part_of_the_contract_is_named_on_open(backends):
+    """A plug-in written before `read_head` joined the contract: refused as it opens,
+    naming what it lacks, not an AttributeError at the first manifest it reads."""
+
+    class Older(MemtestStore):
+        read_head = None
+
+    register_backend("memold", Older)
+    with pytest.raises(TypeError, match=r"Older for memold://bucket/r lacks read_head of"):
+        open_store("memold://bucket/r")
+
+
 def test_a_backend_registered_by_name_is_imported_on_first_open(backends):
     register_backend("memlazy", "tests.unit.storage.test_backends:MemtestStore")
     assert "memlazy" in backends.names()

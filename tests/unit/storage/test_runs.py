@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 
 import pytest
 
@@ -289,6 +290,31 @@ def test_a_local_run_deleted_as_its_contents_gets_a_new_id(tmp_path):
     with pytest.raises(RunReplaced, match=f"created again \\(run_id {again}\\)"):
         fence.write_bytes("shards/a.parquet", b"1")
     assert run_id(write_config(cfg)) == again  # a resume keeps it
+
+
+def test_a_prepare_between_a_local_ids_two_files_takes_it_for_the_runs(tmp_path, monkeypatch):
+    """Locally a new id's generation file lands before its plain file; a concurrent
+    prepare that comes between them took the id for one a run deleted as its contents
+    left, and wrote its own over it (the plain file then held the loser's)."""
+    cfg = config_from_dict({"store": str(tmp_path), "run_name": "r"})
+    replace, linked, go = os.replace, threading.Event(), threading.Event()
+
+    def held_first(src, dst) -> None:  # the first prepare's plain id file waits
+        if threading.current_thread().name == "first" and str(dst).endswith("/run_id"):
+            linked.set()
+            go.wait(10)
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", held_first)
+    first = threading.Thread(target=write_config, args=(cfg,), name="first")
+    first.start()
+    assert linked.wait(10)
+    threading.Timer(0.3, go.set).start()
+    store = write_config(cfg)
+    first.join(10)
+    gens = tmp_path / "r" / f".{RunLayout.RUN_ID}.gens"
+    assert len(os.listdir(gens)) == 1
+    assert (tmp_path / "r" / RunLayout.RUN_ID).read_text() == run_id(store)
 
 
 def test_a_fence_hands_out_no_handle_that_writes_around_it(tmp_path):

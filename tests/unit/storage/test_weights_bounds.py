@@ -124,6 +124,10 @@ class _ReadSpy:
         self.read.append(key)
         return self._store.read_bytes(key)
 
+    def read_head(self, key: str, max_bytes: int) -> bytes:
+        self.read.append(key)
+        return self._store.read_head(key, max_bytes)
+
     def open_input(self, key: str):
         self.read.append(key)
         return self._store.open_input(key)

@@ -171,10 +171,11 @@ class GcsStore:
     def read_head(self, key: str, max_bytes: int) -> bytes:
         if max_bytes < 1:
             raise ValueError(f"read_head reads at least 1 byte, not {max_bytes}")
-        try:  # one ranged GET; the client checks no hash of a part of an object
-            return self._bucket.blob(self._name(key)).download_as_bytes(
-                start=0, end=max_bytes - 1, checksum=None, retry=self._retry
+        try:  # one ranged GET (the client checks no hash of a part of an object)
+            data = self._bucket.blob(self._name(key)).download_as_bytes(
+                start=0, end=max_bytes - 1, retry=self._retry
             )
+            return data[:max_bytes]  # a gzip-encoded object comes back whole, decoded
         except gexc.RequestRangeNotSatisfiable:  # GCS: any range of an empty object
             return b""
         except _ERRORS as err:

@@ -81,6 +81,12 @@ def _generation(seq: int, st: os.stat_result) -> int:
     return seq << _SEQ_SHIFT | (st.st_mtime_ns // 1000) & 0xFFFFFFFF
 
 
+def _bounded(limit: int, fd: int) -> int:
+    """What to ask `read` for: `limit` (-1: all) capped one byte past the file's size, as a
+    read of n bytes allocates n up front (16 MiB for a 2-byte config, bounded at that)."""
+    return -1 if limit < 0 else min(limit, os.fstat(fd).st_size + 1)
+
+
 class LocalStore:
     """A directory. CAS pointers keep numbered generation files created with link(2),
     which fails if the target exists, so two writers can never both win."""
@@ -178,7 +184,7 @@ class LocalStore:
             except NotFound:  # pruned since listed
                 continue
             with os.fdopen(fd, "rb") as f:
-                return f.read(limit), _generation(seq, os.fstat(fd))
+                return f.read(_bounded(limit, fd)), _generation(seq, os.fstat(fd))
         raise StoreError(f"{join_uri(self.uri, key)}: generation files keep changing")
 
     def write_if_generation(self, key: str, data: bytes, generation: int) -> int:
@@ -192,9 +198,9 @@ class LocalStore:
         now = time.time_ns()  # the clock's, finer than the coarse time the kernel stamps
         os.utime(tmp, ns=(now, now))
         seq = (generation >> _SEQ_SHIFT) + 1
+        new = _generation(seq, tmp.stat())  # of the file linked: the link keeps its mtime
         try:
             os.link(tmp, gens / f"{seq:020d}")
-            new = _generation(seq, tmp.stat())  # the same file: its mtime
         except FileExistsError:
             raise PreconditionFailed(
                 f"{join_uri(self.uri, key)}: generation {generation} was replaced concurrently"
@@ -258,7 +264,7 @@ class LocalStore:
     def _read_file(self, key: str, limit: int) -> bytes:
         fd, _ = self._open_file(key)
         with os.fdopen(fd, "rb") as f:
-            return f.read(limit)
+            return f.read(_bounded(limit, fd))
 
     def _open_file(self, key: str, path: Path | None = None) -> tuple[int, str]:
         """(a descriptor open on the regular file of `key`, a path naming that very file);
