@@ -12,7 +12,7 @@ import numpy as np
 
 from tunix_tasks.episode import Episode
 from tunix_tasks.frontdoor.entrypoints import prepare_run
-from tunix_tasks.learner.checkpoint import read_ledger
+from tunix_tasks.learner.accounting import read_ledger
 from tunix_tasks.learner.learner import Learner
 from tunix_tasks.storage.metrics import read_metrics
 from tunix_tasks.storage.runs import read_config

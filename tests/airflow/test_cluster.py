@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING, Any
 import pyarrow.parquet as pq
 import pytest
 
-from tunix_tasks.learner.checkpoint import Checkpointer, read_ledger
+from tunix_tasks.learner.accounting import read_ledger
+from tunix_tasks.learner.checkpoint import Checkpointer
 from tunix_tasks.learner.position import ShardPosition
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import read_metrics

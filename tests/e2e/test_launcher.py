@@ -27,7 +27,7 @@ from tests.paths import REPO
 from tunix_tasks.config import config_from_dict
 from tunix_tasks.frontdoor.launcher import FINAL_EXITS
 from tunix_tasks.frontdoor.supervision import ActorPool, close_logs, spawn
-from tunix_tasks.learner.checkpoint import read_ledger
+from tunix_tasks.learner.accounting import read_ledger
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import read_metrics
 from tunix_tasks.storage.runs import is_done, run_id, write_config

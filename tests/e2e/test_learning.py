@@ -31,7 +31,7 @@ from tunix_tasks.actor.asynchronous.rollout import EpisodeLimits, play_episode
 from tunix_tasks.config import RunConfig
 from tunix_tasks.envs import Action, ArithmeticEnv, StepResult
 from tunix_tasks.frontdoor.evaluate import evaluate_params, evaluate_snapshot, held_out_seeds
-from tunix_tasks.learner.checkpoint import read_ledger
+from tunix_tasks.learner.accounting import read_ledger
 from tunix_tasks.policy.build import build_sampler
 from tunix_tasks.storage.metrics import read_metrics
 from tunix_tasks.storage.runs import is_done, read_config

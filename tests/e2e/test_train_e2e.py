@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from tunix_tasks.learner.checkpoint import read_ledger
+from tunix_tasks.learner.accounting import read_ledger
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import read_metrics
 from tunix_tasks.storage.runs import is_done

@@ -321,14 +321,19 @@ def run_learner(
         if summary["stop_reason"] == "lease lost":  # taken over while it had nothing to save
             learner.parts.lease.ensure()  # raises the LeaseLost that names the new owner's lease
         return summary
-    except (PublishConflict, LeaseLost, RunReplaced) as err:  # the run is not ours: fenced off
-        log.error("%s", err)
-        raise Fenced(str(err)) from None
-    except (StoreError, OSError) as err:  # a save cut off as the run's folder went
-        if why := replaced_if_known(store, joined):
+    except (PublishConflict, LeaseLost, RunReplaced, StoreError, OSError) as err:
+        # A lease or publish lost, or a save cut off as the run's folder went, may be the
+        # run's replacement met first from another side (the lease's renewal thread):
+        # that is the cause to name. Otherwise the first three fence off; the rest fail.
+        fenced = isinstance(err, (PublishConflict, LeaseLost, RunReplaced))
+        why = None if isinstance(err, RunReplaced) else replaced_if_known(store, joined)
+        if why:
             log.error("%s (the learner's last error: %s)", why, err)
             raise Fenced(why) from None
-        raise
+        if not fenced:
+            raise
+        log.error("%s", err)
+        raise Fenced(str(err)) from None
 
 
 def learner_progress(run_uri: str) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from tunix_tasks.frontdoor.autopilot import PROCESS as AUTOPILOT
 from tunix_tasks.frontdoor.inspect import answer_phases, read_episodes, turn_label
 from tunix_tasks.frontdoor.plots import report_plots
 from tunix_tasks.learner import drop_bias
-from tunix_tasks.learner.checkpoint import read_ledger
+from tunix_tasks.learner.accounting import read_ledger
 from tunix_tasks.policy.preflight import build_chat
 from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.metrics import MetricsTail

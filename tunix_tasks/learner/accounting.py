@@ -11,6 +11,8 @@ accounted since the last checkpoint (written just before it, see `checkpoint.py`
     acct.trained(episodes, real_tokens=batch.real_tokens, longest_bucket=max(buckets))
     ckpt.save(step, state, {..., "counters": acct.counters}, acct.take_ledger())
 
+`read_ledger(store)` reads the ledger back: every checkpoint's entry, in step order.
+
 `RecentIds` is the bounded memory of accounted episode ids with which the source
 recognises a replayed episode (a shard copied under a new name); see its docstring.
 """
@@ -28,9 +30,12 @@ from numpy.typing import ArrayLike
 
 from tunix_tasks.episode import DropReason, Episode
 from tunix_tasks.learner import drop_bias
+from tunix_tasks.storage.layout import RunLayout
+from tunix_tasks.untrusted import json_loads
 
 if TYPE_CHECKING:
     from tunix_tasks.learner.blocks import EpisodeBlock
+    from tunix_tasks.storage.store import ObjectStore
 
 #: Actor incarnations whose consumed episodes the counters keep (the most recent).
 CONSUMED_KEYS = 256
@@ -224,3 +229,15 @@ class RecentIds:
         self._digests = {d for d, _ in self._order}
         self._ids = set()
         self._restored = len(self._order)
+
+
+def read_ledger(store: ObjectStore) -> list[dict[str, Any]]:
+    """All ledger entries (`learner/ledger/<step>.json`, written beside each checkpoint), in
+    step order; ValueError naming the file for one that is not JSON."""
+    entries = []
+    for info in store.list(RunLayout.LEDGER):
+        try:
+            entries.append(json_loads(store.read_bytes(info.key)))
+        except ValueError as err:
+            raise ValueError(f"{info.key} is not a ledger entry: {err}") from None
+    return entries

@@ -9,7 +9,8 @@ The ledger records which episodes were trained or dropped: `learner/ledger/<S>.j
 lists those accounted for in steps (previous checkpoint, S]. It is written just before
 the checkpoint S; on restart from checkpoint R, ledger files after R describe work that
 is about to be redone and are deleted. The union of the remaining files is therefore the
-exact, duplicate-free account of every episode, across any number of crashes.
+exact, duplicate-free account of every episode, across any number of crashes
+(`accounting.read_ledger` reads it back, without orbax or JAX: the report's reader).
 
     ckpt = Checkpointer(store)
     restored = ckpt.restore(abstract_state)     # None on a fresh run
@@ -250,8 +251,3 @@ def _check_layout(step: int, on_disk: dict, template: dict) -> None:
         "another learner.param_dtype or optimizer: resume with the run's own config.json, "
         "or give the new run its own name (--run-name NEW)"
     )
-
-
-def read_ledger(store: ObjectStore) -> list[dict[str, Any]]:
-    """All ledger entries, in step order."""
-    return [json.loads(store.read_bytes(i.key)) for i in store.list(RunLayout.LEDGER)]

@@ -26,7 +26,8 @@ from tests.runs import (
     read_ledger_ids,
     write_shards,
 )
-from tunix_tasks.learner.checkpoint import Checkpointer, read_ledger
+from tunix_tasks.learner.accounting import read_ledger
+from tunix_tasks.learner.checkpoint import Checkpointer
 from tunix_tasks.learner.learner import Learner
 from tunix_tasks.learner.startup import start_learner
 from tunix_tasks.learner.train_step import Trainer
@@ -165,15 +166,20 @@ def test_a_learner_whose_save_fails_as_its_run_is_created_again_is_fenced(tmp_pa
     assert fenced.value.code == 3
 
 
-def test_a_learner_whose_run_is_created_again_mid_run_stops_at_its_next_look(tmp_path, monkeypatch):
+@pytest.mark.parametrize("found_by", ["a look", "the lease"])
+def test_a_learner_whose_run_is_created_again_mid_run_stops_at_its_next_look(
+    tmp_path, monkeypatch, found_by
+):
     """The run deleted and created again between two steps, well inside the lease's
     renewal period: the learner's next look (at most a second apart, before a write, or
     before its checkpoint) fences it (exit 3). The new run holds no metrics, DONE,
     checkpoint, lease or `LATEST` of the old one; at most the files of a snapshot or a
-    flow report written within that second (names the new run writes too)."""
+    flow report written within that second (names the new run writes too). Where the
+    lease's renewal finds it first (a lease lost), the reason named is still the run's."""
     import shutil
 
     from tunix_tasks.frontdoor.entrypoints import Fenced, run_learner
+    from tunix_tasks.storage.lease import LeaseLost
     from tunix_tasks.storage.runs import write_config
 
     uri = prepare_tiny_run(str(tmp_path / "runs"), max_staleness=10_000)
@@ -185,6 +191,8 @@ def test_a_learner_whose_run_is_created_again_mid_run_stops_at_its_next_look(tmp
         if self.step == 1:
             shutil.rmtree(tmp_path / "runs" / cfg.run_name)
             write_config(cfg)
+            if found_by == "the lease":
+                raise LeaseLost("this learner does not hold its lease (the renewal's words)")
         return record(self, m, batch, episodes)
 
     monkeypatch.setattr(Learner, "_record", created_again_after_step_1)
@@ -364,3 +372,24 @@ def test_a_store_outage_mid_save_is_one_clear_error_and_loses_nothing(caplog):
             assert resumed.restore({"w": state["w"]})[1] == {"step": 2}
         finally:
             resumed.close()
+
+
+def test_the_ledger_reads_back_without_orbax_and_names_an_entry_that_is_not_json(tmp_path):
+    """`read_ledger` (the report's reader of the exactly-once account) imports neither
+    orbax nor JAX, and a hand-broken entry (not JSON, or nested past the recursion limit)
+    is a ValueError naming its file, not a RecursionError."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; import tunix_tasks.learner.accounting, tunix_tasks.frontdoor.report; "
+        "print(sorted(m for m in ('jax', 'orbax.checkpoint', 'flax') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    store = open_store(str(tmp_path))
+    store.write_bytes(f"{RunLayout.LEDGER}00000002.json", b'{"trained": ["a"]}')
+    assert read_ledger(store) == [{"trained": ["a"]}]
+    store.write_bytes(f"{RunLayout.LEDGER}00000004.json", b"[" * 100_000)
+    with pytest.raises(ValueError, match=r"00000004\.json is not a ledger entry: nested too"):
+        read_ledger(store)
