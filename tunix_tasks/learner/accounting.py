@@ -31,11 +31,11 @@ from numpy.typing import ArrayLike
 from tunix_tasks.episode import DropReason, Episode
 from tunix_tasks.learner import drop_bias
 from tunix_tasks.storage.layout import RunLayout
+from tunix_tasks.storage.store import ObjectStore, StoreError
 from tunix_tasks.untrusted import json_loads
 
 if TYPE_CHECKING:
     from tunix_tasks.learner.blocks import EpisodeBlock
-    from tunix_tasks.storage.store import ObjectStore
 
 #: Actor incarnations whose consumed episodes the counters keep (the most recent).
 CONSUMED_KEYS = 256
@@ -231,13 +231,21 @@ class RecentIds:
         self._restored = len(self._order)
 
 
+class LedgerError(StoreError):
+    """A ledger file that is not a ledger entry (broken by hand): a `StoreError`, so the
+    report and `train`'s end say it in one line."""
+
+
 def read_ledger(store: ObjectStore) -> list[dict[str, Any]]:
     """All ledger entries (`learner/ledger/<step>.json`, written beside each checkpoint), in
-    step order; ValueError naming the file for one that is not JSON."""
+    step order; `LedgerError` naming the file for one that is not a JSON object."""
     entries = []
     for info in store.list(RunLayout.LEDGER):
         try:
-            entries.append(json_loads(store.read_bytes(info.key)))
+            entry = json_loads(store.read_bytes(info.key))
         except ValueError as err:
-            raise ValueError(f"{info.key} is not a ledger entry: {err}") from None
+            raise LedgerError(f"{info.key} is not a ledger entry: {err}") from None
+        if not isinstance(entry, dict):
+            raise LedgerError(f"{info.key} is not a ledger entry: not a JSON object")
+        entries.append(entry)
     return entries

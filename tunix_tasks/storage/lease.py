@@ -118,7 +118,11 @@ class Lease:
                 )
             except PreconditionFailed:
                 self._lost = True
-                log.error("lost the learner lease %s: another learner took over", self.where)
+                log.error(
+                    "lost the learner lease %s: another learner took over, or the run was "
+                    "deleted (the learner's last line says which)",
+                    self.where,
+                )
 
     def start_renewing(self) -> None:
         if self._thread is not None:

@@ -160,7 +160,7 @@ def replaced_if_known(store: ObjectStore, joined: str) -> str | None:
     already ending on another failure and only asks whether the run is the reason."""
     try:
         return replaced_since(store, joined)
-    except StoreError:
+    except (StoreError, OSError):  # locally also a permission or I/O error on the id
         return None
 
 

@@ -26,7 +26,7 @@ from tests.runs import (
     read_ledger_ids,
     write_shards,
 )
-from tunix_tasks.learner.accounting import read_ledger
+from tunix_tasks.learner.accounting import LedgerError, read_ledger
 from tunix_tasks.learner.checkpoint import Checkpointer
 from tunix_tasks.learner.learner import Learner
 from tunix_tasks.learner.startup import start_learner
@@ -376,8 +376,9 @@ def test_a_store_outage_mid_save_is_one_clear_error_and_loses_nothing(caplog):
 
 def test_the_ledger_reads_back_without_orbax_and_names_an_entry_that_is_not_json(tmp_path):
     """`read_ledger` (the report's reader of the exactly-once account) imports neither
-    orbax nor JAX, and a hand-broken entry (not JSON, or nested past the recursion limit)
-    is a ValueError naming its file, not a RecursionError."""
+    orbax nor JAX, and a hand-broken entry (not JSON, nested past the recursion limit, not
+    an object) is a `LedgerError` naming its file: one line from `tunix-tasks report`, where
+    it was a RecursionError or an AttributeError traceback."""
     import subprocess
     import sys
 
@@ -385,11 +386,20 @@ def test_the_ledger_reads_back_without_orbax_and_names_an_entry_that_is_not_json
         "import sys; import tunix_tasks.learner.accounting, tunix_tasks.frontdoor.report; "
         "print(sorted(m for m in ('jax', 'orbax.checkpoint', 'flax') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
     store = open_store(str(tmp_path))
     store.write_bytes(f"{RunLayout.LEDGER}00000002.json", b'{"trained": ["a"]}')
     assert read_ledger(store) == [{"trained": ["a"]}]
     store.write_bytes(f"{RunLayout.LEDGER}00000004.json", b"[" * 100_000)
-    with pytest.raises(ValueError, match=r"00000004\.json is not a ledger entry: nested too"):
+    with pytest.raises(LedgerError, match=r"00000004\.json is not a ledger entry: nested too"):
         read_ledger(store)
+    store.write_bytes(f"{RunLayout.LEDGER}00000004.json", b"[]")
+    with pytest.raises(LedgerError, match=r"00000004\.json is not a ledger entry: not a JSON"):
+        read_ledger(store)
+    uri = prepare_tiny_run(str(tmp_path / "runs"))
+    open_store(uri).write_bytes(f"{RunLayout.LEDGER}00000004.json", b"[]")
+    cli = [sys.executable, "-m", "tunix_tasks.frontdoor.cli", "report", uri]
+    out = subprocess.run(cli, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "00000004.json is not a ledger entry: not a JSON object" in out.stderr
