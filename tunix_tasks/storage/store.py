@@ -58,6 +58,7 @@ __all__ = [
     "ObjectStore",
     "PreconditionFailed",
     "StoreError",
+    "check_head",
     "check_key",
     "open_store",
     "read_small",
@@ -154,6 +155,13 @@ def check_key(key: str) -> str:
     if not key or any(part in ("", ".", "..") for part in key.split("/")):
         raise ValueError(f"invalid object key {key!r}")
     return key
+
+
+def check_head(max_bytes: int) -> int:
+    """`max_bytes` of a `read_head`; ValueError below 1."""
+    if max_bytes < 1:
+        raise ValueError(f"read_head reads at least 1 byte, not {max_bytes}")
+    return max_bytes
 
 
 def read_small(store: ObjectStore, key: str, max_bytes: int, *, error: type[Exception]) -> bytes:

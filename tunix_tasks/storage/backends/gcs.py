@@ -34,6 +34,7 @@ from tunix_tasks.storage.store import (
     ObjectInfo,
     PreconditionFailed,
     StoreError,
+    check_head,
     check_key,
 )
 from tunix_tasks.storage.store import retry_deadline_s as _deadline
@@ -169,11 +170,9 @@ class GcsStore:
             raise self._wrap(key, err) from None
 
     def read_head(self, key: str, max_bytes: int) -> bytes:
-        if max_bytes < 1:
-            raise ValueError(f"read_head reads at least 1 byte, not {max_bytes}")
         try:  # one ranged GET (the client checks no hash of a part of an object)
             data = self._bucket.blob(self._name(key)).download_as_bytes(
-                start=0, end=max_bytes - 1, retry=self._retry
+                start=0, end=check_head(max_bytes) - 1, retry=self._retry
             )
             return data[:max_bytes]  # a gzip-encoded object comes back whole, decoded
         except gexc.RequestRangeNotSatisfiable:  # GCS: any range of an empty object

@@ -17,7 +17,9 @@ import errno
 import os
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -33,11 +35,14 @@ from tunix_tasks.storage.store import (
     ObjectInfo,
     PreconditionFailed,
     StoreError,
+    check_head,
     check_key,
 )
 from tunix_tasks.storage.uri import join_uri, normalize_uri
 
 __all__ = ["LocalStore", "OutsideRoot"]
+
+T = TypeVar("T")
 
 READ_CHUNK_BYTES = 8 << 20  # what `read_to` hands its sink at a time
 
@@ -122,9 +127,7 @@ class LocalStore:
         return self._read(key, -1)
 
     def read_head(self, key: str, max_bytes: int) -> bytes:
-        if max_bytes < 1:
-            raise ValueError(f"read_head reads at least 1 byte, not {max_bytes}")
-        return self._read(key, max_bytes)
+        return self._read(key, check_head(max_bytes))
 
     def _read(self, key: str, limit: int) -> bytes:
         """Up to `limit` bytes of `key` (-1: all). A compare-and-swap key is read from its
@@ -161,30 +164,31 @@ class LocalStore:
         return max((int(n) for n in names), default=0)
 
     def _latest_generation(self, key: str) -> int:
-        for _ in range(16):  # a concurrent prune can remove the file just listed
-            seq = self._latest_seq(key)
-            if seq == 0:
-                return 0
-            with contextlib.suppress(FileNotFoundError):
-                return _generation(seq, (self._gens_dir(key) / f"{seq:020d}").stat())
-        raise StoreError(f"{join_uri(self.uri, key)}: generation files keep changing")
+        return self._on_newest(key, lambda seq, path: _generation(seq, path.stat())) or 0
 
     def read_versioned(self, key: str) -> tuple[bytes, int] | None:
         return self._read_versioned(key, -1)
 
     def _read_versioned(self, key: str, limit: int) -> tuple[bytes, int] | None:
+        def read(seq: int, path: Path) -> tuple[bytes, int]:
+            fd, _ = self._open_file(key, path)
+            with os.fdopen(fd, "rb") as f:
+                return f.read(_bounded(limit, fd)), _generation(seq, os.fstat(fd))
+
+        return self._on_newest(key, read)
+
+    def _on_newest(self, key: str, use: Callable[[int, Path], T]) -> T | None:
+        """`use(number, path)` of `key`'s newest generation file; None without one."""
         for _ in range(16):  # a concurrent prune can remove the file just listed
             seq = self._latest_seq(key)
             if seq == 0:
                 return None
             try:
-                fd, _ = self._open_file(key, self._gens_dir(key) / f"{seq:020d}")
+                return use(seq, self._gens_dir(key) / f"{seq:020d}")
             except (NotAFile, OutsideRoot):
                 raise
-            except NotFound:  # pruned since listed
+            except FileNotFoundError:  # pruned since listed (a `NotFound` too)
                 continue
-            with os.fdopen(fd, "rb") as f:
-                return f.read(_bounded(limit, fd)), _generation(seq, os.fstat(fd))
         raise StoreError(f"{join_uri(self.uri, key)}: generation files keep changing")
 
     def write_if_generation(self, key: str, data: bytes, generation: int) -> int:
