@@ -87,6 +87,7 @@ def admission(
     version_lag: int,
     max_staleness: int,
     paused: bool,
+    learner_needs: float = 0.0,
 ) -> Admission:
     """Admit new episodes, or pause: the pure rule of flow control.
 
@@ -100,6 +101,11 @@ def admission(
     the episode's own generation time); a paused one resumes at `predicted <=
     max_staleness - 1` (hysteresis: no flapping at the bound). Nothing unread always
     admits: pausing then could only starve the learner, so flow control never deadlocks.
+    Nor does a learner that `learner_needs` more episodes for a step than it holds, having
+    read every shard (what it holds counts as unread here): that admits, with room for
+    what it needs beyond the episodes in flight. (An actor acts on the learner's position
+    as last read, at most `weight_poll_s` old: until it reads that the learner has what
+    it needed, it keeps admitting, at most its own concurrency more episodes.)
     The same rule in episodes: `room = (max_staleness - version_lag) *
     episodes_per_version - unread - in_flight` more could start (`predicted <
     max_staleness` exactly while it is > 0; never below 0).
@@ -114,6 +120,9 @@ def admission(
     if unread_episodes <= 0:
         return Admission(True, "learner caught up", float(lag), room)
     predicted = lag + ahead / episodes_per_version
+    if learner_needs > 0:
+        room = max(room, learner_needs - max(0.0, in_flight_episodes))
+        return Admission(True, "learner waiting for data", predicted, room)
     if paused:
         if predicted <= max_staleness - 1:
             return Admission(True, "backlog drained", predicted, room)
@@ -133,6 +142,7 @@ class LearnerFlow:
     episodes_per_s: float  # consumed, all actors, over the last seconds
     actors: int  # actor keys the learner consumed from recently (0: none yet)
     time: float  # when written (time.time())
+    needs: int = 0  # episodes a step lacks, every listed shard read (0: not waiting)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LearnerFlow:
@@ -143,6 +153,7 @@ class LearnerFlow:
             episodes_per_s=float(data.get("episodes_per_s") or 0.0),
             actors=int(data.get("actors", 0)),
             time=float(data["time"]),
+            needs=int(data.get("needs", 0)),
         )
 
 
@@ -247,6 +258,7 @@ class AdmissionGate:
                 or self.fallback_episodes_per_version,
                 max_staleness=self.max_staleness,
                 paused=not self.last.admit,
+                learner_needs=flow.needs,
             )
             got = rule(
                 unread_episodes=(committed - consumed) * actors, version_lag=flow.version - version

@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -194,12 +194,19 @@ class FlowReport:
     read by `actor/admission.py`): its version, the episodes consumed per actor
     incarnation (`Accounting`'s checkpointed counter), the episodes it consumes per
     published version over the last `window` publishes and per second of having data over
-    the last `rate_s` (a paused actor extrapolates it to guess when to read again), and how many actors it
-    consumed from in the last `active_s`. Written at most every `every_s`.
+    the last `rate_s` (a paused actor extrapolates it to guess when to read again), how
+    many actors it consumed from in the last `active_s`, and the episodes it `needs`
+    (waiting for data with every listed shard read). Written at most every `every_s`.
 
-        report = FlowReport(store)
+    `restored`: the per-incarnation counts a resumed learner's checkpoint holds. They are
+    not consumption now: counted as moving at the first write, the dead incarnations of
+    every earlier launch would pass for active actors for `active_s`, multiply each
+    actor's estimate of the backlog ahead of it and pause the fleet while the learner
+    waits for data (seen: a 50 s stall after a resume).
+
+        report = FlowReport(store, restored=counters["consumed"])
         report.published(version, consumed_total)         # at each publish
-        report.maybe_write(version, consumed, consumed_total, waited_s)   # every loop round
+        report.maybe_write(version, consumed, consumed_total, waited_s, needs)   # every round
     """
 
     def __init__(
@@ -209,6 +216,7 @@ class FlowReport:
         every_s: float | None = None,
         window: int = 4,
         active_s: float = 60.0,
+        restored: Mapping[str, int] | None = None,
     ) -> None:
         self.store = store
         # A fresher position lets paused actors resume sooner (docs/scaling.md): every
@@ -219,7 +227,8 @@ class FlowReport:
         self.every_s = every_s if every_s is not None else 0.1 if local else 1.0
         self.active_s = active_s
         self._publishes: collections.deque[tuple[int, int]] = collections.deque(maxlen=window + 1)
-        self._seen: dict[str, tuple[int, float]] = {}  # actor key -> (count, when it moved)
+        # actor key -> (count, when it moved); a restored count has not moved since
+        self._seen = {k: (n, float("-inf")) for k, n in (restored or {}).items()}
         self._written = 0.0
         # (when, consumed_total, waited_s) over about the last `rate_s`: the drain rate
         self._samples: collections.deque[tuple[float, int, float]] = collections.deque()
@@ -246,9 +255,16 @@ class FlowReport:
         return (c1 - c0) / busy if busy > 0 else 0.0
 
     def maybe_write(
-        self, version: int, consumed: dict[str, int], consumed_total: int, waited_s: float
+        self,
+        version: int,
+        consumed: dict[str, int],
+        consumed_total: int,
+        waited_s: float,
+        needs: int = 0,
     ) -> None:
-        """`waited_s`: the learner's total time waiting for data so far."""
+        """`waited_s`: the learner's total time waiting for data so far; `needs`: the
+        episodes its next step lacks with every listed shard read (0: none, or not
+        waiting), which the actors admit regardless of the backlog they estimate."""
         now = time.monotonic()
         if now - self._written < self.every_s:
             return
@@ -268,6 +284,7 @@ class FlowReport:
             "episodes_per_version": self.episodes_per_version(),
             "episodes_per_s": self.episodes_per_s(),
             "actors": active,  # 0 before any: the actors assume their configured fleet
+            "needs": needs,
             "time": time.time(),
         }
         self.store.write_bytes(RunLayout.FLOW, json.dumps(body).encode())

@@ -82,6 +82,7 @@ class Learner:
         self.stop_reason = ""
         self.flow = flow_from_config(cfg)
         self.flow_report: FlowReport | None = None  # once started: through the run's fence
+        self._needs = 0  # episodes a step still lacks that no shard listed so far holds
         self.watch = Stopwatch()
 
     def request_stop(self, reason: str) -> None:
@@ -103,11 +104,11 @@ class Learner:
             on_replaced=lambda _why: self.request_stop("run replaced"),
         )
         try:
-            # The actors' flow control reads it (actor/admission.py); sync mode waits anyway.
-            if self.cfg.actor.flow_control and self.cfg.mode == "async":
-                self.flow_report = FlowReport(p.writes)
             self.step, self.version, self._last_checkpoint = p.step, p.version, p.last_checkpoint
             self.acct = Accounting(p.source, counters=p.counters)
+            # The actors' flow control reads it (actor/admission.py); sync mode waits anyway.
+            if self.cfg.actor.flow_control and self.cfg.mode == "async":
+                self.flow_report = FlowReport(p.writes, restored=self.acct.counters["consumed"])
             self.batcher = Batcher(p.source, self.flow, self.acct, self.cfg.learner)
             self.watch.reset()
             try:
@@ -154,6 +155,7 @@ class Learner:
                 self._report_flow()
                 with self.watch.timed("wait"):
                     got = self.batcher.next_batch(self.version)
+                self._needs = self._episodes_needed(got)
                 if inflight is not None:
                     done, inflight = inflight, None  # a failed completion is never redone
                     self._complete(*done)
@@ -237,6 +239,14 @@ class Learner:
         c = self.acct.counters
         return c["trained_episodes"] + sum(c["dropped"].values())
 
+    def _episodes_needed(self, got: Any) -> int:
+        """Without a batch, having read every shard listed: the episodes a step still
+        lacks. The actors' flow control admits while it is > 0, or actors paused on the
+        learner's buffer and a learner waiting for more would wait for each other."""
+        if got is not None or not self.parts.source.caught_up:
+            return 0
+        return max(0, self.cfg.learner.min_episodes_per_step - self.batcher.buffered)
+
     def _report_flow(self) -> None:
         if self.flow_report is None:
             return
@@ -246,6 +256,7 @@ class Learner:
                 self.acct.counters["consumed"],
                 self._consumed_total(),
                 waited_s=self.watch.totals.get("wait", 0.0),
+                needs=self._needs,
             )
         except StoreError as err:
             log.warning("flow report not written: %s", err)

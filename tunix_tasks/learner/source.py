@@ -140,6 +140,7 @@ class EpisodeSource:
         self._deleter: ThreadPoolExecutor | None = None  # finishes its deletes on close()
         self.quarantined: list[dict[str, str]] = []
         self.backlog_shards = 0
+        self.unread_shards = 0  # listed, not yet handed out
 
     @classmethod
     def from_config(
@@ -230,6 +231,7 @@ class EpisodeSource:
         if keys is None:
             keys = self.position.swept(self._list_shards(), self._emitted)
         self.backlog_shards = len(keys) + len(self._emitted)  # not done: unread + in flight
+        self.unread_shards = len(keys)
         return keys
 
     def poll(self, max_shards: int = 16) -> list[EpisodeBlock]:
@@ -394,6 +396,12 @@ class PrefetchingSource:
     @property
     def backlog_shards(self) -> int:
         return self.source.backlog_shards
+
+    @property
+    def caught_up(self) -> bool:
+        """Every shard listed so far is read and drained: what more the learner needs
+        must still be written."""
+        return self.source.unread_shards == 0 and self._queue.empty()
 
     def poll_once(self) -> int:
         with self._lock:

@@ -12,6 +12,7 @@ import pytest
 from tunix_tasks.actor.admission import (
     CONFIRM_S,
     FLOW_MAX_AGE_S,
+    Admission,
     AdmissionGate,
     admission,
 )
@@ -25,7 +26,7 @@ from tunix_tasks.storage.layout import RunLayout
 from tunix_tasks.storage.store import open_store
 
 
-def _decide(unread: float, lag: int = 0, *, paused: bool = False, bound: int = 4):
+def _decide(unread: float, lag: int = 0, *, paused: bool = False, bound: int = 4, needs=0):
     return admission(
         unread_episodes=unread - 5,
         in_flight_episodes=5,
@@ -33,6 +34,7 @@ def _decide(unread: float, lag: int = 0, *, paused: bool = False, bound: int = 4
         version_lag=lag,
         max_staleness=bound,
         paused=paused,
+        learner_needs=needs,
     )
 
 
@@ -48,6 +50,12 @@ def test_admission_rule_and_its_hysteresis():
     assert _decide(5, lag=9, paused=True, bound=0).reason == "learner caught up"
     assert not _decide(6, bound=0).admit
     assert _decide(-5).admit  # a restarted learner re-reads: counts may cross
+    # Unread episodes the learner holds but cannot train without more (its `needs`):
+    # waiting for each other would be a deadlock. Room for what it lacks beyond the 5
+    # in flight (the backlog's own room is none at lag 9).
+    got = _decide(35, lag=9, paused=True, needs=8)
+    assert (got.admit, got.reason, got.room) == (True, "learner waiting for data", 3.0)
+    assert _decide(35, lag=9, paused=True, needs=2).room == 0.0  # in flight covers it
 
 
 @pytest.mark.parametrize(
@@ -272,3 +280,36 @@ def test_endpoint_refuses_new_groups_while_paused_but_completes_started_ones():
         registry.open(group="h", group_size=2)
     assert (err.value.status, err.value.body["error"]["code"]) == (429, "flow_control_paused")
     assert "backlog would be stale" in str(err.value)
+
+
+def test_a_resumed_learner_counts_only_the_actors_that_consume_again(tmp_path):
+    """The counts a resumed learner's checkpoint holds (every earlier launch's actor
+    incarnations) are not actors now: counted as active, eight dead keys for two live
+    actors made each actor take the backlog ahead of it for four times what it was and
+    pause while the learner waited for data (a 50 s stall after each resume)."""
+    dead = {f"actor-{i % 2}/launch{i // 2}": 8 for i in range(8)}
+    store = open_store(f"file://{tmp_path}/run")
+    report = FlowReport(store, every_s=0.0, restored=dead)
+    report.maybe_write(5, dict(dead), 64, waited_s=0.0)
+    body = json.loads(store.read_bytes(RunLayout.FLOW))
+    assert body["actors"] == 0  # none yet: the actors assume their configured fleet
+    live = {**dead, "actor-0/launch4": 4, "actor-1/launch4": 4}
+    report.maybe_write(5, live, 72, waited_s=0.0)
+    assert json.loads(store.read_bytes(RunLayout.FLOW))["actors"] == 2
+    dead["actor-0/launch3"] += 1  # an old incarnation's late shard is consumption again
+    report.maybe_write(5, {**live, **dead}, 73, waited_s=0.0)
+    assert json.loads(store.read_bytes(RunLayout.FLOW))["actors"] == 3
+
+    # What the gate of a live actor with one shard unread decides from each: the dead
+    # keys' count paused it at the bound (4); the live count leaves it room.
+    def decide(actors: int) -> Admission:
+        flow = {"version": 5, "consumed": {}, "actors": actors, "time": time.time()}
+        flow |= {"episodes_per_version": 8.0, "episodes_per_s": 10.0}
+        store.write_bytes(RunLayout.FLOW, json.dumps(flow).encode())
+        gate = AdmissionGate(
+            store, actor_key="actor-0/launch4", max_staleness=4, fallback_episodes_per_version=8
+        )
+        gate.poll()
+        return gate.decide(version=5, committed=8, in_flight=0)
+
+    assert not decide(actors=8).admit and decide(actors=2).admit

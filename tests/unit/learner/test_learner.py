@@ -41,7 +41,7 @@ from tunix_tasks.storage.lease import LeaseHeldError, LeaseLost
 from tunix_tasks.storage.metrics import read_metrics
 from tunix_tasks.storage.runs import read_config, run_id
 from tunix_tasks.storage.shards import RUN_ID_KEY, episodes_to_table, table_to_parquet_bytes
-from tunix_tasks.storage.store import ObjectStore, PreconditionFailed, open_store
+from tunix_tasks.storage.store import NotFound, ObjectStore, PreconditionFailed, open_store
 from tunix_tasks.storage.weights import PublishConflict, WeightsPublisher, read_latest
 from tunix_tasks.testing.shard_factory import make_episode
 
@@ -413,3 +413,27 @@ def test_a_failed_checkpoint_stops_the_learner_without_training_a_step_twice(tmp
         learner.run()
     assert learner.step == 2
     assert [r["step"] for r in step_records(store)] == [1, 2]
+
+
+def test_a_learner_waiting_with_every_shard_read_tells_the_actors_what_it_needs(tmp_path):
+    """The actors pause on episodes the learner has read but not trained; a learner that
+    holds fewer than a step's worth and has read every shard says how many it lacks
+    (`needs` in learner/flow.json), which the actors admit whatever the backlog: else
+    each would wait for the other (seen after a resume: 50 s without a step)."""
+    uri = prepare_tiny_run(str(tmp_path), max_steps=2, data_timeout_s=30)
+    store = open_store(uri)
+    rng = np.random.default_rng(5)
+    write_shards(store, [make_episodes(rng, PER_STEP + 5)])
+    thread, box = _run_in_thread(learner_of(uri))
+
+    def flow() -> dict:
+        try:
+            return json.loads(store.read_bytes(RunLayout.FLOW))
+        except NotFound:  # not written yet
+            return {}
+
+    _wait_for(lambda: flow().get("needs") == PER_STEP - 5, 60, "the learner's needs")
+    assert flow()["consumed_total"] == PER_STEP  # after the first step
+    write_shards(store, [make_episodes(rng, PER_STEP - 5)])
+    thread.join(60)
+    assert box["summary"]["steps"] == 2, box
