@@ -233,6 +233,15 @@ def _recompute_logprobs(
     cfg: RunConfig, flat, episodes: list[Episode]
 ) -> tuple[np.ndarray, np.ndarray]:
     """(recorded, recomputed) log-probs of every policy token of `episodes`."""
+    pairs = _episode_logprobs(cfg, flat, episodes)
+    return np.concatenate([r for r, _ in pairs]), np.concatenate([f for _, f in pairs])
+
+
+def _episode_logprobs(
+    cfg: RunConfig, flat, episodes: list[Episode]
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per episode, (recorded, recomputed) log-probs of its policy tokens: one model and
+    one batched forward for all of them."""
     _, model = build_policy(cfg.model, seed=999)
     load_flat_params(model, flat)
     width = cfg.actor.max_episode_tokens
@@ -244,13 +253,12 @@ def _recompute_logprobs(
     lp = np.asarray(
         token_logprobs(logits, jnp.asarray(tokens), cfg.actor.temperature, cfg.actor.top_k)
     )
-    recorded, fresh = [], []
+    pairs = []
     for i, ep in enumerate(episodes):
         where = np.nonzero(ep.loss_mask)[0]
         assert where.size == 0 or where[0] > 0  # BOS is never a policy token
-        recorded.append(ep.behavior_logprobs[where])
-        fresh.append(lp[i, where - 1])  # lp[t-1] scores token t
-    return np.concatenate(recorded), np.concatenate(fresh)
+        pairs.append((ep.behavior_logprobs[where], lp[i, where - 1]))  # lp[t-1] scores t
+    return pairs
 
 
 # ---------------------------------------------------------------- tests

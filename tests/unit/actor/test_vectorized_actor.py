@@ -18,6 +18,7 @@ from tests.runs import read_ledger_ids
 from tests.unit.actor.test_actor import (
     LOGPROB_ATOL,
     _created_again_under,
+    _episode_logprobs,
     _peaky,
     _publish,
     _read_episodes,
@@ -164,9 +165,8 @@ def test_reload_mid_episode_keeps_every_logprob_exact(tmp_path):
 
     episodes = _read_episodes(store)
     straddling = 0
-    for e in episodes:
-        rec0, fresh0 = _recompute_logprobs(cfg, v0, [e])
-        rec1, fresh1 = _recompute_logprobs(cfg, v1, [e])
+    under_v0, under_v1 = (_episode_logprobs(cfg, v, episodes) for v in (v0, v1))
+    for e, (rec0, fresh0), (rec1, fresh1) in zip(episodes, under_v0, under_v1, strict=True):
         under0 = np.abs(rec0 - fresh0) <= LOGPROB_ATOL
         under1 = np.abs(rec1 - fresh1) <= LOGPROB_ATOL
         assert np.all(under0 | under1), e.episode_id
