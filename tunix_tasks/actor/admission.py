@@ -44,7 +44,7 @@ from tunix_tasks.storage.store import NotFound, ObjectStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Admission", "AdmissionGate", "LearnerFlow", "admission"]
+__all__ = ["LEARNER_WAITING", "Admission", "AdmissionGate", "LearnerFlow", "admission"]
 
 #: A flow object older than this says nothing about the learner now (stopped, restarting):
 #: the gate then admits, as without flow control.
@@ -65,6 +65,8 @@ CONFIRM_S = 0.2
 CONFIRM_MAX_S = 2.0
 #: `stop_reason` of an actor that left because it was parked (`leave_when_parked`).
 LEFT_PARKED = "parked by the autopilot"
+#: The reason of an admission only because the learner waits for data (its `needs`).
+LEARNER_WAITING = "learner waiting for data"
 
 
 @dataclass(frozen=True)
@@ -101,11 +103,12 @@ def admission(
     the episode's own generation time); a paused one resumes at `predicted <=
     max_staleness - 1` (hysteresis: no flapping at the bound). Nothing unread always
     admits: pausing then could only starve the learner, so flow control never deadlocks.
-    Nor does a learner that `learner_needs` more episodes for a step than it holds, having
-    read every shard (what it holds counts as unread here): that admits, with room for
-    what it needs beyond the episodes in flight. (An actor acts on the learner's position
-    as last read, at most `weight_poll_s` old: until it reads that the learner has what
-    it needed, it keeps admitting, at most its own concurrency more episodes.)
+    So does a learner that `learner_needs` more episodes for a step, having read every
+    shard (what it holds counts as unread here, so the actors would wait for the learner
+    and the learner for them), while the actor's weights are within the bound: room for
+    what it needs beyond the episodes in flight. (`AdmissionGate` counts what the actor
+    committed since it read the need against it: a need read before a long learner stall
+    admits at most the need and the actor's own concurrency more.)
     The same rule in episodes: `room = (max_staleness - version_lag) *
     episodes_per_version - unread - in_flight` more could start (`predicted <
     max_staleness` exactly while it is > 0; never below 0).
@@ -120,9 +123,9 @@ def admission(
     if unread_episodes <= 0:
         return Admission(True, "learner caught up", float(lag), room)
     predicted = lag + ahead / episodes_per_version
-    if learner_needs > 0:
+    if learner_needs > 0 and lag <= max_staleness:
         room = max(room, learner_needs - max(0.0, in_flight_episodes))
-        return Admission(True, "learner waiting for data", predicted, room)
+        return Admission(True, LEARNER_WAITING, predicted, room)
     if paused:
         if predicted <= max_staleness - 1:
             return Admission(True, "backlog drained", predicted, room)
@@ -198,6 +201,8 @@ class AdmissionGate:
         self.pauses = 0  # admit -> pause transitions
         self._paused_since: float | None = None
         self._polled_at = float("-inf")  # time.monotonic() of the last `poll`
+        # (flow.time, `committed` then) of the learner's need as first decided on
+        self._need_read: tuple[float, int] = (float("nan"), 0)
 
     def poll(self) -> None:
         """Read the learner's flow object (absent: nothing changes), and with parking
@@ -258,7 +263,7 @@ class AdmissionGate:
                 or self.fallback_episodes_per_version,
                 max_staleness=self.max_staleness,
                 paused=not self.last.admit,
-                learner_needs=flow.needs,
+                learner_needs=self._needs_left(flow, committed, actors) * actors,
             )
             got = rule(
                 unread_episodes=(committed - consumed) * actors, version_lag=flow.version - version
@@ -276,6 +281,15 @@ class AdmissionGate:
         self._account(got.admit)
         self.last = got
         return got
+
+    def _needs_left(self, flow: LearnerFlow, committed: int, actors: int) -> float:
+        """This actor's share of the learner's need, less what it committed since it
+        first decided on that position (on its way to the learner, unread by it then)."""
+        if flow.needs <= 0:
+            return 0.0
+        if self._need_read[0] != flow.time:
+            self._need_read = (flow.time, committed)
+        return flow.needs / actors - (committed - self._need_read[1])
 
     def _account(self, admit: bool) -> None:
         now = time.monotonic()

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from tunix_tasks.actor.admission import CONFIRM_S, LEFT_PARKED, AdmissionGate
+from tunix_tasks.actor.admission import CONFIRM_S, LEARNER_WAITING, LEFT_PARKED, AdmissionGate
 from tunix_tasks.actor.engine import RolloutEngine
 from tunix_tasks.actor.episodes import EpisodeBuilder
 from tunix_tasks.config import RunConfig
@@ -367,11 +367,16 @@ class ActorRuntime:
         if self._leave_when_parked and parked and in_flight == 0:
             self.request_stop(LEFT_PARKED)
 
-    def _flush_while_paused(self) -> None:
-        """Paused by flow control, commit a partial shard now, not `shard_interval_s`
-        later: nothing more is coming for a while, and the learner must read these
-        episodes before they go stale."""
-        if self.gate is not None and not self.gate.last.admit and self.writer.pending:
+    def _flush_early(self) -> None:
+        """Paused by flow control, or admitted only because the learner waits for data,
+        commit a partial shard now, not `shard_interval_s` later: paused, nothing more is
+        coming for a while and the learner must read these episodes before they go stale;
+        waited on, the learner needs them now."""
+        gate = self.gate
+        waited_on = gate is not None and (
+            not gate.last.admit or gate.last.reason == LEARNER_WAITING
+        )
+        if waited_on and self.writer.pending:
             self._outage.tolerate("shard commit", self._locked, self.writer.flush)
 
     # -- records -------------------------------------------------------------------
@@ -389,6 +394,7 @@ class ActorRuntime:
             self._locked(self.writer.add_group, episodes)
         except StoreError as err:  # still buffered: committed with the next flush that works
             self._outage.call("shard commit", self._locked, self.writer.flush, failed=err)
+        self._flush_early()
 
     def _locked(self, fn, *args):
         with self._writer_lock:

@@ -241,11 +241,12 @@ class Learner:
 
     def _episodes_needed(self, got: Any) -> int:
         """Without a batch, having read every shard listed: the episodes a step still
-        lacks. The actors' flow control admits while it is > 0, or actors paused on the
+        lacks, at least 1 (a buffer past `min_episodes_per_step` may not fill a batch's
+        rows). The actors' flow control admits while it is > 0, or actors paused on the
         learner's buffer and a learner waiting for more would wait for each other."""
         if got is not None or not self.parts.source.caught_up:
             return 0
-        return max(0, self.cfg.learner.min_episodes_per_step - self.batcher.buffered)
+        return max(1, self.cfg.learner.min_episodes_per_step - self.batcher.buffered)
 
     def _report_flow(self) -> None:
         if self.flow_report is None:

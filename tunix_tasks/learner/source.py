@@ -140,7 +140,7 @@ class EpisodeSource:
         self._deleter: ThreadPoolExecutor | None = None  # finishes its deletes on close()
         self.quarantined: list[dict[str, str]] = []
         self.backlog_shards = 0
-        self.unread_shards = 0  # listed, not yet handed out
+        self.unread_shards: int | None = None  # listed, not yet handed out (None: unlisted)
 
     @classmethod
     def from_config(
@@ -401,7 +401,7 @@ class PrefetchingSource:
     def caught_up(self) -> bool:
         """Every shard listed so far is read and drained: what more the learner needs
         must still be written."""
-        return self.source.unread_shards == 0 and self._queue.empty()
+        return self.source.unread_shards == 0 and self._queue.empty()  # None: not listed yet
 
     def poll_once(self) -> int:
         with self._lock:

@@ -12,6 +12,7 @@ import pytest
 from tunix_tasks.actor.admission import (
     CONFIRM_S,
     FLOW_MAX_AGE_S,
+    LEARNER_WAITING,
     Admission,
     AdmissionGate,
     admission,
@@ -52,10 +53,11 @@ def test_admission_rule_and_its_hysteresis():
     assert _decide(-5).admit  # a restarted learner re-reads: counts may cross
     # Unread episodes the learner holds but cannot train without more (its `needs`):
     # waiting for each other would be a deadlock. Room for what it lacks beyond the 5
-    # in flight (the backlog's own room is none at lag 9).
-    got = _decide(35, lag=9, paused=True, needs=8)
-    assert (got.admit, got.reason, got.room) == (True, "learner waiting for data", 3.0)
-    assert _decide(35, lag=9, paused=True, needs=2).room == 0.0  # in flight covers it
+    # in flight (at 2 + 35 / 10 versions the backlog's own room is none).
+    got = _decide(35, lag=2, paused=True, needs=8)
+    assert (got.admit, got.reason, got.room) == (True, LEARNER_WAITING, 3.0)
+    assert _decide(35, lag=2, paused=True, needs=2).room == 0.0  # in flight covers it
+    assert not _decide(35, lag=5, paused=True, needs=8).admit  # its weights: past the bound
 
 
 @pytest.mark.parametrize(
@@ -313,3 +315,25 @@ def test_a_resumed_learner_counts_only_the_actors_that_consume_again(tmp_path):
         return gate.decide(version=5, committed=8, in_flight=0)
 
     assert not decide(actors=8).admit and decide(actors=2).admit
+
+
+def test_a_need_read_once_admits_only_what_it_asked_for(tmp_path):
+    """The learner's `needs` as read: the actor counts what it commits after the read
+    against its share, so a position that goes stale (a learner compiling, checkpointing,
+    writing at most every second on GCS) does not admit without bound."""
+    store = open_store(f"file://{tmp_path}/run")
+    flow = {"version": 5, "consumed": {"actor-0/x": 8}, "actors": 2, "time": time.time()}
+    flow |= {"episodes_per_version": 8.0, "episodes_per_s": 10.0, "needs": 8}
+    store.write_bytes(RunLayout.FLOW, json.dumps(flow).encode())
+    gate = AdmissionGate(
+        store, actor_key="actor-0/x", max_staleness=2, fallback_episodes_per_version=8
+    )
+    gate.poll()
+    got = gate.decide(version=5, committed=24, in_flight=4)  # 2 x 16 unread: 5 versions
+    assert (got.admit, got.reason) == (True, LEARNER_WAITING)
+    assert gate.decide(version=5, committed=27, in_flight=0).admit  # 3 of its share of 4
+    assert not gate.decide(version=5, committed=28, in_flight=0).admit  # its share is in
+    # The learner writes again, still lacking 8: a new need.
+    store.write_bytes(RunLayout.FLOW, json.dumps({**flow, "time": time.time() + 1}).encode())
+    gate.poll()
+    assert gate.decide(version=5, committed=28, in_flight=0).reason == LEARNER_WAITING

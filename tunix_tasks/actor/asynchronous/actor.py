@@ -204,7 +204,7 @@ class Actor(ActorRuntime):
             self._leave_if_parked(self._playing * g)
             await asyncio.to_thread(self._maybe_reload)  # also reads the learner's position
             if self.writer.pending:
-                await asyncio.to_thread(self._flush_while_paused)
+                await asyncio.to_thread(self._flush_early)
             await asyncio.sleep(PAUSED_RECHECK_S)
 
     async def _group_loop(self, slot: int) -> None:

@@ -92,7 +92,7 @@ class VectorizedActor(ActorRuntime):
                     launched = self.engine.launch(self.segment_steps, budget=budget)
                 if pending is not None:
                     live = self._collect(*self.engine.fetch(pending))
-                self._flush_while_paused()
+                self._flush_early()
                 pending = launched
                 if pending is None:
                     self._leave_if_parked(live + sum(len(m) for m in self._groups.values()))
