@@ -263,7 +263,7 @@ class AdmissionGate:
                 or self.fallback_episodes_per_version,
                 max_staleness=self.max_staleness,
                 paused=not self.last.admit,
-                learner_needs=self._needs_left(flow, committed, actors) * actors,
+                learner_needs=self._needs_left(flow, committed, actors),
             )
             got = rule(
                 unread_episodes=(committed - consumed) * actors, version_lag=flow.version - version
@@ -283,13 +283,14 @@ class AdmissionGate:
         return got
 
     def _needs_left(self, flow: LearnerFlow, committed: int, actors: int) -> float:
-        """This actor's share of the learner's need, less what it committed since it
-        first decided on that position (on its way to the learner, unread by it then)."""
+        """The learner's need less what this actor committed since it first decided on
+        that position (on its way to the learner, unread by it then), times the fleet:
+        in the rule's units, as its unread backlog."""
         if flow.needs <= 0:
             return 0.0
         if self._need_read[0] != flow.time:
             self._need_read = (flow.time, committed)
-        return flow.needs / actors - (committed - self._need_read[1])
+        return flow.needs - (committed - self._need_read[1]) * actors
 
     def _account(self, admit: bool) -> None:
         now = time.monotonic()
