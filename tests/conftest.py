@@ -16,7 +16,9 @@ removed after it, so no run depends on an earlier one.
 
 Garbage-collection pauses over `GC_PAUSE_S` are recorded with the test that paid them and
 listed at the end of the run: a test with a tight wall-clock margin that failed once on CI
-may have met one (a full collection walks this long-lived process's whole heap).
+may have met one (a full collection walks this long-lived process's whole heap). They
+travel in each test's report (`user_properties`), so with `-n` (pytest-xdist, as `make
+test` runs) the controller lists the workers' pauses.
 """
 
 from __future__ import annotations
@@ -68,15 +70,32 @@ def _time_collections(phase: str, info: dict) -> None:
 gc.callbacks.append(_time_collections)
 
 
+_reported_pauses: list[tuple[float, int, str]] = []  # every process's, where reports arrive
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item):
+    report = (yield).get_result()
+    if report.when == "teardown" and _gc_pauses:  # with those since the last test's end
+        report.user_properties.append(("gc_pauses", [list(p) for p in _gc_pauses]))
+        _gc_pauses.clear()
+
+
+def pytest_runtest_logreport(report) -> None:
+    _reported_pauses.extend(
+        tuple(p) for k, v in report.user_properties if k == "gc_pauses" for p in v
+    )
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
-    if not _gc_pauses:
+    if not _reported_pauses:
         return
-    total = sum(p for p, _, _ in _gc_pauses)
+    total, count = sum(p for p, _, _ in _reported_pauses), len(_reported_pauses)
     terminalreporter.write_line(
-        f"garbage-collection pauses over {GC_PAUSE_S} s: {len(_gc_pauses)}, {total:.1f} s in all; "
+        f"garbage-collection pauses over {GC_PAUSE_S} s: {count}, {total:.1f} s in all; "
         "the longest:"
     )
-    for took, generation, test in sorted(_gc_pauses, reverse=True)[:5]:
+    for took, generation, test in sorted(_reported_pauses, reverse=True)[:5]:
         terminalreporter.write_line(f"  {took:.2f} s (generation {generation}) in {test}")
 
 
