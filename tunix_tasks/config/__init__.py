@@ -25,6 +25,7 @@ A new section: a `Frozen` model in its own module, a field of `RunConfig` (run.p
 its rules as validators there; the CLI, the DAG form and the docs read the schema.
 """
 
+from tunix_tasks.config.autopilot import MAX_ACTORS
 from tunix_tasks.config.base import ConfigError, ConfigWarning, Frozen
 from tunix_tasks.config.env import (
     EnvConfig,
@@ -41,6 +42,7 @@ from tunix_tasks.config.run import ActorConfig, LearnerConfig, MeshConfig, RunCo
 __all__ = [
     "BUILTIN_CORRECTIONS",
     "CHECKPOINT_MAX_SEQ_LEN",
+    "MAX_ACTORS",
     "MODEL_PRESETS",
     "RESUMABLE",
     "ActorConfig",

@@ -12,7 +12,10 @@ from pydantic import Field, model_validator
 
 from tunix_tasks.config.base import Float, Frozen, Int
 
-__all__ = ["AutopilotConfig"]
+__all__ = ["MAX_ACTORS", "AutopilotConfig"]
+
+#: The largest fleet a run may ask for (`actor.num_actors`, the autopilot's bounds).
+MAX_ACTORS = 1024
 
 
 class AutopilotConfig(Frozen):
@@ -27,11 +30,11 @@ class AutopilotConfig(Frozen):
         "actors for the whole run; unset (the default): on where it is safe, in async mode "
         "with flow control on",
     )
-    min_actors: Int = Field(1, ge=1, le=1024, description="the fewest actors it runs")
+    min_actors: Int = Field(1, ge=1, le=MAX_ACTORS, description="the fewest actors it runs")
     max_actors: Int | None = Field(
         None,
         ge=1,
-        le=1024,
+        le=MAX_ACTORS,
         description="the most actors it runs: the fleet's cost ceiling (processes, cores); "
         "unset: actor.num_actors, so the fleet never grows past what the run asks for, "
         "only parks or stops the actors the learner does not need",

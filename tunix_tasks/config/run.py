@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from tunix_tasks.config.agent import AgentConfig
-from tunix_tasks.config.autopilot import AutopilotConfig
+from tunix_tasks.config.autopilot import MAX_ACTORS, AutopilotConfig
 from tunix_tasks.config.base import Float, FloatOrNone, Frozen, Int
 from tunix_tasks.config.env import EnvConfig, known_vec_env_names
 from tunix_tasks.config.model import ModelConfig
@@ -42,7 +42,7 @@ class ActorConfig(Frozen):
         "agent program (actor.agent.program) against an OpenAI-compatible endpoint over "
         "the batched sampler (docs/agents.md)",
     )
-    num_actors: Int = Field(2, ge=1, le=1024, description="actor processes")
+    num_actors: Int = Field(2, ge=1, le=MAX_ACTORS, description="actor processes")
     envs_per_actor: Int = Field(
         8, ge=1, le=4096, description="environments each actor steps concurrently"
     )

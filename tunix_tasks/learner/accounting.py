@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 from numpy.typing import ArrayLike
 
+from tunix_tasks.config import MAX_ACTORS
 from tunix_tasks.episode import DropReason, Episode
 from tunix_tasks.learner import drop_bias
 from tunix_tasks.storage.layout import RunLayout
@@ -37,8 +38,11 @@ from tunix_tasks.untrusted import json_loads
 if TYPE_CHECKING:
     from tunix_tasks.learner.blocks import EpisodeBlock
 
-#: Actor incarnations whose consumed episodes the counters keep (the most recent).
-CONSUMED_KEYS = 256
+#: Actor incarnations whose consumed episodes the counters keep (the most recently
+#: active). Twice the largest fleet: every live actor keeps its count (an evicted one would
+#: take every episode it ever committed for unread, and flow control would pause it for
+#: good), with room for as many dead incarnations (restarts) before the oldest go.
+CONSUMED_KEYS = 2 * MAX_ACTORS
 
 
 def actor_key(episode: Episode) -> str:
@@ -84,8 +88,9 @@ class Accounting:
             key = group_actor(group_id)
             if key:
                 consumed[key] = consumed.pop(key, 0) + 1  # re-inserted: newest last
-        for old in list(consumed)[: max(0, len(consumed) - CONSUMED_KEYS)]:
-            del consumed[old]
+        if len(consumed) > CONSUMED_KEYS:
+            for old in list(consumed)[: len(consumed) - CONSUMED_KEYS]:
+                del consumed[old]
 
     def _observe(self, side: str, lengths: ArrayLike, turns: ArrayLike, rewards: ArrayLike) -> None:
         bias = self.counters["drop_bias"]

@@ -20,6 +20,7 @@ from tunix_tasks.actor.admission import (
 from tunix_tasks.actor.endpoint.episodes import EpisodeRegistry
 from tunix_tasks.actor.endpoint.wire import ApiError
 from tunix_tasks.actor.episodes import EpisodeBuilder
+from tunix_tasks.config import MAX_ACTORS
 from tunix_tasks.episode import DropReason, Episode
 from tunix_tasks.learner.accounting import CONSUMED_KEYS, Accounting, actor_key
 from tunix_tasks.learner.flow import FlowReport
@@ -263,6 +264,24 @@ def test_learner_counts_consumption_per_actor_and_reports_it(tmp_path):
     assert between >= 0.2
     assert body["episodes_per_s"] == pytest.approx(50 / (between - 0.1))
     assert body["version"] == 3 and body["consumed"]["actor-1/def"] == 20
+
+
+def test_the_largest_fleet_keeps_every_live_actors_count():
+    """Every actor of the largest fleet keeps its consumed count beside as many dead
+    incarnations. With 256 kept, an actor of a bigger fleet was evicted, took every
+    episode it had committed for unread and paused for good."""
+    acct = Accounting(_Acks())
+    dead = [f"actor-{i}/old" for i in range(MAX_ACTORS)]  # an earlier launch's
+    live = [f"actor-{i}/new" for i in range(MAX_ACTORS)]
+    for key in dead:
+        acct.drop(_ep(f"{key}/0"), DropReason.STALE)
+    for group in range(3):
+        for key in live:
+            acct.drop(_ep(f"{key}/{group}"), DropReason.STALE)
+    consumed = acct.counters["consumed"]
+    assert [consumed.get(k) for k in live] == [3] * MAX_ACTORS
+    acct.drop(_ep("actor-0/restarted/0"), DropReason.STALE)  # one more: the oldest goes
+    assert dead[0] not in consumed and dead[1] in consumed and len(consumed) == CONSUMED_KEYS
 
 
 def test_endpoint_refuses_new_groups_while_paused_but_completes_started_ones():
