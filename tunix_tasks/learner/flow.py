@@ -195,7 +195,8 @@ class FlowReport:
     incarnation (`Accounting`'s checkpointed counter), the episodes it consumes per
     published version over the last `window` publishes and per second of having data over
     the last `rate_s` (a paused actor extrapolates it to guess when to read again), how
-    many actors it consumed from in the last `active_s`, and the episodes it `needs`
+    many actors (ids: an actor's incarnations count once) it consumed from in the last
+    `active_s`, and the episodes it `needs`
     (waiting for data with every listed shard read). Written at most every `every_s`.
 
     `restored`: the per-incarnation counts a resumed learner's checkpoint holds. They are
@@ -276,7 +277,11 @@ class FlowReport:
             if self._seen.get(key, (None, 0.0))[0] != n:
                 self._seen[key] = (n, now)
         self._seen = {k: v for k, v in self._seen.items() if k in consumed}
-        active = sum(now - t <= self.active_s for _, t in self._seen.values())
+        # Actor ids, not incarnations: a restarted actor's previous life moved recently too
+        # (its last shards), and counted twice it inflated every actor's backlog estimate.
+        active = len(
+            {k.rpartition("/")[0] for k, (_, t) in self._seen.items() if now - t <= self.active_s}
+        )
         body = {
             "version": version,
             "consumed": consumed,

@@ -317,8 +317,12 @@ def test_a_resumed_learner_counts_only_the_actors_that_consume_again(tmp_path):
     live = {**dead, "actor-0/launch4": 4, "actor-1/launch4": 4}
     report.maybe_write(5, live, 72, waited_s=0.0)
     assert json.loads(store.read_bytes(RunLayout.FLOW))["actors"] == 2
-    dead["actor-0/launch3"] += 1  # an old incarnation's late shard is consumption again
+    # An old incarnation's late shard (or a restarted actor's previous life) moves again:
+    # still actor 0. Another actor id is another actor.
+    dead["actor-0/launch3"] += 1
     report.maybe_write(5, {**live, **dead}, 73, waited_s=0.0)
+    assert json.loads(store.read_bytes(RunLayout.FLOW))["actors"] == 2
+    report.maybe_write(5, {**live, **dead, "actor-2/launch4": 1}, 74, waited_s=0.0)
     assert json.loads(store.read_bytes(RunLayout.FLOW))["actors"] == 3
 
     # What the gate of a live actor with one shard unread decides from each: the dead
