@@ -24,7 +24,7 @@ VF_STAMP := .venv-verifiers/.installed
 # pytest-xdist workers of `make test` / `make test-fast`. The suite is CPU-bound (XLA
 # compiles) with one core idle half the time when run serially (a process compiling, a
 # test waiting on its subprocesses or services): 2 workers took the 2-core host from 32-36
-# to 21 min. --dist loadfile keeps each file on one worker, so a module's fixtures (the
+# to 21-26 min. --dist loadfile keeps each file on one worker, so a module's fixtures (the
 # Celery deployment of tests/airflow/test_cluster.py) start once.
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
