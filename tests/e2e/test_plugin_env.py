@@ -45,7 +45,9 @@ def _venv_with_plugin(tmp_path: Path) -> Path:
         f"import site; site.addsitedir({project_site!r})\n"
     )
     source = tmp_path / "plugin_env"  # a copy: building leaves build/ and *.egg-info
-    shutil.copytree(REPO / "examples" / "plugin_env", source)
+    # without what a test beside this one may be writing there (bytecode of a docs test)
+    ignore = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
+    shutil.copytree(REPO / "examples" / "plugin_env", source, ignore=ignore)
     out = subprocess.run(
         [str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", str(source)],
         capture_output=True,

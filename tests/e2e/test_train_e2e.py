@@ -160,6 +160,9 @@ def test_train_rides_out_a_store_outage(tmp_path, monkeypatch):
     # Four times shorter than the outage; not shorter, so a slow answer on a loaded machine
     # is not taken for an outage (a failed ledger write would stop the learner).
     monkeypatch.setenv(RETRY_DEADLINE_ENV, "5")  # inherited by the launcher's children
+    # A gs:// run's process logs go to $XDG_CACHE_HOME/tunix-tasks/logs/<run_name>/,
+    # appended to: this test's own, not an earlier session's under ~/.cache.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     with OutageGcs() as gcs:
         store_uri = gcs.new_bucket_uri("runs")
         run_uri = f"{store_uri}/out"

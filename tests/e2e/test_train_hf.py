@@ -8,6 +8,7 @@ is every other end-to-end test's.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -39,7 +40,8 @@ def test_train_qwen3_checkpoint_end_to_end(tmp_path, gcs_server):
     cmd = [sys.executable, "-m", "tunix_tasks.frontdoor.cli", "train", "--quiet", "--json"]
     cmd += ["--config", str(REPO / "configs" / "qwen3-tiny.yaml"), "--store", store_uri]
     cmd += ["--set", f"model.checkpoint={_checkpoint_uri(store_uri)}"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # its logs: not ~/.cache
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads(out.stdout[out.stdout.index("\n{") + 1 :])
     assert summary["learner_exit_code"] == 0 and summary["actor_exit_codes"] == [0, 0]

@@ -73,10 +73,12 @@ class Child:
 def process_log_dir(run_dir: Path | None, run_name: str) -> Path:
     """Where `tunix-tasks train` writes its children's logs: with the run, in its folder
     (`<run>/logs/`), for a run on this machine (`run_dir`, the store's `local_path()`);
-    `~/.cache/tunix-tasks/logs/<run_name>/` for a remote (`gs://`) one."""
+    `$XDG_CACHE_HOME/tunix-tasks/logs/<run_name>/` (`~/.cache/...`) for a remote (`gs://`)
+    one, as the compile cache (`compile_cache.py`)."""
     if run_dir is not None:
         return run_dir / RunLayout.LOGS
-    return Path.home() / ".cache" / "tunix-tasks" / "logs" / run_name
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "tunix-tasks" / "logs" / run_name
 
 
 def spawn(name: str, args: list[str], log_dir: str, env: dict[str, str]) -> Child:

@@ -9,16 +9,22 @@ gets "connection refused", as from a GCS endpoint that cannot be reached.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 
-from tunix_tasks.testing.gcs_server import FakeGcs
+from tunix_tasks.testing.gcs_server import FakeGcs, hold_port
 
 
 class OutageGcs(FakeGcs):
     """A `FakeGcs` whose process can be stopped and restarted on the same port and data."""
 
+    _held: socket.socket | None = None
+
     def down(self) -> None:
-        """Stop the server process; its data folder stays."""
+        """Stop the server process; its data folder stays. Its port is held meanwhile
+        (connections refused), so a server started beside this test (pytest-xdist) is
+        not handed it and does not answer for it. Where the closed server's connections
+        (TIME_WAIT) keep it from being bound, they keep it from being handed out too."""
         proc, self._proc = self._proc, None
         assert proc is not None, "not running"
         proc.terminate()
@@ -27,7 +33,20 @@ class OutageGcs(FakeGcs):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        try:
+            self._held = hold_port(self.port)
+        except OSError:
+            self._held = None
 
     def up(self) -> None:
         """Start the server again on the same port and data folder."""
+        if self._held is not None:
+            self._held.close()
+            self._held = None
         self._launch()
+
+    def stop(self) -> None:
+        if self._held is not None:  # stopped while down
+            self._held.close()
+            self._held = None
+        super().stop()

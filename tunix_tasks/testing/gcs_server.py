@@ -44,6 +44,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def hold_port(port: int = 0) -> socket.socket:
+    """A socket bound to 127.0.0.1:`port` (0: any free one) that does not listen: a
+    connection there is refused, and no other process (a test running beside this one)
+    can take the port until the socket is closed. Without SO_REUSEADDR, which would let
+    another socket with it bind the port too (OSError where the port is still taken)."""
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
 class FakeGcs:
     """A fake-gcs-server process on a free port, its data in a temporary folder.
 

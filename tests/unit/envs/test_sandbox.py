@@ -531,9 +531,10 @@ def test_async_runs_do_not_block_the_loop():
         return elapsed, ticks
 
     elapsed, ticks = asyncio.run(main())
-    # 6 x 1 s one after another would take 6 s: well under that, they ran concurrently (CI's
-    # 2 loaded cores measured 2.5 s for 6 x 0.5 s); the loop kept ticking meanwhile.
-    assert elapsed < 4.5 and ticks >= 10
+    # 6 x 1 s one after another would take 6 s: under that, they ran concurrently (CI's 2
+    # loaded cores measured 2.5 s for 6 x 0.5 s; a test worker beside it loads them more);
+    # the loop kept ticking meanwhile.
+    assert elapsed < 5.5 and ticks >= 10
 
 
 def test_blocking_variant_inside_a_running_loop():

@@ -365,13 +365,14 @@ def test_corrupt_run_config_is_one_line(tmp_path):
 
 
 def test_unreachable_gcs_logs_its_retries_then_one_line():
-    from tunix_tasks.testing.gcs_server import free_port
+    from tunix_tasks.testing.gcs_server import hold_port
 
-    env = {
-        "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{free_port()}",  # nothing listens
-        "TUNIX_STORE_RETRY_DEADLINE_S": "3",
-    }
-    out = _cli_env("inspect", "gs://bucket/run/shards", env=env, timeout=60)
+    with hold_port() as closed:  # nothing listens, and nothing beside this test will
+        env = {
+            "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{closed.getsockname()[1]}",
+            "TUNIX_STORE_RETRY_DEADLINE_S": "3",
+        }
+        out = _cli_env("inspect", "gs://bucket/run/shards", env=env, timeout=60)
     last = _assert_one_line_error(out, 5, "gs://bucket/run/shards", "unreachable", "3 s")
     retries = [line for line in out.stderr.splitlines() if "retrying" in line]
     assert retries and all("gs://bucket/run" in line for line in retries), out.stderr
@@ -385,10 +386,13 @@ def test_unreachable_gcs_ends_train_within_the_connect_deadline(tmp_path):
     import socket
     import time
 
-    from tunix_tasks.testing.gcs_server import free_port
+    from tunix_tasks.testing.gcs_server import hold_port
 
-    with socket.create_server(("127.0.0.1", 0), backlog=16) as silent:  # never accepts
-        for port in (free_port(), silent.getsockname()[1]):
+    with (
+        socket.create_server(("127.0.0.1", 0), backlog=16) as silent,  # never accepts
+        hold_port() as closed,
+    ):
+        for port in (closed.getsockname()[1], silent.getsockname()[1]):
             env = {
                 "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
                 "TUNIX_STORE_CONNECT_DEADLINE_S": "2",
@@ -592,7 +596,7 @@ def test_a_finished_run_is_left_alone_until_max_steps_is_raised(monkeypatch, tmp
 def test_train_writes_process_logs_with_the_run(monkeypatch, tmp_path):
     """Issue #30.12: `train` wrote its process logs to `./runs/_logs` of the working
     directory, wherever the run lived. A local run's are in `<run>/logs/`; a gs:// run's
-    in `~/.cache/tunix-tasks/logs/<run_name>/`."""
+    in `~/.cache/tunix-tasks/logs/<run_name>/`, under `$XDG_CACHE_HOME` where set."""
     import pytest
 
     from tunix_tasks.config import load_config
@@ -615,7 +619,10 @@ def test_train_writes_process_logs_with_the_run(monkeypatch, tmp_path):
     from tunix_tasks.frontdoor.supervision import process_log_dir
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert process_log_dir(None, "r") == tmp_path / "home/.cache/tunix-tasks/logs/r"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert process_log_dir(None, "r") == tmp_path / "xdg/tunix-tasks/logs/r"
 
 
 def test_no_jax_backend_noise_on_a_cpu_run():
