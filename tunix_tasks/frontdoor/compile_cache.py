@@ -30,12 +30,19 @@ import logging
 import os
 from pathlib import Path
 
-__all__ = ["ENV", "MAX_BYTES", "cache_dir", "enable_compile_cache", "prune"]
+__all__ = ["ENV", "MAX_BYTES", "cache_dir", "enable_compile_cache", "prune", "user_cache_dir"]
 
 log = logging.getLogger(__name__)
 
 ENV = "TUNIX_COMPILE_CACHE"
 MAX_BYTES = 2 << 30
+
+
+def user_cache_dir() -> Path:
+    """This user's tunix-tasks cache folder: ``$XDG_CACHE_HOME/tunix-tasks``
+    (``~/.cache/tunix-tasks``). The compile cache's default and a gs:// run's process logs
+    (`supervision.process_log_dir`) live under it."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tunix-tasks"
 
 
 def cache_dir() -> Path | None:
@@ -50,8 +57,7 @@ def cache_dir() -> Path | None:
     given = jax.config.jax_compilation_cache_dir
     if given:
         return Path(given)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tunix-tasks" / "xla"
+    return user_cache_dir() / "xla"
 
 
 def prune(path: Path, max_bytes: int = MAX_BYTES) -> int:

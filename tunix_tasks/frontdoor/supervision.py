@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from tunix_tasks.frontdoor.compile_cache import user_cache_dir
 from tunix_tasks.storage.layout import RunLayout
 
 PR_SET_PDEATHSIG = 1
@@ -74,11 +75,10 @@ def process_log_dir(run_dir: Path | None, run_name: str) -> Path:
     """Where `tunix-tasks train` writes its children's logs: with the run, in its folder
     (`<run>/logs/`), for a run on this machine (`run_dir`, the store's `local_path()`);
     `$XDG_CACHE_HOME/tunix-tasks/logs/<run_name>/` (`~/.cache/...`) for a remote (`gs://`)
-    one, as the compile cache (`compile_cache.py`)."""
+    one (`compile_cache.user_cache_dir`)."""
     if run_dir is not None:
         return run_dir / RunLayout.LOGS
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "tunix-tasks" / "logs" / run_name
+    return user_cache_dir() / "logs" / run_name
 
 
 def spawn(name: str, args: list[str], log_dir: str, env: dict[str, str]) -> Child:

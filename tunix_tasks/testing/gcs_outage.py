@@ -40,13 +40,14 @@ class OutageGcs(FakeGcs):
 
     def up(self) -> None:
         """Start the server again on the same port and data folder."""
-        if self._held is not None:
-            self._held.close()
-            self._held = None
+        self._release()
         self._launch()
 
     def stop(self) -> None:
-        if self._held is not None:  # stopped while down
+        self._release()  # stopped while down
+        super().stop()
+
+    def _release(self) -> None:
+        if self._held is not None:
             self._held.close()
             self._held = None
-        super().stop()
